@@ -1,0 +1,1 @@
+"""Reproduction harnesses."""

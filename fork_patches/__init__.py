@@ -1,0 +1,1 @@
+"""The overlay: what we add to an installed vLLM (plugin, hooks, loader, dispatch, census)."""

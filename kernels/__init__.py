@@ -1,0 +1,1 @@
+"""QPN kernels: formats, prepack, reference, route table, CUDA sources and their bindings."""

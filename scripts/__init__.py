@@ -1,0 +1,1 @@
+"""Python entry points behind the shell scripts in this folder."""
