@@ -1,0 +1,305 @@
+"""Prepack: permute checkpoint bytes into the fragment order the QPN kernels read.
+
+Only addresses move: every code (a nibble of NVFP4, a byte of FP8) and every scale byte of the
+checkpoint appears exactly once in the packed buffer, unchanged, plus zero padding up to whole
+warp tiles (``tile_n`` rows) and k-blocks (``k_block`` inputs). ``unprepack_*`` is the exact
+inverse and ``verify_*_roundtrip`` proves it byte for byte before the loader frees a source tensor.
+
+Packed layout (see atoms.py for the per-block permutation):
+  codes:  [tiles, k_blocks, block_bytes]  flattened; block_bytes = 512 (NVFP4) / 1024 (FP8) for m8n8k4
+  scales: [tiles, k_blocks, 64]           NVFP4 only, e4m3 bytes
+Work is done in row blocks written into a preallocated output, so a 5120 x 62,080 lm_head never
+holds a second full copy of itself in any intermediate form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import formats
+from .atoms import block_maps, geometry
+
+DEFAULT_ROWS_PER_CHUNK = 2048
+
+
+class PrepackMismatch(ValueError):
+    """The inverse permutation did not give the source bytes back."""
+
+
+@dataclass
+class PackedNVFP4:
+    codes: torch.Tensor         # uint8, flat, fragment order
+    scales: torch.Tensor        # uint8 (e4m3 bytes), flat, fragment order
+    global_scale: torch.Tensor  # float32, 1 element (weight_scale_2)
+    n: int
+    k: int
+    atom: str = "m8n8k4"
+
+    fmt = "nvfp4"
+
+    @property
+    def n_pad(self) -> int:
+        t = geometry(self.atom).tile_n
+        return -(-self.n // t) * t
+
+    @property
+    def k_pad(self) -> int:
+        b = geometry(self.atom).k_block
+        return -(-self.k // b) * b
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() + 4
+
+    def to(self, device) -> "PackedNVFP4":
+        return PackedNVFP4(self.codes.to(device), self.scales.to(device),
+                           self.global_scale.to(device), self.n, self.k, self.atom)
+
+
+@dataclass
+class PackedFP8:
+    codes: torch.Tensor   # uint8 (e4m3 bytes), flat, fragment order
+    scale: torch.Tensor   # float32 [1] (per tensor) or [N] (per channel)
+    n: int
+    k: int
+    atom: str = "m8n8k4"
+
+    fmt = "fp8"
+
+    @property
+    def n_pad(self) -> int:
+        t = geometry(self.atom).tile_n
+        return -(-self.n // t) * t
+
+    @property
+    def k_pad(self) -> int:
+        b = geometry(self.atom).k_block
+        return -(-self.k // b) * b
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scale.numel() != 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * 4
+
+    def to(self, device) -> "PackedFP8":
+        return PackedFP8(self.codes.to(device), self.scale.to(device), self.n, self.k, self.atom)
+
+
+def _chunk_rows(rows_per_chunk: int, tile_n: int) -> int:
+    r = max(tile_n, (int(rows_per_chunk) // tile_n) * tile_n)
+    return r
+
+
+def _pad2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if t.shape == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _to_blocks(src: torch.Tensor, tile_n: int, block_cols: int) -> torch.Tensor:
+    """[R, C] (R, C multiples of the tile) -> [R/tile_n, C/block_cols, tile_n*block_cols]."""
+    r, c = src.shape
+    return (src.view(r // tile_n, tile_n, c // block_cols, block_cols)
+               .permute(0, 2, 1, 3).reshape(r // tile_n, c // block_cols, tile_n * block_cols))
+
+
+def _from_blocks(blk: torch.Tensor, tile_n: int, block_cols: int) -> torch.Tensor:
+    t, kb, _ = blk.shape
+    return (blk.view(t, kb, tile_n, block_cols).permute(0, 2, 1, 3)
+               .reshape(t * tile_n, kb * block_cols))
+
+
+# ------------------------------------------------------------------------------------- NVFP4
+def prepack_nvfp4(weight_u8: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
+                  atom: str = "m8n8k4", rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> PackedNVFP4:
+    """Checkpoint NVFP4 (uint8 [N, K/2], e4m3 [N, K/16], float32 scalar) -> PackedNVFP4 (same device)."""
+    n, k = formats.check_nvfp4(weight_u8, weight_scale, weight_scale_2)
+    g = geometry(atom)
+    tile, kbk = g.tile_n, g.k_block
+    gpb = kbk // formats.GROUP_SIZE
+    n_pad, k_pad = -(-n // tile) * tile, -(-k // kbk) * kbk
+    tiles, kblocks = n_pad // tile, k_pad // kbk
+    code_bytes = tile * kbk // 2
+    scale_bytes = tile * gpb
+    gather_c, _ = block_maps(atom, "nvfp4")
+    gather_s, _ = block_maps(atom, "scale")
+    dev = weight_u8.device
+    gather_c, gather_s = gather_c.to(dev), gather_s.to(dev)
+    codes_out = torch.empty(tiles * kblocks * code_bytes, dtype=torch.uint8, device=dev)
+    scales_out = torch.empty(tiles * kblocks * scale_bytes, dtype=torch.uint8, device=dev)
+    sc_src = formats.as_e4m3_bytes(weight_scale)
+    step = _chunk_rows(rows_per_chunk, tile)
+    for r0 in range(0, n_pad, step):
+        r1 = min(r0 + step, n_pad)
+        rows = r1 - r0
+        t0 = r0 // tile
+        codes = formats.unpack_nvfp4_codes(weight_u8[r0:min(r1, n)])
+        codes = _pad2d(codes, rows, k_pad)
+        blk = _to_blocks(codes, tile, kbk).index_select(2, gather_c)      # [t, kb, 1024] nibbles
+        packed = blk[..., 0::2] | (blk[..., 1::2] << 4)
+        codes_out[t0 * kblocks * code_bytes: (r1 // tile) * kblocks * code_bytes] = packed.reshape(-1)
+        sc = _pad2d(sc_src[r0:min(r1, n)], rows, k_pad // formats.GROUP_SIZE)
+        sblk = _to_blocks(sc, tile, gpb).index_select(2, gather_s)
+        scales_out[t0 * kblocks * scale_bytes: (r1 // tile) * kblocks * scale_bytes] = sblk.reshape(-1)
+    gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(1).clone().to(dev)
+    return PackedNVFP4(codes_out, scales_out, gs, n, k, atom)
+
+
+def _unprepack_nvfp4_rows(packed: PackedNVFP4, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source bytes of rows [r0, r1) (tile-aligned r0); r1 clipped to N."""
+    g = geometry(packed.atom)
+    tile, kbk = g.tile_n, g.k_block
+    gpb = kbk // formats.GROUP_SIZE
+    kblocks = packed.k_pad // kbk
+    code_bytes, scale_bytes = tile * kbk // 2, tile * gpb
+    _, scatter_c = block_maps(packed.atom, "nvfp4")
+    _, scatter_s = block_maps(packed.atom, "scale")
+    t0, t1 = r0 // tile, -(-r1 // tile)
+    raw = packed.codes[t0 * kblocks * code_bytes: t1 * kblocks * code_bytes].view(t1 - t0, kblocks, code_bytes)
+    nib = torch.empty((t1 - t0, kblocks, code_bytes * 2), dtype=torch.uint8, device=raw.device)
+    nib[..., 0::2] = raw & 0x0F
+    nib[..., 1::2] = raw >> 4
+    codes = _from_blocks(nib.index_select(2, scatter_c.to(raw.device)), tile, kbk)
+    codes = codes[: r1 - r0, : packed.k]
+    sraw = packed.scales[t0 * kblocks * scale_bytes: t1 * kblocks * scale_bytes].view(t1 - t0, kblocks, scale_bytes)
+    sc = _from_blocks(sraw.index_select(2, scatter_s.to(raw.device)), tile, gpb)
+    sc = sc[: r1 - r0, : packed.k // formats.GROUP_SIZE]
+    return formats.pack_nvfp4_codes(codes.contiguous()), sc.contiguous()
+
+
+def unprepack_nvfp4(packed: PackedNVFP4, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PackedNVFP4 -> (weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16]), byte-identical."""
+    g = geometry(packed.atom)
+    w = torch.empty((packed.n, packed.k // 2), dtype=torch.uint8, device=packed.codes.device)
+    s = torch.empty((packed.n, packed.k // formats.GROUP_SIZE), dtype=torch.uint8, device=packed.codes.device)
+    step = _chunk_rows(rows_per_chunk, g.tile_n)
+    for r0 in range(0, packed.n, step):
+        r1 = min(r0 + step, packed.n)
+        w[r0:r1], s[r0:r1] = _unprepack_nvfp4_rows(packed, r0, r1)
+    return w, s.view(torch.float8_e4m3fn)
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor):
+    neq = (a != b)
+    if not bool(neq.any()):
+        return None
+    idx = int(torch.nonzero(neq.reshape(-1))[0])
+    return idx, int(a.reshape(-1)[idx]), int(b.reshape(-1)[idx])
+
+
+def verify_nvfp4_roundtrip(packed: PackedNVFP4, weight_u8: torch.Tensor, weight_scale: torch.Tensor,
+                           rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> None:
+    """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the source."""
+    n, k = formats.check_nvfp4(weight_u8, weight_scale)
+    if (n, k) != (packed.n, packed.k):
+        raise PrepackMismatch(f"shape mismatch: packed is N={packed.n} K={packed.k}, source is N={n} K={k}")
+    sc_src = formats.as_e4m3_bytes(weight_scale)
+    g = geometry(packed.atom)
+    step = _chunk_rows(rows_per_chunk, g.tile_n)
+    for r0 in range(0, n, step):
+        r1 = min(r0 + step, n)
+        w, s = _unprepack_nvfp4_rows(packed, r0, r1)
+        d = _first_diff(w, weight_u8[r0:r1].to(w.device))
+        if d is not None:
+            off, got, want = d
+            row, col = r0 + off // (k // 2), off % (k // 2)
+            raise PrepackMismatch(
+                f"NVFP4 weight byte differs after round trip at offset {r0 * (k // 2) + off} "
+                f"(row {row}, byte {col}): got 0x{got:02x}, source 0x{want:02x}")
+        d = _first_diff(s, sc_src[r0:r1].to(s.device))
+        if d is not None:
+            off, got, want = d
+            gpr = k // formats.GROUP_SIZE
+            raise PrepackMismatch(
+                f"NVFP4 weight_scale byte differs after round trip at offset {r0 * gpr + off} "
+                f"(row {r0 + off // gpr}, group {off % gpr}): got 0x{got:02x}, source 0x{want:02x}")
+
+
+# --------------------------------------------------------------------------------------- FP8
+def prepack_fp8(weight_e4m3: torch.Tensor, weight_scale, atom: str = "m8n8k4",
+                rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> PackedFP8:
+    """Checkpoint FP8 (e4m3 [N, K], float32 per-tensor or per-channel scale) -> PackedFP8."""
+    w = formats.as_e4m3_bytes(weight_e4m3)
+    if w.dim() != 2:
+        raise formats.FormatError(f"FP8 weight must be 2-D [N, K], got {tuple(w.shape)}")
+    n, k = w.shape
+    scale = formats.fp8_channel_scales(weight_scale, n)
+    scale = scale[:1].clone() if torch.as_tensor(weight_scale).numel() == 1 else scale.clone()
+    g = geometry(atom)
+    tile, kbk = g.tile_n, g.k_block
+    n_pad, k_pad = -(-n // tile) * tile, -(-k // kbk) * kbk
+    tiles, kblocks = n_pad // tile, k_pad // kbk
+    block = tile * kbk
+    gather, _ = block_maps(atom, "fp8")
+    gather = gather.to(w.device)
+    out = torch.empty(tiles * kblocks * block, dtype=torch.uint8, device=w.device)
+    step = _chunk_rows(rows_per_chunk, tile)
+    for r0 in range(0, n_pad, step):
+        r1 = min(r0 + step, n_pad)
+        src = _pad2d(w[r0:min(r1, n)], r1 - r0, k_pad)
+        blk = _to_blocks(src, tile, kbk).index_select(2, gather)
+        out[(r0 // tile) * kblocks * block: (r1 // tile) * kblocks * block] = blk.reshape(-1)
+    return PackedFP8(out, scale.to(torch.float32).to(w.device), n, k, atom)
+
+
+def _unprepack_fp8_rows(packed: PackedFP8, r0: int, r1: int) -> torch.Tensor:
+    g = geometry(packed.atom)
+    tile, kbk = g.tile_n, g.k_block
+    kblocks = packed.k_pad // kbk
+    block = tile * kbk
+    _, scatter = block_maps(packed.atom, "fp8")
+    t0, t1 = r0 // tile, -(-r1 // tile)
+    raw = packed.codes[t0 * kblocks * block: t1 * kblocks * block].view(t1 - t0, kblocks, block)
+    src = _from_blocks(raw.index_select(2, scatter.to(raw.device)), tile, kbk)
+    return src[: r1 - r0, : packed.k].contiguous()
+
+
+def unprepack_fp8(packed: PackedFP8, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PackedFP8 -> (weight float8_e4m3fn [N, K], weight_scale float32 as stored: [1] or [N])."""
+    g = geometry(packed.atom)
+    w = torch.empty((packed.n, packed.k), dtype=torch.uint8, device=packed.codes.device)
+    step = _chunk_rows(rows_per_chunk, g.tile_n)
+    for r0 in range(0, packed.n, step):
+        r1 = min(r0 + step, packed.n)
+        w[r0:r1] = _unprepack_fp8_rows(packed, r0, r1)
+    return w.view(torch.float8_e4m3fn), packed.scale.clone()
+
+
+def verify_fp8_roundtrip(packed: PackedFP8, weight_e4m3: torch.Tensor, weight_scale=None,
+                         rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> None:
+    """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the source."""
+    w_src = formats.as_e4m3_bytes(weight_e4m3)
+    n, k = w_src.shape
+    if (n, k) != (packed.n, packed.k):
+        raise PrepackMismatch(f"shape mismatch: packed is N={packed.n} K={packed.k}, source is N={n} K={k}")
+    g = geometry(packed.atom)
+    step = _chunk_rows(rows_per_chunk, g.tile_n)
+    for r0 in range(0, n, step):
+        r1 = min(r0 + step, n)
+        d = _first_diff(_unprepack_fp8_rows(packed, r0, r1), w_src[r0:r1].to(packed.codes.device))
+        if d is not None:
+            off, got, want = d
+            raise PrepackMismatch(
+                f"FP8 weight byte differs after round trip at offset {r0 * k + off} "
+                f"(row {r0 + off // k}, column {off % k}): got 0x{got:02x}, source 0x{want:02x}")
+    if weight_scale is not None:
+        src = torch.as_tensor(weight_scale, dtype=torch.float32).reshape(-1).to(packed.scale.device)
+        if src.numel() != packed.scale.numel() or not torch.equal(
+                src.view(torch.int32), packed.scale.reshape(-1).view(torch.int32)):
+            raise PrepackMismatch("FP8 weight_scale differs from the packed copy")
