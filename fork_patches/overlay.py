@@ -1,0 +1,442 @@
+"""The on-disk overlay of an installed engine: apply, check, restore. Crash-safe and reversible.
+
+Runs inside the engine's virtualenv (``python -m qpn.fork_patches.overlay apply|check|restore
+--engine cpu``) and never imports vLLM for its work on disk, so it works on a broken engine too.
+
+Guarantees:
+- an engine file is changed only by an atomic rename (it is pristine or patched, never torn);
+- the pristine copy is kept as ``<file>.pre_bootstrap``, created from a file whose hash equals the
+  wheel's RECORD, and an existing backup is never overwritten;
+- patches are computed from the backup, so running twice gives the same bytes;
+- a journal is written before the first change and removed after the manifest: a run killed in
+  between leaves the journal, ``check`` reports the engine as not good, and the next ``apply``
+  rolls the files back to pristine and applies again;
+- ``restore`` returns every engine file to its RECORD hash and verifies all of them.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from qpn.fork_patches.hooks import AnchorMissing, hooks_for
+
+STATE_DIR_NAME = "volta_qpn_overlay"
+BACKUP_SUFFIX = ".pre_bootstrap"
+OUR_DISTRIBUTION = "volta-qpn"
+PLUGIN_GROUP = "vllm.general_plugins"
+# Test aid: QPN_OVERLAY_FAULT=<point> kills the process at that point, as a crash would.
+FAULT_ENV = "QPN_OVERLAY_FAULT"
+
+
+class OverlayError(RuntimeError):
+    pass
+
+
+def _say(msg: str) -> None:
+    print(f"[overlay] {msg}", flush=True)
+
+
+def _fault(point: str) -> None:
+    if os.environ.get(FAULT_ENV) == point:
+        _say(f"fault injected at {point}: exiting as if killed")
+        os._exit(137)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def record_digest(hex_digest: str) -> str:
+    """The form RECORD files use: urlsafe base64 of the raw digest, no padding."""
+    return base64.urlsafe_b64encode(bytes.fromhex(hex_digest)).rstrip(b"=").decode()
+
+
+def _atomic_write_bytes(target: Path, data: bytes, mode_from: Path | None = None) -> None:
+    tmp = target.with_name(target.name + ".qpn-tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if mode_from is not None and mode_from.exists():
+        shutil.copymode(mode_from, tmp)
+    os.replace(tmp, target)
+
+
+def _atomic_copy(src: Path, dst: Path) -> None:
+    _atomic_write_bytes(dst, src.read_bytes(), mode_from=src)
+
+
+def _write_json(path: Path, obj) -> None:
+    _atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+# ---------------------------------------------------------------- the engine and its lock
+
+
+def load_lock() -> dict:
+    lock_path = Path(__file__).resolve().parent.parent / "scripts" / "engines.lock.toml"
+    if not lock_path.exists():  # installed wheel: the lock travels as package data
+        from importlib.resources import files
+
+        return tomllib.loads(files("qpn.scripts").joinpath("engines.lock.toml").read_text())
+    return tomllib.loads(lock_path.read_text())
+
+
+@dataclass
+class Engine:
+    name: str
+    version: str
+    site_packages: Path
+    vllm_dir: Path
+    record: dict[str, str]  # path relative to site-packages -> RECORD digest (sha256, b64)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.site_packages / STATE_DIR_NAME
+
+
+def find_engine() -> Engine:
+    """The installed distribution that owns ``vllm/__init__.py`` (not our metadata shim)."""
+    for dist in metadata.distributions():
+        files = dist.files or []
+        if not any(str(f) == "vllm/__init__.py" for f in files):
+            continue
+        record = {}
+        for f in files:
+            if f.hash is not None and f.hash.mode == "sha256":
+                record[str(f)] = f.hash.value
+        site_packages = Path(dist.locate_file("")).resolve()
+        return Engine(
+            name=dist.metadata["Name"].lower(),
+            version=dist.version,
+            site_packages=site_packages,
+            vllm_dir=site_packages / "vllm",
+            record=record,
+        )
+    raise OverlayError(
+        "no installed vLLM engine found in this environment (no distribution owns "
+        "vllm/__init__.py); run scripts/bootstrap-sm70.sh to install the pinned engine"
+    )
+
+
+def require_known(engine: Engine, profile_name: str, lock: dict) -> dict:
+    profile = lock["engines"].get(profile_name)
+    if profile is None:
+        raise OverlayError(
+            f"unknown engine profile {profile_name!r}; known: {', '.join(lock['engines'])}"
+        )
+    if engine.name != profile["distribution"] or engine.version != profile["version"]:
+        raise OverlayError(
+            f"the overlay does not know engine {engine.name} {engine.version}: profile "
+            f"{profile_name!r} is {profile['distribution']} {profile['version']}. Install the "
+            "pinned engine with scripts/bootstrap-sm70.sh (a fresh ENV_PREFIX), or port the hooks "
+            "in fork_patches/hooks.py to this version first"
+        )
+    return profile
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def planned_files(profile_name: str) -> dict[str, list]:
+    plan: dict[str, list] = {}
+    for hook in hooks_for(profile_name, kind="disk"):
+        plan.setdefault(hook.anchor, []).append(hook)
+    return plan
+
+
+def patched_text(pristine: str, hooks: list, relpath: str) -> str:
+    text = pristine
+    for hook in hooks:
+        try:
+            text = hook.load()(text)
+        except AnchorMissing as exc:
+            raise OverlayError(
+                f"hook {hook.name}: its anchor in vllm/{relpath} is missing ({exc}); this engine "
+                "is not the version the hook was written for"
+            ) from exc
+    return text
+
+
+def _shim_spec(profile: dict) -> tuple[str, str] | None:
+    spec = profile.get("metadata_shim", "")
+    if not spec:
+        return None
+    name, _, version = spec.partition("==")
+    return name, version
+
+
+def _shim_dir(engine: Engine, profile: dict) -> Path | None:
+    spec = _shim_spec(profile)
+    if spec is None:
+        return None
+    return engine.site_packages / f"{spec[0]}-{spec[1]}.dist-info"
+
+
+def _write_shim(engine: Engine, profile: dict) -> None:
+    name, version = _shim_spec(profile)
+    target = _shim_dir(engine, profile)
+    tmp = target.with_name(target.name + ".qpn-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    (tmp / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        f"Summary: metadata-only alias written by volta-qpn; the code is distribution "
+        f"{profile['distribution']}\n"
+    )
+    (tmp / "INSTALLER").write_text("volta-qpn\n")
+    rel = target.name
+    (tmp / "RECORD").write_text(f"{rel}/METADATA,,\n{rel}/INSTALLER,,\n{rel}/RECORD,,\n")
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+
+
+# ---------------------------------------------------------------- apply / rollback / restore
+
+
+def _rollback(engine: Engine, journal_path: Path) -> None:
+    journal = json.loads(journal_path.read_text())
+    _say(f"found an interrupted overlay (started {journal.get('started')}): rolling back")
+    for relpath in journal.get("files", []):
+        target = engine.vllm_dir / relpath
+        backup = target.with_name(target.name + BACKUP_SUFFIX)
+        if backup.exists():
+            _atomic_copy(backup, target)
+            _say(f"  restored vllm/{relpath} from its backup")
+    (engine.state_dir / "manifest.json").unlink(missing_ok=True)
+    journal_path.unlink()
+
+
+def apply(profile_name: str) -> int:
+    lock = load_lock()
+    engine = find_engine()
+    profile = require_known(engine, profile_name, lock)
+    engine.state_dir.mkdir(exist_ok=True)
+    journal_path = engine.state_dir / "journal.json"
+    manifest_path = engine.state_dir / "manifest.json"
+    if journal_path.exists():
+        _rollback(engine, journal_path)
+
+    plan = planned_files(profile_name)
+    previous = json.loads(manifest_path.read_text())["files"] if manifest_path.exists() else {}
+    stale = sorted(set(previous) - set(plan))
+    _write_json(
+        journal_path,
+        {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": sorted(set(plan) | set(stale))},
+    )
+    _fault("after_journal")
+
+    for relpath in stale:  # a hook we no longer ship: back to pristine
+        target = engine.vllm_dir / relpath
+        backup = target.with_name(target.name + BACKUP_SUFFIX)
+        if backup.exists():
+            _atomic_copy(backup, target)
+            backup.unlink()
+        _say(f"vllm/{relpath}: no longer patched, restored")
+
+    files = {}
+    changed = 0
+    for relpath, hooks in sorted(plan.items()):
+        target = engine.vllm_dir / relpath
+        backup = target.with_name(target.name + BACKUP_SUFFIX)
+        expected = engine.record.get(f"vllm/{relpath}")
+        if expected is None:
+            raise OverlayError(f"vllm/{relpath} is not in the engine's RECORD; cannot verify it")
+        if backup.exists():
+            if record_digest(sha256_file(backup)) != expected:
+                raise OverlayError(
+                    f"{backup} does not match the wheel's RECORD: the backup is not pristine. "
+                    "Reinstall the engine into a fresh ENV_PREFIX"
+                )
+        else:
+            if record_digest(sha256_file(target)) != expected:
+                raise OverlayError(
+                    f"{target} differs from the wheel's RECORD and has no backup: something else "
+                    "changed it. Reinstall the engine into a fresh ENV_PREFIX"
+                )
+            _atomic_copy(target, backup)
+            _fault("after_backup")
+        pristine = backup.read_text()
+        new_text = patched_text(pristine, hooks, relpath)
+        if target.read_text() != new_text:
+            _atomic_write_bytes(target, new_text.encode(), mode_from=backup)
+            changed += 1
+            _say(f"patched vllm/{relpath} ({', '.join(h.name for h in hooks)})")
+            _fault("after_patch")
+        else:
+            _say(f"vllm/{relpath} already patched")
+        files[relpath] = {
+            "pristine_sha256": sha256_file(backup),
+            "patched_sha256": sha256_file(target),
+            "hooks": [h.name for h in hooks],
+        }
+
+    shim = _shim_dir(engine, profile)
+    if shim is not None and not shim.exists():
+        _write_shim(engine, profile)
+        changed += 1
+        _say(f"added metadata alias {shim.name}")
+    _fault("before_manifest")
+    manifest = {
+        "engine": profile_name,
+        "distribution": engine.name,
+        "version": engine.version,
+        "files": files,
+        "added": [shim.name] if shim is not None else [],
+    }
+    if not manifest_path.exists() or json.loads(manifest_path.read_text()) != manifest:
+        _write_json(manifest_path, manifest)
+    journal_path.unlink()
+    _say(f"overlay complete: {len(files)} engine file(s) patched, {changed} change(s) this run")
+    return 0
+
+
+def verify_record(engine: Engine) -> list[str]:
+    """Every file of the engine distribution whose bytes differ from its RECORD hash."""
+    bad = []
+    for relpath, digest in sorted(engine.record.items()):
+        path = engine.site_packages / relpath
+        if not path.exists():
+            bad.append(f"missing: {relpath}")
+        elif record_digest(sha256_file(path)) != digest:
+            bad.append(f"differs from RECORD: {relpath}")
+    return bad
+
+
+def restore(profile_name: str) -> int:
+    engine = find_engine()
+    lock = load_lock()
+    profile = lock["engines"].get(profile_name, {})
+    journal_path = engine.state_dir / "journal.json"
+    if journal_path.exists():
+        _rollback(engine, journal_path)
+    restored = 0
+    for backup in sorted(engine.vllm_dir.rglob("*" + BACKUP_SUFFIX)):
+        target = backup.with_name(backup.name[: -len(BACKUP_SUFFIX)])
+        _atomic_copy(backup, target)
+        backup.unlink()
+        restored += 1
+        _say(f"restored vllm/{target.relative_to(engine.vllm_dir)}")
+    shim = _shim_dir(engine, profile) if profile else None
+    if shim is not None and shim.exists():
+        shutil.rmtree(shim)
+        _say(f"removed metadata alias {shim.name}")
+    shutil.rmtree(engine.state_dir, ignore_errors=True)
+    bad = verify_record(engine)
+    if bad:
+        for line in bad[:20]:
+            _say(line)
+        raise OverlayError(
+            f"{len(bad)} engine file(s) do not match the wheel's RECORD after restore; "
+            "reinstall the engine into a fresh ENV_PREFIX"
+        )
+    _say(
+        f"restore complete: {restored} file(s) restored; all {len(engine.record)} hashed files "
+        f"of {engine.name} {engine.version} match the wheel's RECORD"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- check
+
+
+def check(profile_name: str) -> int:
+    problems: list[str] = []
+    lock = load_lock()
+    engine = find_engine()
+    profile = require_known(engine, profile_name, lock)
+    _say(f"engine: {engine.name} {engine.version} at {engine.site_packages}")
+    journal_path = engine.state_dir / "journal.json"
+    manifest_path = engine.state_dir / "manifest.json"
+    if journal_path.exists():
+        problems.append("an overlay run was interrupted (journal present): run the bootstrap again")
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    if manifest is None:
+        problems.append("no overlay manifest: the overlay was never applied here")
+        manifest = {"files": {}, "version": None}
+    elif manifest.get("version") != engine.version or manifest.get("engine") != profile_name:
+        problems.append(
+            f"manifest is for {manifest.get('engine')} {manifest.get('version')}, "
+            f"engine is {profile_name} {engine.version}"
+        )
+    for relpath, hooks in sorted(planned_files(profile_name).items()):
+        entry = manifest["files"].get(relpath)
+        target = engine.vllm_dir / relpath
+        backup = target.with_name(target.name + BACKUP_SUFFIX)
+        if entry is None:
+            problems.append(f"vllm/{relpath}: not in the manifest")
+            continue
+        if sorted(entry["hooks"]) != sorted(h.name for h in hooks):
+            problems.append(f"vllm/{relpath}: manifest hooks {entry['hooks']} are out of date")
+        if sha256_file(target) != entry["patched_sha256"]:
+            problems.append(f"vllm/{relpath}: does not match the manifest (changed since overlay)")
+        if not backup.exists():
+            problems.append(f"vllm/{relpath}: backup {backup.name} is missing")
+        elif record_digest(sha256_file(backup)) != engine.record.get(f"vllm/{relpath}"):
+            problems.append(f"vllm/{relpath}: backup does not match the wheel's RECORD")
+        else:
+            _say(f"ok  vllm/{relpath}: patched by {', '.join(entry['hooks'])}, backup pristine")
+    shim = _shim_dir(engine, profile)
+    if shim is not None:
+        if shim.exists():
+            _say(f"ok  metadata alias {shim.name}")
+        else:
+            problems.append(f"metadata alias {shim.name} is missing")
+    problems.extend(_check_our_distribution())
+    if problems:
+        for p in problems:
+            _say(f"FAIL {p}")
+        _say(f"overlay state: NOT GOOD ({len(problems)} problem(s))")
+        return 1
+    _say("overlay state: GOOD")
+    return 0
+
+
+def _check_our_distribution() -> list[str]:
+    try:
+        dist = metadata.distribution(OUR_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return [f"{OUR_DISTRIBUTION} is not installed in this environment"]
+    problems = []
+    if not any(ep.group == PLUGIN_GROUP for ep in dist.entry_points):
+        problems.append(f"{OUR_DISTRIBUTION} registers no {PLUGIN_GROUP} entry point")
+    for f in dist.files or []:
+        if f.hash is None or f.hash.mode != "sha256":
+            continue
+        path = Path(dist.locate_file(f))
+        if not path.exists() or record_digest(sha256_file(path)) != f.hash.value:
+            problems.append(f"{OUR_DISTRIBUTION}: installed file {f} differs from its RECORD")
+    if not problems:
+        _say(f"ok  {OUR_DISTRIBUTION} {dist.version} installed, plugin registered, files intact")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qpn.fork_patches.overlay")
+    parser.add_argument("action", choices=["apply", "check", "restore"])
+    parser.add_argument("--engine", required=True, help="engine profile from engines.lock.toml")
+    args = parser.parse_args(argv)
+    try:
+        return {"apply": apply, "check": check, "restore": restore}[args.action](args.engine)
+    except OverlayError as exc:
+        _say(f"ERROR: {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
