@@ -143,7 +143,12 @@ def parse_stream(t_sent: float, lines: Iterable[tuple[float, str]]) -> StreamRes
         except json.JSONDecodeError as e:
             raise StreamCut(f"the server sent a malformed stream chunk ({e}): {payload[:200]!r}")
         if "error" in obj:
-            raise StreamCut(f"the server reported an error inside the stream: {obj['error']}")
+            err = obj["error"]
+            text = err.get("message", err) if isinstance(err, dict) else err
+            raise StreamCut(
+                f"the server failed while generating and reported inside the stream: {text!r}. "
+                f"The engine may have died: read the server log, restart the server and rerun; "
+                f"rows finished before this one are kept.")
         for choice in obj.get("choices") or []:
             delta = choice.get("delta") or {}
             texts = []

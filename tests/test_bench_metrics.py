@@ -170,7 +170,7 @@ def test_figures_when_metrics_unreadable_leave_round_figures_empty():
 def test_stream_without_done_is_incomplete_and_error_chunk_raises():
     cut = parse_stream(100.0, VLLM032_REASONING[:6])  # stops after the first content chunk
     assert not cut.done and not cut.complete and cut.finish_reason is None
-    with pytest.raises(StreamCut, match="error inside the stream"):
+    with pytest.raises(StreamCut, match="reported inside the stream"):
         parse_stream(0.0, [(1.0, 'data: {"error": {"message": "engine dead"}}')])
 
 
