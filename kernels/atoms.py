@@ -19,7 +19,8 @@ m8n8k4 (SM70 ``mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32``), weights on th
   * accumulator (f32): lane l holds rows (l & 1) + (i & 2) (+4 for l >= 16) and tokens
     (i & 4) + (l & 2) + (i & 1) for its 8 values i = 0..7.
   Per k-block of 32 a lane consumes 8 MMAs = 32 codes of its row: 16 bytes of NVFP4 (one 16-byte
-  load) or 32 bytes of FP8 (two), in the order the decoder emits half2 pairs.
+  load) or 32 bytes of FP8 (two), in the order the decoder emits half2 pairs, and (NVFP4) the two
+  e4m3 group scales of its row (one 16-bit load).
 """
 from __future__ import annotations
 
@@ -65,15 +66,12 @@ def _m8n8k4() -> AtomGeometry:
         for s in range(32):
             nv_row.append(lane_row[l]); nv_k.append(fp4_slot_k[s])
             f8_row.append(lane_row[l]); f8_k.append(fp8_slot_k[s])
-    # Scales: lane l needs, per k-block, the scales of its two accumulator rows r0 and r0 + 2
-    # (r0 = (l & 1) + 4 * (l >> 4) within its quadpair) for both groups: 4 bytes (g0 r0, g0 r0+2,
-    # g1 r0, g1 r0+2) at byte offset 16 * quadpair + 4 * ((l & 1) + 2 * (l >> 4)).
+    # Scales: the group scale is folded into the lane's A operand (see csrc/qpn_family.cuh), so
+    # lane l needs, per k-block, the two group scales of ITS row: bytes 2l (group 0), 2l+1 (group 1).
     sc_row, sc_g = [], []
-    for qp in range(4):
-        for ridx in range(4):
-            r0 = qp * 8 + (ridx & 1) + 4 * (ridx >> 1)
-            for j in range(4):
-                sc_row.append(r0 + 2 * (j & 1)); sc_g.append(j >> 1)
+    for l in range(32):
+        for j in range(2):
+            sc_row.append(lane_row[l]); sc_g.append(j)
     return AtomGeometry("m8n8k4", 32, 32, 32, tuple(nv_row), tuple(nv_k), tuple(f8_row),
                         tuple(f8_k), tuple(sc_row), tuple(sc_g))
 

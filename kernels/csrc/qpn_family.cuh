@@ -1,0 +1,114 @@
+// The QPN kernel family: the tensor-core atom and the weight decoder are template parameters,
+// so a new atom (e.g. m16n8k16 for sm_80+) is one more Atom struct plus its prepack geometry in
+// atoms.py, not a fork of the decoders, the kernels or the dispatch.
+#pragma once
+#include "qpn_ptx.cuh"
+
+// Drop the first S words of a register array and shift the rest down (S zero words enter at the
+// end). Lets a rolled loop always read w[0..]: constant register indices, no local memory.
+template <int S, int N>
+QPN_DEV void rotate_words(u32 (&w)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) w[j] = (j + S < N) ? w[j + S] : 0u;
+}
+
+// ------------------------------------------------------------------------------------ atoms
+// SM70 mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32, weights on the A (row-major 8x4) side,
+// activations on the B (column-major 4x8) side. A warp issues four independent 8x8x4 MMAs, one
+// per quadpair (lanes 4q..4q+3 and 4q+16..4q+19); every quadpair gets the SAME activation
+// fragment and its own 8 weight rows, so the warp tile is 32 weight rows x 8 tokens.
+// Must agree with atoms.py:_m8n8k4.
+struct AtomM8N8K4 {
+  static constexpr int TILE_N = 32;      // weight rows per warp tile
+  static constexpr int K_BLOCK = 32;     // inputs per k-block (one code vector load per lane)
+  static constexpr int K_STEP = 4;       // inputs per MMA
+  static constexpr int STEPS = K_BLOCK / K_STEP;
+  static constexpr int A_REGS = 2;       // f16x2 registers of A per MMA
+  static constexpr int ACC = 8;          // f32 accumulators per lane per 8-token tile
+  static constexpr int TOKENS = 8;       // tokens per tile
+  static constexpr int SCALE_BLOCK_BYTES = 64;  // NVFP4 scales per (tile, k-block)
+  static constexpr int X_REGS = 4;       // f16x2 registers per activation load (8 halves = 2 MMAs)
+
+  // Token whose activations this lane supplies in the B fragment.
+  QPN_DEV static int b_token(int lane) { return (lane & 3) + ((lane >> 4) << 2); }
+  // Weight row (within the warp tile) that this lane supplies in the A fragment.
+  QPN_DEV static int a_row(int lane) { return 8 * ((lane >> 2) & 3) + (lane & 3) + ((lane >> 4) << 2); }
+  // Accumulator i of this lane: weight row (within the tile) and token.
+  QPN_DEV static int acc_row(int lane, int i) {
+    return 8 * ((lane >> 2) & 3) + (lane & 1) + (i & 2) + ((lane >> 4) << 2);
+  }
+  QPN_DEV static int acc_token(int lane, int i) { return (i & 4) + (lane & 2) + (i & 1); }
+  // NVFP4 group scales of the lane's A row for the two groups of a k-block: one 16-bit word.
+  QPN_DEV static int scale_pair_offset(int lane) { return 2 * lane; }
+
+  // Activations for MMAs 2p and 2p+1 of a k-block: 8 consecutive halves of the lane's token row.
+  // Rows past M supply zeros.
+  QPN_DEV static void load_x(const u16* p, bool valid, u32 (&xr)[X_REGS]) {
+    if (valid) {
+      ldg128(p, xr[0], xr[1], xr[2], xr[3]);
+    } else {
+      xr[0] = xr[1] = xr[2] = xr[3] = 0u;
+    }
+  }
+  // B fragment of MMA (2p + j) from that load: k = 4j..4j+3, two halves per register.
+  QPN_DEV static void b_frag(const u32 (&xr)[X_REGS], int j, u32& b0, u32& b1) {
+    b0 = xr[2 * j];
+    b1 = xr[2 * j + 1];
+  }
+  QPN_DEV static void mma(float (&d)[8], u32 a0, u32 a1, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(b1));
+  }
+};
+
+// --------------------------------------------------------------------------------- decoders
+// A decoder turns a lane's code vector for one k-block into the stream of f16x2 operand
+// registers, index 0 .. K_BLOCK/2 - 1 in k order (the atom takes A_REGS of them per MMA).
+// Only bit moves and one exact power-of-two FP16 multiply: no rounding anywhere.
+
+// NVFP4 e2m1: in a 32-bit word, nibbles 3 and 7 (the top nibble of each half) are placed as
+// sign | exponent:mantissa in FP16 bits 15 and 11..9; that FP16 pattern equals the e2m1 value
+// times 2^-14 (subnormal for 0.5), and the multiply by 2^14 (0x7400) restores it exactly.
+//
+// Group scales (NVFP4): the e4m3 group scale is multiplied into the decoded operand in FP16.
+// That product is EXACT: an e2m1 value has at most 2 significant bits, an e4m3 value at most 4,
+// so the product has at most 6 (FP16 has 11) and lies in [2^-10, 2688], inside FP16's normal
+// range. The MMA then accumulates x * (e2m1 * e4m3) in FP32 across all of K, and the global
+// scale multiplies the FP32 result once. Nothing is ever accumulated in FP16 (the overflow trap
+// of DESIGN.md section 3), and no partial sum needs a per-16 flush: scaling exactly before the
+// FP32 accumulation gives the per-16-flush result with fewer roundings, and frees the 8 FP32
+// partial registers per tile that the flush would hold.
+struct DecNVFP4 {
+  static constexpr bool GROUPED = true;   // one e4m3 scale per 16 inputs, folded into the operand
+  static constexpr int WORDS = 4;         // 16 bytes of codes per lane per k-block
+  static constexpr int WORDS_PER_PAIR = 1;  // codes of 8 inputs (2 MMAs of m8n8k4) per word
+  QPN_DEV static u32 dec(u32 t) {
+    return hmul2(and_or(t >> 3, 0x0E000E00u, t & 0x80008000u), 0x74007400u);
+  }
+  // f16x2 register idx (0 .. 15) of the k-block, k order: inputs 2*idx, 2*idx + 1.
+  QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 2] << (4 * (idx & 3))); }
+  // f16x2 register r (0..3) of the pair currently at the front of w.
+  QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) { return dec(w[0] << (4 * r)); }
+  // e4m3 scale byte -> the same FP16 value in both halves (exact: e4m3 is inside FP16's range).
+  QPN_DEV static u32 scale_h2(u32 byte) {
+    u32 t = (byte | (byte << 16)) << 8;
+    return hmul2(and_or(t >> 1, 0x3F803F80u, t & 0x80008000u), 0x5C005C00u);
+  }
+};
+
+// FP8 e4m3: bytes 1 and 3 of a word become FP16 (sign at 15, exponent:mantissa at 13..7), the
+// e4m3 value times 2^-8, restored exactly by the multiply by 2^8 (0x5C00). A left shift by 8
+// brings bytes 0 and 2 into place for the next register.
+struct DecFP8 {
+  static constexpr bool GROUPED = false;  // per-tensor / per-channel scale: applied to the FP32 result
+  static constexpr int WORDS = 8;         // 32 bytes of codes per lane per k-block
+  static constexpr int WORDS_PER_PAIR = 2;  // codes of 4 inputs (1 MMA of m8n8k4) per word
+  QPN_DEV static u32 dec(u32 t) {
+    return hmul2(and_or(t >> 1, 0x3F803F80u, t & 0x80008000u), 0x5C005C00u);
+  }
+  QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 1] << (8 * (idx & 1))); }
+  QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) { return dec(w[r >> 1] << (8 * (r & 1))); }
+};

@@ -1,0 +1,183 @@
+// QPN kernels: packed NVFP4 (qpn2*) and FP8 (qpn8*) linear layers, y[M, N] = x[M, K] * W[N, K]^T,
+// with W streamed in its packed form and decoded in registers straight into MMA operands.
+//
+// Grid: blockIdx.x = n_block * m_chunks + m_chunk, so the m_chunks blocks that read the same
+// weight tiles are adjacent in launch order and share those reads through L2 (the *_chunked
+// route); qpn2/qpn8 and *_mt2 launch with m_chunks = 1. A block is 8 warps: tiles_per_block
+// weight tiles x ksplit warps splitting K between them (split-K where N is small). Main loop:
+// registers only (no shared memory); one barrier, before the split-K reduction in the epilogue.
+//
+// Compiles standalone under NVRTC with no headers (see qpn_ptx.cuh).
+#include "qpn_family.cuh"
+
+#define QPN_THREADS 256
+#define QPN_WARPS (QPN_THREADS / 32)
+
+struct QpnArgs {
+  const u8* codes;        // packed codes, fragment order
+  const u8* scales;       // NVFP4 packed e4m3 group scales (unused for FP8)
+  const float* chscale;   // FP32 scale of the result: NVFP4 global [1]; FP8 [1] or [N]
+  const u16* x;           // activations fp16 [M, ldx], ldx = K padded to K_BLOCK, zero padded
+  const u16* bias;        // fp16 [N] or null
+  u16* y;                 // fp16 [M, N]
+  int m, n, kblocks, ldx;
+  int ksplit, tiles_per_block, m_chunks;
+  int chscale_per_channel;
+};
+
+template <class Atom, class Dec, int MT>
+__device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
+  extern __shared__ float red[];  // [warps][MT * TOKENS][TILE_N]: partial tiles for split-K
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int chunk = blockIdx.x % a.m_chunks;
+  const int nblock = blockIdx.x / a.m_chunks;
+  const int tile_in_block = warp / a.ksplit;
+  const int ks = warp % a.ksplit;
+  const int tile = nblock * a.tiles_per_block + tile_in_block;
+  const int n_tiles = (a.n + Atom::TILE_N - 1) / Atom::TILE_N;
+  const int m0 = chunk * (MT * Atom::TOKENS);
+
+  float acc[MT][Atom::ACC];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int i = 0; i < Atom::ACC; ++i) acc[t][i] = 0.f;
+
+  if (tile < n_tiles) {
+    constexpr int LANE_BYTES = Dec::WORDS * 4;
+    constexpr int BLOCK_BYTES = LANE_BYTES * 32;
+    constexpr int PAIRS = Atom::STEPS / 2;           // activation loads per k-block per tile
+    constexpr int HALF2_PER_GROUP = 16 / 2;          // decoded f16x2 registers per 16 inputs
+    const u8* cptr = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
+    const u8* sptr = a.scales + (size_t)tile * a.kblocks * Atom::SCALE_BLOCK_BYTES + Atom::scale_pair_offset(lane);
+    const u16* xrow[MT];
+    bool xvalid[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const int tok = m0 + t * Atom::TOKENS + Atom::b_token(lane);
+      xvalid[t] = tok < a.m;
+      xrow[t] = a.x + (size_t)(xvalid[t] ? tok : 0) * a.ldx;
+    }
+
+    for (int kb = ks; kb < a.kblocks; kb += a.ksplit) {
+      u32 w[Dec::WORDS];
+#pragma unroll
+      for (int j = 0; j < Dec::WORDS; j += 4)
+        ldg128(cptr + (size_t)kb * BLOCK_BYTES + 4 * j, w[j], w[j + 1], w[j + 2], w[j + 3]);
+      u32 sc2[2] = {0x3C003C00u, 0x3C003C00u};  // FP16 1.0 (FP8 has no group scale)
+      if constexpr (Dec::GROUPED) {
+        const u32 sp = ldg16(sptr + (size_t)kb * Atom::SCALE_BLOCK_BYTES);
+        sc2[0] = Dec::scale_h2(sp & 0xFFu);
+        sc2[1] = Dec::scale_h2(sp >> 8);
+      }
+      // Rolled on purpose: one pair of MMAs per iteration keeps the live activation registers
+      // at X_REGS per tile (an unrolled loop hoists every load of the k-block and spills at MT=2).
+#pragma unroll 1
+      for (int p = 0; p < PAIRS; ++p) {
+        u32 xr[MT][Atom::X_REGS];
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+          Atom::load_x(xrow[t] + kb * Atom::K_BLOCK + p * 2 * Atom::K_STEP, xvalid[t], xr[t]);
+        const u32 s = (2 * p * Atom::K_STEP < 16) ? sc2[0] : sc2[1];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          u32 a0 = Dec::front_half2(w, j * Atom::A_REGS);
+          u32 a1 = Dec::front_half2(w, j * Atom::A_REGS + 1);
+          if constexpr (Dec::GROUPED) {
+            a0 = hmul2(a0, s);
+            a1 = hmul2(a1, s);
+          }
+#pragma unroll
+          for (int t = 0; t < MT; ++t) {
+            u32 b0, b1;
+            Atom::b_frag(xr[t], j, b0, b1);
+            Atom::mma(acc[t], a0, a1, b0, b1);
+          }
+        }
+        rotate_words<Dec::WORDS_PER_PAIR>(w);
+      }
+    }
+  }
+
+  // Epilogue: every warp parks its tile in shared memory as [token][row]; after the one barrier,
+  // threads sum the ksplit partial tiles, apply the FP32 scale (NVFP4 global, FP8 per tensor or
+  // per channel) and the bias, and round once to FP16.
+  constexpr int TILE_ELEMS = Atom::TILE_N * MT * Atom::TOKENS;
+  float* mine = red + warp * TILE_ELEMS;
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int i = 0; i < Atom::ACC; ++i)
+      mine[(t * Atom::TOKENS + Atom::acc_token(lane, i)) * Atom::TILE_N + Atom::acc_row(lane, i)] = acc[t][i];
+  __syncthreads();
+  const int outs = a.tiles_per_block * TILE_ELEMS;
+  for (int o = tid; o < outs; o += QPN_THREADS) {
+    const int row = o % Atom::TILE_N;
+    const int tok_l = (o / Atom::TILE_N) % (MT * Atom::TOKENS);
+    const int tib = o / TILE_ELEMS;
+    const int n = (nblock * a.tiles_per_block + tib) * Atom::TILE_N + row;
+    const int tok = m0 + tok_l;
+    if (n >= a.n || tok >= a.m) continue;
+    float v = 0.f;
+    for (int s = 0; s < a.ksplit; ++s) v += red[(tib * a.ksplit + s) * TILE_ELEMS + tok_l * Atom::TILE_N + row];
+    v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0));
+    if (a.bias) v += f16_to_f32(ldg16(a.bias + n));
+    stg16(a.y + (size_t)tok * a.n + n, f32_to_f16(v));
+  }
+}
+
+// Reconstruct pass: packed codes -> FP16 workspace ws[N_pad, K_pad] (row-major) holding
+// e2m1 x e4m3(group scale) for NVFP4 or e4m3 for FP8; both are exact in FP16, so the GEMM that
+// follows (FP32 accumulate, FP32 out) and the final per-tensor / per-channel scale lose nothing
+// here. One thread per (tile, k-block, lane): 32 consecutive halves of one row, 4 x 16-byte stores.
+template <class Atom, class Dec>
+__device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* scales, u16* ws,
+                                                     int n_tiles, int kblocks) {
+  const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int lane = (int)(gid & 31);
+  const long long tb = gid >> 5;
+  if (tb >= (long long)n_tiles * kblocks) return;
+  const int tile = (int)(tb / kblocks), kb = (int)(tb % kblocks);
+  constexpr int LANE_BYTES = Dec::WORDS * 4;
+  u32 w[Dec::WORDS];
+  const u8* p = codes + ((size_t)tile * kblocks + kb) * (LANE_BYTES * 32) + lane * LANE_BYTES;
+#pragma unroll
+  for (int j = 0; j < Dec::WORDS; j += 4) ldg128(p + 4 * j, w[j], w[j + 1], w[j + 2], w[j + 3]);
+  u32 sc2[2] = {0x3C003C00u, 0x3C003C00u};
+  if constexpr (Dec::GROUPED) {
+    const u32 sp = ldg16(scales + ((size_t)tile * kblocks + kb) * Atom::SCALE_BLOCK_BYTES + Atom::scale_pair_offset(lane));
+    sc2[0] = Dec::scale_h2(sp & 0xFFu);
+    sc2[1] = Dec::scale_h2(sp >> 8);
+  }
+  const size_t ldw = (size_t)kblocks * Atom::K_BLOCK;
+  u16* out = ws + ((size_t)tile * Atom::TILE_N + Atom::a_row(lane)) * ldw + (size_t)kb * Atom::K_BLOCK;
+  u32 h[Atom::K_BLOCK / 2];
+#pragma unroll
+  for (int idx = 0; idx < Atom::K_BLOCK / 2; ++idx) {
+    h[idx] = Dec::half2(w, idx);
+    if constexpr (Dec::GROUPED) h[idx] = hmul2(h[idx], sc2[idx / 8]);
+  }
+#pragma unroll
+  for (int j = 0; j < Atom::K_BLOCK / 2; j += 4) stg128(out + 2 * j, h[j], h[j + 1], h[j + 2], h[j + 3]);
+}
+
+#define QPN_LINEAR_ENTRY(NAME, ATOM, DEC, MT)                                              \
+  extern "C" __global__ void __launch_bounds__(QPN_THREADS, 4) NAME(QpnArgs a) {          \
+    qpn_linear_body<ATOM, DEC, MT>(a);                                                      \
+  }
+
+#define QPN_RECONSTRUCT_ENTRY(NAME, ATOM, DEC)                                              \
+  extern "C" __global__ void __launch_bounds__(QPN_THREADS) NAME(                           \
+      const u8* codes, const u8* scales, u16* ws, int n_tiles, int kblocks) {                 \
+    qpn_reconstruct_body<ATOM, DEC>(codes, scales, ws, n_tiles, kblocks);                   \
+  }
+
+// Entry points, one per (format, tiles per weight pass, atom). Route -> entry point lives in ops.py.
+QPN_LINEAR_ENTRY(qpn2_mt1_m8n8k4, AtomM8N8K4, DecNVFP4, 1)
+QPN_LINEAR_ENTRY(qpn2_mt2_m8n8k4, AtomM8N8K4, DecNVFP4, 2)
+QPN_LINEAR_ENTRY(qpn8_mt1_m8n8k4, AtomM8N8K4, DecFP8, 1)
+QPN_LINEAR_ENTRY(qpn8_mt2_m8n8k4, AtomM8N8K4, DecFP8, 2)
+QPN_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m8n8k4, AtomM8N8K4, DecNVFP4)
+QPN_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m8n8k4, AtomM8N8K4, DecFP8)
