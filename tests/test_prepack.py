@@ -1,0 +1,143 @@
+"""Prepack: only addresses move; the inverse gives the checkpoint bytes back, byte for byte."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpn.kernels import formats, prepack
+from qpn.kernels.atoms import block_maps, geometry
+
+
+def _nvfp4_bytes(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    return w, s
+
+
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 32), (31, 48), (32, 64), (33, 80), (65, 112), (100, 1008),
+                                 (3, 2064), (129, 16)])
+def test_nvfp4_roundtrip_byte_identical(n, k):
+    w, s = _nvfp4_bytes(n, k, n * 1000 + k)
+    p = prepack.prepack_nvfp4(w, s, torch.tensor(0.125), rows_per_chunk=64)
+    assert p.n == n and p.k == k and p.n_pad % 32 == 0 and p.k_pad % 32 == 0
+    assert p.codes.numel() == p.n_pad * p.k_pad // 2
+    assert p.scales.numel() == p.n_pad * p.k_pad // 16
+    prepack.verify_nvfp4_roundtrip(p, w, s, rows_per_chunk=32)
+    w2, s2 = prepack.unprepack_nvfp4(p)
+    assert torch.equal(w2, w) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
+    assert s2.dtype == torch.float8_e4m3fn
+    # only addresses move: the packed buffer holds the same multiset of nibbles plus zero padding
+    pad_nibbles = (p.n_pad * p.k_pad) - n * k
+    src_hist = torch.bincount(formats.unpack_nvfp4_codes(w).reshape(-1).long(), minlength=16)
+    dst_hist = torch.bincount(formats.unpack_nvfp4_codes(p.codes.view(1, -1)).reshape(-1).long(), minlength=16)
+    src_hist[0] += pad_nibbles
+    assert torch.equal(src_hist, dst_hist)
+
+
+@pytest.mark.parametrize("n,k,per_channel", [(1, 1, False), (7, 3, True), (33, 31, False), (64, 100, True),
+                                             (100, 1001, False), (31, 33, True)])
+def test_fp8_roundtrip_byte_identical(n, k, per_channel):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scale = torch.rand(n) + 0.5 if per_channel else torch.tensor(0.01)
+    p = prepack.prepack_fp8(w, scale, rows_per_chunk=32)
+    assert p.per_channel == per_channel
+    prepack.verify_fp8_roundtrip(p, w, scale)
+    w2, s2 = prepack.unprepack_fp8(p)
+    assert torch.equal(w2.view(torch.uint8), w.view(torch.uint8))
+    assert torch.equal(s2.reshape(-1), torch.as_tensor(scale, dtype=torch.float32).reshape(-1))
+
+
+def test_chunking_does_not_change_the_packed_bytes():
+    w, s = _nvfp4_bytes(200, 96, 7)
+    a = prepack.prepack_nvfp4(w, s, 1.0, rows_per_chunk=32)
+    b = prepack.prepack_nvfp4(w, s, 1.0, rows_per_chunk=10_000)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    f = w[:, :40].contiguous().view(torch.float8_e4m3fn)
+    assert torch.equal(prepack.prepack_fp8(f, 1.0, rows_per_chunk=32).codes,
+                       prepack.prepack_fp8(f, 1.0, rows_per_chunk=4096).codes)
+
+
+def test_fragment_positions_pin_the_kernel_contract():
+    """Where single codes land: the CUDA decoders (csrc/qpn_family.cuh) read exactly these places."""
+    n, k = 32, 32
+    codes = torch.zeros((n, k), dtype=torch.uint8)
+    codes[0, 0], codes[0, 1], codes[0, 2], codes[0, 7] = 1, 2, 3, 5  # row 0 -> lane 0
+    codes[4, 0] = 6                                                  # row 4 -> lane 16
+    codes[8, 8] = 7                                                  # row 8 -> lane 4, second word
+    p = prepack.prepack_nvfp4(formats.pack_nvfp4_codes(codes), torch.zeros((n, 2), dtype=torch.uint8), 1.0)
+    word = lambda lane, j: int.from_bytes(bytes(p.codes[16 * lane + 4 * j: 16 * lane + 4 * j + 4].tolist()), "little")
+    nib = lambda v, i: (v >> (4 * i)) & 0xF
+    w0 = word(0, 0)
+    assert (nib(w0, 3), nib(w0, 7), nib(w0, 2), nib(w0, 4)) == (1, 2, 3, 5)  # k0, k1, k2, k7
+    assert nib(word(16, 0), 3) == 6
+    assert nib(word(4, 1), 3) == 7
+    # FP8: bytes of a word hold k2, k0, k3, k1
+    f = torch.zeros((32, 32), dtype=torch.uint8)
+    f[0, 0:4] = torch.tensor([10, 11, 12, 13], dtype=torch.uint8)
+    pf = prepack.prepack_fp8(f.view(torch.float8_e4m3fn), 1.0)
+    assert pf.codes[:4].tolist() == [12, 10, 13, 11]
+    # scales: lane l holds (its row, group 0), (its row, group 1) at bytes 2l, 2l+1
+    sc = torch.zeros((32, 2), dtype=torch.uint8)
+    sc[4, 0], sc[4, 1], sc[9, 1] = 0x30, 0x31, 0x32  # row 4 -> lane 16, row 9 -> lane 5
+    ps = prepack.prepack_nvfp4(torch.zeros((32, 16), dtype=torch.uint8), sc, 1.0)
+    assert ps.scales[32:34].tolist() == [0x30, 0x31] and int(ps.scales[11]) == 0x32
+
+
+def test_block_maps_are_permutations():
+    for kind in ("nvfp4", "fp8", "scale"):
+        gather, scatter = block_maps("m8n8k4", kind)
+        assert torch.equal(gather[scatter], torch.arange(gather.numel()))
+    assert geometry("m8n8k4").tile_n == 32
+    with pytest.raises(ValueError, match="unknown MMA atom"):
+        geometry("m99")
+
+
+def test_verify_names_first_differing_byte():
+    w, s = _nvfp4_bytes(64, 64, 11)
+    p = prepack.prepack_nvfp4(w, s, 1.0)
+    bad = w.clone()
+    bad[37, 5] ^= 0x10
+    with pytest.raises(prepack.PrepackMismatch, match=r"row 37, byte 5"):
+        prepack.verify_nvfp4_roundtrip(p, bad, s)
+    bad_s = s.view(torch.uint8).clone()
+    bad_s[2, 3] ^= 1
+    with pytest.raises(prepack.PrepackMismatch, match=r"row 2, group 3"):
+        prepack.verify_nvfp4_roundtrip(p, w, bad_s)
+    assert issubclass(prepack.PrepackMismatch, ValueError)
+    f = w.view(torch.float8_e4m3fn)
+    pf = prepack.prepack_fp8(f, 2.0)
+    pf.codes[100] ^= 1
+    with pytest.raises(prepack.PrepackMismatch, match="FP8 weight byte differs"):
+        prepack.verify_fp8_roundtrip(pf, f)
+
+
+def test_nvfp4_k_must_be_multiple_of_16():
+    with pytest.raises(formats.FormatError, match="multiple of 16"):
+        prepack.prepack_nvfp4(torch.zeros((4, 12), dtype=torch.uint8), torch.zeros((4, 1), dtype=torch.uint8), 1.0)
+
+
+@pytest.mark.parametrize("n,k", [(8704, 5120), (5120, 4352)])
+def test_real_per_rank_nvfp4_shapes(n, k):
+    """TP4 per-rank MLP gate_up and down (DESIGN.md section 7)."""
+    w, s = _nvfp4_bytes(n, k, 3)
+    p = prepack.prepack_nvfp4(w, s, 0.01)
+    prepack.verify_nvfp4_roundtrip(p, w, s)
+
+
+def test_real_per_rank_fp8_shapes():
+    for n, k in [(4096, 5120), (5120, 1536)]:  # GDN in_proj_qkvz, out_proj per rank
+        g = torch.Generator().manual_seed(n)
+        w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        prepack.verify_fp8_roundtrip(prepack.prepack_fp8(w, 0.5), w, 0.5)
+
+
+def test_lm_head_per_rank_chunked_without_second_full_copy():
+    """5120 x 62,080 lm_head: prepack writes into one preallocated buffer in row blocks, so the
+    largest temporary is a row block, not the matrix."""
+    n, k = 62080, 5120
+    w, s = _nvfp4_bytes(n, k, 9)
+    p = prepack.prepack_nvfp4(w, s, 0.02, rows_per_chunk=4096)
+    assert p.codes.numel() == n * k // 2  # 62080 is a whole number of 32-row tiles
+    prepack.verify_nvfp4_roundtrip(p, w, s, rows_per_chunk=4096)
