@@ -72,6 +72,65 @@ REGISTRY: list[Hook] = [
     _vision_guard("model_executor/models/qwen3_vl.py"),
     _vision_guard("model_executor/models/qwen2_vl.py"),
     _vision_guard("model_executor/models/qwen2_5_vl.py"),
+    # ---- loader hooks (runtime; applied by qpn.fork_patches.plugin: apply(original) -> replacement)
+    Hook(
+        name="modelopt-mixed-precision-file-form",
+        kind="runtime",
+        anchor="vllm.transformers_utils.model_arch_config_convertor:"
+        "ModelArchConfigConvertorBase._normalize_quantization_config",
+        what="the ModelOpt branch of the HF quantization-config normalizer",
+        why="a checkpoint that declares MIXED_PRECISION in hf_quant_config.json (the file ModelOpt "
+        "writes) dies with 'Unknown ModelOpt quant algo: MIXED_PRECISION' although vLLM 0.32 has "
+        "ModelOptMixedPrecisionConfig for it (reachable only when config.json embeds the config)",
+        how="for a modelopt payload whose quantization.quant_algo is MIXED_PRECISION set "
+        "quant_method 'modelopt' (vLLM's override then picks modelopt_mixed); all else unchanged",
+        remove_when="vLLM's convertor accepts MIXED_PRECISION from hf_quant_config.json",
+        apply="qpn.fork_patches.quant_config:wrap_normalize_quantization_config",
+    ),
+    Hook(
+        name="modelopt-mixed-admit-sm70",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.quantization.modelopt:"
+        "ModelOptMixedPrecisionConfig.get_min_capability",
+        what="minimum compute capability of the mixed ModelOpt config (75 in vLLM 0.32)",
+        why="QPN2/QPN8 serve NVFP4 and FP8 weights with FP16 tensor-core math on SM70, so a V100 "
+        "(capability 70) can serve the checkpoint unchanged",
+        how="answer 70 only on a CUDA device of capability 7.0 where qpn.kernels.ops builds for "
+        "sm_70; vLLM's own value everywhere else (the CPU platform has no capability check)",
+        remove_when="the engine ships an SM70 path for mixed ModelOpt checkpoints",
+        apply="qpn.fork_patches.quant_config:wrap_get_min_capability",
+    ),
+    Hook(
+        name="modelopt-mixed-qpn-linear-methods",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.quantization.modelopt:"
+        "ModelOptMixedPrecisionConfig.get_quant_method",
+        what="the per-layer quant method of the mixed ModelOpt config",
+        why="vLLM 0.32 has no NVFP4 linear kernel on CPU or SM70, requantizes fused FP8 shards with "
+        "different scales through a CUDA-only op, and silently leaves a module with an unknown "
+        "declared algo unquantized",
+        how="where the QPN path serves (CPU: reference; SM70: built kernels) give each linear and "
+        "ParallelLMHead in quantized_layers a QPN2 (NVFP4) or QPN8 (FP8) method "
+        "(qpn.fork_patches.linear_method): codes and scales loaded and checked unchanged, "
+        "prepacked with a byte-identical inverse check, routed per call by M, counted in the "
+        "census; an algo QPN does not serve fails the load naming the module",
+        remove_when="never on SM70 (the QPN kernels are the point); on CPU, when vLLM serves "
+        "mixed NVFP4/FP8 checkpoints natively",
+        apply="qpn.fork_patches.quant_config:wrap_get_quant_method",
+    ),
+    Hook(
+        name="kv-cache-fp16-on-sm70",
+        kind="runtime",
+        anchor="vllm.engine.arg_utils:resolve_kv_cache_dtype_string",
+        what="resolution of --kv-cache-dtype auto from the checkpoint's KV directive",
+        why="the checkpoint asks for FP8 KV; on Volta that selects scalar paged attention "
+        "(seed 000: +4.82 ms per round), so SM70 serves FP16 KV on purpose",
+        how="when the user left auto and the checkpoint resolved to fp8* on a capability-7.0 "
+        "CUDA device, return float16 and log the decision; the census records requested, "
+        "resolved and the policy on every platform",
+        remove_when="Volta gets an FP8-KV attention path as fast as its FP16 one",
+        apply="qpn.fork_patches.kv_policy:wrap_resolve_kv_cache_dtype_string",
+    ),
 ]
 
 
@@ -84,3 +143,18 @@ def by_name(name: str) -> Hook:
         if hook.name == name:
             return hook
     raise KeyError(name)
+
+
+def as_markdown() -> str:
+    """The registry as a Markdown table (``python -m qpn.fork_patches.hooks``; docs/hooks.md)."""
+    rows = ["| hook | kind | engines | anchor (vLLM 0.32) | what | why | how | remove when |",
+            "|---|---|---|---|---|---|---|---|"]
+    for h in REGISTRY:
+        cells = [h.name, h.kind, ", ".join(h.engines), f"`{h.anchor}`", h.what, h.why, h.how,
+                 h.remove_when]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(as_markdown(), end="")
