@@ -134,6 +134,27 @@ def preflight_gpus(profile: dict, steps: Steps) -> None:
             f"{need} GPU(s) of compute capability {profile['gpu_capability']} needed, "
             f"{len(good)} found. Set REQUIRE_GPUS to the number you have (tensor parallel size)"
         )
+    cuda = driver_cuda_version()
+    wanted = tuple(int(x) for x in profile["driver_cuda_min"].split("."))
+    if cuda is None or cuda < wanted:
+        shown = ".".join(map(str, cuda)) if cuda else "unknown"
+        raise BootstrapError(
+            f"the NVIDIA driver supports CUDA {shown}; the engine and the QPN kernels (NVRTC "
+            f"12.9) need a driver for CUDA {profile['driver_cuda_min']} or newer. Update the driver"
+        )
+    steps.note(f"driver supports CUDA {'.'.join(map(str, cuda))}; kernels build with NVRTC "
+               "from PyPI (no system CUDA toolkit needed)")
+
+
+def driver_cuda_version() -> tuple[int, int] | None:
+    """The CUDA version the installed driver supports, from nvidia-smi's banner."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout
+    for token in out.split("CUDA Version:")[1:2]:
+        major, _, minor = token.split()[0].partition(".")
+        return int(major), int(minor or 0)
+    return None
 
 
 # ---------------------------------------------------------------- the wheel
@@ -339,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
 def bootstrap(engine: str, profile: dict, prefix: Path) -> int:
     steps = Steps(7)
     steps.start(f"preflight for engine {engine!r}: {profile['description']}")
+    preflight_gpus(profile, steps)
     interpreter = find_python(profile)
     steps.note(f"Python {profile['python']}: {interpreter}")
-    preflight_gpus(profile, steps)
     source, digest = wheel_source(profile)
 
     steps.start(f"fetch and verify the engine wheel (sha256 {digest})")

@@ -227,3 +227,29 @@ def test_cpu_bootstrap_into_a_fresh_virtualenv(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "already installed" in again.stdout and "0 change(s) this run" in again.stdout
     shutil.rmtree(prefix)
+
+
+def _fake_nvidia_smi(bin_dir: Path, gpus: int, cuda: str) -> dict:
+    """An nvidia-smi that reports V100s: the preflight logic is ours, the GPUs are not here."""
+    bin_dir.mkdir()
+    rows = "\\n".join(["Tesla V100-SXM2-16GB, 7.0"] * gpus)
+    (bin_dir / "nvidia-smi").write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --query-gpu*) printf "' + rows + '\\n";;\n'
+        f'*) echo "| NVIDIA-SMI 570.00   Driver Version: 570.00   CUDA Version: {cuda} |";; esac\n'
+    )
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_sm70_preflight_counts_gpus_and_driver(tmp_path):
+    env = dict(os.environ, ENV_PREFIX=str(tmp_path / "x"), **_fake_nvidia_smi(tmp_path / "bin", 2, "12.8"))
+    env.pop("ENGINE", None)  # auto: an SM70 GPU is visible, so the sm70 engine is chosen
+    two = subprocess.run(["bash", str(BOOTSTRAP)], env=env, capture_output=True, text=True)
+    assert two.returncode == 2
+    assert "4 GPU(s) of compute capability 7.0 needed, 2 found" in two.stderr
+    old_driver = dict(env, REQUIRE_GPUS="2", **_fake_nvidia_smi(tmp_path / "bin2", 2, "12.2"))
+    result = subprocess.run(["bash", str(BOOTSTRAP)], env=old_driver, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "supports CUDA 12.2" in result.stderr and "12.8 or newer" in result.stderr
+    assert not (tmp_path / "x").exists()
