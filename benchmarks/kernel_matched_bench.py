@@ -183,20 +183,22 @@ def main(argv=None) -> int:
     ops.build(f"sm{''.join(map(str, torch.cuda.get_device_capability(0)))}")
     read, copy = ceilings()
     print(f"read ceiling {read:.1f} GB/s, copy ceiling {copy:.1f} GB/s", flush=True)
-    rows: list[dict] = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for name in names:
-        fmt, n, k = SHAPES[name]
-        bench_shape(name, fmt, n, k, ms, read, copy, rows, gen)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     cols = ["shape", "fmt", "n", "k", "m", "arm", "route", "time_us", "weight_bytes", "gbps", "pct_read", "pct_copy"]
-    with open(args.out, "w") as f:
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with open(args.out, "w") as f:  # rows are written as they come: a cut-short run keeps what it measured
         for line in _provenance(args):
             f.write(line + "\n")
         f.write(f"# read_ceiling_gbps: {read:.1f}\n# copy_ceiling_gbps: {copy:.1f}\n")
         f.write(",".join(cols) + "\n")
-        for r in rows:
-            f.write(",".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + "\n")
+        for name in names:
+            fmt, n, k = SHAPES[name]
+            start = len(rows)
+            bench_shape(name, fmt, n, k, ms, read, copy, rows, gen)
+            for r in rows[start:]:
+                f.write(",".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + "\n")
+            f.flush()
     print(f"wrote {args.out} ({len(rows)} rows)")
     return 0
 
