@@ -65,6 +65,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mml", type=int, default=None, help="declared --max-model-len (when /v1/models lacks it)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, seconds")
     p.add_argument("--warmup", type=int, default=1, help="short unmeasured requests before the first row")
+    p.add_argument("--note", default=None, help="free text recorded in the results header")
 
 
 @dataclass
@@ -192,6 +193,8 @@ def provenance_header(bench: Bench, pre: Preflight, sampling_text: str, extra: d
         "date": P.now_iso(),
     }
     header.update(extra or {})
+    if args.note:
+        header["note"] = args.note
     return header
 
 
