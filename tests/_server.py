@@ -31,11 +31,15 @@ def free_port() -> int:
 
 class VllmServer:
     def __init__(self, model_dir: str, extra_args: list[str] | None = None,
-                 served_model_name: str | None = None, boot_timeout_s: float = 240.0):
+                 served_model_name: str | None = None, boot_timeout_s: float = 240.0,
+                 plugins: str | None = None):
+        """``plugins``: None loads every installed vLLM plugin (ours included); a string sets
+        VLLM_PLUGINS to that comma-separated list ("" loads none: raw vLLM)."""
         self.model_dir = model_dir
         self.extra_args = list(extra_args or [])
         self.served_model_name = served_model_name
         self.boot_timeout_s = boot_timeout_s
+        self.plugins = plugins
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.tmp = tempfile.mkdtemp(prefix="qpn_vllm_")
@@ -60,6 +64,8 @@ class VllmServer:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
+        if self.plugins is not None:
+            env["VLLM_PLUGINS"] = self.plugins
         cmd = [
             engine_python(), "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),

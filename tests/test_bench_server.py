@@ -1,7 +1,8 @@
 """The benchmark harness against a REAL vLLM server on the cpu engine (no fakes).
 
 A tiny plain Qwen3 model with random weights and a locally trained tokenizer is served by
-``python -m vllm.entrypoints.openai.api_server`` (tests/_server.py). Two servers boot, one at
+``python -m vllm.entrypoints.openai.api_server`` (tests/_server.py) with no vLLM plugin loaded
+(VLLM_PLUGINS=""): these tests are about the harness, not the overlay. Two servers boot, one at
 a time: a plain one (no speculation) for the suites and the bad-input checks, and one with
 ngram speculation (K=3) whose tau/rounds columns must fill, which is then killed mid-run.
 Token budgets are tiny to keep CI cheap; the figures only prove the plumbing and are
@@ -84,7 +85,7 @@ def _check_provenance(header: dict, server: VllmServer, k_text: str):
 @pytest.fixture(scope="class")
 def plain_server(tiny_model):
     with VllmServer(tiny_model, ["--reasoning-parser", "qwen3", "--no-enable-prefix-caching"],
-                    served_model_name="tiny") as s:
+                    served_model_name="tiny", plugins="") as s:
         yield s
 
 
@@ -94,7 +95,7 @@ def spec_server(tiny_model):
             "prompt_lookup_max": 3, "prompt_lookup_min": 2}
     with VllmServer(tiny_model, ["--reasoning-parser", "qwen3", "--no-enable-prefix-caching",
                                  "--speculative-config", json.dumps(spec)],
-                    served_model_name="tiny") as s:
+                    served_model_name="tiny", plugins="") as s:
         yield s
 
 
