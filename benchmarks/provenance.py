@@ -110,9 +110,13 @@ def git_commit() -> str:
             head = subprocess.run([git, "-C", _REPO_ROOT, "rev-parse", "HEAD"],
                                   capture_output=True, text=True, timeout=10).stdout.strip()
             dirty = subprocess.run([git, "-C", _REPO_ROOT, "status", "--porcelain", "-uno"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
+                                   capture_output=True, text=True, timeout=10).stdout
             if head:
-                return head + (" (+ uncommitted changes)" if dirty else "")
+                if not dirty.strip():
+                    return head
+                paths = [line[3:] for line in dirty.splitlines() if line.strip()]
+                shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+                return f"{head} (+ uncommitted changes to tracked files: {shown})"
         except (OSError, subprocess.TimeoutExpired):
             pass
     try:
