@@ -261,6 +261,11 @@ class ChatClient:
                         raise ModelNotServed(
                             f"the server rejected model {self.model!r} (HTTP 404: {text[:200]}). "
                             f"Pass --model with a name listed by GET {self.base_url}/models.")
+                    if r.status_code == 400:
+                        raise BenchError(
+                            f"the server refused the request (HTTP 400: {text[:300]}). Usually "
+                            f"prompt + --max-tokens exceeds the server's max model len, or a "
+                            f"sampling value is out of range: lower --max-tokens or fix the field.")
                     raise BenchError(f"POST {url} answered HTTP {r.status_code}: {text[:300]}")
                 for line in r.iter_lines():
                     lines.append((time.perf_counter(), line))
