@@ -308,7 +308,7 @@ def build_kernels(py: Path, profile: dict, steps: Steps) -> None:
     if not arch:
         steps.note("this engine runs the CPU reference route; no kernel to build")
         return
-    proc = run([py, "-m", "qpn.kernels.ops", "build", "--arch", arch], check=False)
+    proc = run([py, "-m", "qpn.kernels", "build", "--arch", arch], check=False)
     if proc.returncode != 0:
         raise BootstrapError(
             f"the QPN kernel build for {arch} failed (see above). The engine and overlay are "
