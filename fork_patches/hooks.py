@@ -126,8 +126,9 @@ REGISTRY: list[Hook] = [
         why="the checkpoint asks for FP8 KV; on Volta that selects scalar paged attention "
         "(seed 000: +4.82 ms per round), so SM70 serves FP16 KV on purpose",
         how="when the user left auto and the checkpoint resolved to fp8* on a capability-7.0 "
-        "CUDA device, return float16 and log the decision; the census records requested, "
-        "resolved and the policy on every platform",
+        "CUDA device, return float16 and log the decision; on an x86 CPU without AVX-512/AMX "
+        "(where vLLM 0.32 resolves fp8 and then refuses to allocate it) keep the model dtype; "
+        "elsewhere vLLM's value; the census records requested, resolved and the policy",
         remove_when="Volta gets an FP8-KV attention path as fast as its FP16 one",
         apply="qpn.fork_patches.kv_policy:wrap_resolve_kv_cache_dtype_string",
     ),

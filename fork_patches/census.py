@@ -1,0 +1,280 @@
+"""Route census: what every quantized module of this rank was admitted as, and which QPN route
+served each of its calls. The launcher's boot gates read only this (never log text).
+
+Each rank writes ``<QPN_CENSUS_DIR>/census_rank<R>.json`` (schema 1, described in the project's
+shared interfaces): after weight loading, then whenever the counts changed (at most once per
+second, from a background thread), and at exit. Every write goes to a temporary file in the
+same folder that is then renamed over the old one, so a reader never sees a half-written file.
+
+Calls made while a CUDA graph is being captured are counted under ``graph``, all others under
+``eager``. A captured graph replays without running any Python, so replays are not counted:
+``graph`` counts how many captures went through each route, ``eager`` counts real calls.
+
+``aggregate(census_dir)`` merges the ranks into one summary.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import glob
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+
+SCHEMA = 1
+FLUSH_INTERVAL_S = 1.0
+_FILE_RE = re.compile(r"census_rank(\d+)\.json$")
+
+
+def census_dir() -> str:
+    """Folder the census files go to: $QPN_CENSUS_DIR, else a folder under the temp dir."""
+    return os.environ.get("QPN_CENSUS_DIR") or os.path.join(tempfile.gettempdir(), "qpn_census")
+
+
+def census_path(rank: int, directory: str | None = None) -> str:
+    return os.path.join(directory or census_dir(), f"census_rank{rank}.json")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _qpn_routes() -> frozenset:
+    from qpn.kernels.routes import QPN_ROUTES
+
+    return QPN_ROUTES
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".census-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _detect_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001 - no process group is a normal state
+        pass
+    for var in ("RANK", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _detect_platform() -> dict:
+    info = {"engine_version": None, "platform": None, "device_capability": None, "backend": None}
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+
+        info["engine_version"] = getattr(vllm, "__version__", None)
+        if current_platform.is_cpu():
+            info.update(platform="cpu", backend="reference")
+        else:
+            info["platform"] = "cuda" if current_platform.is_cuda() else str(current_platform.device_name)
+            cap = current_platform.get_device_capability()
+            info["device_capability"] = f"{cap.major}.{cap.minor}" if cap is not None else None
+            info["backend"] = "cuda"
+    except Exception:  # noqa: BLE001 - the census must be writable without an engine (tests)
+        pass
+    return info
+
+
+class Census:
+    """One rank's census. Thread-safe; every method is cheap enough to call per linear call."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.modules: dict[str, dict] = {}
+        self._layer_names: dict[int, str] = {}
+        self.fallbacks: dict[tuple[str, str], int] = {}
+        self.lm_head: dict | None = None
+        self.kv_cache: dict | None = None
+        self.platform: dict | None = None
+        self.rank: int | None = None
+        self._dirty = False
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._atexit = False
+        self.directory: str | None = None
+
+    # ---------------------------------------------------------------------------- recording
+    def register_module(self, layer, name: str, region: str, n: int, k: int,
+                        eligible: bool = True, prepack_verified: bool = False) -> str:
+        """Admit a module; returns the census name (made unique if two layers share a prefix)."""
+        with self._lock:
+            known = self._layer_names.get(id(layer))
+            if known is None:
+                known, i = name, 1
+                while known in self.modules:
+                    i += 1
+                    known = f"{name}#{i}"
+                self._layer_names[id(layer)] = known
+            self.modules[known] = {
+                "region": region, "eligible": bool(eligible), "n": int(n), "k": int(k),
+                "prepack_verified": bool(prepack_verified),
+                "routes": self.modules.get(known, {}).get("routes", {}),
+            }
+            self._mark_dirty()
+            return known
+
+    def set_prepack_verified(self, name: str, verified: bool = True) -> None:
+        with self._lock:
+            self.modules[name]["prepack_verified"] = bool(verified)
+            self._mark_dirty()
+
+    def count(self, name: str, route: str, graph: bool = False, calls: int = 1) -> None:
+        with self._lock:
+            routes = self.modules[name]["routes"]
+            slot = routes.get(route)
+            if slot is None:
+                slot = routes[route] = {"eager": 0, "graph": 0}
+            slot["graph" if graph else "eager"] += calls
+            self._mark_dirty()
+
+    def fallback(self, name: str, reason: str, calls: int = 1) -> None:
+        with self._lock:
+            self.fallbacks[(name, reason)] = self.fallbacks.get((name, reason), 0) + calls
+            self._mark_dirty()
+
+    def set_lm_head(self, module: str, region: str, source: str, route_family: str,
+                    repack_fallback: bool = False) -> None:
+        with self._lock:
+            self.lm_head = {"module": module, "region": region, "source": source,
+                            "route_family": route_family, "repack_fallback": bool(repack_fallback)}
+            self._mark_dirty()
+
+    def set_kv_cache(self, checkpoint_requested: str | None, resolved: str, policy: str) -> None:
+        with self._lock:
+            self.kv_cache = {"checkpoint_requested": checkpoint_requested, "resolved": resolved,
+                             "policy": policy}
+            self._mark_dirty()
+
+    # ------------------------------------------------------------------------------ writing
+    def snapshot(self) -> dict:
+        if self.platform is None:
+            self.platform = _detect_platform()
+        if self.rank is None:
+            self.rank = _detect_rank()
+        with self._lock:
+            return {
+                "schema": SCHEMA,
+                "rank": self.rank,
+                "pid": os.getpid(),
+                **self.platform,
+                "kv_cache": dict(self.kv_cache) if self.kv_cache else None,
+                "modules": json.loads(json.dumps(self.modules)),
+                "lm_head": dict(self.lm_head) if self.lm_head else None,
+                "fallbacks": [{"module": m, "reason": r, "count": c}
+                              for (m, r), c in sorted(self.fallbacks.items())],
+                "updated": _now(),
+            }
+
+    def flush(self) -> str:
+        """Write this rank's file now; returns its path."""
+        with self._lock:
+            self._dirty = False
+        data = self.snapshot()
+        path = census_path(data["rank"], self.directory)
+        write_json_atomic(path, data)
+        return path
+
+    def _mark_dirty(self) -> None:  # called with the lock held
+        self._dirty = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._flusher, name="qpn-census", daemon=True)
+            self._thread.start()
+        if not self._atexit:
+            atexit.register(self._flush_at_exit)
+            self._atexit = True
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            if self._dirty:
+                try:
+                    self.flush()
+                except OSError:
+                    pass  # a full or vanished disk must not take the engine down; retried next tick
+
+    def _flush_at_exit(self) -> None:
+        self._stop.set()
+        if self.modules or self.kv_cache or self.fallbacks:
+            try:
+                self.flush()
+            except OSError:
+                pass
+
+
+CENSUS = Census()
+
+
+# ------------------------------------------------------------------------------------ reading
+def read_rank_files(directory: str) -> list[dict]:
+    """Every complete census file of ``directory``, by rank."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "census_rank*.json"))):
+        if not _FILE_RE.search(os.path.basename(path)):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: census schema {data.get('schema')!r}, this reader knows {SCHEMA}")
+        out.append(data)
+    return sorted(out, key=lambda d: d["rank"])
+
+
+def aggregate(census_dir: str) -> dict:
+    """Merge the ranks' census files of ``census_dir`` into one summary (see module doc)."""
+    qpn_routes = _qpn_routes()
+    ranks = read_rank_files(census_dir)
+    by_region: dict[str, int] = {}
+    route_counts: dict[str, dict[str, int]] = {}
+    on_qpn = total = 0
+    fallbacks = []
+    for r in ranks:
+        failed = {f["module"] for f in r.get("fallbacks", [])}
+        for name, mod in r.get("modules", {}).items():
+            total += 1
+            by_region[mod["region"]] = by_region.get(mod["region"], 0) + 1
+            routes = mod.get("routes", {})
+            for route, c in routes.items():
+                slot = route_counts.setdefault(route, {"eager": 0, "graph": 0})
+                slot["eager"] += c.get("eager", 0)
+                slot["graph"] += c.get("graph", 0)
+            if (mod.get("eligible") and mod.get("prepack_verified") and name not in failed
+                    and all(route in qpn_routes for route in routes)):
+                on_qpn += 1
+        for f in r.get("fallbacks", []):
+            fallbacks.append({**f, "rank": r["rank"]})
+    return {
+        "ranks": [{k: r.get(k) for k in ("rank", "pid", "engine_version", "platform",
+                                         "device_capability", "backend", "updated")} for r in ranks],
+        "modules_by_region": by_region,
+        "modules_on_qpn": on_qpn,
+        "modules_total": total,
+        "route_counts": route_counts,
+        "non_qpn_routes": sorted(set(route_counts) - set(qpn_routes)),
+        "fallback_calls": sum(f["count"] for f in fallbacks),
+        "fallbacks": fallbacks,
+        "lm_head": [r.get("lm_head") for r in ranks],
+        "kv_resolved": [r.get("kv_cache") for r in ranks],
+    }

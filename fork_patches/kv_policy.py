@@ -1,0 +1,107 @@
+"""KV-cache dtype policy: FP16 KV on SM70 even when the checkpoint asks for FP8.
+
+The published mixed checkpoint declares an FP8 KV cache (``kv_cache_quant_algo: FP8``). That is
+a good choice where attention has an FP8 path; on Volta it sends decode attention to a scalar
+paged kernel instead of the tensor-core one (seed 000 measured +4.82 ms per round for honouring
+it, against the 1Cat-vLLM engine). So on SM70, when the user left ``--kv-cache-dtype`` at
+``auto`` and the checkpoint's directive resolved to an FP8 cache, we serve FP16 KV and say so in
+the log and in the census. An explicit ``--kv-cache-dtype`` always wins; on every other platform
+vLLM's own resolution stands and the census records what it resolved, with one exception: an
+x86 CPU without AVX-512 and AMX, where vLLM 0.32 resolves the directive to an FP8 cache and then
+refuses to allocate it; there the cache stays in the model dtype (logged, and in the census).
+
+The decision is made where vLLM resolves ``auto`` (``EngineArgs.create_engine_config`` calling
+``resolve_kv_cache_dtype_string``, in the API process); each worker re-derives the same
+description for its census from the config it received.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("vllm.qpn.kv_policy")
+
+SM70_KV_DTYPE = "float16"
+POLICY_SM70 = ("sm70: the checkpoint's FP8 KV directive is overridden on purpose; FP16 KV keeps "
+               "Volta's tensor-core attention path (FP8 KV forces scalar paged attention there)")
+POLICY_CPU_NO_FP8 = ("cpu without AVX-512/AMX: vLLM's CPU attention cannot hold an FP8 KV cache "
+                     "there, so the cache is kept in the model dtype")
+POLICY_USER = "explicit --kv-cache-dtype from the user; served as given"
+POLICY_ENGINE = "engine's own resolution stands on this platform ({platform})"
+
+
+def _is_sm70() -> bool:
+    from qpn.fork_patches.platform_gate import is_sm70_cuda
+
+    return is_sm70_cuda()
+
+
+def checkpoint_kv_request(model_config) -> str | None:
+    """The cache dtype the checkpoint itself asks for (vLLM's reading of it), or None."""
+    from vllm.utils.torch_utils import get_kv_cache_quant_algo_string
+
+    quant_cfg = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
+    if not quant_cfg:
+        return None
+    return get_kv_cache_quant_algo_string(quant_cfg)
+
+
+def cpu_lacks_fp8_kv() -> bool:
+    """True on an x86 CPU without AVX-512 and AMX, where vLLM 0.32's CPU attention refuses an
+    FP8 KV cache at the first allocation (cpu_attn._get_attn_isa: 'FP8 KV cache on CPU requires
+    x86 with AVX-512 or AMX')."""
+    import torch
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu() or current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        return False
+    return not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _model_dtype_name(model_config) -> str:
+    import torch
+
+    return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(model_config.dtype, "auto")
+
+
+def wrap_resolve_kv_cache_dtype_string(original):
+    """Wrapper of vllm.engine.arg_utils.resolve_kv_cache_dtype_string (see module doc)."""
+
+    def resolve_kv_cache_dtype_string(kv_cache_dtype: str, model_config) -> str:
+        resolved = original(kv_cache_dtype, model_config)
+        if kv_cache_dtype != "auto" or not str(resolved).startswith("fp8"):
+            return resolved
+        if _is_sm70():
+            logger.warning(
+                "volta-qpn: checkpoint asks for an FP8 KV cache (%s); serving FP16 KV on SM70 "
+                "on purpose: %s. Pass --kv-cache-dtype %s explicitly to override.",
+                resolved, POLICY_SM70, resolved)
+            return SM70_KV_DTYPE
+        if cpu_lacks_fp8_kv():
+            chosen = _model_dtype_name(model_config)
+            logger.warning(
+                "volta-qpn: checkpoint asks for an FP8 KV cache (%s) but this CPU has neither "
+                "AVX-512 nor AMX, which vLLM's CPU attention needs for FP8 KV; serving the KV "
+                "cache in %s instead.", resolved, chosen)
+            return chosen
+        return resolved
+
+    resolve_kv_cache_dtype_string.__wrapped__ = original
+    return resolve_kv_cache_dtype_string
+
+
+def describe(vllm_config) -> tuple[str | None, str, str]:
+    """(checkpoint_requested, resolved, policy) for the census, from a worker's config."""
+    from vllm.platforms import current_platform
+
+    requested = checkpoint_kv_request(vllm_config.model_config)
+    resolved = str(vllm_config.cache_config.cache_dtype)
+    if _is_sm70() and requested and requested.startswith("fp8") and resolved == SM70_KV_DTYPE:
+        policy = POLICY_SM70
+    elif requested and requested.startswith("fp8") and not resolved.startswith("fp8") and cpu_lacks_fp8_kv():
+        policy = POLICY_CPU_NO_FP8
+    elif requested and resolved != requested and resolved != "auto":
+        policy = POLICY_USER
+    else:
+        platform = "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
+        policy = POLICY_ENGINE.format(platform=platform)
+    return requested, resolved, policy

@@ -1,0 +1,341 @@
+"""Per-module linear methods of the QPN path: NVFP4 regions -> QPN2 family, FP8 -> QPN8 family.
+
+Life of one quantized module (vLLM's LinearMethodBase contract):
+
+1. ``create_weights``: register the checkpoint's tensors exactly as stored (NVFP4: uint8 codes
+   [N, K/2], e4m3 ``weight_scale`` [N, K/16], float32 ``weight_scale_2`` and ``input_scale`` per
+   shard; FP8: e4m3 ``weight`` [N, K], float32 ``weight_scale`` and ``input_scale`` per shard).
+   Every tensor is checked as it is loaded (dtype, shape, finite and non-negative scales) and
+   every shard that received it is recorded, so a broken checkpoint fails the load with an
+   error that names the module, the shard and the problem.
+2. ``process_weights_after_loading``: every shard must have its weight and scales; then prepack
+   (qpn.kernels.prepack), prove the inverse gives the source bytes back byte for byte, and only
+   then free the source tensors. No FP16 copy of a weight is made at any point.
+   Fused shards keep their own scales, unchanged: FP8 shards with different per-tensor scales
+   get a per-output-channel scale vector (each shard's scalar repeated over its rows; the codes
+   are untouched, nothing is requantized); NVFP4 shards with different global scales are packed
+   as separate pieces (one call each, outputs concatenated).
+3. ``apply``: M = rows in the batch; route = qpn.kernels.routes.route_for(fmt, M, N, K);
+   qpn.kernels.ops.qpn_linear(x, packed, route); every call counted in the route census
+   (calls made while capturing a CUDA graph counted separately).
+
+The same method serves ``lm_head`` (vLLM's LogitsProcessor calls ``lm_head.quant_method.apply``),
+so the head runs from the checkpoint's own NVFP4 codes.
+
+The activation scales (``input_scale``) are loaded, checked, and dropped: QPN computes with FP16
+activations (W4A16 / W8A16), so they have no use.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.model_executor.layers.linear import (
+    LinearMethodBase,
+    QKVParallelLinear,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
+
+from qpn.fork_patches.census import CENSUS
+from qpn.kernels import formats
+
+logger = logging.getLogger("vllm.qpn.linear_method")
+
+GROUP_SIZE = formats.GROUP_SIZE
+ROUTE_FAMILY = {"nvfp4": "qpn2", "fp8": "qpn8"}
+SCALE_PARAMS = ("weight_scale", "weight_scale_2", "input_scale")
+
+
+class QPNCheckpointError(ValueError):
+    """A checkpoint tensor or declaration the QPN path cannot serve; names module and problem."""
+
+
+def _capturing_cuda_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _QPNLinearMethod(LinearMethodBase):
+    fmt: str = ""
+
+    def __init__(self, prefix: str, algo: str, backend: str, arch: str = "sm70",
+                 shard_names: list[str] | None = None) -> None:
+        self.prefix = prefix
+        self.algo = algo
+        self.backend = backend
+        self.arch = arch
+        self.shard_names = list(shard_names or [])
+        self.partition_sizes: list[int] = []
+        self.n = self.k = 0
+        self.loaded: dict[str, set[int]] = {}
+        self.pieces: list[tuple[int, int, object]] = []  # (row0, row1, packed)
+        self.census_name: str | None = None
+        self._ops = None
+
+    # ------------------------------------------------------------------------- descriptions
+    def _where(self) -> str:
+        return f"{self.prefix} ({self.algo}, {ROUTE_FAMILY[self.fmt].upper()} route family)"
+
+    def _shard_label(self, idx: int) -> str:
+        r0 = sum(self.partition_sizes[:idx])
+        r1 = r0 + self.partition_sizes[idx]
+        label = f"output shard {idx} of {len(self.partition_sizes)} (rows {r0}-{r1 - 1})"
+        if len(self.shard_names) == len(self.partition_sizes):
+            base = self.prefix.rsplit(".", 1)[0]
+            label += f", checkpoint module {base}.{self.shard_names[idx]}"
+        return label
+
+    def _parts(self, shard) -> list[int]:
+        if shard is None:
+            return list(range(len(self.partition_sizes)))
+        if isinstance(shard, str):
+            return [{"q": 0, "k": 1, "v": 2}[shard]]
+        if isinstance(shard, tuple):
+            return [int(i) for i in shard]
+        return [int(shard)]
+
+    def _expected_rows(self, layer, shard) -> int:
+        """Rows of the checkpoint tensor for this shard, before tensor-parallel splitting."""
+        if isinstance(layer, VocabParallelEmbedding):
+            return int(layer.org_vocab_size)
+        if shard is None:
+            return int(layer.output_size)
+        if isinstance(layer, QKVParallelLinear) and isinstance(shard, str):
+            heads = {"q": layer.total_num_heads, "k": layer.total_num_kv_heads,
+                     "v": layer.total_num_kv_heads}[shard]
+            dim = layer.v_head_size if shard == "v" else layer.head_size
+            return int(heads * dim)
+        sizes = getattr(layer, "output_sizes", None)
+        idx = [shard] if isinstance(shard, int) else list(shard)
+        return int(sum(sizes[i] for i in idx))
+
+    # --------------------------------------------------------------------------- checking
+    def _fail(self, msg: str):
+        raise QPNCheckpointError(f"{self._where()}: {msg}")
+
+    def _expected_cols(self, name: str, k_full: int) -> int | None:
+        raise NotImplementedError
+
+    def _expected_dtype(self, name: str) -> tuple[torch.dtype, ...]:
+        raise NotImplementedError
+
+    def _check_tensor(self, layer, name: str, t: torch.Tensor, shard) -> None:
+        parts = self._parts(shard)
+        what = f"tensor {name} of " + ", ".join(self._shard_label(i) for i in parts)
+        if t.dtype not in self._expected_dtype(name):
+            self._fail(f"{what} is stored as {t.dtype}, expected "
+                       f"{' or '.join(str(d) for d in self._expected_dtype(name))}; the checkpoint does "
+                       f"not hold {self.algo} data for this module (check quantized_layers)")
+        k_full = int(layer.input_size)
+        cols = self._expected_cols(name, k_full)
+        if cols is None:  # a per-tensor scalar
+            if t.numel() != 1:
+                self._fail(f"{what} has shape {tuple(t.shape)}; a per-tensor scale must hold one value")
+        else:
+            rows = self._expected_rows(layer, shard)
+            if tuple(t.shape) != (rows, cols):
+                self._fail(f"{what} has shape {tuple(t.shape)}, expected ({rows}, {cols}) for "
+                           f"K={k_full} input features" +
+                           (f" (one e4m3 scale per {GROUP_SIZE} inputs)" if name == "weight_scale" else ""))
+        if name in SCALE_PARAMS:
+            v = t.float()
+            n_nan = int(torch.isnan(v).sum())
+            n_inf = int(torch.isinf(v).sum())
+            if n_nan or n_inf:
+                self._fail(f"{what} is not finite: {n_nan} NaN and {n_inf} inf value(s) out of "
+                           f"{v.numel()}; re-export the checkpoint")
+            if bool((v < 0).any()):
+                self._fail(f"{what} holds negative scale(s); scales must be >= 0")
+
+    def _checked_loader(self, layer, name: str, loader):
+        def load(param, loaded_weight, *args, **kwargs):
+            shard = args[0] if args else kwargs.get("loaded_shard_id")
+            self._check_tensor(layer, name, loaded_weight, shard)
+            try:
+                out = loader(param, loaded_weight, *args, **kwargs)
+            except (AssertionError, RuntimeError, ValueError, IndexError) as e:
+                raise QPNCheckpointError(
+                    f"{self._where()}: loading tensor {name} (shape {tuple(loaded_weight.shape)}, "
+                    f"shard {shard!r}) failed: {type(e).__name__}: {e}") from e
+            self.loaded.setdefault(name, set()).update(self._parts(shard))
+            return out
+
+        return load
+
+    def _check_complete(self) -> None:
+        for name in self._required():
+            have = self.loaded.get(name, set())
+            for idx in range(len(self.partition_sizes)):
+                if idx not in have:
+                    self._fail(f"missing tensor: the checkpoint has no {name} for {self._shard_label(idx)}")
+
+    def _required(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------- weights
+    def _register(self, layer, name, shape, dtype, cls, loader, **dims):
+        param = cls(data=torch.empty(shape, dtype=dtype), weight_loader=self._checked_loader(layer, name, loader),
+                    **dims)
+        layer.register_parameter(name, param)
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs) -> None:
+        loader = extra_weight_attrs.get("weight_loader")
+        self.partition_sizes = [int(s) for s in output_partition_sizes]
+        self.n, self.k = sum(self.partition_sizes), int(input_size_per_partition)
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition = input_size_per_partition
+        layer.output_size_per_partition = self.n
+        self._create(layer, loader)
+
+    def _create(self, layer, loader) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer) -> None:
+        self._check_complete()
+        self._prepack(layer)
+        for name in ("weight",) + SCALE_PARAMS:
+            if name in layer._parameters:
+                delattr(layer, name)
+        self.census_name = CENSUS.register_module(layer, self.prefix, self.fmt, self.n, self.k,
+                                                  eligible=True, prepack_verified=True)
+        if isinstance(layer, VocabParallelEmbedding):
+            CENSUS.set_lm_head(module=self.census_name, region=self.fmt, source="checkpoint_codes",
+                               route_family=ROUTE_FAMILY[self.fmt], repack_fallback=False)
+
+    def _prepack(self, layer) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------ apply
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from qpn.kernels.routes import route_for
+
+        if self._ops is None:
+            from qpn.kernels import ops
+
+            self._ops = ops
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        lead = x.shape[:-1]
+        if m == 0:
+            out = x.new_empty((*lead, self.n))
+            return out if bias is None else out + bias
+        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch)
+        x2 = x.reshape(m, k)
+        if len(self.pieces) == 1:
+            y = self._ops.qpn_linear(x2, self.pieces[0][2], route=route)
+        else:
+            y = torch.cat([self._ops.qpn_linear(x2, p, route=route) for _, _, p in self.pieces], dim=-1)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        CENSUS.count(self.census_name, route, graph=_capturing_cuda_graph())
+        return y.reshape(*lead, self.n)
+
+
+@register_weight_loader_v2_supported_method
+class QPN2LinearMethod(_QPNLinearMethod):
+    """NVFP4 region -> QPN2 family (W4A16: e2m1 codes x e4m3 group scale x global scale)."""
+
+    fmt = "nvfp4"
+
+    def _expected_dtype(self, name):
+        return {"weight": (torch.uint8,), "weight_scale": (torch.float8_e4m3fn,)}.get(
+            name, (torch.float32, torch.bfloat16, torch.float16))
+
+    def _expected_cols(self, name, k_full):
+        return {"weight": k_full // 2, "weight_scale": k_full // GROUP_SIZE}.get(name)
+
+    def _required(self):
+        return ("weight", "weight_scale", "weight_scale_2")
+
+    def _create(self, layer, loader) -> None:
+        if self.k % GROUP_SIZE:
+            self._fail(f"K={self.k} input features is not a multiple of the NVFP4 group size "
+                       f"{GROUP_SIZE}; NVFP4 stores one e4m3 scale per {GROUP_SIZE} inputs")
+        p = len(self.partition_sizes)
+        self._register(layer, "weight", (self.n, self.k // 2), torch.uint8, ModelWeightParameter, loader,
+                       input_dim=1, output_dim=0)
+        self._register(layer, "weight_scale", (self.n, self.k // GROUP_SIZE), torch.float8_e4m3fn,
+                       ModelWeightParameter, loader, input_dim=1, output_dim=0)
+        self._register(layer, "weight_scale_2", (p,), torch.float32, PerTensorScaleParameter, loader)
+        self._register(layer, "input_scale", (p,), torch.float32, PerTensorScaleParameter, loader)
+
+    def _prepack(self, layer) -> None:
+        from qpn.kernels import prepack
+
+        w = layer.weight.data
+        s = layer.weight_scale.data
+        s2 = layer.weight_scale_2.data.float()
+        if bool((s2 == 0).any()):
+            self._fail("weight_scale_2 (global scale) is 0 for a shard; re-export the checkpoint")
+        # Runs of shards that share one global scale become one packed piece.
+        runs: list[list[int]] = []
+        for i in range(len(self.partition_sizes)):
+            if runs and torch.equal(s2[runs[-1][0]], s2[i]):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        pieces = []
+        for run in runs:
+            r0 = sum(self.partition_sizes[: run[0]])
+            r1 = sum(self.partition_sizes[: run[-1] + 1])
+            try:
+                packed = prepack.prepack_nvfp4(w[r0:r1], s[r0:r1], s2[run[0]].reshape(()))
+                prepack.verify_nvfp4_roundtrip(packed, w[r0:r1], s[r0:r1])
+            except prepack.PrepackMismatch as e:
+                self._fail(f"prepack inverse is not byte-identical for rows {r0}-{r1 - 1}: {e}")
+            except formats.FormatError as e:
+                self._fail(f"cannot prepack rows {r0}-{r1 - 1}: {e}")
+            pieces.append((r0, r1, packed))
+        if len(pieces) > 1:
+            logger.info("volta-qpn: %s: %d fused NVFP4 shards with different global scales served "
+                        "as %d packed pieces (codes and scales unchanged)", self.prefix,
+                        len(self.partition_sizes), len(pieces))
+        self.pieces = pieces
+
+
+@register_weight_loader_v2_supported_method
+class QPN8LinearMethod(_QPNLinearMethod):
+    """FP8 (e4m3) region -> QPN8 family (W8A16: e4m3 codes x per-tensor/per-channel scale)."""
+
+    fmt = "fp8"
+
+    def _expected_dtype(self, name):
+        return {"weight": (torch.float8_e4m3fn,)}.get(name, (torch.float32, torch.bfloat16, torch.float16))
+
+    def _expected_cols(self, name, k_full):
+        return {"weight": k_full}.get(name)
+
+    def _required(self):
+        return ("weight", "weight_scale")
+
+    def _create(self, layer, loader) -> None:
+        p = len(self.partition_sizes)
+        self._register(layer, "weight", (self.n, self.k), torch.float8_e4m3fn, ModelWeightParameter, loader,
+                       input_dim=1, output_dim=0)
+        self._register(layer, "weight_scale", (p,), torch.float32, PerTensorScaleParameter, loader)
+        self._register(layer, "input_scale", (p,), torch.float32, PerTensorScaleParameter, loader)
+
+    def _prepack(self, layer) -> None:
+        from qpn.kernels import prepack
+
+        w = layer.weight.data
+        ws = layer.weight_scale.data.float()
+        if bool((ws == ws[0]).all()):
+            scale = ws[:1].clone()
+        else:
+            # Each shard keeps its own scale: repeat it over the shard's rows (no requantization).
+            scale = torch.repeat_interleave(
+                ws, torch.tensor(self.partition_sizes, device=ws.device)).contiguous()
+        try:
+            packed = prepack.prepack_fp8(w, scale)
+            prepack.verify_fp8_roundtrip(packed, w, scale)
+        except prepack.PrepackMismatch as e:
+            self._fail(f"prepack inverse is not byte-identical: {e}")
+        except formats.FormatError as e:
+            self._fail(f"cannot prepack: {e}")
+        self.pieces = [(0, self.n, packed)]
