@@ -63,6 +63,18 @@ def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70") -> str:
     return p + "_reconstruct"
 
 
+# Mixture-of-experts layers (kernels/moe.py): one grouped route per format of the gate/up
+# stack, for every batch size (pairs are grouped by expert on the device; 8 pairs per MMA tile).
+QPN_MOE_ROUTES = frozenset(f"{ROUTE_PREFIX[f]}_moe" for f in FORMATS)
+
+
+def moe_route_for(fmt: str) -> str:
+    """Route name of a MoE layer whose gate/up experts are stored in ``fmt``."""
+    if fmt not in ROUTE_PREFIX:
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+    return ROUTE_PREFIX[fmt] + "_moe"
+
+
 def route_format(route: str) -> str:
     """Format ("nvfp4" / "fp8") a route name serves."""
     if route not in QPN_ROUTES:

@@ -27,6 +27,9 @@ from . import jit, nvrtc
 
 MAX_REGISTERS = 64
 TRITON_FOR_TOOLS = "3.4.0"
+# Kernels that issue no MMA: the reconstruct pass (decode to FP16), the MoE routing (grouping
+# pairs by expert) and the MoE combine (weighted sum of the experts' results).
+NON_GEMM_MARKERS = ("_reconstruct_ws_", "_moe_align", "_moe_combine")
 
 
 class ToolMissing(RuntimeError):
@@ -91,7 +94,7 @@ class KernelReport:
 
     @property
     def is_gemm(self) -> bool:
-        return "_reconstruct_ws_" not in self.name  # the reconstruct pass only decodes to FP16
+        return not any(m in self.name for m in NON_GEMM_MARKERS)
 
 
 @dataclass
@@ -170,12 +173,15 @@ def _parse_resource(text: str, reports: dict[str, KernelReport]) -> None:
                 setattr(cur, attr, int(m.group(1)))
 
 
-def run_check(arch: int = 70, download: bool = True) -> CheckResult:
+def run_check(arch: int = 70, download: bool = True, source: str = jit.MAIN_SOURCE,
+              expected=None) -> CheckResult:
+    """Check the kernels of one csrc/ source (the dense family by default; moe_check() for
+    qpn_moe.cu); ``expected`` are the entry points that must be there."""
     nv = nvrtc.load_nvrtc(12, arch)
     ptxas = find_ptxas()
     cuobjdump = find_disassembler(download)
-    src = nvrtc.read_sources()[jit.MAIN_SOURCE]
-    res = nv.compile(src, jit.MAIN_SOURCE, arch, list(jit.COMPILE_FLAGS), want_cubin=True)
+    src = nvrtc.read_sources()[source]
+    res = nv.compile(src, source, arch, list(jit.COMPILE_FLAGS), want_cubin=True)
     env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path = os.path.join(tmp, "qpn.ptx")
@@ -197,7 +203,7 @@ def run_check(arch: int = 70, download: bool = True) -> CheckResult:
         _parse_sass(sass.stdout, reports)
         resu = subprocess.run([cuobjdump, "--dump-resource-usage", cubin_path], capture_output=True, text=True, env=env)
         _parse_resource(resu.stdout, reports)
-    expected = jit.ENTRY_POINTS["m8n8k4"]
+    expected = tuple(expected) if expected is not None else jit.ENTRY_POINTS["m8n8k4"]
     for name in expected:
         if name not in reports:
             reports[name] = KernelReport(name, problems=["missing from the sm_70 build"])
@@ -218,15 +224,24 @@ def run_check(arch: int = 70, download: bool = True) -> CheckResult:
     return CheckResult(res.nvrtc_version, ptxas_version, ordered)
 
 
+def moe_check(arch: int = 70, download: bool = True) -> CheckResult:
+    """The grouped MoE kernels (csrc/qpn_moe.cu, qpn.kernels.moe)."""
+    from . import moe
+
+    return run_check(arch, download, source=moe.MOE_SOURCE, expected=moe.entry_points("m8n8k4"))
+
+
 def main(argv=None) -> int:
     try:
-        result = run_check()
+        results = [run_check(), moe_check()]
     except (ToolMissing, nvrtc.NvrtcUnavailable) as e:
         print(f"sm_70 check cannot run: {e}", file=sys.stderr)
         return 2
-    print(result.table())
-    print("PASS" if result.ok else "FAIL")
-    return 0 if result.ok else 1
+    for result in results:
+        print(result.table())
+    ok = all(r.ok for r in results)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

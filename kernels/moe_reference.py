@@ -1,0 +1,135 @@
+"""CPU reference for the grouped MoE kernels, reading the SAME packed expert stacks.
+
+Two levels, as for the dense routes (reference.py):
+
+* ``moe_reference``: FP32 with the kernels' semantics and FP16 output. This is what a CPU engine
+  serves. Only the experts that some pair selects are decoded (from fragment order, through
+  reference.decode_packed_*), once per call, and each is applied to all its pairs in one matrix
+  product; nothing is cached, so no FP16 or FP32 copy of a weight outlives the call.
+* ``moe_reference_f64``: float64, exact up to the one rounding the design makes on purpose:
+  the SwiGLU output (the down projection's activations) is rounded to FP16, because that is
+  what enters the down GEMM, exactly as any activation entering a QPN GEMM is FP16. The weights
+  come from the packed buffers through the verified inverse permutation (prepack.unprepack_*)
+  and are exact in float64. Round the result to FP16 to compare with a kernel's output.
+
+Routing: ``topk_ids`` [T, top_k] and ``topk_weights`` [T, top_k]; an id outside [0, E)
+contributes nothing; a repeated id counts once per slot. The loop below runs over the experts
+that are in use (at most min(E, T * top_k) iterations), never over elements.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import formats, prepack, reference
+from .moe import PackedExpertStack, PackedMoE
+
+
+def _weight_f32(stack: PackedExpertStack, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, K] float32, per-row result scale [N] float32) of expert e, from the packed bytes.
+    NVFP4: values = e2m1 * fl32(e4m3 group scale * global scale), row scale 1 (the semantics of
+    reference.linear_nvfp4); FP8: values = e4m3, row scale = per-tensor / per-channel scale."""
+    p = stack.expert(e)
+    if stack.fmt == "nvfp4":
+        vals, gscales = reference.decode_packed_nvfp4(p)
+        w = (vals.view(p.n, -1, formats.GROUP_SIZE) * gscales.unsqueeze(-1)).view(p.n, p.k)
+        return w, torch.ones(p.n, dtype=torch.float32, device=w.device)
+    vals, scale = reference.decode_packed_fp8(p)
+    return vals, scale
+
+
+def _weight_f64(stack: PackedExpertStack, e: int) -> torch.Tensor:
+    """Exact float64 [N, K] of expert e, through the verified inverse of the prepack."""
+    p = stack.expert(e)
+    if stack.fmt == "nvfp4":
+        w, s = prepack.unprepack_nvfp4(p)
+        return formats.dequantize_nvfp4_f64(w, s, p.global_scale)
+    w, s = prepack.unprepack_fp8(p)
+    return formats.dequantize_fp8_f64(w, s)
+
+
+def _linear32(x32: torch.Tensor, stack: PackedExpertStack, e: int) -> torch.Tensor:
+    w, row_scale = _weight_f32(stack, e)
+    return (x32 @ w.t()) * row_scale.unsqueeze(0)
+
+
+def _pairs(topk_ids: torch.Tensor, num_experts: int):
+    ids = topk_ids.reshape(-1).to(torch.long)
+    valid = (ids >= 0) & (ids < num_experts)
+    return ids, valid
+
+
+def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,
+            f64: bool, want_h: bool = False):
+    """Sum over slots of weight * down(SwiGLU) per token, float32 or float64 [T, H]; with want_h
+    also the FP16-rounded SwiGLU activations per pair [P, I] (NaN rows for unused pairs)."""
+    tokens, top_k = topk_ids.shape
+    ids, valid = _pairs(topk_ids, packed.num_experts)
+    dt = torch.float64 if f64 else torch.float32
+    w = topk_weights.reshape(-1).to(dt)
+    tok_of_pair = torch.arange(ids.numel(), device=x.device) // max(top_k, 1)
+    out = torch.zeros((tokens, packed.hidden), dtype=dt, device=x.device)
+    h_all = torch.full((ids.numel(), packed.intermediate), float("nan"), dtype=torch.float16,
+                       device=x.device) if want_h else None
+    xd = x.to(dt)
+    for e in torch.unique(ids[valid]).tolist():
+        sel = torch.nonzero(valid & (ids == e)).reshape(-1)
+        xe = xd.index_select(0, tok_of_pair[sel])
+        if f64:
+            g = xe @ _weight_f64(packed.gate, e).t()
+            u = xe @ _weight_f64(packed.up, e).t()
+            h = (g / (1.0 + torch.exp(-g)) * u).to(torch.float16)
+            d = h.double() @ _weight_f64(packed.down, e).t()
+        else:
+            g = _linear32(xe, packed.gate, e)
+            u = _linear32(xe, packed.up, e)
+            h = (torch.nn.functional.silu(g) * u).to(torch.float16)
+            d = _linear32(h.float(), packed.down, e)
+        if want_h:
+            h_all[sel] = h
+        out.index_add_(0, tok_of_pair[sel], d * w[sel].unsqueeze(1))
+    return out, h_all
+
+
+def _check(x, topk_ids, topk_weights, packed):
+    from .moe import check_routing
+
+    check_routing(x, topk_ids, topk_weights, packed)
+
+
+def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,
+                  shared: Optional[PackedMoE] = None, shared_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MoE layer's routed experts (+ shared expert) in FP32, fp16 [T, H] out."""
+    _check(x, topk_ids, topk_weights, packed)
+    out, _ = _routed(x, topk_ids, topk_weights, packed, f64=False)
+    if shared is not None:
+        ones = torch.zeros((x.shape[0], 1), dtype=torch.long, device=x.device)
+        sw = shared_weight.reshape(-1, 1).float() if shared_weight is not None else \
+            torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
+        s, _ = _routed(x, ones, sw, shared, f64=False)
+        out = out + s
+    return out.to(torch.float16)
+
+
+def moe_reference_f64(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,
+                      shared: Optional[PackedMoE] = None, shared_weight: Optional[torch.Tensor] = None,
+                      return_h: bool = False):
+    """float64 [T, H] (not rounded); with return_h also the FP16 SwiGLU activations per pair."""
+    _check(x, topk_ids, topk_weights, packed)
+    out, h = _routed(x, topk_ids, topk_weights, packed, f64=True, want_h=return_h)
+    if shared is not None:
+        zeros = torch.zeros((x.shape[0], 1), dtype=torch.long, device=x.device)
+        sw = shared_weight.reshape(-1, 1).double() if shared_weight is not None else \
+            torch.ones((x.shape[0], 1), dtype=torch.float64, device=x.device)
+        s, _ = _routed(x, zeros, sw, shared, f64=True)
+        out = out + s
+    return (out, h) if return_h else out
+
+
+def swiglu_f64(x: torch.Tensor, packed: PackedMoE, e: int) -> torch.Tensor:
+    """Exact float64 silu(gate_e(x)) * up_e(x) for one expert, [rows, I] (no rounding)."""
+    xd = x.double()
+    g = xd @ _weight_f64(packed.gate, e).t()
+    u = xd @ _weight_f64(packed.up, e).t()
+    return g / (1.0 + torch.exp(-g)) * u
