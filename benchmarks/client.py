@@ -210,6 +210,10 @@ class ChatClient:
             raise ServerUnreachable(
                 f"the server at {url} did not answer in time. Check that it finished booting "
                 f"(GET /v1/models answers) and that --base-url points at it.") from None
+        except httpx.TransportError as e:
+            raise ServerUnreachable(
+                f"the connection to {url} failed ({type(e).__name__}: {e}); the server stopped "
+                f"answering. Check the server log, restart it and rerun.") from None
 
     def list_models(self) -> list[dict]:
         r = self._get(self.base_url + "/models")
@@ -285,6 +289,11 @@ class ChatClient:
                 f"the stream from {url} stalled past the client timeout after "
                 f"{len(lines)} lines. Check the server log; raise --timeout if the model is "
                 f"legitimately slow.") from None
+        except httpx.TransportError as e:
+            raise StreamCut(
+                f"the request to {url} failed in transport ({type(e).__name__}: {e}) after "
+                f"{len(lines)} stream lines; the server probably died. Check the server log and "
+                f"rerun; rows finished before this one are kept.") from None
         res = parse_stream(t_sent, lines)
         if not res.done or not res.complete:
             missing = [n for n, ok in (("[DONE]", res.done), ("finish_reason", res.finish_reason),

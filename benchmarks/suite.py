@@ -92,10 +92,11 @@ class Bench:
 
         try:
             r = self.client._http.get(self.metrics_url)
-        except httpx.ConnectError as e:
+        except httpx.TransportError as e:  # refused, reset, disconnected, timed out
             raise ServerUnreachable(
-                f"cannot reach {self.metrics_url} ({e}); the server stopped answering. "
-                f"Check the server log and rerun; rows already finished are kept.") from None
+                f"cannot read {self.metrics_url} ({type(e).__name__}: {e}); the server stopped "
+                f"answering. Check the server log, restart it and rerun; rows already finished "
+                f"are kept.") from None
         if r.status_code != 200:
             raise MetricsUnavailable(
                 f"the metrics endpoint {self.metrics_url} answered HTTP {r.status_code}, so tau, "
