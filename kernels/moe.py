@@ -447,8 +447,10 @@ def _gemm(mod, name, stacks: list[PackedExpertStack], x: torch.Tensor, ldx: int,
     jit.launch(mod, name, g_max * n_blocks, THREADS, smem, stream, [a])
 
 
-def _routed_down(mod, xh: torch.Tensor, ids32: torch.Tensor, top_k: int, packed: PackedMoE, stream: int) -> torch.Tensor:
-    """FP32 down-projection result per pair [P, H] (rows of pairs with an invalid id: unwritten)."""
+def _routed_down(mod, xh: torch.Tensor, ids32: torch.Tensor, top_k: int, packed: PackedMoE,
+                 stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 SwiGLU activations [P, ldh], FP32 down-projection result [P, H]) per pair; rows of
+    pairs with an invalid id are left unwritten (the combine skips them)."""
     dev = xh.device
     pairs = ids32.numel()
     e_count = packed.num_experts
@@ -474,7 +476,7 @@ def _routed_down(mod, xh: torch.Tensor, ids32: torch.Tensor, top_k: int, packed:
     d_prefix = routes.ROUTE_PREFIX[packed.down.fmt]
     _gemm(mod, f"{d_prefix}_moe_down_{atom}", [packed.down], h, ldh, 1, groups, g_max, d, packed.hidden,
           False, est, stream)
-    return d
+    return h, d
 
 
 def _prep_x(x: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
@@ -487,7 +489,7 @@ def _prep_x(x: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
 
 
 def _moe_cuda(x, topk_ids, topk_weights, packed: PackedMoE, shared: Optional[PackedMoE],
-              shared_weight: Optional[torch.Tensor]) -> torch.Tensor:
+              shared_weight: Optional[torch.Tensor], stages: Optional[dict] = None) -> torch.Tensor:
     tokens, top_k = topk_ids.shape
     y = torch.empty((tokens, packed.hidden), dtype=torch.float16, device=x.device)
     if tokens == 0:
@@ -497,11 +499,13 @@ def _moe_cuda(x, topk_ids, topk_weights, packed: PackedMoE, shared: Optional[Pac
     ids32 = topk_ids.reshape(-1).to(torch.int32).contiguous()
     w32 = topk_weights.reshape(-1).to(torch.float32).contiguous()
     xh = _prep_x(x, packed.hidden, packed.gate.k_pad)
-    d = _routed_down(mod, xh, ids32, top_k, packed, stream)
+    h, d = _routed_down(mod, xh, ids32, top_k, packed, stream)
+    if stages is not None:
+        stages.update(h=h[:, :packed.intermediate], d=d)
     d2 = w2 = None
     if shared is not None:
         zeros = torch.zeros(tokens, dtype=torch.int32, device=x.device)
-        d2 = _routed_down(mod, xh, zeros, 1, shared, stream)
+        _, d2 = _routed_down(mod, xh, zeros, 1, shared, stream)
         if shared_weight is not None:
             w2 = shared_weight.reshape(-1).to(torch.float32).contiguous()
     c = MoeCombineArgs(d.data_ptr(), ids32.data_ptr(), w32.data_ptr(), d2.data_ptr() if d2 is not None else 0,
@@ -568,6 +572,16 @@ def qpn_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         x, topk_ids, topk_weights, packed.tensors(), shared.tensors() if shared is not None else [],
         shared_weight, packed.fmts, shared.fmts if shared is not None else "", packed.hidden,
         packed.intermediate, shared.intermediate if shared is not None else 0, packed.atom)
+
+
+def moe_stages_cuda(x, topk_ids, topk_weights, packed: PackedMoE, shared: Optional[PackedMoE] = None,
+                    shared_weight: Optional[torch.Tensor] = None) -> dict:
+    """The kernels' intermediate results, for numerics tests: {"h": fp16 SwiGLU activations
+    [P, I] per pair, "d": FP32 down results [P, H] per pair, "y": the layer output}."""
+    check_routing(x, topk_ids, topk_weights, packed)
+    stages: dict = {}
+    stages["y"] = _moe_cuda(x, topk_ids, topk_weights, packed, shared, shared_weight, stages)
+    return stages
 
 
 def moe_route(packed: PackedMoE) -> str:

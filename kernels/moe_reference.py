@@ -39,8 +39,15 @@ def _weight_f32(stack: PackedExpertStack, e: int) -> tuple[torch.Tensor, torch.T
     return vals, scale
 
 
-def _weight_f64(stack: PackedExpertStack, e: int) -> torch.Tensor:
-    """Exact float64 [N, K] of expert e, through the verified inverse of the prepack."""
+def _weight_f64(stack: PackedExpertStack, e: int, cache: Optional[dict] = None) -> torch.Tensor:
+    """Exact float64 [N, K] of expert e, through the verified inverse of the prepack. ``cache``
+    (a dict the caller owns, for tests that call the reference many times) keeps decoded experts."""
+    if cache is not None:
+        key = (id(stack.codes), e)
+        w = cache.get(key)
+        if w is None:
+            w = cache[key] = _weight_f64(stack, e)
+        return w
     p = stack.expert(e)
     if stack.fmt == "nvfp4":
         w, s = prepack.unprepack_nvfp4(p)
@@ -61,7 +68,7 @@ def _pairs(topk_ids: torch.Tensor, num_experts: int):
 
 
 def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,
-            f64: bool, want_h: bool = False):
+            f64: bool, want_h: bool = False, cache: Optional[dict] = None):
     """Sum over slots of weight * down(SwiGLU) per token, float32 or float64 [T, H]; with want_h
     also the FP16-rounded SwiGLU activations per pair [P, I] (NaN rows for unused pairs)."""
     tokens, top_k = topk_ids.shape
@@ -77,10 +84,10 @@ def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         sel = torch.nonzero(valid & (ids == e)).reshape(-1)
         xe = xd.index_select(0, tok_of_pair[sel])
         if f64:
-            g = xe @ _weight_f64(packed.gate, e).t()
-            u = xe @ _weight_f64(packed.up, e).t()
+            g = xe @ _weight_f64(packed.gate, e, cache).t()
+            u = xe @ _weight_f64(packed.up, e, cache).t()
             h = (g / (1.0 + torch.exp(-g)) * u).to(torch.float16)
-            d = h.double() @ _weight_f64(packed.down, e).t()
+            d = h.double() @ _weight_f64(packed.down, e, cache).t()
         else:
             g = _linear32(xe, packed.gate, e)
             u = _linear32(xe, packed.up, e)
@@ -114,15 +121,15 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 def moe_reference_f64(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,
                       shared: Optional[PackedMoE] = None, shared_weight: Optional[torch.Tensor] = None,
-                      return_h: bool = False):
+                      return_h: bool = False, cache: Optional[dict] = None):
     """float64 [T, H] (not rounded); with return_h also the FP16 SwiGLU activations per pair."""
     _check(x, topk_ids, topk_weights, packed)
-    out, h = _routed(x, topk_ids, topk_weights, packed, f64=True, want_h=return_h)
+    out, h = _routed(x, topk_ids, topk_weights, packed, f64=True, want_h=return_h, cache=cache)
     if shared is not None:
         zeros = torch.zeros((x.shape[0], 1), dtype=torch.long, device=x.device)
         sw = shared_weight.reshape(-1, 1).double() if shared_weight is not None else \
             torch.ones((x.shape[0], 1), dtype=torch.float64, device=x.device)
-        s, _ = _routed(x, zeros, sw, shared, f64=True)
+        s, _ = _routed(x, zeros, sw, shared, f64=True, cache=cache)
         out = out + s
     return (out, h) if return_h else out
 
