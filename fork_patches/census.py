@@ -159,6 +159,8 @@ class Census:
     def set_lm_head(self, module: str, region: str, source: str, route_family: str,
                     repack_fallback: bool = False) -> None:
         with self._lock:
+            if self.lm_head is not None:
+                return  # the target model's head comes first; a drafter's own head is a module only
             self.lm_head = {"module": module, "region": region, "source": source,
                             "route_family": route_family, "repack_fallback": bool(repack_fallback)}
             self._mark_dirty()

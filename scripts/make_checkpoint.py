@@ -13,11 +13,19 @@ FP8/NVFP4 model, with true encodings (qpn.kernels.formats.quantize_fp8 / quantiz
   ``input_scale``): ``mlp.gate_proj/up_proj/down_proj`` and ``lm_head``; gate and up share one
   global scale, as ModelOpt's export makes them.
 * BF16: embeddings, norms, the GDN convolution and its small ``in_proj_b/in_proj_a``, the MTP head.
+* FP8 KV-cache scales ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` (amax / 448).
+* Names as ModelOpt 0.47 writes them for this family: the trunk under ``model.language_model.``,
+  then ``lm_head`` and ``mtp.*``.
 * ``hf_quant_config.json``: ``producer`` modelopt, ``quant_algo`` ``MIXED_PRECISION``, the
-  per-module ``quantized_layers`` map, ``kv_cache_quant_algo`` ``FP8``, ``exclude_modules``.
-  ``--embed-config`` also writes the ``quantization_config`` that newer ModelOpt releases embed
-  in config.json; without it the checkpoint declares its quantization only in
-  hf_quant_config.json, the form vLLM 0.32 rejects at config parsing.
+  per-module ``quantized_layers`` map, ``kv_cache_quant_algo`` ``FP8``.
+  ``--embed-config`` also writes the ``quantization_config`` that ModelOpt >= 0.31 embeds in
+  config.json; without it the checkpoint declares its quantization only in
+  hf_quant_config.json (the older ModelOpt form), which vLLM 0.32 rejects at config parsing.
+
+With the same float weights, every quantized tensor (codes, scales, global scales, activation
+and KV scales) is byte-identical to what ModelOpt 0.47's ``export_hf_checkpoint`` writes from a
+float32 model (tests/test_checkpoint_modelopt.py). ModelOpt exporting in bfloat16 rounds
+weight/scale to bfloat16 before the FP8/FP4 cast, so a few codes land one step away there.
 
 Activation scales (``input_scale``) come from a calibration pass of the float model in
 transformers over a fixed text, like ModelOpt's max calibration: amax / 448 for FP8 inputs,
@@ -59,17 +67,17 @@ MALFORMED: dict[str, Malformed] = {
     for m in (
         # A missing shard scale of a fused FP8 projection: the fused parameter still receives
         # the q and v scales, so only a per-shard check can notice the hole.
-        Malformed("missing-scale", "model.layers.3.self_attn.k_proj.weight_scale",
+        Malformed("missing-scale", "model.language_model.layers.3.self_attn.k_proj.weight_scale",
                   "model.layers.3.self_attn.qkv_proj", "missing"),
-        Malformed("wrong-scale-shape", "model.layers.0.mlp.down_proj.weight_scale",
+        Malformed("wrong-scale-shape", "model.language_model.layers.0.mlp.down_proj.weight_scale",
                   "model.layers.0.mlp.down_proj", "shape"),
-        Malformed("nan-scale", "model.layers.1.mlp.up_proj.weight_scale_2",
+        Malformed("nan-scale", "model.language_model.layers.1.mlp.up_proj.weight_scale_2",
                   "model.layers.1.mlp.gate_up_proj", "NaN"),
-        Malformed("inf-scale", "model.layers.4.linear_attn.out_proj.weight_scale",
+        Malformed("inf-scale", "model.language_model.layers.4.linear_attn.out_proj.weight_scale",
                   "model.layers.4.linear_attn.out_proj", "inf"),
-        Malformed("unknown-algo", "model.layers.2.mlp.down_proj",
+        Malformed("unknown-algo", "model.language_model.layers.2.mlp.down_proj",
                   "model.layers.2.mlp.down_proj", "NVFP3"),
-        Malformed("k-not-multiple", "model.layers.0.mlp.down_proj.weight",
+        Malformed("k-not-multiple", "model.language_model.layers.0.mlp.down_proj.weight",
                   "model.layers.0.mlp.down_proj", "multiple of 16"),
     )
 }
@@ -113,34 +121,62 @@ def _shared_global_amax(weights: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------- calibration
-def calibrate_input_amax(spec, weights: dict[str, torch.Tensor], modules: list[str],
-                         token_ids: list[int]) -> dict[str, float]:
-    """Largest |input| each quantized linear sees when the float model reads ``token_ids``."""
+def calibrate(spec, weights: dict[str, torch.Tensor], modules: list[str],
+              token_ids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Max calibration of the float model over ``token_ids``, as ModelOpt's ``max`` algorithm
+    does it: (largest |input| of each quantized linear, largest |K| / |V| entering attention
+    per full-attention layer, keyed 'model.layers.N.self_attn.k' / '.v'). K is taken after
+    RoPE, where the attention reads (and a KV cache stores) it."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
     cfg_dict = spec.config_dict(eos_token_id=0, pad_token_id=0)
     cfg_dict = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type", "dtype")}
     config = Qwen3_5TextConfig(**cfg_dict)
-    with torch.device("cpu"):
-        model = Qwen3_5ForCausalLM(config).float().eval()
+    model = Qwen3_5ForCausalLM(config).float().eval()
     state = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RuntimeError(f"float model and weights disagree: missing {missing}, unexpected {unexpected}")
     amax: dict[str, float] = {}
+    kv_amax: dict[str, float] = {}
     hooks = []
     named = dict(model.named_modules())
+
+    def keep_max(table, key, t):
+        table[key] = max(table.get(key, 0.0), float(t.detach().abs().max()))
+
     for name in modules:
-        def pre_hook(mod, args, name=name):
-            amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
-        hooks.append(named[name].register_forward_pre_hook(pre_hook))
+        hooks.append(named[name].register_forward_pre_hook(
+            lambda mod, args, name=name: keep_max(amax, name, args[0])))
+    attn_layers = [i for i, t in enumerate(spec.layer_types()) if t == "full_attention"]
+    for i in attn_layers:
+        hooks.append(named[f"model.layers.{i}.self_attn.v_proj"].register_forward_hook(
+            lambda mod, args, out, i=i: keep_max(kv_amax, f"model.layers.{i}.self_attn.v", out)))
+    calls = iter(attn_layers)
+    rope = modeling_qwen3_5.apply_rotary_pos_emb
+
+    def rope_and_record(q, k, *args, **kwargs):
+        q, k = rope(q, k, *args, **kwargs)
+        keep_max(kv_amax, f"model.layers.{next(calls)}.self_attn.k", k)
+        return q, k
+
+    modeling_qwen3_5.apply_rotary_pos_emb = rope_and_record
     try:
         with torch.no_grad():
             model(torch.tensor([token_ids]))
     finally:
+        modeling_qwen3_5.apply_rotary_pos_emb = rope
         for h in hooks:
             h.remove()
-    return amax
+    return amax, kv_amax
+
+
+def hub_name(name: str) -> str:
+    """Checkpoint name as ModelOpt 0.47 writes it for this family: the trunk under
+    ``model.language_model.`` (the hub layout of Qwen3.5 checkpoints), ``lm_head`` and ``mtp.*``
+    as they are. vLLM's Qwen3_5ForCausalLM maps the prefix back to ``model.``."""
+    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
 
 
 # ------------------------------------------------------------------------------------- export
@@ -151,19 +187,14 @@ def _quant_entry(region: str) -> dict:
 
 
 def hf_quant_config(quantized: dict[str, str]) -> dict:
-    """hf_quant_config.json content in ModelOpt's layout."""
+    """hf_quant_config.json content in ModelOpt's layout (``quantized_layers`` lists every
+    quantized module by checkpoint name, so ModelOpt writes no ``exclude_modules``)."""
     return {
         "producer": {"name": "modelopt", "version": MODELOPT_VERSION_FORM},
         "quantization": {
             "quant_algo": "MIXED_PRECISION",
             "kv_cache_quant_algo": "FP8",
-            "exclude_modules": [
-                "model.embed_tokens",
-                "model.layers.*.linear_attn.in_proj_a",
-                "model.layers.*.linear_attn.in_proj_b",
-                "mtp*",
-            ],
-            "quantized_layers": {name: _quant_entry(r) for name, r in sorted(quantized.items())},
+            "quantized_layers": {hub_name(name): _quant_entry(r) for name, r in sorted(quantized.items())},
         },
     }
 
@@ -189,7 +220,7 @@ def embedded_quantization_config(hf_quant: dict) -> dict:
     return {
         "config_groups": config_groups,
         "quantized_layers": q["quantized_layers"],
-        "ignore": q["exclude_modules"],
+        "ignore": q.get("exclude_modules", []),
         "quant_algo": q["quant_algo"],
         "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
         "producer": hf_quant["producer"],
@@ -198,29 +229,34 @@ def embedded_quantization_config(hf_quant: dict) -> dict:
 
 
 def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
-                   input_amax: dict[str, float]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors: quantized modules encoded, everything else in BF16."""
+                   input_amax: dict[str, float], kv_amax: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under hub names: quantized modules encoded, the rest in BF16, and
+    the FP8 KV-cache scales (amax / 448) ModelOpt writes as ``k_proj.k_scale`` / ``v_proj.v_scale``."""
     shared = _shared_global_amax(weights)
     out: dict[str, torch.Tensor] = {}
     for key, w in weights.items():
         module = key[: -len(".weight")] if key.endswith(".weight") else None
         region = quantized.get(module) if module else None
         if region is None:
-            out[key] = w.to(torch.bfloat16).contiguous()
+            out[hub_name(key)] = w.to(torch.bfloat16).contiguous()
             continue
         a = input_amax[module]
+        m = hub_name(module)
         if region == "fp8":
             q, s = formats.quantize_fp8(w)
-            out[f"{module}.weight"] = q
-            out[f"{module}.weight_scale"] = s.reshape(())
-            out[f"{module}.input_scale"] = torch.tensor(a / formats.E4M3_MAX, dtype=torch.float32)
+            out[f"{m}.weight"] = q
+            out[f"{m}.weight_scale"] = s.reshape(())
+            out[f"{m}.input_scale"] = torch.tensor(a / formats.E4M3_MAX, dtype=torch.float32)
         else:
             q, s, s2 = encode_nvfp4_padded(w, shared.get(module))
-            out[f"{module}.weight"] = q
-            out[f"{module}.weight_scale"] = s
-            out[f"{module}.weight_scale_2"] = s2.reshape(()).float()
-            out[f"{module}.input_scale"] = torch.tensor(
+            out[f"{m}.weight"] = q
+            out[f"{m}.weight_scale"] = s
+            out[f"{m}.weight_scale_2"] = s2.reshape(()).float()
+            out[f"{m}.input_scale"] = torch.tensor(
                 a / (formats.E2M1_MAX * formats.E4M3_MAX), dtype=torch.float32)
+    for key, a in kv_amax.items():
+        attn, which = key.rsplit(".", 1)
+        out[hub_name(f"{attn}.{which}_proj.{which}_scale")] = torch.tensor(a / formats.E4M3_MAX, dtype=torch.float32)
     return out
 
 
@@ -266,8 +302,8 @@ def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | 
 
         calib_ids = Tokenizer.from_file(str(tmp / "tokenizer.json")).encode(
             " ".join(tiny_tokenizer._CORPUS)).ids[:256]
-        input_amax = calibrate_input_amax(spec, weights, sorted(quantized), calib_ids)
-        tensors = export_tensors(weights, quantized, input_amax)
+        input_amax, kv_amax = calibrate(spec, weights, sorted(quantized), calib_ids)
+        tensors = export_tensors(weights, quantized, input_amax, kv_amax)
         hf_quant = hf_quant_config(quantized)
         if malformed:
             _break(malformed, tensors, hf_quant)

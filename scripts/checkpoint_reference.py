@@ -1,0 +1,157 @@
+"""Independent float32 reference for a ModelOpt mixed NVFP4/FP8 checkpoint: dequantize every
+quantized tensor with code that shares nothing with the QPN path, load the result into
+HuggingFace ``transformers``' own implementation of the model, and compute teacher-forced
+log-probabilities.
+
+    python -m qpn.scripts.checkpoint_reference CKPT_DIR --token-ids 1,2,3,... [--out FILE]
+
+Independence: the QPN path decodes packed buffers with qpn.kernels (formats, prepack,
+reference) inside vLLM's model code. Here NVFP4 codes are decoded by ``compressed-tensors``'
+``unpack_fp4_from_uint8`` (the llm-compressor project's NVFP4 codec), e4m3 scales and FP8
+weights by torch's own float8_e4m3fn -> float32 conversion, and the network is transformers'
+``Qwen3_5ForCausalLM`` in float32 (its reference PyTorch gated-delta-rule and causal-conv
+fallbacks on CPU).
+
+``--perturb swap-nibbles`` decodes NVFP4 with the two codes of each byte exchanged, and
+``--perturb collapse-fp8-shards`` gives every fused FP8 shard the largest scale of its group
+without requantizing the codes (what serving per-shard scales wrongly would do); both are
+negative controls that a tolerance must reject.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+PERTURBATIONS = ("none", "swap-nibbles", "collapse-fp8-shards")
+# Checkpoint modules that vLLM fuses, by shard suffix -> fused group key.
+_FUSED_FP8 = {
+    "self_attn.q_proj": "self_attn.qkv", "self_attn.k_proj": "self_attn.qkv",
+    "self_attn.v_proj": "self_attn.qkv",
+    "linear_attn.in_proj_qkv": "linear_attn.qkvz", "linear_attn.in_proj_z": "linear_attn.qkvz",
+}
+
+
+def decode_nvfp4(weight_u8: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                 group_size: int = 16, swap_nibbles: bool = False) -> torch.Tensor:
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    n, half_k = weight_u8.shape
+    k = 2 * half_k
+    w = weight_u8
+    if swap_nibbles:
+        w = ((w & 0x0F) << 4) | (w >> 4)
+    values = unpack_fp4_from_uint8(w, n, k, dtype=torch.float32)
+    scales = weight_scale.to(torch.float32) * weight_scale_2.to(torch.float32).reshape(())
+    return values * scales.repeat_interleave(group_size, dim=1)
+
+
+def decode_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    s = weight_scale.to(torch.float32)
+    return weight.to(torch.float32) * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
+
+
+def dequantized_state_dict(ckpt_dir: str | Path, perturb: str = "none") -> dict[str, torch.Tensor]:
+    """float32 state dict of the checkpoint (MTP weights dropped: transformers has no MTP head)."""
+    from safetensors.torch import load_file
+
+    if perturb not in PERTURBATIONS:
+        raise ValueError(f"unknown perturbation {perturb!r}; choose from {PERTURBATIONS}")
+    ckpt = Path(ckpt_dir)
+    quant = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
+    layers = quant["quantized_layers"]
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    fp8_group_max: dict[str, float] = {}
+    if perturb == "collapse-fp8-shards":
+        for module, entry in layers.items():
+            for suffix, group in _FUSED_FP8.items():
+                if entry["quant_algo"].upper() == "FP8" and module.endswith(suffix):
+                    key = module[: -len(suffix)] + group
+                    s = float(tensors[f"{module}.weight_scale"])
+                    fp8_group_max[key] = max(fp8_group_max.get(key, 0.0), s)
+    out: dict[str, torch.Tensor] = {}
+    for module, entry in layers.items():
+        algo = entry["quant_algo"].upper()
+        if algo in ("NVFP4", "W4A16_NVFP4"):
+            out[f"{module}.weight"] = decode_nvfp4(
+                tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"],
+                tensors[f"{module}.weight_scale_2"], int(entry.get("group_size", 16)),
+                swap_nibbles=(perturb == "swap-nibbles"))
+        elif algo == "FP8":
+            scale = tensors[f"{module}.weight_scale"]
+            for suffix, group in _FUSED_FP8.items():
+                key = module[: -len(suffix)] + group
+                if module.endswith(suffix) and key in fp8_group_max:
+                    scale = torch.tensor(fp8_group_max[key])
+            out[f"{module}.weight"] = decode_fp8(tensors[f"{module}.weight"], scale)
+        else:
+            raise ValueError(f"{module}: quant_algo {algo} has no reference decoder here")
+    quantized_keys = {f"{m}.{p}" for m in layers for p in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+    for name, t in tensors.items():
+        if name in quantized_keys or name.startswith("mtp.") or name.endswith(("k_scale", "v_scale")):
+            continue
+        out[name] = t.to(torch.float32)
+    # Hub layout (model.language_model.*) -> transformers' Qwen3_5ForCausalLM layout (model.*).
+    return {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
+            for k, v in out.items()}
+
+
+def load_reference_model(ckpt_dir: str | Path, perturb: str = "none"):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
+    for key in ("architectures", "model_type", "dtype", "quantization_config", "transformers_version"):
+        cfg.pop(key, None)
+    config = Qwen3_5TextConfig(**cfg)
+    model = Qwen3_5ForCausalLM(config).float().eval()
+    missing, unexpected = model.load_state_dict(dequantized_state_dict(ckpt_dir, perturb), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"reference model and checkpoint disagree: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, token_ids: list[int]) -> dict:
+    """Per position p >= 1: log P(token_ids[p] | token_ids[:p]), plus the top-2 margin."""
+    logits = model(torch.tensor([token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(token_ids[1:])
+    chosen = logp[:-1].gather(1, targets.unsqueeze(1)).squeeze(1)
+    top2 = logp[:-1].topk(2, dim=-1)
+    return {
+        "token_logprobs": [float(v) for v in chosen],
+        "argmax": [int(i) for i in top2.indices[:, 0]],
+        "top2_margin": [float(a - b) for a, b in zip(top2.values[:, 0], top2.values[:, 1])],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoint_reference",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("ckpt_dir")
+    p.add_argument("--token-ids", required=True, help="comma-separated prompt token ids")
+    p.add_argument("--perturb", choices=PERTURBATIONS, default="none")
+    p.add_argument("--out", help="write the JSON result here (default: stdout)")
+    args = p.parse_args(argv)
+    ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
+    if len(ids) < 2:
+        print("checkpoint_reference: need at least two token ids", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    result = teacher_forced_logprobs(load_reference_model(args.ckpt_dir, args.perturb), ids)
+    result.update(ckpt_dir=str(args.ckpt_dir), perturb=args.perturb, token_ids=ids)
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
