@@ -70,6 +70,48 @@ def local_gpus() -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
+def listening_pid(port: int) -> int | None:
+    """The pid of the local process listening on TCP ``port`` (Linux /proc), or None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    local, state, inode = parts[1], parts[3], parts[9]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        inodes.add(inode)
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    if not inodes:
+        return None
+    targets = {f"socket:[{i}]" for i in inodes}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def process_has_cuda_torch(pid: int) -> bool | None:
+    """Whether the process has a CUDA build of torch loaded (libtorch_cuda in its memory
+    map); None when the map cannot be read."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any("libtorch_cuda" in line for line in f)
+    except OSError:
+        return None
+
+
+def _cpu_text(extra: str = "") -> str:
+    return (f"cpu: {cpu_model()}, {os.cpu_count()} logical cores ({extra}these are CPU "
+            f"figures, not GPU performance)")
+
+
 def hardware(base_url: str, given: str | None = None) -> tuple[str, str]:
     """(device class 'gpu'|'cpu'|'unknown', description)."""
     if given:
@@ -78,14 +120,22 @@ def hardware(base_url: str, given: str | None = None) -> tuple[str, str]:
     if not is_local_endpoint(base_url):
         return "unknown", "remote endpoint: hardware not read (pass --hardware)"
     gpus = local_gpus()
-    if gpus:
-        counts: dict[str, int] = {}
-        for g in gpus:
-            counts[g] = counts.get(g, 0) + 1
-        desc = "; ".join(f"{n}x {g}" for g, n in counts.items())
-        return "gpu", f"{desc} (nvidia-smi on the server host)"
-    return "cpu", (f"cpu: {cpu_model()}, {os.cpu_count()} logical cores (no NVIDIA GPU on the "
-                   f"server host; these are CPU figures, not GPU performance)")
+    if not gpus:
+        return "cpu", _cpu_text("no NVIDIA GPU on the server host; ")
+    counts: dict[str, int] = {}
+    for g in gpus:
+        counts[g] = counts.get(g, 0) + 1
+    desc = "; ".join(f"{n}x {g}" for g, n in counts.items())
+    # GPUs on the host do not prove the server uses them: a CPU engine may serve beside them.
+    port = urlparse(base_url).port or (443 if base_url.startswith("https") else 80)
+    pid = listening_pid(port)
+    cuda = process_has_cuda_torch(pid) if pid is not None else None
+    if cuda is False:
+        return "cpu", _cpu_text(f"the server process {pid} has no CUDA torch loaded although "
+                                f"the host has {desc}; ")
+    how = ("server process has CUDA torch loaded" if cuda else
+           "server process not inspected; pass --hardware to state it")
+    return "gpu", f"{desc} (nvidia-smi on the server host; {how})"
 
 
 def checkpoint_revision(model_entry: dict, given: str | None = None) -> str:

@@ -70,3 +70,29 @@ def test_cell_checks_accept_good_answers_and_reject_bad_ones():
     assert CELLS["math"].check("so \\boxed{130}").status == "pass"
     assert CELLS["math"].check("so \\boxed{131}").status == "fail"
     assert extract_json('text before [1, 2] after') == [1, 2]
+
+
+def test_listening_pid_finds_the_process_that_owns_a_port():
+    import os
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        assert provenance.listening_pid(s.getsockname()[1]) == os.getpid()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert provenance.listening_pid(port) is None  # closed: nobody listens
+
+
+def test_cuda_torch_detection_reads_the_memory_map():
+    import os
+
+    import torch
+
+    expected = torch.version.cuda is not None and torch.cuda.is_available()
+    if torch.version.cuda is not None and not expected:
+        pytest.skip("CUDA torch without a GPU: libtorch_cuda may be mapped without use")
+    assert provenance.process_has_cuda_torch(os.getpid()) is expected
+    assert provenance.process_has_cuda_torch(2 ** 22 + 12345) is None  # no such process
