@@ -6,7 +6,8 @@ scales, chosen so that every lane loads its operand bytes with one contiguous ve
 decoder's output registers ARE the operand registers of the MMA (no shuffle in the inner loop).
 
 This module is the single description of those permutations on the Python side; the CUDA side
-(csrc/qpn_atoms.cuh) derives the same positions from the same rules. Prepack, unprepack and the
+(csrc/qpn_family.cuh for m8n8k4, csrc/qpn_atom_m16n8k16.cuh for m16n8k16) derives the same
+positions from the same rules. Prepack, unprepack and the
 CPU reference all read the maps built here, so an atom is added by adding one geometry, not by
 forking prepack, decoder or dispatch.
 
@@ -29,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-KNOWN_ATOMS = ("m8n8k4",)
+KNOWN_ATOMS = ("m8n8k4", "m16n8k16")
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,75 @@ def _m8n8k4() -> AtomGeometry:
                         tuple(f8_k), tuple(sc_row), tuple(sc_g))
 
 
+def _m16n8k16() -> AtomGeometry:
+    """sm_80+ ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``, weights on the A side.
+
+    PTX fragment layout (g = lane >> 2, t = lane & 3): A (16x16, row-major) registers
+    a0..a3 hold (row g, cols 2t..2t+1), (row g+8, cols 2t..2t+1), (row g, cols 2t+8..2t+9),
+    (row g+8, cols 2t+8..2t+9); B (16x8, "col") registers b0, b1 hold (k 2t..2t+1, token g) and
+    (k 2t+8..2t+9, token g); D (f32) c0..c3 hold (row g, tokens 2t, 2t+1), (row g+8, same).
+
+    The MMA sums over its 16 k-slots, so any bijection from k-slots to real inputs that A and B
+    share gives the same result. Per k-block of 64 inputs we use: in MMA step s (0..3), k-slot
+    2t+j (j = 0, 1) is input 16t + 4s + j and k-slot 2t+8+j is input 16t + 4s + 2 + j. Then:
+      * lane (g, t) supplies token g's inputs 16t .. 16t+15 of the k-block for all four steps:
+        ONE contiguous 32-byte activation read per k-block (b0/b1 of step s are its words 2s, 2s+1);
+      * every input a lane touches in a k-block lies in NVFP4 group t of its two rows, so the lane
+        needs exactly two group scales per k-block (rows g and g+8) and folds them into its A
+        operand; the scale bytes of a (tile, k-block) are laid out so lane l reads bytes 2l, 2l+1.
+    Per (16-row tile, k-block) a lane reads 16 bytes of NVFP4 codes (one 16-byte load: word s
+    feeds step s) or 32 bytes of FP8 (two: words 2s, 2s+1 feed step s).
+    """
+    nv_row, nv_k, f8_row, f8_k = [], [], [], []
+    for l in range(32):
+        g, t = l >> 2, l & 3
+        # NVFP4 word s, nibble j: the decoder builds half2 r from nibbles 3-r (low half) and
+        # 7-r (high half) of the word; half2 r is a0..a3 = (g, k0 k1), (g+8, k0 k1),
+        # (g, k2 k3), (g+8, k2 k3) with k0..k3 = 16t + 4s + 0..3.
+        for s in range(4):
+            for j in range(8):
+                nv_row.append(g + 8 * (j % 2 == 0))
+                nv_k.append(16 * t + 4 * s + (j >> 2) + 2 * ((j & 3) < 2))
+        # FP8 step s, byte q of its 8 (words 2s, 2s+1, little-endian): a0 = bytes 0-1 (g, k0 k1),
+        # a1 = bytes 2-3 (g+8, k0 k1), a2 = bytes 4-5 (g, k2 k3), a3 = bytes 6-7 (g+8, k2 k3).
+        for s in range(4):
+            for q in range(8):
+                f8_row.append(g + 8 * ((q >> 1) & 1))
+                f8_k.append(16 * t + 4 * s + (q & 1) + 2 * (q >> 2))
+    sc_row, sc_g = [], []
+    for l in range(32):
+        g, t = l >> 2, l & 3
+        for h in range(2):
+            sc_row.append(g + 8 * h)
+            sc_g.append(t)
+    return AtomGeometry("m16n8k16", 16, 64, 32, tuple(nv_row), tuple(nv_k), tuple(f8_row),
+                        tuple(f8_k), tuple(sc_row), tuple(sc_g))
+
+
+# Which atom an architecture runs natively: m8n8k4 is HMMA.884 on sm_70/sm_75 and emulated on
+# sm_80 and later, where m16n8k16 is the native FP16 tensor-core instruction.
+def atom_for_arch(arch) -> str:
+    """'sm70' / 'sm_90' / 86 / (8, 6) -> the atom its QPN kernels use."""
+    if isinstance(arch, tuple):
+        num = arch[0] * 10 + arch[1]
+    elif isinstance(arch, int):
+        num = arch
+    else:
+        s = str(arch).lower().replace("sm_", "").replace("sm", "")
+        if not s.isdigit():
+            raise ValueError(f"architecture must look like 'sm70', 'sm_90', 86 or (8, 6); got {arch!r}")
+        num = int(s)
+    if num < 70:
+        raise ValueError(f"sm_{num} has no FP16 tensor-core MMA the QPN kernels can use (need sm_70 or later)")
+    return "m8n8k4" if num < 80 else "m16n8k16"
+
+
 @lru_cache(maxsize=None)
 def geometry(atom: str) -> AtomGeometry:
     if atom == "m8n8k4":
         return _m8n8k4()
+    if atom == "m16n8k16":
+        return _m16n8k16()
     raise ValueError(f"unknown MMA atom {atom!r}; known atoms: {', '.join(KNOWN_ATOMS)}")
 
 

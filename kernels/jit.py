@@ -14,7 +14,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import threading
+from dataclasses import dataclass
 
 from . import nvrtc
 
@@ -28,6 +30,42 @@ ENTRY_POINTS = {
     ),
 }
 MAIN_SOURCE = "qpn_kernels.cu"
+# The dense QPN family, one source per tensor-core atom (the m16n8k16 source needs sm_80+).
+ATOM_SOURCES = {"m8n8k4": MAIN_SOURCE, "m16n8k16": "qpn_kernels_sm80.cu"}
+ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
+
+# sm_80+ (m16n8k16): which configured kernel of csrc/qpn_kernels_sm80.cu serves each packed route,
+# by (format, token tiles per weight pass). Chosen on the H200 among the spill-free configurations
+# (benchmarks/kernel_matched_bench.py --sweep); a change here needs no recompilation.
+SM80_ROUTE_KERNELS = {
+    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4",
+    ("nvfp4", 2): "qpn2_mt2_m16n8k16_t2d2",
+    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2",
+    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4",
+}
+ENTRY_POINTS["m16n8k16"] = tuple(SM80_ROUTE_KERNELS.values()) + (
+    "qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16")
+
+
+@dataclass(frozen=True)
+class Sm80Kernel:
+    """One configured kernel of csrc/qpn_kernels_sm80.cu (its QPN80_ENTRY line)."""
+    name: str
+    frag: str      # fragment decoder struct
+    mt: int        # 8-token tiles per weight pass
+    tiles: int     # 16-row weight tiles per warp (T)
+    depth: int     # weight-load ring depth in k-blocks (D)
+    variant: int   # 0: the kernel; 1-3: a measured variant with one stage dropped
+
+
+def sm80_kernels() -> dict[str, Sm80Kernel]:
+    """Every QPN80_ENTRY of the sm_80+ source, parsed from the source itself (one place)."""
+    src = nvrtc.read_sources()[ATOM_SOURCES["m16n8k16"]]
+    out = {}
+    for m in re.finditer(r"^QPN80_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src, re.M):
+        name, frag, mt, t, d, var = m.groups()
+        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(var))
+    return out
 
 
 class QpnBuildError(RuntimeError):
@@ -67,18 +105,25 @@ def nvrtc_for_arch(arch: int) -> nvrtc.Nvrtc:
         return nvrtc.load_nvrtc(12, arch)
 
 
-def compile_cubin(arch, use_cache: bool = True) -> tuple[bytes, str]:
-    """Compile csrc/qpn_kernels.cu for sm_<arch>; returns (cubin, path of the cached file)."""
+def compile_cubin(arch, use_cache: bool = True, source: str = MAIN_SOURCE) -> tuple[bytes, str]:
+    """Compile csrc/<source> (default qpn_kernels.cu) for sm_<arch>; returns (cubin, path of the
+    cached file)."""
     a = arch_number(arch)
+    for atom, src_name in ATOM_SOURCES.items():
+        if source == src_name and a < ATOM_MIN_ARCH[atom]:
+            raise QpnBuildError(f"{source} holds the {atom} kernels, which need sm_{ATOM_MIN_ARCH[atom]} "
+                                f"or later; asked for sm_{a}")
     nv = nvrtc_for_arch(a)
+    tag = "" if source == MAIN_SOURCE else "|" + source  # the dense SM70 family keeps its old keys
     key = hashlib.sha256(
-        f"{source_hash()}|sm_{a}|{' '.join(COMPILE_FLAGS)}|nvrtc{nv.version}".encode()).hexdigest()[:32]
-    path = os.path.join(cache_dir(), f"qpn_sm{a}_{key}.cubin")
+        f"{source_hash()}{tag}|sm_{a}|{' '.join(COMPILE_FLAGS)}|nvrtc{nv.version}".encode()).hexdigest()[:32]
+    stem = "qpn" if source == MAIN_SOURCE else "qpn_" + os.path.splitext(source)[0].replace("qpn_kernels_", "")
+    path = os.path.join(cache_dir(), f"{stem}_sm{a}_{key}.cubin")
     if use_cache and os.path.exists(path):
         with open(path, "rb") as f:
             return f.read(), path
-    src = nvrtc.read_sources()[MAIN_SOURCE]
-    res = nv.compile(src, MAIN_SOURCE, a, list(COMPILE_FLAGS), want_cubin=True)
+    src = nvrtc.read_sources()[source]
+    res = nv.compile(src, source, a, list(COMPILE_FLAGS), want_cubin=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(res.cubin)
@@ -150,28 +195,60 @@ class LoadedModule:
         return f
 
 
-def module_for(device) -> LoadedModule:
-    """The QPN module loaded into torch's context on ``device`` (compiled for its architecture)."""
+def module_for(device, atom: str = "m8n8k4") -> LoadedModule:
+    """The QPN module of ``atom``'s kernels loaded into torch's context on ``device`` (compiled for
+    its architecture)."""
     import torch
 
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    m = _modules.get(idx)
+    key = idx if atom == "m8n8k4" else (idx, atom)
+    m = _modules.get(key)
     if m is not None:
         return m
+    if atom not in ATOM_SOURCES:
+        raise ValueError(f"unknown MMA atom {atom!r}; known atoms: {', '.join(ATOM_SOURCES)}")
     with _lock:
-        m = _modules.get(idx)
+        m = _modules.get(key)
         if m is None:
             major, minor = torch.cuda.get_device_capability(idx)
             arch = major * 10 + minor
-            cubin, path = compile_cubin(arch)
-            check_entry_points(cubin)
+            if arch < ATOM_MIN_ARCH[atom]:
+                raise QpnBuildError(
+                    f"the {atom} kernels need sm_{ATOM_MIN_ARCH[atom]} or later, but cuda:{idx} is sm_{arch}; "
+                    f"prepack this GPU's weights with atom={atoms_for_arch(arch)[-1]!r}")
+            cubin, path = compile_cubin(arch, source=ATOM_SOURCES[atom])
+            check_entry_points(cubin, atom)
             with torch.cuda.device(idx):
                 torch.cuda.current_stream(idx).synchronize()  # makes torch's primary context current
                 m = LoadedModule(cubin, path, arch)
-                for name in ENTRY_POINTS["m8n8k4"]:
+                for name in ENTRY_POINTS[atom]:
                     m.function(name)
-            _modules[idx] = m
+            _modules[key] = m
     return m
+
+
+def atoms_for_arch(arch) -> tuple[str, ...]:
+    """Atoms whose kernels build for ``arch``, the native one last (m8n8k4 builds everywhere,
+    emulated on sm_80+)."""
+    a = arch_number(arch)
+    return tuple(atom for atom, lo in ATOM_MIN_ARCH.items() if a >= lo)
+
+
+def occupancy(module: LoadedModule, name: str, block: int, smem: int = 0) -> int:
+    """Blocks of ``block`` threads of kernel ``name`` one SM holds at once (the driver's answer)."""
+    cache = module.__dict__.setdefault("_occupancy", {})
+    key = (name, block, smem)
+    v = cache.get(key)
+    if v is None:
+        d = driver()
+        n = ctypes.c_int()
+        L = d.lib
+        L.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [
+            ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        d.check(L.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), module.function(name), block, smem),
+                f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
+        v = cache[key] = max(1, n.value)
+    return v
 
 
 def launch(module: LoadedModule, name: str, grid: int, block: int, smem: int, stream: int,

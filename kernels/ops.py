@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from typing import Optional
 
 import torch
 
 from . import jit, reference, routes
-from .atoms import geometry
+from .atoms import atom_for_arch, geometry
 from .prepack import PackedFP8, PackedNVFP4
 
 THREADS = 256
@@ -32,13 +33,63 @@ class QpnArgs(ctypes.Structure):
     ]
 
 
-def build(arch="sm70", atom: str = "m8n8k4") -> str:
-    """Compile every kernel for ``arch`` (cached) and check every expected entry point exists.
-    Returns the cubin path. Raises jit.QpnBuildError naming a missing symbol, and
-    nvrtc.NvrtcUnavailable naming the package to install when NVRTC is absent."""
-    cubin, path = jit.compile_cubin(arch)
-    jit.check_entry_points(cubin, atom)
+def build(arch="sm70", atom: Optional[str] = None) -> str:
+    """Compile the kernels for ``arch`` (cached) and check every expected entry point exists.
+    ``atom`` None builds every atom the architecture runs (m8n8k4 everywhere; m16n8k16 on sm_80+)
+    and returns the cubin path of its native atom; a named atom builds that one. Raises
+    jit.QpnBuildError naming a missing symbol, and nvrtc.NvrtcUnavailable naming the package to
+    install when NVRTC is absent."""
+    wanted = jit.atoms_for_arch(arch) if atom is None else (atom,)
+    path = ""
+    for a in wanted:
+        if a not in jit.ATOM_SOURCES:
+            raise ValueError(f"unknown MMA atom {a!r}; known atoms: {', '.join(jit.ATOM_SOURCES)}")
+        cubin, path = jit.compile_cubin(arch, source=jit.ATOM_SOURCES[a])
+        jit.check_entry_points(cubin, a)
     return path
+
+
+# ------------------------------------------------------------------ architecture -> atom
+def atom_for_device(device=None) -> str:
+    """The MMA atom QPN kernels use on a CUDA device: m8n8k4 on sm_70/sm_75 (HMMA.884), m16n8k16
+    on sm_80 and later (where m8n8k4 is emulated). Prepack with this atom for that device."""
+    return atom_for_arch(torch.cuda.get_device_capability(device))
+
+
+def arch_for_atom(atom: str) -> str:
+    """The route-table architecture key of an atom's kernels (the bands are the same today)."""
+    return "sm70" if atom == "m8n8k4" else "sm80"
+
+
+SM80_OPT_IN_ENV = "QPN_SM80_OPT_IN"
+
+
+def sm80_opt_in() -> bool:
+    """True when the operator asked for QPN kernels on sm_80+ GPUs (``QPN_SM80_OPT_IN=1``).
+    Off by default: on sm_80+ vLLM has its own NVFP4 / FP8 paths, and the QPN m16n8k16 kernels
+    replace them only once measured against those paths on the same GPU."""
+    v = os.environ.get(SM80_OPT_IN_ENV, "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{SM80_OPT_IN_ENV}={v!r}: expected 1 (route ModelOpt NVFP4/FP8 layers to the QPN "
+                     "kernels on sm_80+) or 0 / unset (leave them to vLLM)")
+
+
+def serving_target(capability) -> Optional[dict]:
+    """What the overlay should serve a CUDA GPU of ``capability`` (a (major, minor) tuple) with:
+    {"arch": "sm90", "atom": "m16n8k16"} for the QPN kernels, or None to leave vLLM alone.
+    sm_70 always gets QPN (m8n8k4); sm_80+ only with QPN_SM80_OPT_IN=1; sm_75 and older never
+    (the loader's SM70 gate decides those). The loader then builds with build(arch) and prepacks
+    every weight with ``atom``."""
+    major, minor = int(capability[0]), int(capability[1])
+    num = major * 10 + minor
+    if num == 70:
+        return {"arch": "sm70", "atom": "m8n8k4"}
+    if num >= 80 and sm80_opt_in():
+        return {"arch": f"sm{num}", "atom": atom_for_arch(num)}
+    return None
 
 
 def _route_kernel(route: str, fmt: str, m: int) -> tuple[str, int, int]:
@@ -84,6 +135,8 @@ def _prep_x(x2: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
 
 def _launch_packed(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscale, n: int, k_pad: int,
                    atom: str, bias) -> torch.Tensor:
+    if atom == "m16n8k16":
+        return _launch_sm80(fmt, route, xh, codes, scales, chscale, n, k_pad, bias)
     m = xh.shape[0]
     g = geometry(atom)
     name, mt, m_chunks = _route_kernel(route, fmt, m)
@@ -93,7 +146,7 @@ def _launch_packed(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscal
     y = torch.empty((m, n), dtype=torch.float16, device=xh.device)
     if m == 0:
         return y
-    mod = jit.module_for(xh.device)
+    mod = jit.module_for(xh.device, atom)
     a = QpnArgs(codes.data_ptr(), scales.data_ptr() if scales is not None else 0, chscale.data_ptr(),
                 xh.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(),
                 m, n, kblocks, k_pad, ksplit, tpb, m_chunks, int(chscale.numel() != 1))
@@ -102,6 +155,133 @@ def _launch_packed(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscal
     stream = torch.cuda.current_stream(xh.device).cuda_stream
     jit.launch(mod, f"{name}_{atom}", grid, THREADS, smem, stream, [a])
     return y
+
+
+# ------------------------------------------------------------------------- sm_80+ (m16n8k16)
+class Qpn80Args(ctypes.Structure):
+    # Must match struct Qpn80Args in csrc/qpn_kernels_sm80.cu.
+    _fields_ = [
+        ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("chscale", ctypes.c_void_p),
+        ("x", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
+        ("partials", ctypes.c_void_p), ("counters", ctypes.c_void_p),
+        ("m", ctypes.c_int), ("n", ctypes.c_int), ("kblocks", ctypes.c_int), ("ldx", ctypes.c_int),
+        ("n_groups", ctypes.c_int), ("nwarps", ctypes.c_int), ("chunks", ctypes.c_int),
+        ("chscale_per_channel", ctypes.c_int),
+    ]
+
+
+# Fewest work items (k-blocks of one weight group) per warp: below about the ring depth a warp
+# spends its time filling the ring and reducing, so small layers get fewer, longer runs.
+SM80_MIN_ITEMS = {"nvfp4": 4, "fp8": 2}
+
+# Scratch of the split-K reduction per (device, stream): FP32 partial sums and arrival counters.
+# The kernels leave every counter at zero, so the buffers are reused by every call on that
+# stream (calls on one stream never overlap). A buffer that grows is replaced, and the old one is
+# kept alive: a CUDA graph captured earlier may still point at it.
+_sm80_scratch: dict = {}
+_sm80_retired: list = []
+
+
+def _sm80_buffers(device, stream: int, n_floats: int, n_ints: int):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, stream)
+    cur = _sm80_scratch.get(key)
+    if cur is None or cur[0].numel() < n_floats or cur[1].numel() < n_ints:
+        if cur is not None:
+            _sm80_retired.append(cur)
+        nf = max(n_floats, cur[0].numel() if cur else 0, 1 << 16)
+        ni = max(n_ints, cur[1].numel() if cur else 0, 1 << 12)
+        cur = (torch.empty(nf, dtype=torch.float32, device=device),
+               torch.zeros(ni, dtype=torch.int32, device=device))
+        _sm80_scratch[key] = cur
+    return cur
+
+
+_sm80_plans: dict = {}
+
+
+def _sm80_plan(mod, name: str, fmt: str, n: int, kblocks: int, chunks: int, device) -> tuple:
+    """(grid, nwarps, n_groups, per-warp partial floats) for one kernel and layer shape."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, name, n, kblocks, chunks, SM80_MIN_ITEMS[fmt])
+    plan = _sm80_plans.get(key)
+    if plan is None:
+        cfg = jit.sm80_kernels()[name]
+        sms = _sm_count.get(idx)
+        if sms is None:
+            sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        resident_warps = sms * jit.occupancy(mod, name, THREADS) * WARPS
+        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_warps,
+                                                SM80_MIN_ITEMS[fmt])
+        plan = _sm80_plans[key] = (grid, nwarps, n_groups, 2 * 32 * cfg.tiles * cfg.mt * 4)
+    return plan
+
+
+def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps: int,
+                   min_items: int) -> tuple[int, int, int]:
+    """(grid blocks, warps per chunk plane, weight groups) of an sm_80+ launch. Items = weight
+    groups x k-blocks; as many warps as the GPU holds at once (shared by the chunk planes), but
+    never more than items / min_items, and at least one item per warp (the kernel relies on it)."""
+    n_groups = -(-(-(-n // 16)) // tiles)
+    items = n_groups * kblocks
+    nwarps = max(1, min(items, resident_warps // chunks, items // max(1, min_items)))
+    return -(-nwarps // WARPS) * chunks, nwarps, n_groups
+
+
+def _sm80_kernel_for(route: str, fmt: str, m: int) -> tuple[str, int]:
+    """(kernel name, chunks) serving a packed route on the m16n8k16 atom."""
+    prefix = routes.ROUTE_PREFIX[fmt]
+    max_m = routes.route_max_m(route)
+    if max_m is not None and m > max_m:
+        raise ValueError(f"route {route} serves M <= {max_m}, got M={m}; use routes.route_for() to pick one")
+    if route == prefix:
+        return jit.SM80_ROUTE_KERNELS[(fmt, 1)], 1
+    if route == prefix + "_mt2":
+        return jit.SM80_ROUTE_KERNELS[(fmt, 2)], 1
+    if route == prefix + "_chunked":
+        return jit.SM80_ROUTE_KERNELS[(fmt, 2)], -(-m // routes.CHUNK_ROWS)
+    raise ValueError(route)
+
+
+def _launch_sm80(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscale, n: int, k_pad: int,
+                 bias, kernel: Optional[str] = None) -> torch.Tensor:
+    m = xh.shape[0]
+    y = torch.empty((m, n), dtype=torch.float16, device=xh.device)
+    if m == 0:
+        return y
+    name, chunks = _sm80_kernel_for(route, fmt, m)
+    if kernel is not None:  # a measured variant of the same token tiling (benchmarks only)
+        cfg = jit.sm80_kernels().get(kernel)
+        if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or not kernel.startswith(routes.ROUTE_PREFIX[fmt]):
+            raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({fmt}, M={m})")
+        name = kernel
+    mod = jit.module_for(xh.device, "m16n8k16")
+    kblocks = k_pad // 64
+    grid, nwarps, n_groups, per_warp = _sm80_plan(mod, name, fmt, n, kblocks, chunks, xh.device)
+    stream = torch.cuda.current_stream(xh.device).cuda_stream
+    partials, counters = _sm80_buffers(xh.device, stream, chunks * nwarps * per_warp, chunks * n_groups)
+    a = Qpn80Args(codes.data_ptr(), scales.data_ptr() if scales is not None else 0, chscale.data_ptr(),
+                  xh.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(),
+                  partials.data_ptr(), counters.data_ptr(),
+                  m, n, kblocks, k_pad, n_groups, nwarps, chunks, int(chscale.numel() != 1))
+    jit.launch(mod, name, grid, THREADS, 0, stream, [a])
+    return y
+
+
+def run_sm80_kernel(x: torch.Tensor, packed, kernel: str, route: Optional[str] = None) -> torch.Tensor:
+    """Benchmarks only: run a named kernel of the sm_80+ source (a configuration or a variant
+    that drops a stage) on a packed weight, bypassing the custom op. Variants return garbage."""
+    if packed.atom != "m16n8k16":
+        raise ValueError("run_sm80_kernel needs a weight prepacked with atom='m16n8k16'")
+    fmt = "nvfp4" if isinstance(packed, PackedNVFP4) else "fp8"
+    x2 = x.reshape(-1, packed.k)
+    route = route or routes.route_for(fmt, x2.shape[0], packed.n, packed.k, arch="sm80")
+    xh = _prep_x(x2, packed.k, packed.k_pad)
+    if fmt == "nvfp4":
+        return _launch_sm80(fmt, route, xh, packed.codes, packed.scales, packed.global_scale.reshape(1),
+                            packed.n, packed.k_pad, None, kernel)
+    return _launch_sm80(fmt, route, xh, packed.codes, None, packed.scale.reshape(-1), packed.n,
+                        packed.k_pad, None, kernel)
 
 
 def _mm_f32(xh: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -113,7 +293,7 @@ def _launch_reconstruct(fmt: str, xh: torch.Tensor, codes, scales, chscale, n: i
                         k_pad: int, atom: str, bias) -> torch.Tensor:
     g = geometry(atom)
     n_tiles, kblocks = n_pad // g.tile_n, k_pad // g.k_block
-    mod = jit.module_for(xh.device)
+    mod = jit.module_for(xh.device, atom)
     ws = torch.empty((n_pad, k_pad), dtype=torch.float16, device=xh.device)  # lives for this call only
     total = n_tiles * kblocks * 32
     args = [ctypes.c_void_p(codes.data_ptr()),
@@ -195,7 +375,7 @@ def qpn_linear(x: torch.Tensor, packed, route: Optional[str] = None,
     x2 = x.reshape(-1, packed.k)
     m = x2.shape[0]
     if route is None:
-        route = routes.route_for(fmt, max(m, 1), packed.n, packed.k)
+        route = routes.route_for(fmt, max(m, 1), packed.n, packed.k, arch=arch_for_atom(packed.atom))
     elif routes.route_format(route) != fmt:
         raise ValueError(f"route {route} serves {routes.route_format(route)}, the weight is {fmt}")
     if fmt == "nvfp4":

@@ -6,7 +6,8 @@ warp tiles (``tile_n`` rows) and k-blocks (``k_block`` inputs). ``unprepack_*`` 
 inverse and ``verify_*_roundtrip`` proves it byte for byte before the loader frees a source tensor.
 
 Packed layout (see atoms.py for the per-block permutation):
-  codes:  [tiles, k_blocks, block_bytes]  flattened; block_bytes = 512 (NVFP4) / 1024 (FP8) for m8n8k4
+  codes:  [tiles, k_blocks, block_bytes]  flattened; block_bytes = 512 (NVFP4) / 1024 (FP8) for both
+          atoms (m8n8k4: 32-row tiles x 32-input blocks; m16n8k16: 16-row tiles x 64-input blocks)
   scales: [tiles, k_blocks, 64]           NVFP4 only, e4m3 bytes
 Work is done in row blocks written into a preallocated output, so a 5120 x 62,080 lm_head never
 holds a second full copy of itself in any intermediate form.

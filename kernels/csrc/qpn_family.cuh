@@ -65,6 +65,25 @@ struct AtomM8N8K4 {
 };
 
 // --------------------------------------------------------------------------------- decoders
+// The bit-level decoders every atom shares. Each turns two codes of a 32-bit word into one f16x2
+// register WITHOUT rounding: the code's bits are moved into FP16 position, so the result is the
+// code's value times a fixed power of two, restored exactly by whoever consumes it (a multiply
+// by that power of two in FP16, or folded into the FP32 scale of the result).
+//
+// e2m1: nibbles 3 and 7 (the top nibble of each 16-bit half) -> sign at bit 15, exponent:mantissa
+// at bits 11..9. That FP16 pattern is the e2m1 value times 2^-14 (0.5 becomes the subnormal 2^-15).
+QPN_DEV u32 e2m1x2_bits(u32 t) { return and_or(t >> 3, 0x0E000E00u, t & 0x80008000u); }
+// The same for nibbles 3-R and 7-R of v, i.e. e2m1x2_bits(v << 4R), written with the two shifts
+// explicit: the compiler otherwise emulates (v << 4R) >> 3 with an extra mask.
+template <int R>
+QPN_DEV u32 e2m1x2_pair(u32 v) {
+  const u32 mag = (R == 0) ? (v >> 3) : (v << (4 * R - 3));
+  return and_or(mag, 0x0E000E00u, (v << (4 * R)) & 0x80008000u);
+}
+// e4m3: bytes 1 and 3 (the top byte of each half) -> sign at 15, exponent:mantissa at 13..7: the
+// e4m3 value times 2^-8 (subnormals included; the smallest, 2^-9, becomes 2^-17, still exact).
+QPN_DEV u32 e4m3x2_bits(u32 t) { return and_or(t >> 1, 0x3F803F80u, t & 0x80008000u); }
+
 // A decoder turns a lane's code vector for one k-block into the stream of f16x2 operand
 // registers, index 0 .. K_BLOCK/2 - 1 in k order (the atom takes A_REGS of them per MMA).
 // Only bit moves and one exact power-of-two FP16 multiply: no rounding anywhere.
@@ -85,9 +104,7 @@ struct DecNVFP4 {
   static constexpr bool GROUPED = true;   // one e4m3 scale per 16 inputs, folded into the operand
   static constexpr int WORDS = 4;         // 16 bytes of codes per lane per k-block
   static constexpr int WORDS_PER_PAIR = 1;  // codes of 8 inputs (2 MMAs of m8n8k4) per word
-  QPN_DEV static u32 dec(u32 t) {
-    return hmul2(and_or(t >> 3, 0x0E000E00u, t & 0x80008000u), 0x74007400u);
-  }
+  QPN_DEV static u32 dec(u32 t) { return hmul2(e2m1x2_bits(t), 0x74007400u); }
   // f16x2 register idx (0 .. 15) of the k-block, k order: inputs 2*idx, 2*idx + 1.
   QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 2] << (4 * (idx & 3))); }
   // f16x2 register r (0..3) of the pair currently at the front of w.
@@ -95,7 +112,7 @@ struct DecNVFP4 {
   // e4m3 scale byte -> the same FP16 value in both halves (exact: e4m3 is inside FP16's range).
   QPN_DEV static u32 scale_h2(u32 byte) {
     u32 t = (byte | (byte << 16)) << 8;
-    return hmul2(and_or(t >> 1, 0x3F803F80u, t & 0x80008000u), 0x5C005C00u);
+    return hmul2(e4m3x2_bits(t), 0x5C005C00u);
   }
 };
 
@@ -106,9 +123,7 @@ struct DecFP8 {
   static constexpr bool GROUPED = false;  // per-tensor / per-channel scale: applied to the FP32 result
   static constexpr int WORDS = 8;         // 32 bytes of codes per lane per k-block
   static constexpr int WORDS_PER_PAIR = 2;  // codes of 4 inputs (1 MMA of m8n8k4) per word
-  QPN_DEV static u32 dec(u32 t) {
-    return hmul2(and_or(t >> 1, 0x3F803F80u, t & 0x80008000u), 0x5C005C00u);
-  }
+  QPN_DEV static u32 dec(u32 t) { return hmul2(e4m3x2_bits(t), 0x5C005C00u); }
   QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 1] << (8 * (idx & 1))); }
   QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) { return dec(w[r >> 1] << (8 * (r & 1))); }
 };

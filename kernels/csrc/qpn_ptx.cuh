@@ -99,3 +99,26 @@ QPN_DEV float e4m3_bits_to_f32_scaled_down(u32 b) {
 
 // 2^60 as float: e4m3 * global = (e4m3 * 2^-120 * 2^60) * (global * 2^60), each factor exact.
 #define QPN_TWO_POW_60 1152921504606846976.0f
+
+// Byte permute: result byte i = byte sel_i of the 8-byte pair {b:a} (a = bytes 0-3, b = 4-7).
+QPN_DEV u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Streamed once: 16-byte read-only load that does not allocate in L1 (leaves L1 to the
+// activations that every warp of the SM re-reads).
+QPN_DEV void ldg128_stream(const void* p, u32& a, u32& b, u32& c, u32& d) {
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+}
+
+// Read through L2 only (data written by other SMs in the same launch: L1 is not coherent).
+QPN_DEV void ldcg128f(const float* p, float& a, float& b, float& c, float& d) {
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(a), "=f"(b), "=f"(c), "=f"(d) : "l"(p));
+}
+
+QPN_DEV void stg128f(float* p, float a, float b, float c, float d) {
+  asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}

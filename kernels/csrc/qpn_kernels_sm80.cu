@@ -1,0 +1,351 @@
+// QPN kernels on the sm_80+ atom (m16n8k16): packed NVFP4 (qpn2*) and FP8 (qpn8*) linear layers,
+// y[M, N] = x[M, K] * W[N, K]^T, weights streamed in their packed form and decoded in registers
+// straight into MMA operands. Same formats, prepack rules, decoders and routes as the SM70 family
+// (qpn_kernels.cu); what differs is the atom and the way the grid covers the work.
+//
+// Work split ("stream-K"): the work is a list of items, one item = (group of T weight tiles of 16
+// rows, one k-block of 64 inputs), ordered with K fastest. The grid launches exactly as many warps
+// as the GPU holds at once (or fewer for small layers), and each warp takes one contiguous run of
+// items, so every warp streams the same number of bytes (+-1 item) whatever N and K are: no tail
+// wave, and small-N layers are split along K automatically. A warp's run covers whole weight
+// groups (results written directly) and at most two partial ones (its first and its last). A
+// partial group's FP32 sums go to a scratch slot; the contributor that arrives last (an atomic
+// counter per group) adds all partials in warp order -- a fixed order, so results are the same
+// bit for bit on every run -- applies the scales and bias, writes FP16 and resets the counter to
+// zero for the next launch. No shared memory, no barrier, no second kernel.
+//
+// Main loop per warp: a D-deep ring of 16-byte weight loads (L1 bypassed) and a DX-deep ring of
+// activation loads, consumed and refilled in place, fully unrolled so every register index is a
+// compile-time constant.
+//
+// Compiles standalone under NVRTC with no headers (see qpn_ptx.cuh). sm_80 or later.
+#include "qpn_atom_m16n8k16.cuh"
+
+#define QPN80_THREADS 256
+#define QPN80_WARPS (QPN80_THREADS / 32)
+
+struct Qpn80Args {
+  const u8* codes;        // packed codes, m16n8k16 fragment order
+  const u8* scales;       // NVFP4 packed e4m3 group scales (unused for FP8)
+  const float* chscale;   // FP32 scale of the result: NVFP4 global [1]; FP8 [1] or [N]
+  const u16* x;           // activations fp16 [M, ldx], ldx = K padded to 64, zero padded
+  const u16* bias;        // fp16 [N] or null
+  u16* y;                 // fp16 [M, N]
+  float* partials;        // [chunks][nwarps][2 slots][32 lanes][T * MT * 4] FP32 partial sums
+  int* counters;          // [chunks][n_groups] arrival counters, zero between launches
+  int m, n, kblocks, ldx;
+  int n_groups;           // ceil(ceil(N / 16) / T)
+  int nwarps;             // warps per chunk plane (<= n_groups * kblocks)
+  int chunks;             // 16-row token chunks (the *_chunked route); 1 otherwise
+  int chscale_per_channel;
+};
+
+// VAR: 0 the kernel; measured variants that drop one stage (results are NOT the product):
+// 1 no decode (raw code words, masked finite, as operands), 2 no MMA (decode only),
+// 3 loads only (weights, scales, activations; nothing computed).
+template <class F, int MT, int T, int D, int VAR>
+struct Qpn80 {
+  using A = AtomM16N8K16;
+  static constexpr int DX = D >= 2 ? 2 : 1;
+  static constexpr int LANE_BYTES = F::WORDS * 4;
+  static constexpr int BLOCK_BYTES = LANE_BYTES * 32;
+  static constexpr int PER_LANE = T * MT * 4;
+
+  QPN_DEV static void load_w(const u8* const (&cp)[T], const u8* const (&sp)[T], int kb,
+                             u32 (&w)[T][F::WORDS], u32 (&sc)[T]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+#pragma unroll
+      for (int q = 0; q < F::WORDS; q += 4)
+        ldg128_stream(cp[j] + (size_t)kb * BLOCK_BYTES + 4 * q, w[j][q], w[j][q + 1], w[j][q + 2], w[j][q + 3]);
+      if constexpr (F::GROUPED) sc[j] = ldg16(sp[j] + (size_t)kb * A::SCALE_BLOCK_BYTES);
+    }
+  }
+
+  QPN_DEV static void load_x(const u16* const (&xp)[MT], const bool (&xv)[MT], int kb, u32 (&xr)[MT][8]) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      if (xv[t]) {
+        const u16* p = xp[t] + (size_t)kb * A::K_BLOCK;
+        ldg128(p, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
+        ldg128(p + 8, xr[t][4], xr[t][5], xr[t][6], xr[t][7]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xr[t][i] = 0u;
+      }
+    }
+  }
+
+  QPN_DEV static void compute(const u32 (&w)[T][F::WORDS], const u32 (&sc)[T], const u32 (&xr)[MT][8],
+                              float (&acc)[T][MT][4], u32& sink) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      if constexpr (VAR == 3) {
+#pragma unroll
+        for (int q = 0; q < F::WORDS; ++q) sink ^= w[j][q];
+        if constexpr (F::GROUPED) sink ^= sc[j];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) sink ^= xr[t][0] ^ xr[t][7];
+        continue;
+      }
+      u32 sg = 0u, sg8 = 0u;
+      if constexpr (VAR != 1) F::scales(sc[j], sg, sg8);
+#pragma unroll
+      for (int s = 0; s < A::STEPS; ++s) {
+        u32 a0, a1, a2, a3;
+        if constexpr (VAR == 1) {
+          a0 = w[j][s] & 0x3BFF3BFFu;
+          a1 = w[j][(s + 1) % F::WORDS] & 0x3BFF3BFFu;
+          a2 = w[j][(s + 2) % F::WORDS] & 0x3BFF3BFFu;
+          a3 = w[j][(s + 3) % F::WORDS] & 0x3BFF3BFFu;
+        } else {
+          F::frag(w[j], s, sg, sg8, a0, a1, a2, a3);
+        }
+        if constexpr (VAR == 2) {
+          sink ^= a0 ^ a1 ^ a2 ^ a3;
+        } else {
+#pragma unroll
+          for (int t = 0; t < MT; ++t) A::mma(acc[j][t], a0, a1, a2, a3, xr[t][2 * s], xr[t][2 * s + 1]);
+        }
+      }
+    }
+  }
+
+  // k-blocks [kb0, kb1) of weight group grp into acc.
+  QPN_DEV static void segment(const Qpn80Args& a, int grp, int kb0, int kb1, const u16* const (&xp)[MT],
+                              const bool (&xv)[MT], int lane, float (&acc)[T][MT][4]) {
+    const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
+    const u8* cp[T];
+    const u8* sp[T];
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      // A group may run past the last tile: re-read the last tile (its sums are never stored).
+      const int tile = min(grp * T + j, n_tiles - 1);
+      cp[j] = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
+      sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + 2 * lane;
+    }
+    u32 w[D][T][F::WORDS];
+    u32 sc[D][T];
+    u32 xr[DX][MT][8];
+    u32 sink = 0u;
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+      if (kb0 + d < kb1) load_w(cp, sp, kb0 + d, w[d], sc[d]);
+#pragma unroll
+    for (int d = 0; d < DX; ++d)
+      if (kb0 + d < kb1) load_x(xp, xv, kb0 + d, xr[d]);
+    for (int kb = kb0; kb < kb1; kb += D) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int k = kb + d;
+        if (k < kb1) {
+          compute(w[d], sc[d], xr[d % DX], acc, sink);
+          if (k + D < kb1) load_w(cp, sp, k + D, w[d], sc[d]);
+          if (k + DX < kb1) load_x(xp, xv, k + DX, xr[d % DX]);
+        }
+      }
+    }
+    if constexpr (VAR == 2 || VAR == 3) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+  }
+
+  QPN_DEV static void store(const Qpn80Args& a, int grp, int m0, int lane, const float (&v)[T][MT][4]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j)
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = (grp * T + j) * A::TILE_N + A::acc_row(lane, i);
+          const int tok = m0 + t * A::TOKENS + A::acc_token(lane, i);
+          if (row < a.n && tok < a.m) {
+            // OUT_MULT is a power of two: (scale * OUT_MULT) is exact, so one rounding as before.
+            float r = v[j][t][i] * (ldgf(a.chscale + (a.chscale_per_channel ? row : 0)) * F::OUT_MULT);
+            if (a.bias) r += f16_to_f32(ldg16(a.bias + row));
+            stg16(a.y + (size_t)tok * a.n + row, f32_to_f16(r));
+          }
+        }
+  }
+
+  // The warp whose run holds item x (every run is non-empty: the host keeps nwarps <= items).
+  QPN_DEV static int warp_of(long long x, long long items, int nw) {
+    return (int)(((x + 1) * nw - 1) / items);
+  }
+
+  QPN_DEV static float* slot_ptr(const Qpn80Args& a, int plane, int warp, int slot, int lane) {
+    return a.partials + ((((size_t)plane * a.nwarps + warp) * 2 + slot) * 32 + lane) * PER_LANE;
+  }
+
+  QPN_DEV static void run(const Qpn80Args& a) {
+    const int lane = threadIdx.x & 31;
+    const int plane = blockIdx.x % a.chunks;
+    const int gw = (blockIdx.x / a.chunks) * QPN80_WARPS + (threadIdx.x >> 5);
+    if (gw >= a.nwarps) return;
+    const long long items = (long long)a.n_groups * a.kblocks;
+    const long long lo = (long long)gw * items / a.nwarps;
+    const long long hi = (long long)(gw + 1) * items / a.nwarps;
+    const int m0 = plane * MT * A::TOKENS;
+    const u16* xp[MT];
+    bool xv[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const int tok = m0 + t * A::TOKENS + A::b_token(lane);
+      xv[t] = tok < a.m;
+      xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + A::x_offset(lane);
+    }
+    const int first_grp = (int)(lo / a.kblocks);
+    for (long long item = lo; item < hi;) {
+      const int grp = (int)(item / a.kblocks);
+      const long long gbase = (long long)grp * a.kblocks;
+      const int kb0 = (int)(item - gbase);
+      const int kb1 = (int)((hi < gbase + a.kblocks ? hi : gbase + a.kblocks) - gbase);
+      item = gbase + kb1;
+      float acc[T][MT][4];
+#pragma unroll
+      for (int j = 0; j < T; ++j)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][t][i] = 0.f;
+      segment(a, grp, kb0, kb1, xp, xv, lane, acc);
+      if (kb0 == 0 && kb1 == a.kblocks) {
+        store(a, grp, m0, lane, acc);
+        continue;
+      }
+      // Partial group: park the sums, count the arrival; the last contributor finishes the group.
+      float* mine = slot_ptr(a, plane, gw, grp == first_grp ? 0 : 1, lane);
+#pragma unroll
+      for (int j = 0; j < T; ++j)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+          stg128f(mine + (j * MT + t) * 4, acc[j][t][0], acc[j][t][1], acc[j][t][2], acc[j][t][3]);
+      __threadfence();
+      __syncwarp();
+      int* ctr = a.counters + (size_t)plane * a.n_groups + grp;
+      int old = 0;
+      if (lane == 0) old = atomicAdd(ctr, 1);
+      old = __shfl_sync(0xffffffffu, old, 0);
+      const int fw = warp_of(gbase, items, a.nwarps);
+      const int lw = warp_of(gbase + a.kblocks - 1, items, a.nwarps);
+      if (old != lw - fw) continue;
+      __threadfence();
+      float sum[T][MT][4];
+#pragma unroll
+      for (int j = 0; j < T; ++j)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sum[j][t][i] = 0.f;
+      for (int wi = fw; wi <= lw; ++wi) {   // fixed order: deterministic sums
+        if (wi == gw) {
+#pragma unroll
+          for (int j = 0; j < T; ++j)
+#pragma unroll
+            for (int t = 0; t < MT; ++t)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) sum[j][t][i] += acc[j][t][i];
+        } else {
+          const long long lo_i = (long long)wi * items / a.nwarps;
+          const float* p = slot_ptr(a, plane, wi, lo_i / a.kblocks == grp ? 0 : 1, lane);
+#pragma unroll
+          for (int j = 0; j < T; ++j)
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+              float v0, v1, v2, v3;
+              ldcg128f(p + (j * MT + t) * 4, v0, v1, v2, v3);
+              sum[j][t][0] += v0;
+              sum[j][t][1] += v1;
+              sum[j][t][2] += v2;
+              sum[j][t][3] += v3;
+            }
+        }
+      }
+      if (lane == 0) atomicExch(ctr, 0);
+      store(a, grp, m0, lane, sum);
+    }
+  }
+};
+
+// Reconstruct pass for the *_reconstruct route: packed codes -> FP16 workspace ws[N_pad, K_pad]
+// (row-major) holding the exact FP16 values e2m1 x e4m3 (NVFP4) or e4m3 (FP8). One thread per
+// (tile, k-block, lane): 16 consecutive inputs of rows g and g+8, four 16-byte stores.
+template <class F>
+__device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8* scales, u16* ws,
+                                                       int n_tiles, int kblocks) {
+  using A = AtomM16N8K16;
+  const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int lane = (int)(gid & 31);
+  const long long tb = gid >> 5;
+  if (tb >= (long long)n_tiles * kblocks) return;
+  const int tile = (int)(tb / kblocks), kb = (int)(tb % kblocks);
+  constexpr int LANE_BYTES = F::WORDS * 4;
+  u32 w[F::WORDS];
+  const u8* p = codes + ((size_t)tile * kblocks + kb) * (LANE_BYTES * 32) + lane * LANE_BYTES;
+#pragma unroll
+  for (int q = 0; q < F::WORDS; q += 4) ldg128(p + 4 * q, w[q], w[q + 1], w[q + 2], w[q + 3]);
+  u32 sg = 0u, sg8 = 0u;
+  if constexpr (F::GROUPED)
+    F::scales(ldg16(scales + ((size_t)tile * kblocks + kb) * A::SCALE_BLOCK_BYTES + 2 * lane), sg, sg8);
+  u32 hg[8], hg8[8];
+#pragma unroll
+  for (int s = 0; s < A::STEPS; ++s) {
+    u32 a0, a1, a2, a3;
+    F::frag(w, s, sg, sg8, a0, a1, a2, a3);
+    hg[2 * s] = a0;
+    hg[2 * s + 1] = a2;
+    hg8[2 * s] = a1;
+    hg8[2 * s + 1] = a3;
+  }
+  const size_t ldw = (size_t)kblocks * A::K_BLOCK;
+  u16* out = ws + ((size_t)tile * A::TILE_N + (lane >> 2)) * ldw + (size_t)kb * A::K_BLOCK + A::x_offset(lane);
+  stg128(out, hg[0], hg[1], hg[2], hg[3]);
+  stg128(out + 8, hg[4], hg[5], hg[6], hg[7]);
+  out += 8 * ldw;
+  stg128(out, hg8[0], hg8[1], hg8[2], hg8[3]);
+  stg128(out + 8, hg8[4], hg8[5], hg8[6], hg8[7]);
+}
+
+#define QPN80_ENTRY(NAME, F, MT, T, D, VAR)                                                 \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, 2) NAME(Qpn80Args a) {        \
+    Qpn80<F, MT, T, D, VAR>::run(a);                                                         \
+  }
+
+#define QPN80_RECONSTRUCT_ENTRY(NAME, F)                                                    \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS) NAME(                          \
+      const u8* codes, const u8* scales, u16* ws, int n_tiles, int kblocks) {                 \
+    qpn80_reconstruct_body<F>(codes, scales, ws, n_tiles, kblocks);                           \
+  }
+
+// Every kernel is named by its configuration: <format>_mt<MT>_m16n8k16_t<T>d<D>[_variant], T = weight
+// tiles of 16 rows per warp (they share each activation load), D = ring depth in k-blocks (NVFP4:
+// D x 16 B, FP8: D x 32 B in flight per lane per tile). Which one serves each route is ops.py's
+// SM80_ROUTE_KERNELS, chosen on the H200 (benchmarks/kernel_matched_bench.py --sweep). Only configurations
+// that compile without spills for sm_80 and sm_90 under the 128-register cap are listed
+// (tests/test_kernels_sm80.py checks it).
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4, Frag16NVFP4, 1, 2, 4, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d2, Frag16NVFP4, 1, 2, 2, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t1d4, Frag16NVFP4, 1, 1, 4, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t4d2, Frag16NVFP4, 1, 4, 2, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t2d2, Frag16NVFP4, 2, 2, 2, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4, Frag16NVFP4, 2, 1, 4, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d2, Frag16NVFP4, 2, 1, 2, 0)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2, Frag16FP8, 1, 2, 2, 0)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t1d4, Frag16FP8, 1, 1, 4, 0)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t4d1, Frag16FP8, 1, 4, 1, 0)
+QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4, Frag16FP8, 2, 1, 4, 0)
+QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d2, Frag16FP8, 2, 1, 2, 0)
+QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1, Frag16FP8, 2, 2, 1, 0)
+QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
+QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
+
+// Measured variants (same arguments; never routes): *_exact: NVFP4 with normal FP16 operands (one
+// more multiply per register); *_nodecode, *_nomma, *_loadonly: one stage dropped, to see where
+// the time goes (their outputs are not the product).
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_exact, Frag16NVFP4Exact, 1, 2, 4, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t2d2_exact, Frag16NVFP4Exact, 2, 2, 2, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_nodecode, Frag16NVFP4, 1, 2, 4, 1)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_nomma, Frag16NVFP4, 1, 2, 4, 2)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_loadonly, Frag16NVFP4, 1, 2, 4, 3)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t2d2_nomma, Frag16NVFP4, 2, 2, 2, 2)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2_nodecode, Frag16FP8, 1, 2, 2, 1)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2_nomma, Frag16FP8, 1, 2, 2, 2)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2_loadonly, Frag16FP8, 1, 2, 2, 3)

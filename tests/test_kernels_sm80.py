@@ -1,0 +1,405 @@
+"""The sm_80+ atom (m16n8k16) on the CPU: its prepack and verified inverse, the reference on its
+packed buffers, a lane-by-lane replay of the kernel's decode through the PTX fragment layout of
+mma.m16n8k16 (proves atoms.py and csrc/qpn_atom_m16n8k16.cuh agree before any GPU time), the
+split-K work partition, the NVRTC build for sm_80 / sm_90 (no spill, no local memory, HMMA.16816
+in every GEMM kernel), and the opt-in switch for sm_80+ serving."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from qpn.kernels import formats, jit, nvrtc, ops, prepack, reference, routes
+from qpn.kernels.atoms import atom_for_arch, block_maps, geometry
+
+ATOM = "m16n8k16"
+M32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------- geometry
+def test_geometry_is_a_permutation_with_the_sm70_block_sizes():
+    g, g70 = geometry(ATOM), geometry("m8n8k4")
+    assert (g.tile_n, g.k_block) == (16, 64)
+    for kind in ("nvfp4", "fp8", "scale"):
+        gather, scatter = block_maps(ATOM, kind)
+        assert sorted(gather.tolist()) == list(range(gather.numel()))
+        assert torch.equal(gather[scatter], torch.arange(gather.numel()))
+        assert gather.numel() == block_maps("m8n8k4", kind)[0].numel()
+    # every k a lane touches in a k-block lies in group t = lane & 3 (one scale per row per k-block)
+    for lane in range(32):
+        ks = g.nvfp4_k_of[32 * lane: 32 * lane + 32]
+        assert {k // 16 for k in ks} == {lane & 3}
+        assert set(g.nvfp4_row_of[32 * lane: 32 * lane + 32]) == {lane >> 2, (lane >> 2) + 8}
+    assert g70.tile_n == 32
+
+
+def test_atom_for_arch():
+    assert atom_for_arch("sm70") == "m8n8k4" and atom_for_arch(75) == "m8n8k4"
+    assert atom_for_arch("sm_80") == "m16n8k16" and atom_for_arch((9, 0)) == "m16n8k16"
+    assert atom_for_arch("sm86") == "m16n8k16"
+    with pytest.raises(ValueError, match="sm_61"):
+        atom_for_arch(61)
+    with pytest.raises(ValueError, match="architecture"):
+        atom_for_arch("ampere")
+    with pytest.raises(ValueError, match="unknown MMA atom"):
+        geometry("m16n8k8")
+
+
+# ------------------------------------------------------------------------------ prepack
+@pytest.mark.parametrize("n,k", [(1, 16), (15, 48), (16, 64), (17, 80), (33, 112), (100, 1008), (3, 2064)])
+def test_nvfp4_roundtrip_byte_identical(n, k):
+    g = torch.Generator().manual_seed(n * 31 + k)
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    p = prepack.prepack_nvfp4(w, s, torch.tensor(0.5), atom=ATOM, rows_per_chunk=32)
+    assert p.atom == ATOM and p.n_pad % 16 == 0 and p.k_pad % 64 == 0
+    assert p.codes.numel() == p.n_pad * p.k_pad // 2 and p.scales.numel() == p.n_pad * p.k_pad // 16
+    prepack.verify_nvfp4_roundtrip(p, w, s, rows_per_chunk=16)
+    w2, s2 = prepack.unprepack_nvfp4(p)
+    assert torch.equal(w2, w) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
+    # a single flipped nibble is found and named (byte 0, high nibble: row 0, input 2)
+    p.codes[0] ^= 0x10
+    with pytest.raises(prepack.PrepackMismatch, match="row 0"):
+        prepack.verify_nvfp4_roundtrip(p, w, s)
+
+
+@pytest.mark.parametrize("n,k,per_channel", [(1, 1, False), (7, 3, True), (17, 65, False), (64, 100, True),
+                                             (100, 1001, False)])
+def test_fp8_roundtrip_byte_identical(n, k, per_channel):
+    g = torch.Generator().manual_seed(n + 7 * k)
+    w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=g) + 0.5 if per_channel else torch.tensor(0.01)
+    p = prepack.prepack_fp8(w, scale, atom=ATOM, rows_per_chunk=16)
+    prepack.verify_fp8_roundtrip(p, w, scale)
+    w2, _ = prepack.unprepack_fp8(p)
+    assert torch.equal(w2.view(torch.uint8), w.view(torch.uint8))
+
+
+def test_reference_on_m16n8k16_buffers_equals_the_sm70_atom_and_float64():
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn((70, 320), generator=g) * 0.05
+    q, s, gs = formats.quantize_nvfp4(w)
+    x = torch.randn((9, 320), generator=g).half()
+    x[:, 5] = 3000.0
+    a, b = prepack.prepack_nvfp4(q, s, gs), prepack.prepack_nvfp4(q, s, gs, atom=ATOM)
+    assert torch.equal(reference.linear_f64(x, a), reference.linear_f64(x, b))
+    assert torch.equal(reference.linear_f64(x, b), x.double() @ formats.dequantize_nvfp4_f64(q, s, gs).t())
+    # qpn_linear on CPU (the custom op, atom passed through) is the reference on those buffers
+    assert torch.equal(ops.qpn_linear(x, b), reference.linear_nvfp4(x, b))
+    f, fs = formats.quantize_fp8(w, per_channel=True)
+    c = prepack.prepack_fp8(f, fs, atom=ATOM)
+    assert torch.equal(ops.qpn_linear(x, c), reference.linear_fp8(x, c))
+
+
+# ------------------------------------------------- lane-level replay of the kernel's decode
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 4*W] bytes -> [..., W] little-endian u32 words (int64)."""
+    b = raw.to(torch.int64).reshape(*raw.shape[:-1], -1, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _h2(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """f16x2 register -> (low half, high half) as float64."""
+    def half(u):
+        u = torch.where(u >= 0x8000, u - 0x10000, u)
+        return u.to(torch.int16).view(torch.float16).double()
+    return half(word & 0xFFFF), half((word >> 16) & 0xFFFF)
+
+
+def _and_or(a, m, b):
+    return (a & m) | b
+
+
+def _e2m1x2_pair(v, r):          # csrc/qpn_family.cuh e2m1x2_pair<R>
+    mag = (v >> 3) if r == 0 else ((v << (4 * r - 3)) & M32)
+    return _and_or(mag, 0x0E000E00, ((v << (4 * r)) & M32) & 0x80008000)
+
+
+def _e4m3x2_bits(t):             # csrc/qpn_family.cuh e4m3x2_bits
+    return _and_or(t >> 1, 0x3F803F80, t & 0x80008000)
+
+
+def _exact_f16_mul(a, b):
+    """mul.rn.f16x2 of one half: the product must be representable (the decoders' claim)."""
+    p = a * b
+    assert torch.equal(p.half().double(), p), "an FP16 operand multiply rounded"
+    return p
+
+
+def _scales_sm89(sp):
+    """Frag16NVFP4::scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 then * 2^7."""
+    e4 = formats.e4m3_table(torch.float64)
+    return e4[sp & 0xFF] * 128.0, e4[(sp >> 8) & 0xFF] * 128.0
+
+
+def _scales_sm80(sp):
+    """Frag16NVFP4::scales, sm_80 path: prmt to bytes 1 and 3, e4m3x2_bits, * 2^15."""
+    b0, b1 = sp & 0xFF, (sp >> 8) & 0xFF
+    lo0, hi0 = _h2(_e4m3x2_bits((b0 << 8) | (b0 << 24)))
+    lo1, hi1 = _h2(_e4m3x2_bits((b1 << 8) | (b1 << 24)))
+    assert torch.equal(lo0, hi0) and torch.equal(lo1, hi1)
+    return _exact_f16_mul(lo0, 32768.0), _exact_f16_mul(lo1, 32768.0)
+
+
+def _fp8_pair_sm80(w, sel):
+    """cvt_e4m3x2_lo/hi, sm_80 path: prmt (0x1404 / 0x3424), e4m3x2_bits, * 2^8."""
+    b = [(w >> (8 * i)) & 0xFF for i in range(4)]
+    t = (b[0] << 8) | (b[1] << 24) if sel == "lo" else (b[2] << 8) | (b[3] << 24)
+    lo, hi = _h2(_e4m3x2_bits(t))
+    return _exact_f16_mul(lo, 256.0), _exact_f16_mul(hi, 256.0)
+
+
+def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
+    """y (float64) as the sm_80+ kernel computes it: per lane, the registers the decoders produce,
+    placed into A / B of mma.m16n8k16 by the PTX fragment layout, D = A B summed over k-blocks."""
+    g = geometry(ATOM)
+    tiles, kblocks = packed.n_pad // 16, packed.k_pad // 64
+    m = x.shape[0]
+    assert m <= 8
+    xp = torch.zeros((8, packed.k_pad), dtype=torch.float64)
+    xp[:m, : packed.k] = x.double()
+    nv = isinstance(packed, prepack.PackedNVFP4)
+    words = _words(packed.codes.view(tiles, kblocks, 32, -1))           # [tiles, kb, lane, W]
+    if nv:
+        sc = packed.scales.view(tiles, kblocks, 32, 2).to(torch.int64)
+        sp = sc[..., 0] | (sc[..., 1] << 8)                              # [tiles, kb, lane]
+    A = torch.zeros((tiles, kblocks, 4, 16, 16), dtype=torch.float64)
+    B = torch.zeros((kblocks, 4, 16, 8), dtype=torch.float64)
+    e4 = formats.e4m3_table(torch.float64)
+    for lane in range(32):
+        gq, t = lane >> 2, lane & 3
+        if nv:
+            sg, sg8 = (_scales_sm80 if sm80_paths else _scales_sm89)(sp[:, :, lane])
+            if sm80_paths:
+                assert torch.equal(torch.stack(_scales_sm89(sp[:, :, lane])), torch.stack((sg, sg8)))
+        for s in range(4):
+            if nv:
+                v = words[:, :, lane, s]
+                regs = []
+                for r, scale in zip(range(4), (sg, sg8, sg, sg8)):
+                    lo, hi = _h2(_e2m1x2_pair(v, r))
+                    regs.append((_exact_f16_mul(lo, scale), _exact_f16_mul(hi, scale)))
+            else:
+                w0, w1 = words[:, :, lane, 2 * s], words[:, :, lane, 2 * s + 1]
+                if sm80_paths:
+                    regs = [_fp8_pair_sm80(w0, "lo"), _fp8_pair_sm80(w0, "hi"),
+                            _fp8_pair_sm80(w1, "lo"), _fp8_pair_sm80(w1, "hi")]
+                else:
+                    regs = [(e4[(w >> (8 * i)) & 0xFF], e4[(w >> (8 * i + 8)) & 0xFF])
+                            for w, i in ((w0, 0), (w0, 2), (w1, 0), (w1, 2))]
+            # PTX m16n8k16 A: reg0 (row g, cols 2t, 2t+1), reg1 (g+8, 2t..), reg2 (g, 2t+8..), reg3 (g+8, 2t+8..)
+            for (row, col), (lo, hi) in zip(((gq, 2 * t), (gq + 8, 2 * t), (gq, 2 * t + 8), (gq + 8, 2 * t + 8)), regs):
+                A[:, :, s, row, col] = lo
+                A[:, :, s, row, col + 1] = hi
+            # B: reg0 (k 2t, 2t+1; token g), reg1 (k 2t+8, 2t+9); the lane's activation words 2s, 2s+1
+            base = torch.arange(kblocks) * 64 + 16 * t + 4 * s
+            B[:, s, 2 * t, gq] = xp[gq, base]
+            B[:, s, 2 * t + 1, gq] = xp[gq, base + 1]
+            B[:, s, 2 * t + 8, gq] = xp[gq, base + 2]
+            B[:, s, 2 * t + 9, gq] = xp[gq, base + 3]
+    D = torch.einsum("tksij,ksjn->tin", A, B)                              # [tiles, 16 rows, 8 tokens]
+    y = D.reshape(tiles * 16, 8).t()[:m, : packed.n]
+    if nv:
+        return y * (packed.global_scale.double() * 128.0)   # Frag16NVFP4::OUT_MULT
+    return y * formats.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
+
+
+@pytest.mark.parametrize("sm80_paths", [False, True], ids=["sm89_cvt", "sm80_bits"])
+@pytest.mark.parametrize("n,k,m", [(48, 1008, 5), (16, 64, 8), (33, 160, 1)])
+def test_replayed_nvfp4_fragments_give_the_exact_product(n, k, m, sm80_paths):
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.randint(0x01, 0x7E, (n, k // 16), dtype=torch.uint8, generator=g)
+    s[:, ::3] = torch.randint(1, 8, s[:, ::3].shape, dtype=torch.uint8, generator=g)   # e4m3 subnormals
+    s[0, 0] = 0x7E                                                                      # 448
+    p = prepack.prepack_nvfp4(w, s.view(torch.float8_e4m3fn), torch.tensor(0.013), atom=ATOM)
+    x = torch.randn((m, k), generator=g).half()
+    y = _replay(p, x, sm80_paths)
+    y64 = reference.linear_f64(x, p)
+    assert float((y - y64).norm() / y64.norm()) < 1e-12
+
+
+@pytest.mark.parametrize("sm80_paths", [False, True], ids=["sm89_cvt", "sm80_bits"])
+def test_replayed_fp8_fragments_give_the_exact_product(sm80_paths):
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randint(0, 256, (40, 200), dtype=torch.uint8, generator=g) & 0xF7 | 0x00).view(torch.float8_e4m3fn)
+    scale = torch.rand(40, generator=g) + 0.5
+    p = prepack.prepack_fp8(w, scale, atom=ATOM)
+    x = torch.randn((7, 200), generator=g).half()
+    y = _replay(p, x, sm80_paths)
+    y64 = reference.linear_f64(x, p)
+    assert float((y - y64).norm() / y64.norm()) < 1e-12
+
+
+def test_replay_detects_a_wrong_layout():
+    """The replay is not vacuous: the m8n8k4 bytes read as m16n8k16 give a different product."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=g)
+    s = torch.full((32, 8), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    wrong = prepack.prepack_nvfp4(w, s, torch.tensor(1.0), atom="m8n8k4")
+    as_sm80 = prepack.PackedNVFP4(wrong.codes, wrong.scales, wrong.global_scale, 32, 128, ATOM)
+    x = torch.randn((3, 128), generator=g).half()
+    y = _replay(as_sm80, x, False)
+    y64 = reference.linear_f64(x, prepack.prepack_nvfp4(w, s, torch.tensor(1.0), atom=ATOM))
+    assert float((y - y64).norm() / y64.norm()) > 0.1
+
+
+# ------------------------------------------------------------- split-K work partition
+def _kernel_partition(n_groups, kblocks, nwarps):
+    """The kernel's integer logic (csrc/qpn_kernels_sm80.cu Qpn80::run), replayed."""
+    items = n_groups * kblocks
+    lo = [i * items // nwarps for i in range(nwarps + 1)]
+    warp_of = lambda x: ((x + 1) * nwarps - 1) // items  # noqa: E731
+    segs = []
+    for gw in range(nwarps):
+        first = lo[gw] // kblocks
+        item = lo[gw]
+        while item < lo[gw + 1]:
+            grp = item // kblocks
+            kb0 = item - grp * kblocks
+            kb1 = min(lo[gw + 1], (grp + 1) * kblocks) - grp * kblocks
+            full = kb0 == 0 and kb1 == kblocks
+            segs.append(dict(warp=gw, grp=grp, kb0=kb0, kb1=kb1, full=full, slot=0 if grp == first else 1,
+                             fw=warp_of(grp * kblocks), lw=warp_of(grp * kblocks + kblocks - 1)))
+            item = grp * kblocks + kb1
+    return segs
+
+
+@pytest.mark.parametrize("n,kblocks,tiles,chunks,resident,min_items", [
+    (5120, 24, 2, 1, 2112, 4), (34816, 80, 2, 1, 2112, 4), (248320, 80, 2, 1, 2112, 4),
+    (5120, 272, 2, 1, 2112, 2), (1, 1, 2, 1, 2112, 4), (31, 33, 2, 1, 2112, 4), (300, 17, 1, 6, 2112, 2),
+    (16, 3, 4, 2, 64, 1)])
+def test_split_k_partition_covers_every_item_once(n, kblocks, tiles, chunks, resident, min_items):
+    grid, nwarps, n_groups = ops.sm80_partition(n, kblocks, tiles, chunks, resident, min_items)
+    items = n_groups * kblocks
+    assert n_groups * tiles * 16 >= n > (n_groups - 1) * tiles * 16
+    assert 1 <= nwarps <= items and nwarps * chunks <= max(resident, chunks)
+    assert grid % chunks == 0 and (grid // chunks) * ops.WARPS >= nwarps
+    segs = _kernel_partition(n_groups, kblocks, nwarps)
+    covered = torch.zeros((n_groups, kblocks), dtype=torch.int32)
+    for sg in segs:
+        covered[sg["grp"], sg["kb0"]: sg["kb1"]] += 1
+    assert bool((covered == 1).all())
+    per_warp = {}
+    for sg in segs:
+        if not sg["full"]:
+            per_warp.setdefault(sg["warp"], []).append(sg["slot"])
+    assert all(len(v) <= 2 and len(set(v)) == len(v) for v in per_warp.values())   # slots never collide
+    for grp in range(n_groups):
+        touching = sorted(sg["warp"] for sg in segs if sg["grp"] == grp)
+        parts = [sg for sg in segs if sg["grp"] == grp]
+        if len(parts) == 1:
+            assert parts[0]["full"]
+        else:   # the counter's target lw - fw + 1 is exactly the set of contributors
+            assert touching == list(range(parts[0]["fw"], parts[0]["lw"] + 1))
+    sizes = [sum(sg["kb1"] - sg["kb0"] for sg in segs if sg["warp"] == w) for w in range(nwarps)]
+    assert max(sizes) - min(sizes) <= 1   # balanced to one item
+
+
+# ------------------------------------------------------------------------- NVRTC build
+def _nvrtc_or_skip():
+    try:
+        return nvrtc.load_nvrtc(12, 80)
+    except nvrtc.NvrtcUnavailable as e:
+        pytest.skip(f"NVRTC 12 not installed (pyproject [test] extra): {e}")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, capsys):
+    nv = _nvrtc_or_skip()
+    from qpn.kernels import sm70_check
+    try:
+        ptxas = sm70_check.find_ptxas()
+    except sm70_check.ToolMissing as e:
+        pytest.skip(str(e))
+    src = nvrtc.read_sources()[jit.ATOM_SOURCES[ATOM]]
+    res = nv.compile(src, jit.ATOM_SOURCES[ATOM], arch, list(jit.COMPILE_FLAGS), want_cubin=True)
+    for name in jit.ENTRY_POINTS[ATOM]:
+        assert name.encode() + b"\0" in res.cubin, name
+    (tmp_path / "k.ptx").write_text(res.ptx)
+    r = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    reps = sm70_check._parse_ptxas(r.stdout + r.stderr)
+    configured = jit.sm80_kernels()
+    assert set(configured) | {"qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16"} == set(reps)
+    lines = []
+    for name, rep in sorted(reps.items()):
+        lines.append(f"  {name:34s} regs {rep.registers:3d} spill {rep.spill_stores}/{rep.spill_loads} stack {rep.stack_frame}")
+        assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, name
+        assert 0 < rep.registers <= 128, name   # 2 blocks of 256 threads per SM
+    with capsys.disabled():
+        print(f"\nsm_{arch} (NVRTC {res.nvrtc_version[0]}.{res.nvrtc_version[1]}):\n" + "\n".join(lines))
+    try:
+        cuobjdump = sm70_check.find_disassembler(download=False)
+    except sm70_check.ToolMissing:
+        return
+    (tmp_path / "n.cubin").write_bytes(res.cubin)
+    env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "n.cubin")], capture_output=True, text=True, env=env)
+    assert sass.returncode == 0, sass.stderr
+    counts, cur = {}, None
+    for line in sass.stdout.splitlines():
+        mm = re.search(r"Function : (\w+)", line)
+        if mm:
+            cur = mm.group(1)
+            counts[cur] = {"hmma": 0, "local": 0}
+        elif cur:
+            counts[cur]["hmma"] += "HMMA.16816.F32" in line
+            counts[cur]["local"] += bool(re.search(r"\b(LDL|STL)\b", line))
+    for name, cfg in configured.items():
+        assert counts[name]["local"] == 0, name
+        assert (counts[name]["hmma"] > 0) == (cfg.variant not in (2, 3)), name
+
+
+def test_sm80_kernel_table_and_route_kernels():
+    configured = jit.sm80_kernels()
+    for (fmt, mt), name in jit.SM80_ROUTE_KERNELS.items():
+        cfg = configured[name]
+        assert cfg.mt == mt and cfg.variant == 0 and name.startswith(routes.ROUTE_PREFIX[fmt])
+        assert cfg.frag == ("Frag16NVFP4" if fmt == "nvfp4" else "Frag16FP8")
+    assert ops._sm80_kernel_for("qpn2_chunked", "nvfp4", 40) == (jit.SM80_ROUTE_KERNELS[("nvfp4", 2)], 3)
+    with pytest.raises(ValueError, match="M <= 8"):
+        ops._sm80_kernel_for("qpn8", "fp8", 9)
+    with pytest.raises(jit.QpnBuildError, match="sm_80"):
+        jit.compile_cubin(75, source=jit.ATOM_SOURCES[ATOM])
+    assert jit.atoms_for_arch("sm70") == ("m8n8k4",) and jit.atoms_for_arch(90) == ("m8n8k4", ATOM)
+
+
+def test_build_for_sm90_builds_both_atoms(tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    monkeypatch.setenv("QPN_CACHE_DIR", str(tmp_path))
+    p = ops.build("sm90")
+    assert os.path.basename(p).startswith("qpn_sm80_sm90_")
+    names = sorted(os.listdir(tmp_path))
+    assert len([n for n in names if n.endswith(".cubin")]) == 2, names
+    assert ops.build("sm90", atom="m8n8k4") != p
+
+
+# ------------------------------------------------------------------ routes and serving
+def test_routes_are_the_same_names_on_sm80_and_sm90():
+    for m in (1, 8, 9, 16, 17, 96, 97, 500):
+        for fmt in ("nvfp4", "fp8"):
+            assert routes.route_for(fmt, m, 5120, 5120, arch="sm90") == routes.route_for(fmt, m, 5120, 5120)
+            assert routes.route_for(fmt, m, 5120, 5120, arch="sm80") in routes.QPN_ROUTES
+    assert ops.arch_for_atom(ATOM) == "sm80" and ops.arch_for_atom("m8n8k4") == "sm70"
+
+
+def test_sm80_opt_in_is_off_by_default(monkeypatch):
+    monkeypatch.delenv(ops.SM80_OPT_IN_ENV, raising=False)
+    assert not ops.sm80_opt_in()
+    assert ops.serving_target((9, 0)) is None and ops.serving_target((8, 0)) is None
+    assert ops.serving_target((7, 0)) == {"arch": "sm70", "atom": "m8n8k4"}
+    assert ops.serving_target((7, 5)) is None
+    monkeypatch.setenv(ops.SM80_OPT_IN_ENV, "1")
+    assert ops.serving_target((9, 0)) == {"arch": "sm90", "atom": ATOM}
+    assert ops.serving_target((8, 6)) == {"arch": "sm86", "atom": ATOM}
+    monkeypatch.setenv(ops.SM80_OPT_IN_ENV, "0")
+    assert ops.serving_target((9, 0)) is None
+    monkeypatch.setenv(ops.SM80_OPT_IN_ENV, "maybe")
+    with pytest.raises(ValueError, match="QPN_SM80_OPT_IN"):
+        ops.sm80_opt_in()
