@@ -355,7 +355,7 @@ def restore(profile_name: str) -> int:
 # ---------------------------------------------------------------- check
 
 
-def check(profile_name: str) -> int:
+def check(profile_name: str, source: Path | None = None) -> int:
     problems: list[str] = []
     lock = load_lock()
     engine = find_engine()
@@ -397,7 +397,9 @@ def check(profile_name: str) -> int:
             _say(f"ok  metadata alias {shim.name}")
         else:
             problems.append(f"metadata alias {shim.name} is missing")
-    problems.extend(_check_our_distribution())
+    problems.extend(_check_our_distribution(engine.site_packages, source))
+    if not problems:  # only a complete overlay is worth importing the engine for
+        problems.extend(_check_runtime_anchors(profile_name))
     if problems:
         for p in problems:
             _say(f"FAIL {p}")
@@ -407,12 +409,44 @@ def check(profile_name: str) -> int:
     return 0
 
 
-def _check_our_distribution() -> list[str]:
-    try:
-        dist = metadata.distribution(OUR_DISTRIBUTION)
-    except metadata.PackageNotFoundError:
+# Installed package -> source folder (pyproject.toml's package-dir).
+SOURCE_FOLDERS = {"qpn": "qpn", "qpn/fork_patches": "fork_patches", "qpn/kernels": "kernels",
+                  "qpn/scripts": "scripts", "qpn/benchmarks": "benchmarks"}
+
+
+def _stale_against_source(dist, source: Path) -> list[str]:
+    """Installed modules that differ from, or are missing against, the source checkout."""
+    installed = {}
+    for f in dist.files or []:
+        parent, _, name = str(f).rpartition("/")
+        if parent in SOURCE_FOLDERS and name.endswith(".py"):
+            installed[(parent, name)] = Path(dist.locate_file(f))
+    stale = []
+    for package, folder in SOURCE_FOLDERS.items():
+        for src in sorted((source / folder).glob("*.py")):
+            path = installed.get((package, src.name))
+            if path is None or not path.exists():
+                stale.append(f"{folder}/{src.name} is not installed")
+            elif sha256_file(path) != sha256_file(src):
+                stale.append(f"{folder}/{src.name} differs from the installed copy")
+    return stale
+
+
+def _check_our_distribution(site_packages: Path, source: Path | None = None) -> list[str]:
+    # Look in site-packages only: a build of the checkout leaves volta_qpn.egg-info in it, and
+    # the working directory is on sys.path when the check runs from there.
+    dists = list(metadata.distributions(name=OUR_DISTRIBUTION, path=[str(site_packages)]))
+    if not dists:
         return [f"{OUR_DISTRIBUTION} is not installed in this environment"]
+    dist = dists[0]
     problems = []
+    if source is not None:
+        stale = _stale_against_source(dist, source)
+        if stale:
+            problems.append(
+                f"the installed {OUR_DISTRIBUTION} is older than the checkout {source} "
+                f"({len(stale)} module(s), e.g. {stale[0]}): run the bootstrap again"
+            )
     if not any(ep.group == PLUGIN_GROUP for ep in dist.entry_points):
         problems.append(f"{OUR_DISTRIBUTION} registers no {PLUGIN_GROUP} entry point")
     for f in dist.files or []:
@@ -426,13 +460,33 @@ def _check_our_distribution() -> list[str]:
     return problems
 
 
+def _check_runtime_anchors(profile_name: str) -> list[str]:
+    """Every runtime hook's anchor exists in the installed engine (imports vLLM: seconds)."""
+    from qpn.fork_patches.plugin import check_anchor
+
+    hooks = hooks_for(profile_name, kind="runtime")
+    _say(f"importing the engine to check the anchors of {len(hooks)} runtime hook(s)")
+    problems = []
+    for hook in hooks:
+        try:
+            check_anchor(hook)
+        except AnchorMissing as exc:
+            problems.append(str(exc))
+        else:
+            _say(f"ok  runtime hook {hook.name}: anchor {hook.anchor}")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qpn.fork_patches.overlay")
     parser.add_argument("action", choices=["apply", "check", "restore"])
     parser.add_argument("--engine", required=True, help="engine profile from engines.lock.toml")
+    parser.add_argument("--source", type=Path, help="check: the checkout volta-qpn was installed from")
     args = parser.parse_args(argv)
     try:
-        return {"apply": apply, "check": check, "restore": restore}[args.action](args.engine)
+        if args.action == "check":
+            return check(args.engine, args.source)
+        return {"apply": apply, "restore": restore}[args.action](args.engine)
     except OverlayError as exc:
         _say(f"ERROR: {exc}")
         return 2

@@ -320,7 +320,9 @@ def build_kernels(py: Path, profile: dict, steps: Steps) -> None:
 
 
 def overlay(py: Path, action: str, engine: str) -> int:
-    return run([py, "-m", "qpn.fork_patches.overlay", action, "--engine", engine], check=False).returncode
+    source = ["--source", REPO] if action == "check" else []
+    cmd = [py, "-m", "qpn.fork_patches.overlay", action, "--engine", engine, *source]
+    return run(cmd, check=False).returncode
 
 
 def default_prefix(engine: str) -> Path:

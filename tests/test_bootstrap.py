@@ -50,6 +50,12 @@ def light_engine(tmp_path_factory, cpu_engine_wheel) -> Path:
     py = prefix / "bin" / "python"
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(cpu_engine_wheel)], check=True)
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(REPO)], check=True)
+    # The engine's dependencies (torch, transformers, ...) come from the test run's own engine
+    # environment, appended after this one's site-packages: its vllm and volta-qpn come first.
+    import sysconfig
+
+    deps = sysconfig.get_paths()["purelib"]
+    (_site_packages(py) / "zz_engine_dependencies.pth").write_text(deps + "\n")
     return py
 
 
@@ -253,3 +259,32 @@ def test_sm70_preflight_counts_gpus_and_driver(tmp_path):
     assert result.returncode == 2
     assert "supports CUDA 12.2" in result.stderr and "12.8 or newer" in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_check_reports_an_installed_copy_older_than_the_checkout(light_engine, tmp_path):
+    assert _overlay(light_engine, "apply").returncode == 0
+    from qpn.fork_patches.overlay import SOURCE_FOLDERS
+
+    # A checkout laid out from exactly what was installed (the repository itself may move on
+    # while the tests run).
+    source = tmp_path / "checkout"
+    site = _site_packages(light_engine)
+    for package, folder in SOURCE_FOLDERS.items():
+        (source / folder).mkdir(parents=True)
+        for module in (site / package).glob("*.py"):
+            shutil.copy(module, source / folder / module.name)
+
+    def check_against(src: Path) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        return subprocess.run(
+            [str(light_engine), "-m", "qpn.fork_patches.overlay", "check", "--engine", "cpu",
+             "--source", str(src)], env=env, capture_output=True, text=True, timeout=600)
+
+    same = check_against(source)
+    assert same.returncode == 0, same.stdout
+    (source / "fork_patches" / "hooks.py").write_text(
+        (source / "fork_patches" / "hooks.py").read_text() + "\n# a newer checkout\n")
+    stale = check_against(source)
+    assert stale.returncode == 1
+    assert "fork_patches/hooks.py differs from the installed copy" in stale.stdout
