@@ -1,25 +1,34 @@
-"""Matched kernel benchmark: QPN routes against dequantize-then-matmul and against a torch FP16
-weight GEMM, over ONE set of weights per shape, in one process, with the read-only and copy
-ceilings measured in the same run. Writes a CSV with a provenance header.
+"""Matched kernel benchmark: QPN routes against the GPU's own paths over ONE set of weights per
+shape, in one process, with the read-only and copy ceilings measured in the same run. Writes a
+CSV with a provenance header (and, optionally, a PNG of GB/s against M and a targets table).
 
-    python -m qpn.benchmarks.kernel_matched_bench --out results/kernel_matched_<gpu>_<date>.csv
+    python -m qpn.benchmarks.kernel_matched_bench --out results/kernel_matched_<gpu>_<date>.csv \\
+        [--plot results/....png] [--targets results/....md] [--sweep results/kernel_sm80_sweep_....csv]
 
-Arms (each timed the same way: CUDA events around a loop of calls, median of repeats, weights
-rotated over enough copies that every call streams from DRAM, not L2):
-  qpn            ops.qpn_linear on the prepacked weight, route from routes.route_for
-  dequant_matmul dequantize the checkpoint tensors in torch (float32), cast to FP16, x @ W^T
-  torch_fp16     x @ W16^T on a resident FP16 copy of the same weight values
-GB/s counts the arm's own weight bytes (packed NVFP4 / FP8 for qpn and dequant_matmul, FP16 for
-torch_fp16). Read ceiling: torch.sum over a 2 GiB buffer (bytes read / s). Copy ceiling: a 1 GiB
-device-to-device copy (bytes read + bytes written / s).
+Arms (all on the same weight values; each timed twice, the same way for every arm):
+  qpn            ops.qpn_linear on the prepacked weight, route from routes.route_for; the atom is
+                 the GPU's own (m16n8k16 on sm_80+, m8n8k4 on sm_70/75) unless --atom says otherwise
+  torch_fp16     x @ W16^T on a resident FP16 copy of the weight values (cuBLAS through torch)
+  scaled_mm      FP8 shapes only: torch._scaled_mm on the e4m3 weight with per-tensor scales, the
+                 activations already quantized to e4m3 and padded to a multiple of 16 rows (their
+                 quantization is NOT timed: the most favourable timing for this peer)
+  dequant_matmul dequantize the checkpoint tensors with torch ops (a byte -> two-value FP16 lookup
+                 for NVFP4, a cast for FP8), then x @ W^T: the naive path
+Columns: eager_* = CUDA events around a loop of calls (host launch cost included, as an engine
+without graphs sees it); graph_* = the same loop captured once as a CUDA graph and replayed
+(launch gaps removed; what a decode step under CUDA graphs sees). Weights are rotated over
+enough copies that every call streams from DRAM, not L2. GB/s counts the arm's own weight bytes
+(packed NVFP4 / FP8 with scales for qpn and dequant_matmul, e4m3 for scaled_mm, FP16 for
+torch_fp16). Read ceiling: torch.sum over a 2 GiB buffer (bytes read / s); copy ceiling: a 1 GiB
+device-to-device copy ((read + written) / s).
 
-On sm_80 and later GPUs the m8n8k4 tensor-core atom of the SM70 kernels is EMULATED (DESIGN.md
-section 5: 18.4 against 614.8 TFLOP/s for m16n8k16 on the H200), so on such a GPU the qpn rows
-prove the harness and the routes, not V100 speed. The CSV header says so.
+The m8n8k4 atom of the SM70 kernels is emulated on sm_80 and later (DESIGN.md section 5): with
+--atom m8n8k4 on such a GPU the qpn rows prove the harness, not V100 speed; the header says so.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime as _dt
 import math
 import os
@@ -30,34 +39,47 @@ import sys
 
 import torch
 
-from qpn.kernels import formats, ops, prepack, routes
+from qpn.kernels import jit, ops, prepack, routes
 
 SHAPES = {
     # name: (format, N, K) -- DESIGN.md section 7
-    "tp4_mlp_gate_up": ("nvfp4", 8704, 5120),
-    "tp4_mlp_down": ("nvfp4", 5120, 4352),
-    "tp4_lm_head": ("nvfp4", 62080, 5120),
-    "tp4_gdn_in_proj_qkvz": ("fp8", 4096, 5120),
-    "tp4_gdn_out_proj": ("fp8", 5120, 1536),
     "tp1_mlp_gate_up": ("nvfp4", 34816, 5120),
     "tp1_mlp_down": ("nvfp4", 5120, 17408),
     "tp1_lm_head": ("nvfp4", 248320, 5120),
     "tp1_gdn_in_proj_qkvz": ("fp8", 16384, 5120),
     "tp1_gdn_out_proj": ("fp8", 5120, 6144),
+    "tp4_mlp_gate_up": ("nvfp4", 8704, 5120),
+    "tp4_mlp_down": ("nvfp4", 5120, 4352),
+    "tp4_lm_head": ("nvfp4", 62080, 5120),
+    "tp4_gdn_in_proj_qkvz": ("fp8", 4096, 5120),
+    "tp4_gdn_out_proj": ("fp8", 5120, 1536),
 }
-DEFAULT_M = (1, 2, 4, 8, 12, 16, 32, 64, 96, 128)
+DEFAULT_M = (1, 2, 4, 8, 12, 16, 32, 64)
 EMULATION_NOTE = ("m8n8k4 (the SM70 atom) is emulated on sm_80 and later GPUs: qpn figures measured there "
                   "prove the harness and the routes, NOT V100 speed")
+COLS = ["shape", "fmt", "n", "k", "m", "arm", "route", "weight_bytes", "eager_us", "graph_us", "eager_gbps",
+        "graph_gbps", "eager_pct_read", "graph_pct_read", "eager_pct_copy", "graph_pct_copy"]
+SWEEP_COLS = ["shape", "fmt", "n", "k", "m", "kernel", "tiles", "depth", "variant", "min_items", "graph_us", "gbps",
+              "pct_read"]
 
 
-def _time_ms(fn, target_ms: float = 40.0, repeats: int = 5) -> float:
-    """Median per-call milliseconds, CUDA events around a loop of calls."""
+# ------------------------------------------------------------------------------- timing
+def _one_call_ms(fn) -> float:
     fn(0)
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record(); fn(1); e.record(); torch.cuda.synchronize()
-    one = max(s.elapsed_time(e), 1e-3)
-    iters = int(min(200, max(3, target_ms / one)))
+    s.record()
+    fn(1)
+    e.record()
+    torch.cuda.synchronize()
+    return max(s.elapsed_time(e), 1e-3)
+
+
+def time_eager(fn, target_ms: float = 20.0, repeats: int = 3, max_iters: int = 200) -> float:
+    """Median per-call ms: CUDA events around a loop of eager calls."""
+    one = _one_call_ms(fn)
+    iters = int(min(max_iters, max(3, target_ms / one)))
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(repeats):
         s.record()
@@ -69,15 +91,42 @@ def _time_ms(fn, target_ms: float = 40.0, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
+def time_graph(fn, target_ms: float = 20.0, repeats: int = 3, max_iters: int = 200) -> float:
+    """Median per-call ms: the same loop of calls captured once as a CUDA graph, replayed."""
+    one = _one_call_ms(fn)
+    iters = int(min(max_iters, max(2, target_ms / one)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(iters):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        samples.append(s.elapsed_time(e) / iters)
+    del g
+    return statistics.median(samples)
+
+
 def ceilings() -> tuple[float, float]:
     """(read-only GB/s, copy GB/s counting read + write)."""
     buf = torch.ones(512 * 1024 * 1024, dtype=torch.float32, device="cuda")  # 2 GiB
-    t = _time_ms(lambda i: buf.sum(), target_ms=100)
+    t = time_eager(lambda i: buf.sum(), target_ms=100, repeats=5)
     read = buf.numel() * 4 / (t * 1e-3) / 1e9
     del buf
     src = torch.ones(256 * 1024 * 1024, dtype=torch.float32, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
-    t = _time_ms(lambda i: dst.copy_(src), target_ms=100)
+    t = time_eager(lambda i: dst.copy_(src), target_ms=100, repeats=5)
     copy = 2 * src.numel() * 4 / (t * 1e-3) / 1e9
     del src, dst
     torch.cuda.empty_cache()
@@ -86,9 +135,10 @@ def ceilings() -> tuple[float, float]:
 
 def _copies(nbytes: int) -> int:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20) or (64 << 20)
-    return int(min(8, max(1, math.ceil(4 * l2 / max(1, nbytes)))))
+    return int(min(32, max(1, math.ceil(4 * l2 / max(1, nbytes)))))
 
 
+# ------------------------------------------------------------------------------ weights
 def _weights(fmt: str, n: int, k: int, gen):
     dev = "cuda"
     if fmt == "nvfp4":
@@ -100,44 +150,150 @@ def _weights(fmt: str, n: int, k: int, gen):
     return (b.view(torch.float8_e4m3fn), torch.tensor(0.03 / k ** 0.5, device=dev))
 
 
-def _dequant(fmt, src):
+class NaiveDequant:
+    """The naive arm: dequantize with torch ops on the device (no host copies: capturable)."""
+
+    def __init__(self, device):
+        from qpn.kernels import formats
+        e2m1 = formats.e2m1_table(torch.float32)
+        byte = torch.arange(256)
+        self.lut = torch.stack([e2m1[byte & 0xF], e2m1[byte >> 4]], dim=1).to(torch.float16).to(device)  # [256, 2]
+
+    def nvfp4(self, w, s, gs) -> torch.Tensor:
+        n, kh = w.shape
+        vals = torch.nn.functional.embedding(w.int(), self.lut).view(n, kh * 2 // 16, 16)
+        sc = (s.to(torch.float32) * gs).to(torch.float16)
+        return (vals * sc.unsqueeze(-1)).view(n, kh * 2)
+
+    @staticmethod
+    def fp8(w, scale) -> torch.Tensor:
+        return w.to(torch.float16) * scale.to(torch.float16)
+
+
+def _fp16_copy(fmt, src, naive: NaiveDequant) -> torch.Tensor:
+    from qpn.kernels import formats
     if fmt == "nvfp4":
-        return formats.dequantize_nvfp4(*src)
-    return formats.dequantize_fp8(*src)
+        return formats.dequantize_nvfp4(*src).to(torch.float16)
+    return formats.dequantize_fp8(*src).to(torch.float16)
 
 
-def bench_shape(name, fmt, n, k, ms, read_ceiling, copy_ceiling, rows, gen):
+def _pack(fmt, src, atom):
+    return prepack.prepack_nvfp4(*src, atom=atom) if fmt == "nvfp4" else prepack.prepack_fp8(*src, atom=atom)
+
+
+def _row(name, fmt, n, k, m, arm, route, wbytes, eager_ms, graph_ms, read, copy) -> dict:
+    r = dict(shape=name, fmt=fmt, n=n, k=k, m=m, arm=arm, route=route, weight_bytes=wbytes,
+             eager_us=eager_ms * 1e3, graph_us=graph_ms * 1e3)
+    for col, t in (("eager", eager_ms), ("graph", graph_ms)):
+        gbps = wbytes / (t * 1e-3) / 1e9
+        r[f"{col}_gbps"] = gbps
+        r[f"{col}_pct_read"] = 100 * gbps / read
+        r[f"{col}_pct_copy"] = 100 * gbps / copy
+    return r
+
+
+def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, writer=None):
     src0 = _weights(fmt, n, k, gen)
-    packed0 = prepack.prepack_nvfp4(*src0) if fmt == "nvfp4" else prepack.prepack_fp8(*src0)
+    packed0 = _pack(fmt, src0, atom)
     qbytes = packed0.nbytes
     n_q = _copies(qbytes)
     srcs = [src0] + [_weights(fmt, n, k, gen) for _ in range(n_q - 1)]
-    packs = [packed0] + [(prepack.prepack_nvfp4(*s) if fmt == "nvfp4" else prepack.prepack_fp8(*s)) for s in srcs[1:]]
+    packs = [packed0] + [_pack(fmt, s, atom) for s in srcs[1:]]
     fp16_bytes = n * k * 2
     n_h = _copies(fp16_bytes)
-    w16 = [_dequant(fmt, srcs[i % n_q]).to(torch.float16) for i in range(n_h)]
+    w16 = [_fp16_copy(fmt, srcs[i % n_q], naive) for i in range(n_h)]
+    if fmt == "fp8":
+        sa = torch.tensor(1.0 / 64, device="cuda")
     x_all = torch.randn((max(ms), k), device="cuda", generator=gen).to(torch.float16)
+    arch = ops.arch_for_atom(atom)
     for m in ms:
         x = x_all[:m]
-        route = routes.route_for(fmt, m, n, k)
-        arms = [
-            ("qpn", route, qbytes, lambda i: ops.qpn_linear(x, packs[i % n_q])),
-            ("dequant_matmul", "torch", qbytes, lambda i: x @ _dequant(fmt, srcs[i % n_q]).to(torch.float16).t()),
-            ("torch_fp16", "torch.matmul", fp16_bytes, lambda i: x @ w16[i % n_h].t()),
-        ]
+        route = routes.route_for(fmt, m, n, k, arch=arch)
+        arms = [("qpn", route, qbytes, lambda i: ops.qpn_linear(x, packs[i % n_q])),
+                ("torch_fp16", "torch.matmul", fp16_bytes, lambda i: x @ w16[i % n_h].t())]
+        if fmt == "fp8":
+            mp = -(-m // 16) * 16
+            xq = torch.zeros((mp, k), device="cuda", dtype=torch.float16)
+            xq[:m] = x
+            xq = (xq * 64).to(torch.float8_e4m3fn)
+            arms.append(("scaled_mm", "torch._scaled_mm", n * k,
+                         lambda i: torch._scaled_mm(xq, srcs[i % n_q][0].t(), scale_a=sa,
+                                                    scale_b=srcs[i % n_q][1].reshape(()),
+                                                    out_dtype=torch.float16)))
+            arms.append(("dequant_matmul", "torch", qbytes, lambda i: x @ naive.fp8(*srcs[i % n_q]).t()))
+        else:
+            arms.append(("dequant_matmul", "torch", qbytes, lambda i: x @ naive.nvfp4(*srcs[i % n_q]).t()))
         for arm, rname, wbytes, fn in arms:
-            t = _time_ms(fn, target_ms=30 if arm != "dequant_matmul" else 15, repeats=5 if arm != "dequant_matmul" else 3)
-            gbps = wbytes / (t * 1e-3) / 1e9
-            rows.append(dict(shape=name, fmt=fmt, n=n, k=k, m=m, arm=arm, route=rname, time_us=t * 1e3,
-                             weight_bytes=wbytes, gbps=gbps, pct_read=100 * gbps / read_ceiling,
-                             pct_copy=100 * gbps / copy_ceiling))
-            print(f"{name:22s} M={m:4d} {arm:15s} {rname:18s} {t * 1e3:10.1f} us {gbps:8.1f} GB/s "
-                  f"{100 * gbps / read_ceiling:6.1f}% read", flush=True)
+            slow = arm == "dequant_matmul"
+            te = time_eager(fn, target_ms=8 if slow else 20, repeats=2 if slow else 3, max_iters=50 if slow else 200)
+            tg = time_graph(fn, target_ms=8 if slow else 20, repeats=2 if slow else 3, max_iters=8 if slow else 200)
+            r = _row(name, fmt, n, k, m, arm, rname, wbytes, te, tg, read, copy)
+            out_rows.append(r)
+            if writer:
+                writer(r)
+            print(f"{name:22s} M={m:3d} {arm:14s} {rname:17s} eager {r['eager_us']:9.1f} us "
+                  f"{r['eager_pct_read']:5.1f}%  graph {r['graph_us']:9.1f} us {r['graph_gbps']:7.1f} GB/s "
+                  f"{r['graph_pct_read']:5.1f}% read", flush=True)
     del srcs, packs, w16
     torch.cuda.empty_cache()
 
 
-def _provenance(args) -> list[str]:
+# ------------------------------------------------------------------------------- sweep
+def sweep(names, ms, read, gen, path, provenance):
+    """sm_80+ only: every configured kernel and every stage-dropping variant of the m16n8k16
+    source, graph-timed on the same weights, plus the split-K minimum-items knob."""
+    rows = []
+    kernels = jit.sm80_kernels()
+    saved = dict(ops.SM80_MIN_ITEMS)
+    for name in names:
+        fmt, n, k = SHAPES[name]
+        src0 = _weights(fmt, n, k, gen)
+        p0 = _pack(fmt, src0, "m16n8k16")
+        n_q = _copies(p0.nbytes)
+        packs = [p0] + [_pack(fmt, _weights(fmt, n, k, gen), "m16n8k16") for _ in range(n_q - 1)]
+        x_all = torch.randn((max(ms), k), device="cuda", generator=gen).to(torch.float16)
+        for m in ms:
+            x = x_all[:m]
+            mt = 1 if m <= 8 else 2
+            route = routes.route_for(fmt, m, n, k, arch="sm80")
+            default = jit.SM80_ROUTE_KERNELS[(fmt, mt)]
+            trials = [(kn, saved[fmt]) for kn, c in kernels.items()
+                      if kn.startswith(routes.ROUTE_PREFIX[fmt]) and c.mt == mt]
+            trials += [(default, mi) for mi in (1, 2, 8) if mi != saved[fmt]]
+            for kn, mi in trials:
+                ops.SM80_MIN_ITEMS[fmt] = mi
+                ops._sm80_plans.clear()
+                t = time_graph(lambda i: ops.run_sm80_kernel(x, packs[i % n_q], kn, route), target_ms=15)
+                gbps = p0.nbytes / (t * 1e-3) / 1e9
+                c = kernels[kn]
+                rows.append(dict(shape=name, fmt=fmt, n=n, k=k, m=m, kernel=kn, tiles=c.tiles, depth=c.depth,
+                                 variant=c.variant, min_items=mi, graph_us=t * 1e3, gbps=gbps,
+                                 pct_read=100 * gbps / read))
+                print(f"sweep {name:22s} M={m:3d} {kn:34s} min_items={mi} {t * 1e3:8.1f} us "
+                      f"{100 * gbps / read:5.1f}% read", flush=True)
+            ops.SM80_MIN_ITEMS.update(saved)
+            ops._sm80_plans.clear()
+        del packs
+        torch.cuda.empty_cache()
+    with open(path, "w", newline="") as f:
+        for line in provenance:
+            f.write(line + "\n")
+        w = csv.DictWriter(f, fieldnames=SWEEP_COLS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: (f"{r[c]:.3f}" if isinstance(r[c], float) else r[c]) for c in SWEEP_COLS})
+    # summary: mean share of the read ceiling per kernel over the swept shapes, per (fmt, mt)
+    print("\nsweep summary (mean % of read ceiling over shapes and M, default min_items):")
+    for key in sorted({(r["fmt"], 1 if r["m"] <= 8 else 2) for r in rows}):
+        sub = [r for r in rows if (r["fmt"], 1 if r["m"] <= 8 else 2) == key and r["min_items"] == saved[r["fmt"]]]
+        for kn in sorted({r["kernel"] for r in sub}):
+            v = [r["pct_read"] for r in sub if r["kernel"] == kn]
+            print(f"  {key[0]:5s} mt{key[1]} {kn:36s} {statistics.mean(v):6.1f}%")
+    return rows
+
+
+# -------------------------------------------------------------------------- provenance
+def provenance(args, atom) -> list[str]:
     try:
         drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
@@ -158,48 +314,234 @@ def _provenance(args) -> list[str]:
         f"# commit: {commit}",
         f"# command: {' '.join(shlex.quote(a) for a in [os.path.basename(sys.executable), '-m', 'qpn.benchmarks.kernel_matched_bench'] + sys.argv[1:])}",
         f"# date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
+        f"# qpn atom: {atom}; sm_80+ route kernels: "
+        + ", ".join(f"{f}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
+        + f"; split-K min items {ops.SM80_MIN_ITEMS}",
     ]
-    if cap >= (8, 0):
+    if cap >= (8, 0) and atom == "m8n8k4":
         lines.append(f"# NOTE: {EMULATION_NOTE}")
-    lines.append("# gbps = the arm's weight bytes / time; pct_read / pct_copy = share of the ceilings measured in this run")
+    lines.append("# *_gbps = the arm's weight bytes / time; *_pct_read / *_pct_copy = share of the ceilings "
+                 "measured in this run; eager = event-timed loop of calls, graph = the same loop as one CUDA graph")
     return lines
 
 
+def read_csv(path):
+    header, body = {}, []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("# ") and ":" in line:
+                k, v = line[2:].split(":", 1)
+                header[k.strip()] = v.strip()
+            elif not line.startswith("#"):
+                body.append(line)
+    rows = list(csv.DictReader(body))
+    for r in rows:
+        for c in r:
+            if c not in ("shape", "fmt", "arm", "route", "kernel"):
+                r[c] = float(r[c])
+    return header, rows
+
+
+# ----------------------------------------------------------------------------- targets
+def targets(rows) -> list[dict]:
+    """Issue 7 item 4, on the TP1 shapes, for both timing columns."""
+    out = []
+
+    def pct(shape, m_lo, m_hi, col):
+        v = [r[f"{col}_pct_read"] for r in rows
+             if r["shape"] == shape and r["arm"] == "qpn" and m_lo <= r["m"] <= m_hi]
+        return min(v) if v else None
+
+    def ratio(shape, peer, m_lo, m_hi, col):
+        v = []
+        for r in rows:
+            if r["shape"] == shape and r["arm"] == "qpn" and m_lo <= r["m"] <= m_hi:
+                p = [q for q in rows if q["shape"] == shape and q["arm"] == peer and q["m"] == r["m"]]
+                if p:
+                    v.append(p[0][f"{col}_us"] / r[f"{col}_us"])
+        return min(v) if v else None
+
+    for col in ("graph", "eager"):
+        for shape, fmt in (("tp1_mlp_gate_up", "nvfp4"), ("tp1_mlp_down", "nvfp4"), ("tp1_lm_head", "nvfp4"),
+                           ("tp1_gdn_in_proj_qkvz", "fp8"), ("tp1_gdn_out_proj", "fp8")):
+            lo_target = 95.0 if shape == "tp1_lm_head" else 85.0
+            checks = [(f"% read ceiling, M 1-8 (min)", pct(shape, 1, 8, col), lo_target),
+                      (f"% read ceiling, M 9-16 (min)", pct(shape, 9, 16, col), 75.0)]
+            if fmt == "nvfp4":
+                checks.append(("x faster than torch FP16 GEMM, M=1", ratio(shape, "torch_fp16", 1, 1, col), 3.3))
+            else:
+                checks.append(("x faster than torch._scaled_mm, M<=16 (min)", ratio(shape, "scaled_mm", 1, 16, col), 1.3))
+            for what, val, goal in checks:
+                if val is None:
+                    continue
+                out.append(dict(column=col, shape=shape, target=what, goal=goal, measured=val, met=val >= goal))
+    return out
+
+
+def targets_markdown(tg, header) -> str:
+    lines = [f"# Issue 7 targets on {header.get('gpu', '?')}", "",
+             f"commit {header.get('commit', '?')}, {header.get('date', '?')}; read ceiling "
+             f"{header.get('read_ceiling_gbps', '?')} GB/s measured in the same run", "",
+             "| timing | shape | target | goal | measured | met |", "|---|---|---|---:|---:|---|"]
+    for t in tg:
+        lines.append(f"| {t['column']} | {t['shape']} | {t['target']} | {t['goal']:g} | {t['measured']:.2f} | "
+                     f"{'met' if t['met'] else 'MISSED'} |")
+    return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------------------- plot
+def plot(csv_path: str, png_path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    header, rows = read_csv(csv_path)
+    read = float(header.get("read_ceiling_gbps", "nan"))
+    copy = float(header.get("copy_ceiling_gbps", "nan"))
+    shapes = [s for s in SHAPES if any(r["shape"] == s for r in rows)]
+    cols = 5
+    nrows = -(-len(shapes) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
+    style = {"qpn": ("tab:red", "o"), "torch_fp16": ("tab:blue", "s"), "scaled_mm": ("tab:green", "^"),
+             "dequant_matmul": ("tab:gray", "x")}
+    for ax, shape in zip(axes.flat, shapes):
+        sub = [r for r in rows if r["shape"] == shape]
+        for arm, (color, marker) in style.items():
+            pts = sorted((r["m"], r["graph_gbps"], r["eager_gbps"]) for r in sub if r["arm"] == arm)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, label=f"{arm} (graph)")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], color=color, marker=marker, ls=":", alpha=0.5,
+                    label=f"{arm} (eager)")
+        ax.axhline(read, color="black", ls="--", lw=1, label="read ceiling")
+        ax.axhline(copy, color="black", ls=":", lw=1, label="copy ceiling")
+        fmt, n, k = SHAPES[shape]
+        ax.set_title(f"{shape} ({fmt}, {n}x{k})", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (rows per call)")
+        ax.set_ylabel("weight GB/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(shapes):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for ax in axes.flat:
+        h, l = ax.get_legend_handles_labels()
+        for hh, ll in zip(h, l):
+            if ll not in labels:
+                handles.append(hh)
+                labels.append(ll)
+    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=8)
+    fig.suptitle(f"QPN ({header.get('qpn atom', '?').split(';')[0]}) vs torch on {header.get('gpu', '?')}: "
+                 f"weight bytes per second against M (commit {header.get('commit', '?')[:10]}, {header.get('date', '?')})",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.savefig(png_path, dpi=110)
+
+
+# -------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="CSV path (results/kernel_matched_<gpu>_<date>.csv)")
-    ap.add_argument("--shapes", default="tp4,tp1", help="comma list of shape names or the prefixes tp4 / tp1")
+    ap.add_argument("--out", help="CSV path (results/kernel_matched_<gpu>_<date>.csv)")
+    ap.add_argument("--shapes", default="tp1,tp4", help="comma list of shape names or the prefixes tp4 / tp1")
     ap.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="comma list of M (rows per call)")
+    ap.add_argument("--atom", default="", help="qpn arm's MMA atom (default: the GPU's own)")
     ap.add_argument("--commit", default="", help="commit hash to record when the tree has no .git")
+    ap.add_argument("--plot", default="", help="also write a PNG of GB/s against M per shape")
+    ap.add_argument("--targets", default="", help="also write the issue 7 target table (Markdown)")
+    ap.add_argument("--sweep", default="", help="sm_80+: first time every configured kernel and variant of the "
+                                               "m16n8k16 source on --sweep-shapes / --sweep-m, into this CSV")
+    ap.add_argument("--sweep-shapes", default="tp1")
+    ap.add_argument("--sweep-m", default="1,8,16")
+    ap.add_argument("--plot-only", default="", help="only draw --plot from this existing CSV (no GPU needed)")
+    ap.add_argument("--profile", default="", help="for Nsight Compute: one qpn call per 'shape:M' in this comma "
+                                                 "list (after one warm-up call each), nothing timed")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        if not args.plot:
+            ap.error("--plot-only needs --plot PNG")
+        plot(args.plot_only, args.plot)
+        if args.targets:
+            header, rows = read_csv(args.plot_only)
+            with open(args.targets, "w") as f:
+                f.write(targets_markdown(targets(rows), header))
+        return 0
+    if not args.out and not args.sweep and not args.profile:
+        ap.error("give --out CSV (and/or --sweep CSV, --profile)")
     if not torch.cuda.is_available():
         print("kernel_matched_bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    want = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    names = [n for n in SHAPES if n in want or any(n.startswith(p + "_") for p in want)]
-    if not names:
-        ap.error(f"no shape matches {args.shapes!r}; known: {', '.join(SHAPES)}")
-    ms = [int(v) for v in args.m.split(",")]
-    ops.build(f"sm{''.join(map(str, torch.cuda.get_device_capability(0)))}")
+    if args.profile:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        calls = []
+        for spec in args.profile.split(","):
+            name, m = spec.split(":")
+            fmt, n, k = SHAPES[name]
+            packed = _pack(fmt, _weights(fmt, n, k, gen), args.atom or ops.atom_for_device(0))
+            x = torch.randn((int(m), k), device="cuda", generator=gen).to(torch.float16)
+            calls.append((packed, x))
+        for packed, x in calls:   # warm-up: module load, workspace
+            ops.qpn_linear(x, packed)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        for packed, x in calls:
+            ops.qpn_linear(x, packed)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return 0
+
+    def pick(spec):
+        want = [s.strip() for s in spec.split(",") if s.strip()]
+        names = [n for n in SHAPES if n in want or any(n.startswith(p + "_") for p in want)]
+        if not names:
+            ap.error(f"no shape matches {spec!r}; known: {', '.join(SHAPES)}")
+        return names
+
+    cap = torch.cuda.get_device_capability(0)
+    atom = args.atom or ops.atom_for_device(0)
+    ops.build(f"sm{cap[0]}{cap[1]}")
     read, copy = ceilings()
     print(f"read ceiling {read:.1f} GB/s, copy ceiling {copy:.1f} GB/s", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    cols = ["shape", "fmt", "n", "k", "m", "arm", "route", "time_us", "weight_bytes", "gbps", "pct_read", "pct_copy"]
-    rows: list[dict] = []
+    prov = provenance(args, atom) + [f"# read_ceiling_gbps: {read:.1f}", f"# copy_ceiling_gbps: {copy:.1f}"]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    with open(args.out, "w") as f:  # rows are written as they come: a cut-short run keeps what it measured
-        for line in _provenance(args):
+    if args.sweep:
+        if cap < (8, 0):
+            ap.error("--sweep times the m16n8k16 kernels: needs an sm_80+ GPU")
+        sweep(pick(args.sweep_shapes), [int(v) for v in args.sweep_m.split(",")], read, gen, args.sweep, prov)
+    if not args.out:
+        return 0
+    names = pick(args.shapes)
+    ms = [int(v) for v in args.m.split(",")]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows: list[dict] = []
+    naive = NaiveDequant("cuda")
+    with open(args.out, "w", newline="") as f:  # rows are written as they come: a cut-short run keeps them
+        for line in prov:
             f.write(line + "\n")
-        f.write(f"# read_ceiling_gbps: {read:.1f}\n# copy_ceiling_gbps: {copy:.1f}\n")
-        f.write(",".join(cols) + "\n")
+        w = csv.DictWriter(f, fieldnames=COLS)
+        w.writeheader()
+
+        def write(r):
+            w.writerow({c: (f"{r[c]:.3f}" if isinstance(r[c], float) else r[c]) for c in COLS})
+            f.flush()
+
         for name in names:
             fmt, n, k = SHAPES[name]
-            start = len(rows)
-            bench_shape(name, fmt, n, k, ms, read, copy, rows, gen)
-            for r in rows[start:]:
-                f.write(",".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + "\n")
-            f.flush()
+            bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, rows, write)
     print(f"wrote {args.out} ({len(rows)} rows)")
+    header, rows_back = read_csv(args.out)
+    tg = targets(rows_back)
+    md = targets_markdown(tg, header)
+    print(md)
+    if args.targets:
+        with open(args.targets, "w") as f:
+            f.write(md)
+    if args.plot:
+        try:
+            plot(args.out, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"no plot: {e} (run again with --plot-only on a machine with matplotlib)", file=sys.stderr)
     return 0
 
 
