@@ -83,7 +83,7 @@ class _QPNLinearMethod(LinearMethodBase):
         label = f"output shard {idx} of {len(self.partition_sizes)} (rows {r0}-{r1 - 1})"
         if len(self.shard_names) == len(self.partition_sizes):
             base = self.prefix.rsplit(".", 1)[0]
-            label += f", checkpoint module {base}.{self.shard_names[idx]}"
+            label += f", shard module {base}.{self.shard_names[idx]}"
         return label
 
     def _parts(self, shard) -> list[int]:
@@ -254,8 +254,9 @@ class QPN2LinearMethod(_QPNLinearMethod):
 
     def _create(self, layer, loader) -> None:
         if self.k % GROUP_SIZE:
-            self._fail(f"K={self.k} input features is not a multiple of the NVFP4 group size "
-                       f"{GROUP_SIZE}; NVFP4 stores one e4m3 scale per {GROUP_SIZE} inputs")
+            self._fail(f"K={self.k} input features is not a multiple of {GROUP_SIZE} (the NVFP4 "
+                       f"group size: one e4m3 scale per {GROUP_SIZE} inputs); this checkpoint cannot "
+                       "be NVFP4 as declared")
         p = len(self.partition_sizes)
         self._register(layer, "weight", (self.n, self.k // 2), torch.uint8, ModelWeightParameter, loader,
                        input_dim=1, output_dim=0)
