@@ -264,3 +264,35 @@ class TestSpeculatingServer:
         parsed = list(csv.reader(io.StringIO("\n".join(data))))
         assert all(len(p) == len(parsed[0]) for p in parsed)
         assert "Run stopped early" in (tmp_path / "killed.md").read_text()
+
+
+@pytest.fixture(scope="class")
+def mixed_server(tmp_path_factory):
+    """The project's small mixed NVFP4/FP8 checkpoint, served through our plugin with MTP K=3."""
+    out = str(tmp_path_factory.mktemp("mixed") / "ckpt")
+    subprocess.run([engine_python(), "-m", "qpn.scripts.make_checkpoint", out], check=True,
+                   env=_env(), capture_output=True, timeout=600, cwd=REPO)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    with VllmServer(out, ["--reasoning-parser", "qwen3", "--no-enable-prefix-caching",
+                          "--speculative-config", json.dumps(spec)],
+                    served_model_name="qpn-mixed", boot_timeout_s=400) as s:
+        yield s
+
+
+class TestMixedCheckpointWithMtp:
+    def test_rounds_and_tau_account_for_every_generated_token(self, mixed_server, tmp_path):
+        r = run_bench("domain_cells", "--base-url", mixed_server.base_url, "--model", "qpn-mixed",
+                      "--cells", "json", "--max-tokens", "16",
+                      "--results-dir", str(tmp_path), "--name", "mixed")
+        assert r.returncode == 0, r.stderr
+        header, rows, _ = read_results(str(tmp_path / "mixed.csv"))
+        assert header["K (speculation depth)"].startswith("3 (from /metrics position labels)")
+        assert header["figures"].startswith("CPU figures")
+        row = rows[0]
+        assert row["speculation"] == "on" and row["device"] == "cpu"
+        gen, tau, rounds = int(row["completion_tokens"]), float(row["tau"]), float(row["rounds"])
+        # MTP verifies on every decode step: the rounds counted by the server, each emitting
+        # tau + 1 tokens on average, carry every token after the first; only the last round
+        # can overshoot, when max_tokens cuts it, by at most K = 3 tokens
+        assert 0.0 <= tau <= 3.0
+        assert gen - 1 - 1e-3 <= rounds * (tau + 1) <= gen - 1 + 3 + 1e-3
