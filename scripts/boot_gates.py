@@ -51,10 +51,10 @@ def served_depth(metrics_text: str) -> int:
 def qpn_route_names() -> frozenset[str] | None:
     """The kernels' route table names, when the kernel package is importable."""
     try:
-        from qpn.kernels.routes import QPN_ROUTES
+        from qpn.kernels.routes import QPN_MOE_ROUTES, QPN_ROUTES
     except ImportError:
         return None
-    return frozenset(QPN_ROUTES)
+    return frozenset(QPN_ROUTES | QPN_MOE_ROUTES)
 
 
 def is_qpn_route(route: str, known: frozenset[str] | None) -> bool:
@@ -126,7 +126,8 @@ def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | Non
     on_qpn = int(census.get("modules_on_qpn", 0))
     by_region = {k: int(v) for k, v in census.get("modules_by_region", {}).items()}
     route_counts = census.get("route_counts", {})
-    foreign = sorted(r for r in route_counts if not is_qpn_route(r, known))
+    foreign = sorted(set(census.get("non_qpn_routes", []))
+                     | {r for r in route_counts if not is_qpn_route(r, known)})
     fallback_calls = int(census.get("fallback_calls", 0))
     fallbacks = census.get("fallbacks", [])
     missing_regions = sorted(r for r in regions if by_region.get(r, 0) == 0)
@@ -174,7 +175,8 @@ def gate_lm_head(census: dict, known: frozenset[str] | None) -> GateResult:
 
 def gate_kv(expect_applies: bool, expected: tuple[str, ...] | None, why_not: str,
             census: dict) -> GateResult:
-    resolved = [str(v) for v in census.get("kv_resolved", [])]
+    resolved = [str(v.get("resolved") if isinstance(v, dict) else v)
+                for v in census.get("kv_resolved", [])]
     observed = ", ".join(sorted(set(resolved))) or "not recorded"
     if not expect_applies:
         return GateResult(GATE_KV, NA, why_not, observed)
