@@ -101,6 +101,51 @@ def dequantized_state_dict(ckpt_dir: str | Path, perturb: str = "none") -> dict[
             for k, v in out.items()}
 
 
+def fp8_kv_emulation(model, ckpt_dir: str | Path):
+    """Context manager: K (after RoPE) and V rounded through e4m3 with the checkpoint's
+    ``k_scale`` / ``v_scale`` (1.0 when absent), as an FP8 KV cache stores them."""
+    import contextlib
+
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    tensors = {}
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+
+    def through_e4m3(t, scale):
+        return ((t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(t.dtype)
+
+    layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+
+    def scale_of(i, which):
+        key = f"model.language_model.layers.{i}.self_attn.{which}_proj.{which}_scale"
+        return float(tensors[key]) if key in tensors else 1.0
+
+    @contextlib.contextmanager
+    def active():
+        rope = modeling_qwen3_5.apply_rotary_pos_emb
+        order = []
+
+        def rope_fp8(q, k, *a, **kw):
+            q, k = rope(q, k, *a, **kw)
+            i = layers[len(order) % len(layers)]
+            order.append(i)
+            return q, through_e4m3(k, scale_of(i, "k"))
+
+        hooks = [model.model.layers[i].self_attn.v_proj.register_forward_hook(
+            lambda mod, args, out, i=i: through_e4m3(out, scale_of(i, "v"))) for i in layers]
+        modeling_qwen3_5.apply_rotary_pos_emb = rope_fp8
+        try:
+            yield
+        finally:
+            modeling_qwen3_5.apply_rotary_pos_emb = rope
+            for h in hooks:
+                h.remove()
+
+    return active()
+
+
 def load_reference_model(ckpt_dir: str | Path, perturb: str = "none"):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -136,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ckpt_dir")
     p.add_argument("--token-ids", required=True, help="comma-separated prompt token ids")
     p.add_argument("--perturb", choices=PERTURBATIONS, default="none")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16 measures the rounding floor of a bf16 engine")
+    p.add_argument("--kv-cache", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="fp8_e4m3 rounds K and V through e4m3 as an FP8 KV cache does")
     p.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
     ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
@@ -143,8 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         print("checkpoint_reference: need at least two token ids", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    result = teacher_forced_logprobs(load_reference_model(args.ckpt_dir, args.perturb), ids)
-    result.update(ckpt_dir=str(args.ckpt_dir), perturb=args.perturb, token_ids=ids)
+    import contextlib
+
+    model = load_reference_model(args.ckpt_dir, args.perturb).to(getattr(torch, args.dtype))
+    ctx = fp8_kv_emulation(model, args.ckpt_dir) if args.kv_cache == "fp8_e4m3" else contextlib.nullcontext()
+    with ctx:
+        result = teacher_forced_logprobs(model, ids)
+    result.update(ckpt_dir=str(args.ckpt_dir), perturb=args.perturb, dtype=args.dtype,
+                  kv_cache=args.kv_cache, token_ids=ids)
     text = json.dumps(result)
     if args.out:
         Path(args.out).write_text(text)
