@@ -59,8 +59,8 @@ EMULATION_NOTE = ("m8n8k4 (the SM70 atom) is emulated on sm_80 and later GPUs: q
                   "prove the harness and the routes, NOT V100 speed")
 COLS = ["shape", "fmt", "n", "k", "m", "arm", "route", "weight_bytes", "eager_us", "graph_us", "eager_gbps",
         "graph_gbps", "eager_pct_read", "graph_pct_read", "eager_pct_copy", "graph_pct_copy"]
-SWEEP_COLS = ["shape", "fmt", "n", "k", "m", "kernel", "tiles", "depth", "variant", "min_items", "graph_us", "gbps",
-              "pct_read"]
+SWEEP_COLS = ["shape", "fmt", "n", "k", "m", "kernel", "tiles", "depth", "prefetch", "variant", "min_items", "graph_us",
+              "gbps", "pct_read"]
 
 
 # ------------------------------------------------------------------------------- timing
@@ -259,7 +259,7 @@ def sweep(names, ms, read, gen, path, provenance):
             default = jit.SM80_ROUTE_KERNELS[(fmt, mt)]
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
                       if kn.startswith(routes.ROUTE_PREFIX[fmt]) and c.mt == mt]
-            trials += [(default, mi) for mi in (1, 2, 8) if mi != saved[fmt]]
+            trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
             for kn, mi in trials:
                 ops.SM80_MIN_ITEMS[fmt] = mi
                 ops._sm80_plans.clear()
@@ -267,8 +267,8 @@ def sweep(names, ms, read, gen, path, provenance):
                 gbps = p0.nbytes / (t * 1e-3) / 1e9
                 c = kernels[kn]
                 rows.append(dict(shape=name, fmt=fmt, n=n, k=k, m=m, kernel=kn, tiles=c.tiles, depth=c.depth,
-                                 variant=c.variant, min_items=mi, graph_us=t * 1e3, gbps=gbps,
-                                 pct_read=100 * gbps / read))
+                                 prefetch=c.prefetch, variant=c.variant, min_items=mi, graph_us=t * 1e3,
+                                 gbps=gbps, pct_read=100 * gbps / read))
                 print(f"sweep {name:22s} M={m:3d} {kn:34s} min_items={mi} {t * 1e3:8.1f} us "
                       f"{100 * gbps / read:5.1f}% read", flush=True)
             ops.SM80_MIN_ITEMS.update(saved)
@@ -290,6 +290,22 @@ def sweep(names, ms, read, gen, path, provenance):
             v = [r["pct_read"] for r in sub if r["kernel"] == kn]
             print(f"  {key[0]:5s} mt{key[1]} {kn:36s} {statistics.mean(v):6.1f}%")
     return rows
+
+
+def sweep_winners(rows) -> dict:
+    """(fmt, mt) -> the route-capable kernel (variant 0) with the best mean share of the read
+    ceiling over the swept shapes and M, at the default split-K setting."""
+    kernels = jit.sm80_kernels()
+    best = {}
+    for key in {(r["fmt"], 1 if r["m"] <= 8 else 2) for r in rows}:
+        scores = {}
+        for r in rows:
+            if (r["fmt"], 1 if r["m"] <= 8 else 2) == key and kernels[r["kernel"]].variant == 0 \
+                    and r["min_items"] == ops.SM80_MIN_ITEMS[r["fmt"]]:
+                scores.setdefault(r["kernel"], []).append(r["pct_read"])
+        if scores:
+            best[key] = max(scores, key=lambda kn: statistics.mean(scores[kn]))
+    return best
 
 
 # -------------------------------------------------------------------------- provenance
@@ -451,6 +467,9 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="", help="also write the issue 7 target table (Markdown)")
     ap.add_argument("--sweep", default="", help="sm_80+: first time every configured kernel and variant of the "
                                                "m16n8k16 source on --sweep-shapes / --sweep-m, into this CSV")
+    ap.add_argument("--adopt-sweep", action="store_true",
+                    help="serve the routes with the sweep's best kernel per (format, token tiles) for the rest of "
+                         "the run (recorded in the CSV header)")
     ap.add_argument("--sweep-shapes", default="tp1")
     ap.add_argument("--sweep-m", default="1,8,16")
     ap.add_argument("--plot-only", default="", help="only draw --plot from this existing CSV (no GPU needed)")
@@ -507,7 +526,13 @@ def main(argv=None) -> int:
     if args.sweep:
         if cap < (8, 0):
             ap.error("--sweep times the m16n8k16 kernels: needs an sm_80+ GPU")
-        sweep(pick(args.sweep_shapes), [int(v) for v in args.sweep_m.split(",")], read, gen, args.sweep, prov)
+        srows = sweep(pick(args.sweep_shapes), [int(v) for v in args.sweep_m.split(",")], read, gen, args.sweep, prov)
+        if args.adopt_sweep:
+            win = sweep_winners(srows)
+            jit.SM80_ROUTE_KERNELS.update(win)
+            ops._sm80_plans.clear()
+            print("adopted from the sweep: " + ", ".join(f"{f}/mt{mt}={k}" for (f, mt), k in sorted(win.items())))
+            prov = provenance(args, atom) + [f"# read_ceiling_gbps: {read:.1f}", f"# copy_ceiling_gbps: {copy:.1f}"]
     if not args.out:
         return 0
     names = pick(args.shapes)

@@ -38,10 +38,10 @@ ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 # by (format, token tiles per weight pass). Chosen on the H200 among the spill-free configurations
 # (benchmarks/kernel_matched_bench.py --sweep); a change here needs no recompilation.
 SM80_ROUTE_KERNELS = {
-    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4",
-    ("nvfp4", 2): "qpn2_mt2_m16n8k16_t2d2",
-    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2",
-    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4",
+    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p8",
+    ("nvfp4", 2): "qpn2_mt2_m16n8k16_t1d4p8",
+    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p8",
+    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p8",
 }
 ENTRY_POINTS["m16n8k16"] = tuple(SM80_ROUTE_KERNELS.values()) + (
     "qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16")
@@ -55,6 +55,7 @@ class Sm80Kernel:
     mt: int        # 8-token tiles per weight pass
     tiles: int     # 16-row weight tiles per warp (T)
     depth: int     # weight-load ring depth in k-blocks (D)
+    prefetch: int  # L2 prefetch distance in k-blocks beyond the ring (PF)
     variant: int   # 0: the kernel; 1-3: a measured variant with one stage dropped
 
 
@@ -62,9 +63,10 @@ def sm80_kernels() -> dict[str, Sm80Kernel]:
     """Every QPN80_ENTRY of the sm_80+ source, parsed from the source itself (one place)."""
     src = nvrtc.read_sources()[ATOM_SOURCES["m16n8k16"]]
     out = {}
-    for m in re.finditer(r"^QPN80_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src, re.M):
-        name, frag, mt, t, d, var = m.groups()
-        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(var))
+    for m in re.finditer(r"^QPN80_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
+                         src, re.M):
+        name, frag, mt, t, d, pf, var = m.groups()
+        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var))
     return out
 
 

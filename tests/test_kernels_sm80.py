@@ -119,6 +119,22 @@ def _e2m1x2_pair(v, r):          # csrc/qpn_family.cuh e2m1x2_pair<R>
     return _and_or(mag, 0x0E000E00, ((v << (4 * r)) & M32) & 0x80008000)
 
 
+def _e2m1x2_quad(v):             # csrc/qpn_family.cuh e2m1x2_quad (what Frag16NVFP4 runs)
+    odd = v & 0xF0F0F0F0
+    even = (v << 4) & 0xF0F0F0F0
+    k = 0x8E008E00
+    return [((odd >> 3) | odd) & k, ((even >> 3) | even) & k,
+            (((odd << 5) & M32) | ((odd << 8) & M32)) & k, (((even << 5) & M32) | ((even << 8) & M32)) & k]
+
+
+def test_quad_decoder_equals_the_pair_decoder_on_every_nibble_pattern():
+    g = torch.Generator().manual_seed(4)
+    v = torch.randint(0, 2 ** 32, (200_000,), dtype=torch.int64, generator=g)
+    v = torch.cat([v, torch.tensor([0, M32, 0x88888888, 0x77777777, 0x12345678, 0xF0F0F0F0, 0x0F0F0F0F])])
+    for r, h in enumerate(_e2m1x2_quad(v)):
+        assert torch.equal(h, _e2m1x2_pair(v, r))
+
+
 def _e4m3x2_bits(t):             # csrc/qpn_family.cuh e4m3x2_bits
     return _and_or(t >> 1, 0x3F803F80, t & 0x80008000)
 
@@ -180,8 +196,8 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
             if nv:
                 v = words[:, :, lane, s]
                 regs = []
-                for r, scale in zip(range(4), (sg, sg8, sg, sg8)):
-                    lo, hi = _h2(_e2m1x2_pair(v, r))
+                for h, scale in zip(_e2m1x2_quad(v), (sg, sg8, sg, sg8)):
+                    lo, hi = _h2(h)
                     regs.append((_exact_f16_mul(lo, scale), _exact_f16_mul(hi, scale)))
             else:
                 w0, w1 = words[:, :, lane, 2 * s], words[:, :, lane, 2 * s + 1]
@@ -252,8 +268,10 @@ def test_replay_detects_a_wrong_layout():
 def _kernel_partition(n_groups, kblocks, nwarps):
     """The kernel's integer logic (csrc/qpn_kernels_sm80.cu Qpn80::run), replayed."""
     items = n_groups * kblocks
-    lo = [i * items // nwarps for i in range(nwarps + 1)]
-    warp_of = lambda x: ((x + 1) * nwarps - 1) // items  # noqa: E731
+    q, r = items // nwarps, items % nwarps
+    lo = [i * q + min(i, r) for i in range(nwarps + 1)]
+    b = r * (q + 1)
+    warp_of = lambda x: x // (q + 1) if x < b else r + (x - b) // q  # noqa: E731
     segs = []
     for gw in range(nwarps):
         first = lo[gw] // kblocks
@@ -327,6 +345,7 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     reps = sm70_check._parse_ptxas(r.stdout + r.stderr)
     configured = jit.sm80_kernels()
     assert set(configured) | {"qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16"} == set(reps)
+    assert len(configured) >= 20
     lines = []
     for name, rep in sorted(reps.items()):
         lines.append(f"  {name:34s} regs {rep.registers:3d} spill {rep.spill_stores}/{rep.spill_loads} stack {rep.stack_frame}")

@@ -79,11 +79,12 @@ struct Frag16NVFP4 {
   // Step s: word s of the lane's k-block; half2 r comes from nibbles 3-r and 7-r (w << 4r).
   QPN_DEV static void frag(const u32 (&w)[WORDS], int s, u32 sg, u32 sg8,
                            u32& a0, u32& a1, u32& a2, u32& a3) {
-    const u32 v = w[s];
-    a0 = hmul2(e2m1x2_pair<0>(v), sg);
-    a1 = hmul2(e2m1x2_pair<1>(v), sg8);
-    a2 = hmul2(e2m1x2_pair<2>(v), sg);
-    a3 = hmul2(e2m1x2_pair<3>(v), sg8);
+    u32 h0, h1, h2, h3;
+    e2m1x2_quad(w[s], h0, h1, h2, h3);
+    a0 = hmul2(h0, sg);
+    a1 = hmul2(h1, sg8);
+    a2 = hmul2(h2, sg);
+    a3 = hmul2(h3, sg8);
   }
 };
 
@@ -106,10 +107,12 @@ struct Frag16NVFP4Exact {
   QPN_DEV static void frag(const u32 (&w)[WORDS], int s, u32 sg, u32 sg8,
                            u32& a0, u32& a1, u32& a2, u32& a3) {
     const u32 v = w[s];
-    a0 = hmul2(hmul2(e2m1x2_pair<0>(v), 0x74007400u), sg);
-    a1 = hmul2(hmul2(e2m1x2_pair<1>(v), 0x74007400u), sg8);
-    a2 = hmul2(hmul2(e2m1x2_pair<2>(v), 0x74007400u), sg);
-    a3 = hmul2(hmul2(e2m1x2_pair<3>(v), 0x74007400u), sg8);
+    u32 h0, h1, h2, h3;
+    e2m1x2_quad(v, h0, h1, h2, h3);
+    a0 = hmul2(hmul2(h0, 0x74007400u), sg);
+    a1 = hmul2(hmul2(h1, 0x74007400u), sg8);
+    a2 = hmul2(hmul2(h2, 0x74007400u), sg);
+    a3 = hmul2(hmul2(h3, 0x74007400u), sg8);
   }
 };
 

@@ -80,6 +80,19 @@ QPN_DEV u32 e2m1x2_pair(u32 v) {
   const u32 mag = (R == 0) ? (v >> 3) : (v << (4 * R - 3));
   return and_or(mag, 0x0E000E00u, (v << (4 * R)) & 0x80008000u);
 }
+// All four pairs of a word at once, h_r = e2m1x2_pair<r>(v), in 13 operations instead of 15:
+// split the word into its odd nibbles (1, 3, 5, 7) and its even ones moved up by one nibble.
+// In such a half-empty word, for the pair at nibbles 3/7 the magnitude source (>> 3) and the sign
+// source (the word itself) hold nothing but zeros where the other one's bits land, so one
+// (a | b) & mask (a single LOP3) assembles the FP16 pair; the pair at 1/5 is the same at << 5, << 8.
+QPN_DEV void e2m1x2_quad(u32 v, u32& h0, u32& h1, u32& h2, u32& h3) {
+  const u32 odd = v & 0xF0F0F0F0u;
+  const u32 even = (v << 4) & 0xF0F0F0F0u;
+  h0 = ((odd >> 3) | odd) & 0x8E008E00u;
+  h2 = ((odd << 5) | (odd << 8)) & 0x8E008E00u;
+  h1 = ((even >> 3) | even) & 0x8E008E00u;
+  h3 = ((even << 5) | (even << 8)) & 0x8E008E00u;
+}
 // e4m3: bytes 1 and 3 (the top byte of each half) -> sign at 15, exponent:mantissa at 13..7: the
 // e4m3 value times 2^-8 (subnormals included; the smallest, 2^-9, becomes 2^-17, still exact).
 QPN_DEV u32 e4m3x2_bits(u32 t) { return and_or(t >> 1, 0x3F803F80u, t & 0x80008000u); }

@@ -16,7 +16,8 @@
 //
 // Main loop per warp: a D-deep ring of 16-byte weight loads (L1 bypassed) and a DX-deep ring of
 // activation loads, consumed and refilled in place, fully unrolled so every register index is a
-// compile-time constant.
+// compile-time constant; and, PF k-blocks beyond the ring, an L2 prefetch of the weight blocks the
+// ring will load next, so the bytes in flight are not limited by registers.
 //
 // Compiles standalone under NVRTC with no headers (see qpn_ptx.cuh). sm_80 or later.
 #include "qpn_atom_m16n8k16.cuh"
@@ -43,7 +44,7 @@ struct Qpn80Args {
 // VAR: 0 the kernel; measured variants that drop one stage (results are NOT the product):
 // 1 no decode (raw code words, masked finite, as operands), 2 no MMA (decode only),
 // 3 loads only (weights, scales, activations; nothing computed).
-template <class F, int MT, int T, int D, int VAR>
+template <class F, int MT, int T, int D, int PF, int VAR>
 struct Qpn80 {
   using A = AtomM16N8K16;
   static constexpr int DX = D >= 2 ? 2 : 1;
@@ -134,11 +135,22 @@ struct Qpn80 {
 #pragma unroll
     for (int d = 0; d < DX; ++d)
       if (kb0 + d < kb1) load_x(xp, xv, kb0 + d, xr[d]);
+    if constexpr (PF > 0) {
+      for (int k = kb0 + D; k < kb0 + D + PF && k < kb1; ++k)
+#pragma unroll
+        for (int j = 0; j < T; ++j) prefetch_l2(cp[j] + (size_t)k * BLOCK_BYTES);
+    }
     for (int kb = kb0; kb < kb1; kb += D) {
 #pragma unroll
       for (int d = 0; d < D; ++d) {
         const int k = kb + d;
         if (k < kb1) {
+          if constexpr (PF > 0) {
+            if (k + D + PF < kb1) {
+#pragma unroll
+              for (int j = 0; j < T; ++j) prefetch_l2(cp[j] + (size_t)(k + D + PF) * BLOCK_BYTES);
+            }
+          }
           compute(w[d], sc[d], xr[d % DX], acc, sink);
           if (k + D < kb1) load_w(cp, sp, k + D, w[d], sc[d]);
           if (k + DX < kb1) load_x(xp, xv, k + DX, xr[d % DX]);
@@ -148,7 +160,11 @@ struct Qpn80 {
     if constexpr (VAR == 2 || VAR == 3) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
   }
 
-  QPN_DEV static void store(const Qpn80Args& a, int grp, int m0, int lane, const float (&v)[T][MT][4]) {
+  // cs_tensor: the per-tensor result scale times OUT_MULT (a power of two: exact), loaded once
+  // before any main loop, so a per-tensor layer's epilogue does not wait on memory; per-channel
+  // scales and the bias (both rare on the QPN path) are read in the epilogue.
+  QPN_DEV static void store(const Qpn80Args& a, int grp, int m0, int lane, const float (&v)[T][MT][4],
+                            float cs_tensor) {
 #pragma unroll
     for (int j = 0; j < T; ++j)
 #pragma unroll
@@ -157,18 +173,21 @@ struct Qpn80 {
         for (int i = 0; i < 4; ++i) {
           const int row = (grp * T + j) * A::TILE_N + A::acc_row(lane, i);
           const int tok = m0 + t * A::TOKENS + A::acc_token(lane, i);
-          if (row < a.n && tok < a.m) {
-            // OUT_MULT is a power of two: (scale * OUT_MULT) is exact, so one rounding as before.
-            float r = v[j][t][i] * (ldgf(a.chscale + (a.chscale_per_channel ? row : 0)) * F::OUT_MULT);
+          if (row < a.n && tok < a.m) {  // one rounding of the FP32 sum, then the bias, as before
+            const float cs = a.chscale_per_channel ? ldgf(a.chscale + row) * F::OUT_MULT : cs_tensor;
+            float r = v[j][t][i] * cs;
             if (a.bias) r += f16_to_f32(ldg16(a.bias + row));
             stg16(a.y + (size_t)tok * a.n + row, f32_to_f16(r));
           }
         }
   }
 
-  // The warp whose run holds item x (every run is non-empty: the host keeps nwarps <= items).
-  QPN_DEV static int warp_of(long long x, long long items, int nw) {
-    return (int)(((x + 1) * nw - 1) / items);
+  // Balanced runs in 32-bit arithmetic: items = q * nwarps + r; warps 0..r-1 take q+1 items.
+  // (Every run is non-empty: the host keeps nwarps <= items < 2^31.)
+  QPN_DEV static int run_start(int i, int q, int r) { return i * q + min(i, r); }
+  QPN_DEV static int warp_of(int x, int q, int r) {
+    const int b = r * (q + 1);
+    return x < b ? x / (q + 1) : r + (x - b) / q;
   }
 
   QPN_DEV static float* slot_ptr(const Qpn80Args& a, int plane, int warp, int slot, int lane) {
@@ -180,9 +199,10 @@ struct Qpn80 {
     const int plane = blockIdx.x % a.chunks;
     const int gw = (blockIdx.x / a.chunks) * QPN80_WARPS + (threadIdx.x >> 5);
     if (gw >= a.nwarps) return;
-    const long long items = (long long)a.n_groups * a.kblocks;
-    const long long lo = (long long)gw * items / a.nwarps;
-    const long long hi = (long long)(gw + 1) * items / a.nwarps;
+    const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
+    const int items = a.n_groups * a.kblocks;
+    const int q = items / a.nwarps, r = items % a.nwarps;
+    const int lo = run_start(gw, q, r), hi = run_start(gw + 1, q, r);
     const int m0 = plane * MT * A::TOKENS;
     const u16* xp[MT];
     bool xv[MT];
@@ -192,12 +212,12 @@ struct Qpn80 {
       xv[t] = tok < a.m;
       xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + A::x_offset(lane);
     }
-    const int first_grp = (int)(lo / a.kblocks);
-    for (long long item = lo; item < hi;) {
-      const int grp = (int)(item / a.kblocks);
-      const long long gbase = (long long)grp * a.kblocks;
-      const int kb0 = (int)(item - gbase);
-      const int kb1 = (int)((hi < gbase + a.kblocks ? hi : gbase + a.kblocks) - gbase);
+    const int first_grp = lo / a.kblocks;
+    for (int item = lo; item < hi;) {
+      const int grp = item / a.kblocks;
+      const int gbase = grp * a.kblocks;
+      const int kb0 = item - gbase;
+      const int kb1 = min(hi, gbase + a.kblocks) - gbase;
       item = gbase + kb1;
       float acc[T][MT][4];
 #pragma unroll
@@ -208,7 +228,7 @@ struct Qpn80 {
           for (int i = 0; i < 4; ++i) acc[j][t][i] = 0.f;
       segment(a, grp, kb0, kb1, xp, xv, lane, acc);
       if (kb0 == 0 && kb1 == a.kblocks) {
-        store(a, grp, m0, lane, acc);
+        store(a, grp, m0, lane, acc, cs_tensor);
         continue;
       }
       // Partial group: park the sums, count the arrival; the last contributor finishes the group.
@@ -224,8 +244,8 @@ struct Qpn80 {
       int old = 0;
       if (lane == 0) old = atomicAdd(ctr, 1);
       old = __shfl_sync(0xffffffffu, old, 0);
-      const int fw = warp_of(gbase, items, a.nwarps);
-      const int lw = warp_of(gbase + a.kblocks - 1, items, a.nwarps);
+      const int fw = warp_of(gbase, q, r);
+      const int lw = warp_of(gbase + a.kblocks - 1, q, r);
       if (old != lw - fw) continue;
       __threadfence();
       float sum[T][MT][4];
@@ -244,8 +264,7 @@ struct Qpn80 {
 #pragma unroll
               for (int i = 0; i < 4; ++i) sum[j][t][i] += acc[j][t][i];
         } else {
-          const long long lo_i = (long long)wi * items / a.nwarps;
-          const float* p = slot_ptr(a, plane, wi, lo_i / a.kblocks == grp ? 0 : 1, lane);
+          const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
 #pragma unroll
           for (int j = 0; j < T; ++j)
 #pragma unroll
@@ -260,7 +279,7 @@ struct Qpn80 {
         }
       }
       if (lane == 0) atomicExch(ctr, 0);
-      store(a, grp, m0, lane, sum);
+      store(a, grp, m0, lane, sum, cs_tensor);
     }
   }
 };
@@ -304,9 +323,9 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
   stg128(out + 8, hg8[4], hg8[5], hg8[6], hg8[7]);
 }
 
-#define QPN80_ENTRY(NAME, F, MT, T, D, VAR)                                                 \
+#define QPN80_ENTRY(NAME, F, MT, T, D, PF, VAR)                                             \
   extern "C" __global__ void __launch_bounds__(QPN80_THREADS, 2) NAME(Qpn80Args a) {        \
-    Qpn80<F, MT, T, D, VAR>::run(a);                                                         \
+    Qpn80<F, MT, T, D, PF, VAR>::run(a);                                                     \
   }
 
 #define QPN80_RECONSTRUCT_ENTRY(NAME, F)                                                    \
@@ -315,37 +334,39 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
     qpn80_reconstruct_body<F>(codes, scales, ws, n_tiles, kblocks);                           \
   }
 
-// Every kernel is named by its configuration: <format>_mt<MT>_m16n8k16_t<T>d<D>[_variant], T = weight
-// tiles of 16 rows per warp (they share each activation load), D = ring depth in k-blocks (NVFP4:
-// D x 16 B, FP8: D x 32 B in flight per lane per tile). Which one serves each route is ops.py's
-// SM80_ROUTE_KERNELS, chosen on the H200 (benchmarks/kernel_matched_bench.py --sweep). Only configurations
-// that compile without spills for sm_80 and sm_90 under the 128-register cap are listed
-// (tests/test_kernels_sm80.py checks it).
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4, Frag16NVFP4, 1, 2, 4, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d2, Frag16NVFP4, 1, 2, 2, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t1d4, Frag16NVFP4, 1, 1, 4, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t4d2, Frag16NVFP4, 1, 4, 2, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t2d2, Frag16NVFP4, 2, 2, 2, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4, Frag16NVFP4, 2, 1, 4, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d2, Frag16NVFP4, 2, 1, 2, 0)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2, Frag16FP8, 1, 2, 2, 0)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t1d4, Frag16FP8, 1, 1, 4, 0)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t4d1, Frag16FP8, 1, 4, 1, 0)
-QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4, Frag16FP8, 2, 1, 4, 0)
-QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d2, Frag16FP8, 2, 1, 2, 0)
-QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1, Frag16FP8, 2, 2, 1, 0)
+// Every kernel is named by its configuration: <format>_mt<MT>_m16n8k16_t<T>d<D>p<PF>[_variant],
+// T = weight tiles of 16 rows per warp (they share each activation load), D = ring depth in
+// k-blocks (NVFP4: D x 16 B, FP8: D x 32 B in flight per lane per tile), PF = L2 prefetch distance
+// in k-blocks beyond the ring (0: none). Which one serves each route is jit.SM80_ROUTE_KERNELS,
+// chosen on the H200 (benchmarks/kernel_matched_bench.py --sweep). Only configurations that compile
+// without spills for sm_80 and sm_90 under the 128-register cap are listed (tests check it).
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0, Frag16NVFP4, 1, 2, 4, 0, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8, Frag16NVFP4, 1, 2, 4, 8, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p16, Frag16NVFP4, 1, 2, 4, 16, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d2p8, Frag16NVFP4, 1, 2, 2, 8, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p0, Frag16NVFP4, 2, 1, 4, 0, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p8, Frag16NVFP4, 2, 1, 4, 8, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p16, Frag16NVFP4, 2, 1, 4, 16, 0)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d2p8, Frag16NVFP4, 2, 1, 2, 8, 0)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0, Frag16FP8, 1, 2, 2, 0, 0)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p8, Frag16FP8, 1, 2, 2, 8, 0)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p16, Frag16FP8, 1, 2, 2, 16, 0)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t1d4p8, Frag16FP8, 1, 1, 4, 8, 0)
+QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4p0, Frag16FP8, 2, 1, 4, 0, 0)
+QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4p8, Frag16FP8, 2, 1, 4, 8, 0)
+QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1p8, Frag16FP8, 2, 2, 1, 8, 0)
+QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1p16, Frag16FP8, 2, 2, 1, 16, 0)
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 
 // Measured variants (same arguments; never routes): *_exact: NVFP4 with normal FP16 operands (one
 // more multiply per register); *_nodecode, *_nomma, *_loadonly: one stage dropped, to see where
 // the time goes (their outputs are not the product).
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_exact, Frag16NVFP4Exact, 1, 2, 4, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t2d2_exact, Frag16NVFP4Exact, 2, 2, 2, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_nodecode, Frag16NVFP4, 1, 2, 4, 1)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_nomma, Frag16NVFP4, 1, 2, 4, 2)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4_loadonly, Frag16NVFP4, 1, 2, 4, 3)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t2d2_nomma, Frag16NVFP4, 2, 2, 2, 2)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2_nodecode, Frag16FP8, 1, 2, 2, 1)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2_nomma, Frag16FP8, 1, 2, 2, 2)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2_loadonly, Frag16FP8, 1, 2, 2, 3)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_exact, Frag16NVFP4Exact, 1, 2, 4, 8, 0)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_nodecode, Frag16NVFP4, 1, 2, 4, 8, 1)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_nomma, Frag16NVFP4, 1, 2, 4, 8, 2)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_loadonly, Frag16NVFP4, 1, 2, 4, 8, 3)
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_loadonly, Frag16NVFP4, 1, 2, 4, 0, 3)
+QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p8_nomma, Frag16NVFP4, 2, 1, 4, 8, 2)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p8_loadonly, Frag16FP8, 1, 2, 2, 8, 3)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_loadonly, Frag16FP8, 1, 2, 2, 0, 3)

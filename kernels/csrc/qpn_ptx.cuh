@@ -122,3 +122,7 @@ QPN_DEV void ldcg128f(const float* p, float& a, float& b, float& c, float& d) {
 QPN_DEV void stg128f(float* p, float a, float b, float c, float d) {
   asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
+
+// Ask L2 to fetch the line holding p (no register, no wait): deepens the memory pipeline beyond
+// what the register ring holds.
+QPN_DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
