@@ -43,9 +43,9 @@ def _now() -> str:
 
 
 def _qpn_routes() -> frozenset:
-    from qpn.kernels.routes import QPN_ROUTES
+    from qpn.kernels.routes import QPN_MOE_ROUTES, QPN_ROUTES
 
-    return QPN_ROUTES
+    return QPN_ROUTES | QPN_MOE_ROUTES
 
 
 def write_json_atomic(path: str, data: dict) -> None:

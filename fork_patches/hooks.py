@@ -119,6 +119,25 @@ REGISTRY: list[Hook] = [
         apply="qpn.fork_patches.quant_config:wrap_get_quant_method",
     ),
     Hook(
+        name="modelopt-mixed-qpn-moe-method",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method",
+        what="the choice of quant method for the routed experts of a MoE layer (RoutedExperts), for "
+        "the ModelOpt mixed and NVFP4 configs",
+        why="vLLM 0.32 gives NVFP4 experts ModelOptNvFp4FusedMoE, which has no backend on CPU or SM70 "
+        "(Marlin-MoE needs SM75+), and folds gate and up into one global scale",
+        how="where the QPN path serves (CPU: reference; SM70: built kernels) a RoutedExperts layer whose "
+        "declared algo is NVFP4 / W4A16_NVFP4 / FP8 gets QPNModelOptMoEMethod (qpn.fork_patches.moe_method) "
+        "before vLLM builds its own method: "
+        "expert tensors loaded and checked unchanged through vLLM's ModelOpt expert loader, every "
+        "expert prepacked with a byte-identical inverse check, served by the grouped QPN MoE kernels "
+        "(device-side routing, CUDA-graph capturable), both expert stacks counted in the census; "
+        "another declared algo fails the load naming the layer",
+        remove_when="never on SM70 (the QPN MoE kernels are the point); on CPU, when vLLM serves "
+        "NVFP4 MoE checkpoints natively",
+        apply="qpn.fork_patches.moe_method:wrap_routed_experts_get_quant_method",
+    ),
+    Hook(
         name="kv-cache-fp16-on-sm70",
         kind="runtime",
         anchor="vllm.engine.arg_utils:resolve_kv_cache_dtype_string",

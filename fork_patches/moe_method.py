@@ -1,0 +1,286 @@
+"""QPN MoE method: the routed experts of a ModelOpt NVFP4 (or FP8) MoE layer served by the grouped
+QPN MoE kernels (qpn.kernels.moe) on SM70, and by their CPU reference over the same packed
+buffers on the CPU engine.
+
+Runtime hook ``modelopt-mixed-qpn-moe-method`` (hooks.py) wraps
+``RoutedExperts._get_quant_method``: a ``RoutedExperts`` layer of a ModelOpt mixed (or NVFP4)
+checkpoint whose declared algo is NVFP4 / W4A16_NVFP4 / FP8 gets a ``QPNModelOptMoEMethod``
+where the QPN path serves (platform_gate.qpn_backend); any other declared algo fails the load
+naming the layer. Elsewhere vLLM's method stands.
+
+Life of one MoE layer (vLLM 0.32's FusedMoEMethodBase contract):
+
+1. ``create_weights``: the checkpoint's expert tensors as ModelOpt stores them (vLLM's fused
+   layout: w13 = [gate rows; up rows] per expert, w2 = down), registered under the names and
+   shapes of vLLM's own ModelOpt MoE methods, so that ``RoutedExperts.weight_loader`` routes
+   every per-expert tensor and per-tensor scale as it does for them (it keys on "ModelOpt" in
+   the method's class name). Each tensor is checked as it arrives (dtype, finite, non-negative
+   scales) and every (tensor, expert, shard) received is recorded.
+2. ``process_weights_after_loading``: every local expert must have every tensor of both
+   shards; then each expert's gate, up and down are prepacked with the dense path's prepack and
+   its inverse verified byte for byte (qpn.kernels.moe.prepack_moe) before the source tensors
+   are freed. gate and up keep their own global scales (vLLM's NVFP4 MoE path folds them into
+   one and warns); no FP16 copy of an expert exists at any point.
+3. ``apply``: vLLM's router gives topk_ids / topk_weights; with expert parallelism the global
+   ids go through the layer's expert map (-1: not on this rank); qpn.kernels.moe.qpn_moe runs
+   the grouped kernels (no host synchronisation: the layer stays CUDA-graph capturable) or,
+   on CPU, the reference. Shared experts stay with vLLM's runner (they are linear layers,
+   served by the loader's QPN linear methods). Every call is counted in the route census
+   under both expert stacks of the layer (``<layer>.w13`` and ``<layer>.w2``).
+
+The activation scales (``input_scale``) are loaded, checked and dropped: QPN computes with FP16
+activations (W4A16 / W8A16).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
+
+from qpn.fork_patches.census import CENSUS
+from qpn.fork_patches.linear_method import QPNCheckpointError, _capturing_cuda_graph
+from qpn.kernels import formats
+
+logger = logging.getLogger("qpn.moe_method")
+
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+MOE_ALGOS = NVFP4_ALGOS + ("FP8",)
+
+
+class QPNModelOptMoEMethod(FusedMoEMethodBase):
+    """Routed experts of a ModelOpt NVFP4 / FP8 MoE layer on the grouped QPN MoE kernels.
+    (The class name carries "ModelOpt" on purpose: vLLM's RoutedExperts.weight_loader selects
+    its ModelOpt scale handling by that substring.)"""
+
+    def __init__(self, moe_config, prefix: str, algo: str, backend: str) -> None:
+        super().__init__(moe_config)
+        self.prefix = prefix
+        self.algo = algo
+        self.backend = backend
+        self.fmt = "nvfp4" if algo in NVFP4_ALGOS else "fp8"
+        self.packed = None
+        self.census_names: list[str] = []
+        self.loaded: dict[str, set[tuple[int, str]]] = {}
+        self.num_experts = 0
+        self.hidden = self.inter = 0
+        act = getattr(getattr(moe_config, "activation", None), "value", None)
+        if not moe_config.is_act_and_mul or str(act).lower() not in ("silu", "swiglu"):
+            raise QPNCheckpointError(
+                f"{prefix}: the QPN MoE kernels compute SwiGLU experts (silu(gate) * up); this layer "
+                f"uses activation {act!r} (gated: {moe_config.is_act_and_mul})")
+
+    # --------------------------------------------------------------------------- contract
+    def uses_weight_scale_2_pattern(self) -> bool:
+        return self.fmt == "nvfp4"
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    @property
+    def method_name(self) -> str:
+        return f"QPN MoE ({self.algo}, {self.fmt})"
+
+    def _where(self) -> str:
+        return f"{self.prefix} ({self.algo} experts, QPN MoE)"
+
+    def _fail(self, msg: str):
+        raise QPNCheckpointError(f"{self._where()}: {msg}")
+
+    # ---------------------------------------------------------------------------- weights
+    def _expected(self) -> dict[str, tuple[tuple, tuple[torch.dtype, ...]]]:
+        e, h, i = self.num_experts, self.hidden, self.inter
+        f32 = (torch.float32, torch.bfloat16, torch.float16)
+        if self.fmt == "nvfp4":
+            g = formats.GROUP_SIZE
+            return {
+                "w13_weight": ((e, 2 * i, h // 2), (torch.uint8,)),
+                "w2_weight": ((e, h, i // 2), (torch.uint8,)),
+                "w13_weight_scale": ((e, 2 * i, h // g), (torch.float8_e4m3fn,)),
+                "w2_weight_scale": ((e, h, i // g), (torch.float8_e4m3fn,)),
+                "w13_weight_scale_2": ((e, 2), f32),
+                "w2_weight_scale_2": ((e,), f32),
+                "w13_input_scale": ((e, 2), f32),
+                "w2_input_scale": ((e,), f32),
+            }
+        return {
+            "w13_weight": ((e, 2 * i, h), (torch.float8_e4m3fn,)),
+            "w2_weight": ((e, h, i), (torch.float8_e4m3fn,)),
+            "w13_weight_scale": ((e, 2), f32),
+            "w2_weight_scale": ((e,), f32),
+            "w13_input_scale": ((e, 2), f32),
+            "w2_input_scale": ((e,), f32),
+        }
+
+    def _check_tensor(self, name: str, t: torch.Tensor, expert_id: int, shard_id: str) -> None:
+        what = f"tensor {name} of expert {expert_id}, shard {shard_id}"
+        _, dtypes = self._expected()[name]
+        if t.dtype not in dtypes:
+            self._fail(f"{what} is stored as {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}; "
+                       f"the checkpoint does not hold {self.algo} data for these experts (check quantized_layers)")
+        if not name.endswith("_weight"):  # every scale: e4m3 group scales, global, per-tensor, input
+            v = t.float()
+            n_nan, n_inf = int(torch.isnan(v).sum()), int(torch.isinf(v).sum())
+            if n_nan or n_inf:
+                self._fail(f"{what} is not finite: {n_nan} NaN and {n_inf} inf value(s) out of {v.numel()}; "
+                           "re-export the checkpoint")
+            if bool((v < 0).any()):
+                self._fail(f"{what} holds negative scale(s); scales must be >= 0")
+
+    def _checked_loader(self, name: str, loader):
+        def load(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, return_success=False,
+                 **kwargs):
+            self._check_tensor(name, loaded_weight, expert_id, shard_id)
+            try:
+                ok = loader(param=param, loaded_weight=loaded_weight, weight_name=weight_name, shard_id=shard_id,
+                            expert_id=expert_id, return_success=True, **kwargs)
+            except (AssertionError, RuntimeError, ValueError, IndexError) as e:
+                raise QPNCheckpointError(
+                    f"{self._where()}: loading tensor {name} of expert {expert_id} (shard {shard_id}, shape "
+                    f"{tuple(loaded_weight.shape)}) failed: {type(e).__name__}: {e}") from e
+            if ok:
+                self.loaded.setdefault(name, set()).add((int(expert_id), str(shard_id)))
+            return ok if return_success else None
+
+        return load
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        if getattr(layer, "apply_router_weight_on_input", False):
+            self._fail("routing weights applied on the input are not served by the QPN MoE kernels")
+        self.num_experts, self.hidden, self.inter = int(num_experts), int(hidden_size), int(intermediate_size_per_partition)
+        if self.fmt == "nvfp4":
+            for dim, what in ((self.hidden, "hidden size"), (self.inter, "intermediate size per rank")):
+                if dim % formats.GROUP_SIZE:
+                    self._fail(f"{what} {dim} is not a multiple of the NVFP4 group size {formats.GROUP_SIZE}")
+        loader = extra_weight_attrs.get("weight_loader")
+        layer.num_experts = num_experts
+        for name, (shape, dtypes) in self._expected().items():
+            if name.endswith(("_weight", "_weight_scale")) and len(shape) == 3:
+                param = ModelWeightParameter(data=torch.empty(shape, dtype=dtypes[0]), input_dim=1, output_dim=2,
+                                             weight_loader=self._checked_loader(name, loader))
+            else:
+                param = PerTensorScaleParameter(data=torch.empty(shape, dtype=dtypes[0]),
+                                                weight_loader=self._checked_loader(name, loader))
+            layer.register_parameter(name, param)
+
+    def _check_complete(self) -> None:
+        for name in self._expected():
+            shards = ("w2",) if name.startswith("w2_") else ("w1", "w3")
+            have = self.loaded.get(name, set())
+            local = {e for e, _ in have}
+            want = len(local) if local else 0
+            # every expert that received any tensor of this name must have every shard, and the
+            # number of experts must be the layer's local expert count
+            for e in sorted(local):
+                for s in shards:
+                    if (e, s) not in have:
+                        self._fail(f"missing tensor: the checkpoint has no {name} ({s}) for expert {e}")
+            if want != self.num_experts:
+                self._fail(f"missing tensor: {name} was loaded for {want} of the {self.num_experts} experts "
+                           "of this rank")
+
+    def process_weights_after_loading(self, layer) -> None:
+        from qpn.kernels import moe, prepack
+
+        self._check_complete()
+        try:
+            if self.fmt == "nvfp4":
+                s13 = layer.w13_weight_scale_2.data.float()
+                s2 = layer.w2_weight_scale_2.data.float()
+                if bool((s13 == 0).any()) or bool((s2 == 0).any()):
+                    self._fail("a weight_scale_2 (global scale) is 0; re-export the checkpoint")
+                packed = moe.prepack_moe("nvfp4", layer.w13_weight.data, layer.w13_weight_scale.data, s13,
+                                         layer.w2_weight.data, layer.w2_weight_scale.data, s2)
+            else:
+                packed = moe.prepack_moe("fp8", layer.w13_weight.data, layer.w13_weight_scale.data.float(), None,
+                                         layer.w2_weight.data, layer.w2_weight_scale.data.float())
+        except prepack.PrepackMismatch as e:
+            self._fail(f"prepack inverse is not byte-identical: {e}")
+        except (formats.FormatError, moe.MoeShapeError) as e:
+            self._fail(f"cannot prepack the experts: {e}")
+        for name in list(self._expected()):
+            if name in layer._parameters:
+                delattr(layer, name)
+        self.packed = packed
+        self.census_names = [
+            CENSUS.register_module(packed.gate, f"{self.prefix}.w13", self.fmt, 2 * self.inter, self.hidden,
+                                   eligible=True, prepack_verified=True),
+            CENSUS.register_module(packed.down, f"{self.prefix}.w2", packed.down.fmt, self.hidden, self.inter,
+                                   eligible=True, prepack_verified=True),
+        ]
+        logger.debug("volta-qpn: %s: %d experts prepacked (%s)", self.prefix, self.num_experts, self.fmt)
+
+    # ------------------------------------------------------------------------------ apply
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        from qpn.kernels import moe
+
+        if self.packed is None:
+            self._fail("apply() before process_weights_after_loading()")
+        ids = topk_ids
+        expert_map = getattr(layer, "expert_map", None)
+        if expert_map is not None:
+            ids = expert_map[ids.long()]  # global -> local id, -1 where the expert is not on this rank
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = moe.qpn_moe(x2, ids, topk_weights, self.packed)
+        route = moe.moe_route(self.packed)
+        graph = _capturing_cuda_graph()
+        for name in self.census_names:
+            CENSUS.count(name, route, graph=graph)
+        return y.to(x.dtype).reshape(*lead, y.shape[-1])
+
+
+# --------------------------------------------------------------------------------- the hook
+def declared_moe_algo(quant_config, prefix: str) -> str | None:
+    """The quant algo a ModelOpt config declares for the experts at ``prefix`` (None: not a
+    ModelOpt config the QPN MoE path serves, or the experts are excluded / unquantized)."""
+    from vllm.model_executor.layers.quantization.modelopt import (
+        ModelOptMixedPrecisionConfig,
+        ModelOptNvFp4Config,
+    )
+
+    if isinstance(quant_config, ModelOptMixedPrecisionConfig):
+        if quant_config.is_layer_excluded(prefix):
+            return None
+        return quant_config._resolve_quant_algo(prefix)
+    if isinstance(quant_config, ModelOptNvFp4Config):
+        if quant_config.is_layer_excluded(prefix):
+            return None
+        return str(getattr(quant_config, "quant_method", "NVFP4") or "NVFP4").upper()
+    return None
+
+
+def qpn_moe_method_for(quant_config, moe_config, prefix: str, backend: str):
+    """The QPN MoE method for the experts at ``prefix``, None where vLLM's choice stands."""
+    algo = declared_moe_algo(quant_config, prefix)
+    if algo is None:
+        return None
+    if algo not in MOE_ALGOS:
+        raise QPNCheckpointError(
+            f"{prefix}: quantized_layers declares quant_algo {algo!r} for these experts; the QPN MoE "
+            f"kernels serve {', '.join(MOE_ALGOS)} (fix the checkpoint's hf_quant_config.json or serve it on "
+            "hardware vLLM supports natively)")
+    return QPNModelOptMoEMethod(moe_config, prefix=prefix, algo=algo, backend=backend)
+
+
+def wrap_routed_experts_get_quant_method(original):
+    """``RoutedExperts._get_quant_method(self, prefix, quant_config, moe_config)``: the QPN MoE
+    method where the QPN path serves and the config is a ModelOpt one we serve; vLLM's
+    otherwise (its own method is then never constructed for our layers, so its backend
+    selection, which has no CPU or SM70 NVFP4 MoE backend, is not reached)."""
+
+    def _get_quant_method(self, prefix, quant_config, moe_config):
+        from qpn.fork_patches.platform_gate import qpn_backend
+
+        backend = qpn_backend()
+        if backend is not None and quant_config is not None:
+            method = qpn_moe_method_for(quant_config, moe_config, prefix, backend)
+            if method is not None:
+                return method
+        return original(self, prefix, quant_config, moe_config)
+
+    _get_quant_method.__wrapped__ = original
+    return _get_quant_method
