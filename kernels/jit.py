@@ -37,11 +37,13 @@ ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 # sm_80+ (m16n8k16): which configured kernel of csrc/qpn_kernels_sm80.cu serves each packed route,
 # by (format, token tiles per weight pass). Chosen on the H200 among the spill-free configurations
 # (benchmarks/kernel_matched_bench.py --sweep); a change here needs no recompilation.
+# (H200 sweep 2026-11-29, results/kernel_sm80_sweep_h200_20261129.csv: the L2 prefetch variants
+# were slower than p0 everywhere except NVFP4 MT2, where p8 was best by 1.2 points.)
 SM80_ROUTE_KERNELS = {
-    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p8",
+    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p0",
     ("nvfp4", 2): "qpn2_mt2_m16n8k16_t1d4p8",
-    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p8",
-    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p8",
+    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p0",
+    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p0",
 }
 ENTRY_POINTS["m16n8k16"] = tuple(SM80_ROUTE_KERNELS.values()) + (
     "qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16")
