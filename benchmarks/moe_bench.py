@@ -8,6 +8,7 @@ One call = one MoE layer's routed experts for T tokens with top-k routing: gate/
 SwiGLU, down projection, weighted sum over the slots. Arms:
   grouped          qpn.kernels.moe.qpn_moe: 4 launches, routing read on the device, no host sync
   grouped_graph    the same, captured once per input set in a CUDA graph and replayed
+  (both, and per_expert_loop, run with the m8n8k4 atom and, on sm_80+, also with m16n8k16)
   per_expert_loop  host loop over the experts in use (needs the routing on the host: a sync),
                    per expert the dense QPN route (ops.qpn_linear, routes.route_for) for gate,
                    up and down, SwiGLU and the weighted scatter-add in torch
@@ -54,6 +55,7 @@ DEFAULT_T = (1, 2, 4, 8, 16, 32, 64)
 POOL = 8
 COPIES = 4
 ARMS = ("grouped", "grouped_graph", "per_expert_loop", "dequant_gemm")
+NATIVE_ATOM = "m16n8k16"  # the sm_80+ atom: on such GPUs the QPN arms also run with it
 EMULATION_NOTE = ("m8n8k4 (the SM70 atom) is emulated on sm_80 and later GPUs: qpn figures measured there show "
                   "the harness and the relative structure of the arms, NOT V100 speed")
 
@@ -130,9 +132,14 @@ def bench_shape(name, ts, read_ceiling, copy_ceiling, rows, gen, check: bool):
     experts, hidden, inter, top_k, _ = SHAPES[name]
     srcs = [_random_sources(experts, inter, hidden, gen), _random_sources(experts, inter, hidden, gen),
             _random_sources(experts, hidden, inter, gen)]
-    base = moe.PackedMoE(*[moe.prepack_expert_stack("nvfp4", *s) for s in srcs])  # inverse verified per expert
-    layers = [base] + [moe.PackedMoE(*[_clone_stack(s) for s in (base.gate, base.up, base.down)])
-                       for _ in range(COPIES - 1)]
+    atoms = ["m8n8k4"] + ([NATIVE_ATOM] if torch.cuda.get_device_capability() >= (8, 0) else [])
+    layers_by_atom = {}
+    for atom in atoms:
+        base = moe.PackedMoE(*[moe.prepack_expert_stack("nvfp4", *s, atom=atom) for s in srcs])  # inverse verified
+        layers_by_atom[atom] = [base] + [moe.PackedMoE(*[_clone_stack(s) for s in (base.gate, base.up, base.down)])
+                                         for _ in range(COPIES - 1)]
+    layers = layers_by_atom["m8n8k4"]
+    base = layers[0]
     src_copies = [srcs] + [[tuple(t.clone() for t in s) for s in srcs] for _ in range(COPIES - 1)]
     per_expert_bytes = base.gate.nbytes_per_expert + base.up.nbytes_per_expert + base.down.nbytes_per_expert
     for t in ts:
@@ -152,35 +159,43 @@ def bench_shape(name, ts, read_ceiling, copy_ceiling, rows, gen, check: bool):
                 rel = float((alt.float() - ref).norm() / ref.norm())
                 if rel > 5e-3:
                     raise RuntimeError(f"{name} T={t}: arms disagree (rel {rel:.2e}); benchmark aborted")
-        graphs = []
-        for i in range(POOL):
-            x, ids, w = pool[i]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                moe.qpn_moe(x, ids, w, layers[i % COPIES])
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                moe.qpn_moe(x, ids, w, layers[i % COPIES])
-            graphs.append(g)
-        fns = {
-            "grouped": lambda i: moe.qpn_moe(*pool[i % POOL], layers[i % COPIES]),
-            "grouped_graph": lambda i: graphs[i % POOL].replay(),
-            "per_expert_loop": lambda i: per_expert_loop(*pool[i % POOL], layers[i % COPIES]),
-            "dequant_gemm": lambda i: dequant_gemm(*pool[i % POOL], src_copies[i % COPIES]),
-        }
-        for arm in ARMS:
+        fns = {}
+        graphs = {}
+        for atom in atoms:
+            lay = layers_by_atom[atom]
+            if check and atom != "m8n8k4":
+                x, ids, w = pool[0]
+                ref = moe.qpn_moe(x, ids, w, layers[0]).float()
+                rel = float((moe.qpn_moe(x, ids, w, lay[0]).float() - ref).norm() / ref.norm())
+                if rel > 5e-3:
+                    raise RuntimeError(f"{name} T={t}: {atom} and m8n8k4 disagree (rel {rel:.2e}); aborted")
+            graphs[atom] = []
+            for i in range(POOL):
+                x, ids, w = pool[i]
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    moe.qpn_moe(x, ids, w, lay[i % COPIES])
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    moe.qpn_moe(x, ids, w, lay[i % COPIES])
+                graphs[atom].append(g)
+            fns[("grouped", atom)] = lambda i, lay=lay: moe.qpn_moe(*pool[i % POOL], lay[i % COPIES])
+            fns[("grouped_graph", atom)] = lambda i, atom=atom: graphs[atom][i % POOL].replay()
+            fns[("per_expert_loop", atom)] = lambda i, lay=lay: per_expert_loop(*pool[i % POOL], lay[i % COPIES])
+        fns[("dequant_gemm", "-")] = lambda i: dequant_gemm(*pool[i % POOL], src_copies[i % COPIES])
+        for (arm, atom), fn in fns.items():
             slow = arm in ("per_expert_loop", "dequant_gemm")
-            ms = _time_ms(fns[arm], target_ms=60 if slow else 30, repeats=3 if slow else 5)
+            ms = _time_ms(fn, target_ms=60 if slow else 30, repeats=3 if slow else 5)
             gbps = wbytes / (ms * 1e-3) / 1e9
             rows.append(dict(shape=name, fmt="nvfp4", e=experts, h=hidden, i=inter, top_k=top_k, tokens=t,
-                             experts_used=used, arm=arm, time_us=ms * 1e3, weight_bytes=int(wbytes), gbps=gbps,
-                             pct_read=100 * gbps / read_ceiling, pct_copy=100 * gbps / copy_ceiling))
-            print(f"{name:20s} T={t:3d} experts={used:6.1f} {arm:16s} {ms * 1e3:10.1f} us {gbps:8.1f} GB/s "
-                  f"{100 * gbps / read_ceiling:6.2f}% read", flush=True)
+                             experts_used=used, arm=arm, atom=atom, time_us=ms * 1e3, weight_bytes=int(wbytes),
+                             gbps=gbps, pct_read=100 * gbps / read_ceiling, pct_copy=100 * gbps / copy_ceiling))
+            print(f"{name:20s} T={t:3d} experts={used:6.1f} {arm:16s} {atom:9s} {ms * 1e3:10.1f} us "
+                  f"{gbps:8.1f} GB/s {100 * gbps / read_ceiling:6.2f}% read", flush=True)
         del graphs
-    del layers, src_copies
+    del layers, layers_by_atom, src_copies
     torch.cuda.empty_cache()
 
 
@@ -210,6 +225,9 @@ def _provenance(args) -> list[str]:
     ]
     if cap >= (8, 0):
         lines.append(f"# NOTE: {EMULATION_NOTE}")
+        lines.append(f"# NOTE: rows with atom {NATIVE_ATOM} run the same grouped design on this GPU's native "
+                     "tensor-core atom (mma.m16n8k16): those show what the design does where the atom is real; "
+                     "they are not V100 figures either")
     for name, (e, h, i, k, src) in SHAPES.items():
         lines.append(f"# shape {name}: E={e} experts, hidden={h}, intermediate={i}, top_k={k} ({src})")
     lines.append("# one row = one MoE layer's routed experts for `tokens` tokens; random top-k routing; "
@@ -238,11 +256,13 @@ def main(argv=None) -> int:
     cap = "".join(map(str, torch.cuda.get_device_capability(0)))
     ops.build(f"sm{cap}")
     moe.build(f"sm{cap}")
+    if torch.cuda.get_device_capability(0) >= (8, 0):
+        moe.build(f"sm{cap}", atom=NATIVE_ATOM)
     read, copy = ceilings()
     print(f"read ceiling {read:.1f} GB/s, copy ceiling {copy:.1f} GB/s", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    cols = ["shape", "fmt", "e", "h", "i", "top_k", "tokens", "experts_used", "arm", "time_us", "weight_bytes",
-            "gbps", "pct_read", "pct_copy"]
+    cols = ["shape", "fmt", "e", "h", "i", "top_k", "tokens", "experts_used", "arm", "atom", "time_us",
+            "weight_bytes", "gbps", "pct_read", "pct_copy"]
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     with open(args.out, "w") as f:  # rows written as each shape finishes: a cut-short run keeps them

@@ -181,10 +181,21 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
                 self._fail(f"missing tensor: {name} was loaded for {want} of the {self.num_experts} experts "
                            "of this rank")
 
+    def _atom(self) -> str:
+        """The MMA atom to prepack for: m8n8k4 on CPU (the reference reads any atom) and on
+        SM70; the device's native atom where kernels/ops.serving_target admits a newer GPU."""
+        if self.backend != "cuda":
+            return "m8n8k4"
+        from qpn.kernels import ops
+
+        target = ops.serving_target(torch.cuda.get_device_capability())
+        return target["atom"] if target else "m8n8k4"
+
     def process_weights_after_loading(self, layer) -> None:
         from qpn.kernels import moe, prepack
 
         self._check_complete()
+        atom = self._atom()
         try:
             if self.fmt == "nvfp4":
                 s13 = layer.w13_weight_scale_2.data.float()
@@ -192,10 +203,10 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
                 if bool((s13 == 0).any()) or bool((s2 == 0).any()):
                     self._fail("a weight_scale_2 (global scale) is 0; re-export the checkpoint")
                 packed = moe.prepack_moe("nvfp4", layer.w13_weight.data, layer.w13_weight_scale.data, s13,
-                                         layer.w2_weight.data, layer.w2_weight_scale.data, s2)
+                                         layer.w2_weight.data, layer.w2_weight_scale.data, s2, atom=atom)
             else:
                 packed = moe.prepack_moe("fp8", layer.w13_weight.data, layer.w13_weight_scale.data.float(), None,
-                                         layer.w2_weight.data, layer.w2_weight_scale.data.float())
+                                         layer.w2_weight.data, layer.w2_weight_scale.data.float(), atom=atom)
         except prepack.PrepackMismatch as e:
             self._fail(f"prepack inverse is not byte-identical: {e}")
         except (formats.FormatError, moe.MoeShapeError) as e:

@@ -38,11 +38,15 @@ from . import formats, jit, nvrtc, prepack, routes
 from .atoms import geometry
 
 MOE_SOURCE = "qpn_moe.cu"
+# Source per atom: the sm_80+ file includes qpn_moe.cu (routing, combine, m8n8k4 entries) and adds
+# the m16n8k16 expert GEMMs; it is built for sm_80 and later only.
+MOE_SOURCES = {"m8n8k4": MOE_SOURCE, "m16n8k16": "qpn_moe_sm80.cu"}
+MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 THREADS = 256
 WARPS = THREADS // 32
 ALIGN_THREADS = 1024
 # Pairs per group = tokens of one MMA tile of the atom (the B side of m8n8k4 holds 8 tokens).
-ROWS_PER_GROUP = {"m8n8k4": 8}
+ROWS_PER_GROUP = {"m8n8k4": 8, "m16n8k16": 8}
 # Shared memory of the align kernel is 4 ints per expert; 48 KiB of static+dynamic shared memory
 # is available on every architecture without opting in.
 MAX_EXPERTS = 2048
@@ -50,6 +54,8 @@ MOE_ENTRY_POINTS = {
     "common": ("qpn_moe_align", "qpn_moe_combine"),
     "m8n8k4": ("qpn2_moe_gate_up_m8n8k4", "qpn2_moe_down_m8n8k4",
                "qpn8_moe_gate_up_m8n8k4", "qpn8_moe_down_m8n8k4"),
+    "m16n8k16": ("qpn2_moe_gate_up_m16n8k16", "qpn2_moe_down_m16n8k16",
+                 "qpn8_moe_gate_up_m16n8k16", "qpn8_moe_down_m16n8k16"),
 }
 
 
@@ -306,18 +312,26 @@ def entry_points(atom: str = "m8n8k4") -> tuple[str, ...]:
     return MOE_ENTRY_POINTS["common"] + MOE_ENTRY_POINTS[atom]
 
 
-def compile_cubin(arch, use_cache: bool = True) -> tuple[bytes, str]:
-    """Compile csrc/qpn_moe.cu for sm_<arch> into the QPN kernel cache (same key rules as jit)."""
+def compile_cubin(arch, use_cache: bool = True, atom: str = "m8n8k4") -> tuple[bytes, str]:
+    """Compile the MoE source of ``atom`` for sm_<arch> into the QPN kernel cache (same key rules
+    as jit: hash of every csrc/ file, source, architecture, flags, NVRTC version)."""
     a = jit.arch_number(arch)
+    if atom not in MOE_SOURCES:
+        raise ValueError(f"no MoE kernels for atom {atom!r}; known: {sorted(MOE_SOURCES)}")
+    if a < MIN_ARCH[atom]:
+        raise ValueError(f"the {atom} MoE kernels need sm_{MIN_ARCH[atom]} or later, asked for sm_{a}; "
+                         "prepack the experts with atom='m8n8k4' for this GPU")
+    source = MOE_SOURCES[atom]
     nv = jit.nvrtc_for_arch(a)
-    key = hashlib.sha256(f"{jit.source_hash()}|{MOE_SOURCE}|sm_{a}|{' '.join(jit.COMPILE_FLAGS)}|"
+    key = hashlib.sha256(f"{jit.source_hash()}|{source}|sm_{a}|{' '.join(jit.COMPILE_FLAGS)}|"
                          f"nvrtc{nv.version}".encode()).hexdigest()[:32]
-    path = os.path.join(jit.cache_dir(), f"qpn_moe_sm{a}_{key}.cubin")
+    stem = os.path.splitext(source)[0]
+    path = os.path.join(jit.cache_dir(), f"{stem}_sm{a}_{key}.cubin")
     if use_cache and os.path.exists(path):
         with open(path, "rb") as f:
             return f.read(), path
-    src = nvrtc.read_sources()[MOE_SOURCE]
-    res = nv.compile(src, MOE_SOURCE, a, list(jit.COMPILE_FLAGS), want_cubin=True)
+    src = nvrtc.read_sources()[source]
+    res = nv.compile(src, source, a, list(jit.COMPILE_FLAGS), want_cubin=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(res.cubin)
@@ -333,30 +347,31 @@ def check_entry_points(cubin: bytes, atom: str = "m8n8k4") -> None:
 
 
 def build(arch="sm70", atom: str = "m8n8k4") -> str:
-    """Compile the MoE kernels for ``arch`` (cached), check every entry point; returns the cubin path."""
-    cubin, path = compile_cubin(arch)
+    """Compile the MoE kernels of ``atom`` for ``arch`` (cached), check every entry point;
+    returns the cubin path."""
+    cubin, path = compile_cubin(arch, atom=atom)
     check_entry_points(cubin, atom)
     return path
 
 
-def module_for(device) -> jit.LoadedModule:
+def module_for(device, atom: str = "m8n8k4") -> jit.LoadedModule:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    m = _modules.get(idx)
+    m = _modules.get((idx, atom))
     if m is not None:
         return m
     with _lock:
-        m = _modules.get(idx)
+        m = _modules.get((idx, atom))
         if m is None:
             major, minor = torch.cuda.get_device_capability(idx)
             arch = major * 10 + minor
-            cubin, path = compile_cubin(arch)
-            check_entry_points(cubin)
+            cubin, path = compile_cubin(arch, atom=atom)
+            check_entry_points(cubin, atom)
             with torch.cuda.device(idx):
                 torch.cuda.current_stream(idx).synchronize()  # torch's primary context current
                 m = jit.LoadedModule(cubin, path, arch)
-                for name in entry_points("m8n8k4"):
+                for name in entry_points(atom):
                     m.function(name)
-            _modules[idx] = m
+            _modules[(idx, atom)] = m
     return m
 
 
@@ -494,7 +509,7 @@ def _moe_cuda(x, topk_ids, topk_weights, packed: PackedMoE, shared: Optional[Pac
     y = torch.empty((tokens, packed.hidden), dtype=torch.float16, device=x.device)
     if tokens == 0:
         return y
-    mod = module_for(x.device)
+    mod = module_for(x.device, packed.atom)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     ids32 = topk_ids.reshape(-1).to(torch.int32).contiguous()
     w32 = topk_weights.reshape(-1).to(torch.float32).contiguous()

@@ -63,14 +63,15 @@ def random_fp8_stack(experts: int, n: int, k: int, gen: torch.Generator, per_cha
 
 
 def random_moe(fmt: str, experts: int, hidden: int, inter: int, gen: torch.Generator, device="cpu",
-               per_channel: bool = False, down_fmt: str | None = None) -> moe.PackedMoE:
+               per_channel: bool = False, down_fmt: str | None = None, atom: str = "m8n8k4") -> moe.PackedMoE:
     """A PackedMoE of random expert weights (each expert's prepack inverse verified)."""
     dfmt = down_fmt or fmt
 
     def stack(f, n, k):
         if f == "nvfp4":
-            return moe.prepack_expert_stack("nvfp4", *random_nvfp4_stack(experts, n, k, gen, device))
-        return moe.prepack_expert_stack("fp8", *random_fp8_stack(experts, n, k, gen, per_channel, device))
+            return moe.prepack_expert_stack("nvfp4", *random_nvfp4_stack(experts, n, k, gen, device), atom=atom)
+        return moe.prepack_expert_stack("fp8", *random_fp8_stack(experts, n, k, gen, per_channel, device),
+                                        atom=atom)
 
     return moe.PackedMoE(stack(fmt, inter, hidden), stack(fmt, inter, hidden), stack(dfmt, hidden, inter))
 

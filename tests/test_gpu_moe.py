@@ -38,17 +38,29 @@ SHAPES = {
     "qwen35_35b_a3b_tp2": (256, 2048, 256, 8),
     "qwen3_30b_a3b_tp1": (128, 2048, 768, 8),
 }
-CASES = [  # (shape, gate/up fmt, per-channel FP8, down fmt)
-    ("odd_e8_h80_i48", "nvfp4", False, None),
-    ("odd_e8_h80_i48", "fp8", False, None),
-    ("odd_e8_h80_i48", "fp8", True, None),
-    ("odd_e8_h80_i48", "nvfp4", True, "fp8"),
-    ("odd_e5_h272_i112", "nvfp4", False, None),
-    ("qwen35_35b_a3b_tp1", "nvfp4", False, None),
-    ("qwen35_35b_a3b_tp2", "nvfp4", False, None),
-    ("qwen3_30b_a3b_tp1", "nvfp4", False, None),
-    ("qwen3_30b_a3b_tp1", "fp8", True, None),
+CASES = [  # (shape, gate/up fmt, per-channel FP8, down fmt, atom)
+    ("odd_e8_h80_i48", "nvfp4", False, None, "m8n8k4"),
+    ("odd_e8_h80_i48", "fp8", False, None, "m8n8k4"),
+    ("odd_e8_h80_i48", "fp8", True, None, "m8n8k4"),
+    ("odd_e8_h80_i48", "nvfp4", True, "fp8", "m8n8k4"),
+    ("odd_e5_h272_i112", "nvfp4", False, None, "m8n8k4"),
+    ("qwen35_35b_a3b_tp1", "nvfp4", False, None, "m8n8k4"),
+    ("qwen35_35b_a3b_tp2", "nvfp4", False, None, "m8n8k4"),
+    ("qwen3_30b_a3b_tp1", "nvfp4", False, None, "m8n8k4"),
+    ("qwen3_30b_a3b_tp1", "fp8", True, None, "m8n8k4"),
+    # the sm_80+ atom (m16n8k16), on GPUs that have it
+    ("odd_e8_h80_i48", "nvfp4", False, None, "m16n8k16"),
+    ("odd_e8_h80_i48", "fp8", True, None, "m16n8k16"),
+    ("odd_e5_h272_i112", "nvfp4", True, "fp8", "m16n8k16"),
+    ("qwen35_35b_a3b_tp1", "nvfp4", False, None, "m16n8k16"),
+    ("qwen35_35b_a3b_tp2", "nvfp4", False, None, "m16n8k16"),
+    ("qwen3_30b_a3b_tp1", "fp8", False, None, "m16n8k16"),
 ]
+
+
+def _need_atom(atom):
+    if atom == "m16n8k16" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the m16n8k16 atom needs sm_80 or later")
 RESULTS: list[dict] = []
 
 
@@ -66,11 +78,12 @@ def _report():
              f"{worst_y['routing']}, T={worst_y['t']}); worst h {worst_h['rel_h']:.3e} ({worst_h['shape']}, "
              f"{worst_h['fmt']}, {worst_h['routing']}, T={worst_h['t']}); failures: "
              f"{sum(1 for r in RESULTS if not r['ok'])}", "",
-             "| shape | E | H | I | top_k | format | routing | T | groups | rel. error y | rel. error h | "
+             "| shape | E | H | I | top_k | atom | format | routing | T | groups | rel. error y | rel. error h | "
              "nonfinite where ref finite | ok |",
-             "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in RESULTS:
-        lines.append(f"| {r['shape']} | {r['e']} | {r['h']} | {r['i']} | {r['top_k']} | {r['fmt']} | {r['routing']} | "
+        lines.append(f"| {r['shape']} | {r['e']} | {r['h']} | {r['i']} | {r['top_k']} | {r['atom']} | {r['fmt']} | "
+                     f"{r['routing']} | "
                      f"{r['t']} | {r['groups']} | {r['rel_y']:.3e} | {r['rel_h']:.3e} | {r['bad']} | "
                      f"{'yes' if r['ok'] else 'NO'} |")
     with open(path, "w") as f:
@@ -94,19 +107,21 @@ def _check_case(fmt_label, routing_label, shape, packed, x, ids, w, cache, share
     counts = torch.bincount(ids.reshape(-1)[valid].long(), minlength=packed.num_experts).tolist()
     ok = rel_y <= BOUND and rel_h <= BOUND and bad == 0 and y.shape == x.shape and y.dtype == torch.float16
     RESULTS.append(dict(shape=shape, e=packed.num_experts, h=packed.hidden, i=packed.intermediate,
-                        top_k=ids.shape[1], fmt=fmt_label, routing=routing_label, t=x.shape[0],
+                        top_k=ids.shape[1], atom=packed.atom, fmt=fmt_label, routing=routing_label, t=x.shape[0],
                         groups=sum(-(-c // 8) for c in counts), rel_y=rel_y, rel_h=rel_h, bad=bad, ok=ok))
     return ok, rel_y, rel_h, bad
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,fmt,pc,dfmt", CASES,
-                         ids=[f"{s}-{f}{'_pc' if pc else ''}{'-' + d + 'down' if d else ''}" for s, f, pc, d in CASES])
-def test_grouped_moe_vs_float64(shape, fmt, pc, dfmt):
+@pytest.mark.parametrize("shape,fmt,pc,dfmt,atom", CASES,
+                         ids=[f"{s}-{f}{'_pc' if pc else ''}{'-' + d + 'down' if d else ''}-{a}"
+                              for s, f, pc, d, a in CASES])
+def test_grouped_moe_vs_float64(shape, fmt, pc, dfmt, atom):
+    _need_atom(atom)
     dev = torch.device("cuda")
     e, hdim, inter, top_k = SHAPES[shape]
     gen = torch.Generator(device=dev).manual_seed(e * 31 + hdim + inter)
-    packed = random_moe(fmt, e, hdim, inter, gen, device=dev, per_channel=pc, down_fmt=dfmt)
+    packed = random_moe(fmt, e, hdim, inter, gen, device=dev, per_channel=pc, down_fmt=dfmt, atom=atom)
     cache: dict = {}
     fmt_label = f"{fmt}{'_pc' if pc else ''}{'+' + dfmt + '_down' if dfmt else ''}"
     fails = []
@@ -187,15 +202,17 @@ def test_fp16_accumulator_overflow_trap_in_gate_projection():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay_with_new_routing():
+@pytest.mark.parametrize("atom", ["m8n8k4", "m16n8k16"])
+def test_cuda_graph_capture_and_replay_with_new_routing(atom):
     """The whole layer (align, gate/up, down, combine; shared expert too) captured once and
     replayed with other activations and other routings gives the eager result bit for bit:
     nothing in it reads the routing on the host."""
+    _need_atom(atom)
     dev = torch.device("cuda")
     e, hdim, inter, top_k = SHAPES["qwen35_35b_a3b_tp2"]
     gen = torch.Generator(device=dev).manual_seed(8)
-    packed = random_moe("nvfp4", e, hdim, inter, gen, device=dev)
-    shared = random_moe("nvfp4", 1, hdim, inter, gen, device=dev)
+    packed = random_moe("nvfp4", e, hdim, inter, gen, device=dev, atom=atom)
+    shared = random_moe("nvfp4", 1, hdim, inter, gen, device=dev, atom=atom)
     for t in (1, 4, 16):
         ids, w = routing("random", t, top_k, e, gen, device=dev)
         x = activations(t, hdim, gen, device=dev)

@@ -242,3 +242,30 @@ def test_moe_routes_and_group_bound():
             for counts in ([pairs] + [0] * (experts - 1),
                            [pairs // experts + (1 if e < pairs % experts else 0) for e in range(experts)]):
                 assert sum(-(-c // 8) for c in counts) <= bound <= pairs
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_reference_reads_stacks_of_the_sm80_atom(fmt):
+    """The same reference serves experts prepacked for the m16n8k16 atom (other fragment order,
+    16-row tiles, 64-input k-blocks): same values, within the bound of float64."""
+    gen = torch.Generator().manual_seed(21)
+    a = random_moe(fmt, E, H, I, gen, per_channel=(fmt == "fp8"), atom="m16n8k16")
+    assert a.atom == "m16n8k16" and a.gate.k_pad == 128 and a.down.k_pad == 64
+    ids, w = routing("repeat_in_token", 9, 2, E, gen)
+    x = activations(9, H, gen)
+    y = moe_reference.moe_reference(x, ids, w, a)
+    assert _rel(y, moe_reference.moe_reference_f64(x, ids, w, a)) <= BOUND
+    # the checkpoint bytes recovered through the m16n8k16 inverse, repacked for m8n8k4, give
+    # the identical float64 result
+
+    def restack(st):
+        if fmt == "nvfp4":
+            ws = [prepack.unprepack_nvfp4(st.expert(e)) for e in range(E)]
+            return moe.prepack_expert_stack("nvfp4", torch.stack([q for q, _ in ws]),
+                                            torch.stack([sc for _, sc in ws]), st.chscale.reshape(-1))
+        ws = [prepack.unprepack_fp8(st.expert(e)) for e in range(E)]
+        return moe.prepack_expert_stack("fp8", torch.stack([q for q, _ in ws]), st.chscale)
+
+    b = moe.PackedMoE(restack(a.gate), restack(a.up), restack(a.down))
+    assert b.atom == "m8n8k4" and not torch.equal(b.gate.codes, a.gate.codes)
+    assert torch.equal(moe_reference.moe_reference_f64(x, ids, w, a), moe_reference.moe_reference_f64(x, ids, w, b))
