@@ -84,7 +84,7 @@ def _rank_dicts(census: dict) -> list[dict]:
     return [r for r in census.get("ranks", []) if isinstance(r, dict)]
 
 
-def _total_calls(route_counts: dict) -> int:
+def total_calls(route_counts: dict) -> int:
     return sum(int(c.get("eager", 0)) + int(c.get("graph", 0)) for c in route_counts.values())
 
 
@@ -131,7 +131,7 @@ def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | Non
     fallback_calls = int(census.get("fallback_calls", 0))
     fallbacks = census.get("fallbacks", [])
     missing_regions = sorted(r for r in regions if by_region.get(r, 0) == 0)
-    calls = _total_calls(route_counts)
+    calls = total_calls(route_counts)
     problems = []
     if total == 0:
         problems.append("no quantized module admitted")
@@ -146,7 +146,7 @@ def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | Non
         problems.append(f"declared region(s) {missing_regions} have no admitted module")
     if total and calls == 0:
         problems.append("no QPN route calls recorded after the warm request")
-    routes = ", ".join(f"{r}={_total_calls({r: c})}" for r, c in sorted(route_counts.items()))
+    routes = ", ".join(f"{r}={total_calls({r: c})}" for r, c in sorted(route_counts.items()))
     observed = (f"{on_qpn}/{total} modules on QPN ({_fmt(by_region)}); calls: {routes or 'none'}"
                 f"; fallbacks {fallback_calls}")
     if problems:

@@ -196,6 +196,10 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
         raise Refusal(f"GMU={gmu_raw!r} is not a number (fraction of GPU memory, e.g. 0.88)"
                       ) from None
     run_dir = environ.get("RUN_DIR") or tempfile.mkdtemp(prefix="qpn-serve-")
+    if os.path.exists(os.path.join(run_dir, "census")):
+        # an earlier run's census would be read as this server's
+        raise Refusal(f"RUN_DIR={run_dir} already holds a census from an earlier run; choose a "
+                      "new RUN_DIR (or leave it unset for a fresh one)")
     os.makedirs(run_dir, exist_ok=True)
     tool_parser = environ.get("TOOL_PARSER") or tool_parser_for(ckpt)
     return Launch(
@@ -386,20 +390,18 @@ def read_census(launch: Launch, settle_s: float = 15.0) -> dict | None:
              "missing from this checkout, so every census gate fails")
         return None
     deadline = time.monotonic() + settle_s
-    census = None
     while True:
         try:
-            census = aggregate(launch.census_dir)
+            census, error = aggregate(launch.census_dir), None
         except (OSError, ValueError) as exc:
-            census = None
-            last_error = exc
-        if census and boot_gates._total_calls(census.get("route_counts", {})) > 0:
+            census, error = None, exc
+        if census and boot_gates.total_calls(census.get("route_counts", {})) > 0:
             # one more flush period, so every rank's post-request counts are in
             time.sleep(1.2)
             return aggregate(launch.census_dir)
         if time.monotonic() >= deadline:
-            if census is None and "last_error" in locals():
-                warn(f"census unreadable: {last_error}")
+            if error is not None:
+                warn(f"census unreadable: {error}")
             return census
         time.sleep(0.5)
 

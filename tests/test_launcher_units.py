@@ -316,3 +316,11 @@ def test_gate_table_and_json():
     doc = json.loads(boot_gates.to_json(results, engine="cpu", k=2))
     assert doc["passed"] is False and doc["k"] == 2
     assert [g["name"] for g in doc["gates"]][0] == "warm_request"
+
+
+def test_run_dir_with_an_earlier_census_refused(tmp_path):
+    (tmp_path / "run" / "census").mkdir(parents=True)
+    proc, t = _serve([str(_fake_ckpt(tmp_path))], tmp_path, QPN_ENGINE_PYTHON=sys.executable)
+    if "no vLLM engine we support" in proc.stderr:
+        pytest.skip("the test python has no engine; the run-dir check runs after detection")
+    _refused(proc, t, "already holds a census", "new RUN_DIR")
