@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from qpn.scripts import boot_gates, serve_preflight
 from qpn.scripts.capture_ladder import CaptureSpecError, resolve_capture
 from qpn.scripts.engine_profiles import PROFILES, EngineNotFound, EngineProfile, detect_engine
+from qpn.scripts.launched import group_alive
 from qpn.scripts.serve_preflight import Refusal
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -268,15 +269,6 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
     def stop(self) -> None:
         """SIGTERM the server (its engine children follow within seconds), then make sure
         nothing of its process group is left, escalating only if something is."""
@@ -298,9 +290,9 @@ class Server:
                 os.killpg(pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while self._group_alive() and time.monotonic() < deadline:
+        while group_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if self._group_alive():
+        if group_alive(pid):
             warn(f"processes of server group {pid} outlived it; killing them")
             os.killpg(pid, signal.SIGKILL)
         log(f"server stopped (pid {pid}, exit {self.proc.returncode}); "
