@@ -238,6 +238,11 @@ def main(argv=None) -> int:
                         "e2e_ttft_ms": ttft, "runs": args.runs, "tau": tau, "rounds": rounds,
                         "speculation": spec, "device": pre.device,
                     })
+                    if tg is None:
+                        writer.add_note(
+                            f"depth {depth}: llama-benchy reported no tg figure: it times tokens "
+                            f"by network read, and every token after the first arrived in the "
+                            f"same read as the first; raise --tg")
                     print(f"depth {depth}: tg {tg} t/s, pp {pp} t/s, tau {tau}", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -156,7 +156,7 @@ class TestPlainServer:
         if not _engine_has("llama_benchy"):
             pytest.skip("llama-benchy missing from the engine python: install volta-qpn[bench]")
         r = run_bench("context_sweep", "--base-url", server.base_url, "--model", "tiny",
-                      "--tokenizer", tiny_model, "--depths", "0,256", "--pp", "64", "--tg", "8",
+                      "--tokenizer", tiny_model, "--depths", "0,256", "--pp", "64", "--tg", "32",
                       "--runs", "1", "--results-dir", str(tmp_path), "--name", "ctx")
         assert r.returncode == 0, r.stdout + r.stderr
         header, rows, _ = read_results(str(tmp_path / "ctx.csv"))
