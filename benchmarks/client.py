@@ -151,20 +151,15 @@ def parse_stream(t_sent: float, lines: Iterable[tuple[float, str]]) -> StreamRes
                 f"rows finished before this one are kept.")
         for choice in obj.get("choices") or []:
             delta = choice.get("delta") or {}
-            texts = []
-            for name in TEXT_FIELDS:
-                value = delta.get(name)
-                if value:
-                    texts.append((name, value))
-            if texts:
+            # Engines in the renaming period send the same text under both reasoning names:
+            # take one of them, never both.
+            reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
+            content = delta.get("content") or ""
+            if reasoning or content:
                 res.chunk_times.append(t)
-                kinds = {"reasoning" if n in REASONING_FIELDS else "content" for n, _ in texts}
-                res.chunk_kinds.append("content" if "content" in kinds else "reasoning")
-                for name, value in texts:
-                    if name in REASONING_FIELDS:
-                        res.reasoning_text += value
-                    else:
-                        res.content_text += value
+                res.chunk_kinds.append("content" if content else "reasoning")
+                res.reasoning_text += reasoning
+                res.content_text += content
             if choice.get("finish_reason"):
                 res.finish_reason = choice["finish_reason"]
         usage = obj.get("usage")

@@ -81,6 +81,13 @@ def test_old_engine_reasoning_content_field_reads_the_same():
     assert old.reasoning_text == "Let me think"
 
 
+def test_a_delta_carrying_both_reasoning_names_counts_once():
+    both = [(t, line.replace('{"reasoning": "Let"}', '{"reasoning": "Let", "reasoning_content": "Let"}'))
+            for t, line in VLLM032_REASONING]
+    res = parse_stream(100.0, both)
+    assert res.reasoning_text == "Let me think" and len(res.chunk_times) == 4
+
+
 SCRAPE_BEFORE = """\
 # HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts counter
