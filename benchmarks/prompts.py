@@ -131,6 +131,8 @@ def _check_python(required: str) -> Callable[[str], Check]:
             tree = ast.parse(code)
         except SyntaxError as e:
             return Check("fail", f"code does not parse: {e.msg} (line {e.lineno})")
+        except ValueError as e:  # e.g. null bytes, on Pythons that raise ValueError for them
+            return Check("fail", f"code does not parse: {e}")
         names = {n.name for n in ast.walk(tree)
                  if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
         if required in names:
