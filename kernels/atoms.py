@@ -86,13 +86,16 @@ def _m16n8k16() -> AtomGeometry:
     (k 2t+8..2t+9, token g); D (f32) c0..c3 hold (row g, tokens 2t, 2t+1), (row g+8, same).
 
     The MMA sums over its 16 k-slots, so any bijection from k-slots to real inputs that A and B
-    share gives the same result. Per k-block of 64 inputs we use: in MMA step s (0..3), k-slot
-    2t+j (j = 0, 1) is input 16t + 4s + j and k-slot 2t+8+j is input 16t + 4s + 2 + j. Then:
-      * lane (g, t) supplies token g's inputs 16t .. 16t+15 of the k-block for all four steps:
-        ONE contiguous 32-byte activation read per k-block (b0/b1 of step s are its words 2s, 2s+1);
-      * every input a lane touches in a k-block lies in NVFP4 group t of its two rows, so the lane
-        needs exactly two group scales per k-block (rows g and g+8) and folds them into its A
-        operand; the scale bytes of a (tile, k-block) are laid out so lane l reads bytes 2l, 2l+1.
+    share gives the same result. Per k-block of 64 inputs:
+      * NVFP4: MMA step s (0..3) is NVFP4 group s: k-slot 2t+j (j = 0, 1) is input 16s + 4t + j and
+        k-slot 2t+8+j is input 16s + 4t + 2 + j. One group per MMA keeps products of different
+        group scales out of one tensor-core sum (its limited alignment precision would round small
+        products off next to large cancelling ones: the FP16-overflow trap). Lane (g, t) supplies
+        token g's inputs 16s + 4t .. +3 per step (four 8-byte activation reads per k-block) and
+        needs the scales of its rows g, g+8 for all four groups: 8 bytes, laid out per (tile,
+        k-block) so that lane l reads bytes 8g .. 8g+7 = (g, grp 0), (g+8, grp 0), (g, grp 1), ...
+      * FP8 (no groups): k-slot 2t+j of step s is input 16t + 4s + j, k-slot 2t+8+j is 16t + 4s + 2 + j:
+        lane (g, t) supplies token g's inputs 16t .. 16t+15, one contiguous 32-byte read.
     Per (16-row tile, k-block) a lane reads 16 bytes of NVFP4 codes (one 16-byte load: word s
     feeds step s) or 32 bytes of FP8 (two: words 2s, 2s+1 feed step s).
     """
@@ -101,11 +104,11 @@ def _m16n8k16() -> AtomGeometry:
         g, t = l >> 2, l & 3
         # NVFP4 word s, nibble j: the decoder builds half2 r from nibbles 3-r (low half) and
         # 7-r (high half) of the word; half2 r is a0..a3 = (g, k0 k1), (g+8, k0 k1),
-        # (g, k2 k3), (g+8, k2 k3) with k0..k3 = 16t + 4s + 0..3.
+        # (g, k2 k3), (g+8, k2 k3) with k0..k3 = 16s + 4t + 0..3.
         for s in range(4):
             for j in range(8):
                 nv_row.append(g + 8 * (j % 2 == 0))
-                nv_k.append(16 * t + 4 * s + (j >> 2) + 2 * ((j & 3) < 2))
+                nv_k.append(16 * s + 4 * t + (j >> 2) + 2 * ((j & 3) < 2))
         # FP8 step s, byte q of its 8 (words 2s, 2s+1, little-endian): a0 = bytes 0-1 (g, k0 k1),
         # a1 = bytes 2-3 (g+8, k0 k1), a2 = bytes 4-5 (g, k2 k3), a3 = bytes 6-7 (g+8, k2 k3).
         for s in range(4):
@@ -113,11 +116,11 @@ def _m16n8k16() -> AtomGeometry:
                 f8_row.append(g + 8 * ((q >> 1) & 1))
                 f8_k.append(16 * t + 4 * s + (q & 1) + 2 * (q >> 2))
     sc_row, sc_g = [], []
-    for l in range(32):
-        g, t = l >> 2, l & 3
-        for h in range(2):
-            sc_row.append(g + 8 * h)
-            sc_g.append(t)
+    for g in range(8):
+        for grp in range(4):
+            for h in range(2):
+                sc_row.append(g + 8 * h)
+                sc_g.append(grp)
     return AtomGeometry("m16n8k16", 16, 64, 32, tuple(nv_row), tuple(nv_k), tuple(f8_row),
                         tuple(f8_k), tuple(sc_row), tuple(sc_g))
 

@@ -160,19 +160,13 @@ def test_fp8_routes_vs_float64(name, n, k, per_channel, atom):
     _run_shape(f"{name}_{'pc' if per_channel else 'pt'}", packed, "fp8", dev, gen, bias)
 
 
-K16_TRAP_REASON = (
-    "m16n8k16 adds 16 products inside one tensor-core instruction with limited alignment precision: "
-    "the trap's +-1e5 products that cancel leave the small products sharing their MMA rounded off "
-    "(H200: 6.2e-4 > 2.75e-4 at M=1; no inf/NaN). cuBLAS's own FP16 GEMM shows the same effect on the "
-    "same data (its error is recorded beside ours in the numerics report)")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("atom", [pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=K16_TRAP_REASON))
-                                  if a == "m16n8k16" else a for a in ATOMS])
+@pytest.mark.parametrize("atom", ATOMS)
 def test_fp16_accumulator_overflow_trap(atom):
     """Outlier terms whose running FP16 sum overflows (>65504) before they cancel: a kernel that
-    accumulated in FP16 returns inf/NaN here; ours must match the exact result."""
+    accumulated in FP16 returns inf/NaN here; ours must match the exact result. On m16n8k16 it also
+    checks the NVFP4 layout's one-group-per-MMA rule: the +-1e5 products that cancel share a
+    tensor-core sum only with products of their own group (cuBLAS's FP16 GEMM is recorded beside)."""
     dev = torch.device("cuda")
     n, k = 64, 256
     gen = torch.Generator(device=dev).manual_seed(99)

@@ -29,11 +29,17 @@ def test_geometry_is_a_permutation_with_the_sm70_block_sizes():
         assert sorted(gather.tolist()) == list(range(gather.numel()))
         assert torch.equal(gather[scatter], torch.arange(gather.numel()))
         assert gather.numel() == block_maps("m8n8k4", kind)[0].numel()
-    # every k a lane touches in a k-block lies in group t = lane & 3 (one scale per row per k-block)
+    # NVFP4: MMA step s (word s of every lane) is exactly group s of the k-block, so one MMA never
+    # adds products of two different group scales (the overflow trap's cancellation stays exact)
+    for s in range(4):
+        ks = [g.nvfp4_k_of[32 * lane + 8 * s + j] for lane in range(32) for j in range(8)]
+        assert sorted(set(ks)) == list(range(16 * s, 16 * s + 16))
     for lane in range(32):
-        ks = g.nvfp4_k_of[32 * lane: 32 * lane + 32]
-        assert {k // 16 for k in ks} == {lane & 3}
         assert set(g.nvfp4_row_of[32 * lane: 32 * lane + 32]) == {lane >> 2, (lane >> 2) + 8}
+        # its 8 scale bytes (8g ..): (g, grp 0), (g+8, grp 0), (g, grp 1), ... -- one e4m3 pair per step
+        gq = lane >> 2
+        assert [(g.scale_row_of[8 * gq + i], g.scale_group_of[8 * gq + i]) for i in range(8)] == \
+            [(gq + 8 * (i & 1), i >> 1) for i in range(8)]
     assert g70.tile_n == 32
 
 
@@ -147,18 +153,17 @@ def _exact_f16_mul(a, b):
 
 
 def _scales_sm89(sp):
-    """Frag16NVFP4::scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 then * 2^7."""
+    """Frag16NVFP4::step_scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 of the step's byte pair, * 2^7;
+    the two halves (rows g, g+8) are then broadcast (dup_lo / dup_hi)."""
     e4 = formats.e4m3_table(torch.float64)
     return e4[sp & 0xFF] * 128.0, e4[(sp >> 8) & 0xFF] * 128.0
 
 
 def _scales_sm80(sp):
-    """Frag16NVFP4::scales, sm_80 path: prmt to bytes 1 and 3, e4m3x2_bits, * 2^15."""
+    """Frag16NVFP4::step_scales, sm_80 path: prmt the pair to bytes 1 and 3, e4m3x2_bits, * 2^15."""
     b0, b1 = sp & 0xFF, (sp >> 8) & 0xFF
-    lo0, hi0 = _h2(_e4m3x2_bits((b0 << 8) | (b0 << 24)))
-    lo1, hi1 = _h2(_e4m3x2_bits((b1 << 8) | (b1 << 24)))
-    assert torch.equal(lo0, hi0) and torch.equal(lo1, hi1)
-    return _exact_f16_mul(lo0, 32768.0), _exact_f16_mul(lo1, 32768.0)
+    lo, hi = _h2(_e4m3x2_bits((b0 << 8) | (b1 << 24)))
+    return _exact_f16_mul(lo, 32768.0), _exact_f16_mul(hi, 32768.0)
 
 
 def _fp8_pair_sm80(w, sel):
@@ -181,19 +186,18 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
     nv = isinstance(packed, prepack.PackedNVFP4)
     words = _words(packed.codes.view(tiles, kblocks, 32, -1))           # [tiles, kb, lane, W]
     if nv:
-        sc = packed.scales.view(tiles, kblocks, 32, 2).to(torch.int64)
-        sp = sc[..., 0] | (sc[..., 1] << 8)                              # [tiles, kb, lane]
+        sc = packed.scales.view(tiles, kblocks, 8, 4, 2).to(torch.int64)   # [.., g, step, (row g, g+8)]
+        sp = sc[..., 0] | (sc[..., 1] << 8)                              # [tiles, kb, g, step]
     A = torch.zeros((tiles, kblocks, 4, 16, 16), dtype=torch.float64)
     B = torch.zeros((kblocks, 4, 16, 8), dtype=torch.float64)
     e4 = formats.e4m3_table(torch.float64)
     for lane in range(32):
         gq, t = lane >> 2, lane & 3
-        if nv:
-            sg, sg8 = (_scales_sm80 if sm80_paths else _scales_sm89)(sp[:, :, lane])
-            if sm80_paths:
-                assert torch.equal(torch.stack(_scales_sm89(sp[:, :, lane])), torch.stack((sg, sg8)))
         for s in range(4):
             if nv:
+                sg, sg8 = (_scales_sm80 if sm80_paths else _scales_sm89)(sp[:, :, gq, s])
+                if sm80_paths:
+                    assert torch.equal(torch.stack(_scales_sm89(sp[:, :, gq, s])), torch.stack((sg, sg8)))
                 v = words[:, :, lane, s]
                 regs = []
                 for h, scale in zip(_e2m1x2_quad(v), (sg, sg8, sg, sg8)):
@@ -211,8 +215,9 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
             for (row, col), (lo, hi) in zip(((gq, 2 * t), (gq + 8, 2 * t), (gq, 2 * t + 8), (gq + 8, 2 * t + 8)), regs):
                 A[:, :, s, row, col] = lo
                 A[:, :, s, row, col + 1] = hi
-            # B: reg0 (k 2t, 2t+1; token g), reg1 (k 2t+8, 2t+9); the lane's activation words 2s, 2s+1
-            base = torch.arange(kblocks) * 64 + 16 * t + 4 * s
+            # B: reg0 (k 2t, 2t+1; token g), reg1 (k 2t+8, 2t+9); the lane's activation words 2s, 2s+1:
+            # inputs 16s + 4t .. +3 (NVFP4, Frag16NVFP4::load_x) or 16t + 4s .. +3 (FP8)
+            base = torch.arange(kblocks) * 64 + ((16 * s + 4 * t) if nv else (16 * t + 4 * s))
             B[:, s, 2 * t, gq] = xp[gq, base]
             B[:, s, 2 * t + 1, gq] = xp[gq, base + 1]
             B[:, s, 2 * t + 8, gq] = xp[gq, base + 2]

@@ -18,9 +18,9 @@ struct AtomM16N8K16 {
   static constexpr int SCALE_BLOCK_BYTES = 64;
   static constexpr int X_WORDS = 8;    // f16x2 activation registers per lane per k-block (32 bytes)
 
-  // Token whose activations the lane supplies (B column) and the first of its 16 inputs in a k-block.
+  // Token whose activations the lane supplies (B column). Which inputs it supplies in each step is
+  // the fragment's layout (Frag16*::x_offset / load_x).
   QPN_DEV static int b_token(int lane) { return lane >> 2; }
-  QPN_DEV static int x_offset(int lane) { return 16 * (lane & 3); }
   // Accumulator i of the lane: weight row within the tile and token within the token tile.
   QPN_DEV static int acc_row(int lane, int i) { return (lane >> 2) + 8 * (i >> 1); }
   QPN_DEV static int acc_token(int lane, int i) { return 2 * (lane & 3) + (i & 1); }
@@ -55,30 +55,71 @@ QPN_DEV u32 cvt_e4m3x2_hi(u32 w) {
   return d;
 }
 
-// NVFP4 in m16n8k16 order, the fast form. A lane's two group scales (rows g and g+8, byte 0 and
-// byte 1 of its 16-bit scale word) become f16x2 (s * 2^7, s * 2^7); each operand register is
-// e2m1x2_bits (value * 2^-14) times that: e2m1 * e4m3 * 2^-7, in ONE exact FP16 multiply per
-// register. Exact because e2m1 has at most 2 significant bits and e4m3 at most 4, every product
-// is a multiple of 2^-10 * 2^-7 = 2^-17 (FP16 represents multiples of 2^-24) and at most
-// 2688 * 2^-7 = 21, and s * 2^7 <= 448 * 128 = 57344 fits FP16. Products under 2^-14 are FP16
-// subnormals, which the tensor cores take as they are (tests: all-subnormal-products case).
+// 8-byte read-only load and store (the NVFP4 layout's activation quads, the reconstruct pass).
+QPN_DEV void ldg64(const void* p, u32& a, u32& b) {
+  asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+}
+QPN_DEV void stg64(void* p, u32 a, u32 b) {
+  asm volatile("st.global.v2.u32 [%0], {%1,%2};" :: "l"(p), "r"(a), "r"(b) : "memory");
+}
+// f16x2 with both halves = the low (resp. high) half of v. ptxas folds this into the consuming
+// HMUL2 as an operand selector (.H0_H0 / .H1_H1): no extra instruction.
+QPN_DEV u32 dup_lo(u32 v) {
+  u32 d;
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {l, l}; }" : "=r"(d) : "r"(v));
+  return d;
+}
+QPN_DEV u32 dup_hi(u32 v) {
+  u32 d;
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {h, h}; }" : "=r"(d) : "r"(v));
+  return d;
+}
+
+// NVFP4 layout on m16n8k16: MMA step s of a k-block is NVFP4 group s (inputs 16s .. 16s+15) of the
+// tile's 16 rows; lane (g, t) supplies inputs 16s + 4t .. 16s + 4t + 3 of rows g and g+8 (atoms.py).
+// Why one group per MMA: the tensor core adds its 16 products (and the running sum) with limited
+// alignment precision, so a product far below the largest one in the same instruction is rounded
+// off. With one group per MMA, large products that cancel (the FP16-overflow trap: +-1e5 terms in
+// one group) share their instruction only with products of the same group, which carry the same
+// scale, and the running sum after the group is already cancelled; small products of other
+// groups are never added next to them (the cuBLAS exposure, not worse).
+// Scales: a lane reads 8 bytes per (tile, k-block): (row g, group s), (row g+8, group s) for s =
+// 0..3, so word 0 holds steps 0 (low half) and 1, word 1 steps 2 and 3, each as one e4m3 pair.
+//
+// The fast form: f16x2 (s_g, s_g8) * 2^7 per step, one conversion + one multiply; each operand
+// register is e2m1x2_bits (value * 2^-14) times the row's scale: e2m1 * e4m3 * 2^-7, in ONE exact
+// FP16 multiply per register. Exact because e2m1 has at most 2 significant bits and e4m3 at most
+// 4, every product is a multiple of 2^-10 * 2^-7 = 2^-17 (FP16 represents multiples of 2^-24) and
+// at most 2688 * 2^-7 = 21, and s * 2^7 <= 448 * 128 = 57344 fits FP16. Products under 2^-14 are
+// FP16 subnormals, which the tensor cores take as they are (tests: all-subnormal-products case).
 // The 2^7 comes back in the FP32 epilogue (OUT_MULT), folded into the global scale.
 struct Frag16NVFP4 {
   static constexpr bool GROUPED = true;
   static constexpr int WORDS = 4;            // 16 bytes of codes per lane per (tile, k-block)
   static constexpr float OUT_MULT = 128.0f;
-  QPN_DEV static void scales(u32 sp, u32& sg, u32& sg8) {
+  // Activations: lane (g, t) reads token g's inputs 16s + 4t .. +3 for step s (4 x 8 bytes).
+  QPN_DEV static int x_offset(int lane) { return 4 * (lane & 3); }
+  QPN_DEV static void load_x(const u16* p, u32 (&xr)[8]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) ldg64(p + 16 * s, xr[2 * s], xr[2 * s + 1]);
+  }
+  // Scales: 8 bytes per lane per (tile, k-block), at byte 8g (the lanes of one g read the same).
+  QPN_DEV static int scale_offset(int lane) { return 8 * (lane >> 2); }
+  QPN_DEV static void load_scales(const u8* p, u32 (&sc)[2]) { ldg64(p, sc[0], sc[1]); }
+  // (s_g, s_g8) * 2^7 of step s.
+  QPN_DEV static u32 step_scales(const u32 (&sc)[2], int s) {
+    const u32 w = sc[s >> 1];
 #if __CUDA_ARCH__ >= 890
-    sg = hmul2(cvt_e4m3x2_lo(prmt(sp, 0u, 0x0000u)), 0x58005800u);   // * 2^7
-    sg8 = hmul2(cvt_e4m3x2_lo(prmt(sp, 0u, 0x1111u)), 0x58005800u);
+    return hmul2((s & 1) ? cvt_e4m3x2_hi(w) : cvt_e4m3x2_lo(w), 0x58005800u);   // * 2^7
 #else
-    sg = hmul2(e4m3x2_bits(prmt(sp, 0u, 0x0404u)), 0x78007800u);     // (s * 2^-8) * 2^15
-    sg8 = hmul2(e4m3x2_bits(prmt(sp, 0u, 0x1414u)), 0x78007800u);
+    return hmul2(e4m3x2_bits(prmt(w, 0u, (s & 1) ? 0x3424u : 0x1404u)), 0x78007800u);  // (s*2^-8)*2^15
 #endif
   }
   // Step s: word s of the lane's k-block; half2 r comes from nibbles 3-r and 7-r (w << 4r).
-  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, u32 sg, u32 sg8,
+  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, const u32 (&sc)[2],
                            u32& a0, u32& a1, u32& a2, u32& a3) {
+    const u32 p = step_scales(sc, s);
+    const u32 sg = dup_lo(p), sg8 = dup_hi(p);
     u32 h0, h1, h2, h3;
     e2m1x2_quad(w[s], h0, h1, h2, h3);
     a0 = hmul2(h0, sg);
@@ -90,29 +131,27 @@ struct Frag16NVFP4 {
 
 // NVFP4, the exact-normal form: value restored first (* 2^14), then times the exact scale, so
 // every operand is the normal FP16 number e2m1 * e4m3. One more FP16 multiply per register than
-// Frag16NVFP4. Used by the reconstruct pass and as a measured variant.
-struct Frag16NVFP4Exact {
-  static constexpr bool GROUPED = true;
-  static constexpr int WORDS = 4;
+// Frag16NVFP4. Same layout. Used by the reconstruct pass and as a measured variant.
+struct Frag16NVFP4Exact : Frag16NVFP4 {
   static constexpr float OUT_MULT = 1.0f;
-  QPN_DEV static void scales(u32 sp, u32& sg, u32& sg8) {
-#if __CUDA_ARCH__ >= 890
-    sg = cvt_e4m3x2_lo(prmt(sp, 0u, 0x0000u));
-    sg8 = cvt_e4m3x2_lo(prmt(sp, 0u, 0x1111u));
-#else
-    sg = hmul2(e4m3x2_bits(prmt(sp, 0u, 0x0404u)), 0x5C005C00u);
-    sg8 = hmul2(e4m3x2_bits(prmt(sp, 0u, 0x1414u)), 0x5C005C00u);
-#endif
-  }
-  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, u32 sg, u32 sg8,
+  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, const u32 (&sc)[2],
                            u32& a0, u32& a1, u32& a2, u32& a3) {
-    const u32 v = w[s];
+    const u32 ws = sc[s >> 1];
+    const u32 p = (s & 1) ? cvt_e4m3x2_hi(ws) : cvt_e4m3x2_lo(ws);   // exact (s_g, s_g8)
+    const u32 sg = dup_lo(p), sg8 = dup_hi(p);
     u32 h0, h1, h2, h3;
-    e2m1x2_quad(v, h0, h1, h2, h3);
+    e2m1x2_quad(w[s], h0, h1, h2, h3);
     a0 = hmul2(hmul2(h0, 0x74007400u), sg);
     a1 = hmul2(hmul2(h1, 0x74007400u), sg8);
     a2 = hmul2(hmul2(h2, 0x74007400u), sg);
     a3 = hmul2(hmul2(h3, 0x74007400u), sg8);
+  }
+  // Reconstruct: the registers of step s are (row g: a0 a2) and (row g+8: a1 a3) at inputs
+  // 16s + 4t .. +3 of the k-block.
+  QPN_DEV static void store_ws(u16* row_g, size_t ldw, int lane, int s, u32 a0, u32 a1, u32 a2, u32 a3) {
+    u16* p = row_g + 16 * s + x_offset(lane);
+    stg64(p, a0, a2);
+    stg64(p + 8 * ldw, a1, a3);
   }
 };
 
@@ -122,11 +161,26 @@ struct Frag16FP8 {
   static constexpr bool GROUPED = false;
   static constexpr int WORDS = 8;            // 32 bytes of codes per lane per (tile, k-block)
   static constexpr float OUT_MULT = 1.0f;
-  QPN_DEV static void scales(u32, u32& sg, u32& sg8) { sg = sg8 = 0u; }
-  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, u32, u32, u32& a0, u32& a1, u32& a2, u32& a3) {
+  // Activations: lane (g, t) reads token g's inputs 16t .. 16t+15 (32 contiguous bytes): step s
+  // takes words 2s, 2s+1 (inputs 16t + 4s .. +3). FP8 has no group scale, so no need to keep an
+  // MMA within 16 consecutive inputs.
+  QPN_DEV static int x_offset(int lane) { return 16 * (lane & 3); }
+  QPN_DEV static void load_x(const u16* p, u32 (&xr)[8]) {
+    ldg128(p, xr[0], xr[1], xr[2], xr[3]);
+    ldg128(p + 8, xr[4], xr[5], xr[6], xr[7]);
+  }
+  QPN_DEV static int scale_offset(int) { return 0; }
+  QPN_DEV static void load_scales(const u8*, u32 (&sc)[2]) { sc[0] = sc[1] = 0u; }
+  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, const u32 (&)[2], u32& a0, u32& a1, u32& a2, u32& a3) {
     a0 = cvt_e4m3x2_lo(w[2 * s]);
     a1 = cvt_e4m3x2_hi(w[2 * s]);
     a2 = cvt_e4m3x2_lo(w[2 * s + 1]);
     a3 = cvt_e4m3x2_hi(w[2 * s + 1]);
+  }
+  // Reconstruct: step s covers inputs 16t + 4s .. +3 (a0 a2 on row g, a1 a3 on row g+8).
+  QPN_DEV static void store_ws(u16* row_g, size_t ldw, int lane, int s, u32 a0, u32 a1, u32 a2, u32 a3) {
+    u16* p = row_g + 4 * s + x_offset(lane);
+    stg64(p, a0, a2);
+    stg64(p + 8 * ldw, a1, a3);
   }
 };

@@ -48,28 +48,37 @@ template <class F, int MT, int T, int D, int PF, int VAR>
 struct Qpn80 {
   using A = AtomM16N8K16;
   static constexpr int DX = D >= 2 ? 2 : 1;
+  // Depth of the NVFP4 scale ring (8 bytes per lane per tile and k-block). The sm_80 path decodes
+  // scales with more integer temporaries than sm_89+'s cvt, so there the scales run 2 k-blocks
+  // ahead instead of D (keeps every configuration within 128 registers without spills).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  static constexpr int DS = (D % 2 == 0) ? 2 : D;
+#else
+  static constexpr int DS = D;
+#endif
   static constexpr int LANE_BYTES = F::WORDS * 4;
   static constexpr int BLOCK_BYTES = LANE_BYTES * 32;
   static constexpr int PER_LANE = T * MT * 4;
 
-  QPN_DEV static void load_w(const u8* const (&cp)[T], const u8* const (&sp)[T], int kb,
-                             u32 (&w)[T][F::WORDS], u32 (&sc)[T]) {
+  QPN_DEV static void load_w(const u8* const (&cp)[T], int kb, u32 (&w)[T][F::WORDS]) {
 #pragma unroll
     for (int j = 0; j < T; ++j) {
 #pragma unroll
       for (int q = 0; q < F::WORDS; q += 4)
         ldg128_stream(cp[j] + (size_t)kb * BLOCK_BYTES + 4 * q, w[j][q], w[j][q + 1], w[j][q + 2], w[j][q + 3]);
-      if constexpr (F::GROUPED) sc[j] = ldg16(sp[j] + (size_t)kb * A::SCALE_BLOCK_BYTES);
     }
+  }
+  QPN_DEV static void load_sc(const u8* const (&sp)[T], int kb, u32 (&sc)[T][2]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j)
+      if constexpr (F::GROUPED) F::load_scales(sp[j] + (size_t)kb * A::SCALE_BLOCK_BYTES, sc[j]);
   }
 
   QPN_DEV static void load_x(const u16* const (&xp)[MT], const bool (&xv)[MT], int kb, u32 (&xr)[MT][8]) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
       if (xv[t]) {
-        const u16* p = xp[t] + (size_t)kb * A::K_BLOCK;
-        ldg128(p, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
-        ldg128(p + 8, xr[t][4], xr[t][5], xr[t][6], xr[t][7]);
+        F::load_x(xp[t] + (size_t)kb * A::K_BLOCK, xr[t]);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) xr[t][i] = 0u;
@@ -77,20 +86,18 @@ struct Qpn80 {
     }
   }
 
-  QPN_DEV static void compute(const u32 (&w)[T][F::WORDS], const u32 (&sc)[T], const u32 (&xr)[MT][8],
+  QPN_DEV static void compute(const u32 (&w)[T][F::WORDS], const u32 (&sc)[T][2], const u32 (&xr)[MT][8],
                               float (&acc)[T][MT][4], u32& sink) {
 #pragma unroll
     for (int j = 0; j < T; ++j) {
       if constexpr (VAR == 3) {
 #pragma unroll
         for (int q = 0; q < F::WORDS; ++q) sink ^= w[j][q];
-        if constexpr (F::GROUPED) sink ^= sc[j];
+        if constexpr (F::GROUPED) sink ^= sc[j][0] ^ sc[j][1];
 #pragma unroll
         for (int t = 0; t < MT; ++t) sink ^= xr[t][0] ^ xr[t][7];
         continue;
       }
-      u32 sg = 0u, sg8 = 0u;
-      if constexpr (VAR != 1) F::scales(sc[j], sg, sg8);
 #pragma unroll
       for (int s = 0; s < A::STEPS; ++s) {
         u32 a0, a1, a2, a3;
@@ -100,7 +107,7 @@ struct Qpn80 {
           a2 = w[j][(s + 2) % F::WORDS] & 0x3BFF3BFFu;
           a3 = w[j][(s + 3) % F::WORDS] & 0x3BFF3BFFu;
         } else {
-          F::frag(w[j], s, sg, sg8, a0, a1, a2, a3);
+          F::frag(w[j], s, sc[j], a0, a1, a2, a3);
         }
         if constexpr (VAR == 2) {
           sink ^= a0 ^ a1 ^ a2 ^ a3;
@@ -123,15 +130,18 @@ struct Qpn80 {
       // A group may run past the last tile: re-read the last tile (its sums are never stored).
       const int tile = min(grp * T + j, n_tiles - 1);
       cp[j] = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
-      sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + 2 * lane;
+      sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + F::scale_offset(lane);
     }
     u32 w[D][T][F::WORDS];
-    u32 sc[D][T];
+    u32 sc[DS][T][2];
     u32 xr[DX][MT][8];
     u32 sink = 0u;
 #pragma unroll
     for (int d = 0; d < D; ++d)
-      if (kb0 + d < kb1) load_w(cp, sp, kb0 + d, w[d], sc[d]);
+      if (kb0 + d < kb1) load_w(cp, kb0 + d, w[d]);
+#pragma unroll
+    for (int d = 0; d < DS; ++d)
+      if (kb0 + d < kb1) load_sc(sp, kb0 + d, sc[d]);
 #pragma unroll
     for (int d = 0; d < DX; ++d)
       if (kb0 + d < kb1) load_x(xp, xv, kb0 + d, xr[d]);
@@ -151,8 +161,9 @@ struct Qpn80 {
               for (int j = 0; j < T; ++j) prefetch_l2(cp[j] + (size_t)(k + D + PF) * BLOCK_BYTES);
             }
           }
-          compute(w[d], sc[d], xr[d % DX], acc, sink);
-          if (k + D < kb1) load_w(cp, sp, k + D, w[d], sc[d]);
+          compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
+          if (k + D < kb1) load_w(cp, k + D, w[d]);
+          if (k + DS < kb1) load_sc(sp, k + DS, sc[d % DS]);
           if (k + DX < kb1) load_x(xp, xv, k + DX, xr[d % DX]);
         }
       }
@@ -210,7 +221,7 @@ struct Qpn80 {
     for (int t = 0; t < MT; ++t) {
       const int tok = m0 + t * A::TOKENS + A::b_token(lane);
       xv[t] = tok < a.m;
-      xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + A::x_offset(lane);
+      xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
     }
     const int first_grp = lo / a.kblocks;
     for (int item = lo; item < hi;) {
@@ -286,7 +297,8 @@ struct Qpn80 {
 
 // Reconstruct pass for the *_reconstruct route: packed codes -> FP16 workspace ws[N_pad, K_pad]
 // (row-major) holding the exact FP16 values e2m1 x e4m3 (NVFP4) or e4m3 (FP8). One thread per
-// (tile, k-block, lane): 16 consecutive inputs of rows g and g+8, four 16-byte stores.
+// (tile, k-block, lane): the lane's 16 inputs of rows g and g+8 (where they lie is the fragment's
+// layout, Frag16*::store_ws), eight 8-byte stores.
 template <class F>
 __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8* scales, u16* ws,
                                                        int n_tiles, int kblocks) {
@@ -301,26 +313,17 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
   const u8* p = codes + ((size_t)tile * kblocks + kb) * (LANE_BYTES * 32) + lane * LANE_BYTES;
 #pragma unroll
   for (int q = 0; q < F::WORDS; q += 4) ldg128(p + 4 * q, w[q], w[q + 1], w[q + 2], w[q + 3]);
-  u32 sg = 0u, sg8 = 0u;
+  u32 sc[2] = {0u, 0u};
   if constexpr (F::GROUPED)
-    F::scales(ldg16(scales + ((size_t)tile * kblocks + kb) * A::SCALE_BLOCK_BYTES + 2 * lane), sg, sg8);
-  u32 hg[8], hg8[8];
+    F::load_scales(scales + ((size_t)tile * kblocks + kb) * A::SCALE_BLOCK_BYTES + F::scale_offset(lane), sc);
+  const size_t ldw = (size_t)kblocks * A::K_BLOCK;
+  u16* row_g = ws + ((size_t)tile * A::TILE_N + (lane >> 2)) * ldw + (size_t)kb * A::K_BLOCK;
 #pragma unroll
   for (int s = 0; s < A::STEPS; ++s) {
     u32 a0, a1, a2, a3;
-    F::frag(w, s, sg, sg8, a0, a1, a2, a3);
-    hg[2 * s] = a0;
-    hg[2 * s + 1] = a2;
-    hg8[2 * s] = a1;
-    hg8[2 * s + 1] = a3;
+    F::frag(w, s, sc, a0, a1, a2, a3);
+    F::store_ws(row_g, ldw, lane, s, a0, a1, a2, a3);
   }
-  const size_t ldw = (size_t)kblocks * A::K_BLOCK;
-  u16* out = ws + ((size_t)tile * A::TILE_N + (lane >> 2)) * ldw + (size_t)kb * A::K_BLOCK + A::x_offset(lane);
-  stg128(out, hg[0], hg[1], hg[2], hg[3]);
-  stg128(out + 8, hg[4], hg[5], hg[6], hg[7]);
-  out += 8 * ldw;
-  stg128(out, hg8[0], hg8[1], hg8[2], hg8[3]);
-  stg128(out + 8, hg8[4], hg8[5], hg8[6], hg8[7]);
 }
 
 #define QPN80_ENTRY(NAME, F, MT, T, D, PF, VAR)                                             \

@@ -38,33 +38,29 @@ __device__ __forceinline__ void qpn_moe80_gemm_body(const MoeGemmArgs& a) {
     const int col = A::b_token(lane);
     const bool xvalid = col < count;
     const int pair = xvalid ? a.sorted_pairs[start + col] : 0;
-    const u16* xrow = a.x + (size_t)(pair / a.x_row_div) * a.ldx + A::x_offset(lane);
+    const u16* xrow = a.x + (size_t)(pair / a.x_row_div) * a.ldx + F::x_offset(lane);
     const u8* cptr = a.codes[which] + (size_t)expert * a.code_stride + (size_t)tile * a.kblocks * BLOCK_BYTES +
                      lane * LANE_BYTES;
     const u8* sptr = a.scales[which] + (size_t)expert * a.scale_stride +
-                     (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + 2 * lane;
+                     (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + F::scale_offset(lane);
     for (int kb = ks; kb < a.kblocks; kb += a.ksplit) {
       u32 w[F::WORDS];
 #pragma unroll
       for (int q = 0; q < F::WORDS; q += 4)
         ldg128(cptr + (size_t)kb * BLOCK_BYTES + 4 * q, w[q], w[q + 1], w[q + 2], w[q + 3]);
-      u32 sc = 0u;
-      if constexpr (F::GROUPED) sc = ldg16(sptr + (size_t)kb * A::SCALE_BLOCK_BYTES);
+      u32 sc[2] = {0u, 0u};
+      if constexpr (F::GROUPED) F::load_scales(sptr + (size_t)kb * A::SCALE_BLOCK_BYTES, sc);
       u32 xr[8];
       if (xvalid) {
-        const u16* p = xrow + (size_t)kb * A::K_BLOCK;
-        ldg128(p, xr[0], xr[1], xr[2], xr[3]);
-        ldg128(p + 8, xr[4], xr[5], xr[6], xr[7]);
+        F::load_x(xrow + (size_t)kb * A::K_BLOCK, xr);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) xr[i] = 0u;
       }
-      u32 sg = 0u, sg8 = 0u;
-      F::scales(sc, sg, sg8);
 #pragma unroll
       for (int s = 0; s < A::STEPS; ++s) {
         u32 a0, a1, a2, a3;
-        F::frag(w, s, sg, sg8, a0, a1, a2, a3);
+        F::frag(w, s, sc, a0, a1, a2, a3);
         A::mma(acc, a0, a1, a2, a3, xr[2 * s], xr[2 * s + 1]);
       }
     }
