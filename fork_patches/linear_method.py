@@ -15,9 +15,11 @@ Life of one quantized module (vLLM's LinearMethodBase contract):
    get a per-output-channel scale vector (each shard's scalar repeated over its rows; the codes
    are untouched, nothing is requantized); NVFP4 shards with different global scales are packed
    as separate pieces (one call each, outputs concatenated).
-3. ``apply``: M = rows in the batch; route = qpn.kernels.routes.route_for(fmt, M, N, K);
-   qpn.kernels.ops.qpn_linear(x, packed, route); every call counted in the route census
-   (calls made while capturing a CUDA graph counted separately).
+3. ``apply``: one custom op (``qpn_loader::linear``, opaque to torch.compile) whose body takes
+   M = rows in the batch, route = qpn.kernels.routes.route_for(fmt, M, N, K), runs
+   qpn.kernels.ops.qpn_linear(x, packed, route) and counts the call in the route census (calls
+   made while capturing a CUDA graph counted separately; a graph replay runs no Python, so
+   replays are not counted).
 
 The same method serves ``lm_head`` (vLLM's LogitsProcessor calls ``lm_head.quant_method.apply``),
 so the head runs from the checkpoint's own NVFP4 codes.
@@ -71,6 +73,7 @@ class _QPNLinearMethod(LinearMethodBase):
         self.loaded: dict[str, set[int]] = {}
         self.pieces: list[tuple[int, int, object]] = []  # (row0, row1, packed)
         self.census_name: str | None = None
+        self.op_id: int | None = None
         self._ops = None
 
     # ------------------------------------------------------------------------- descriptions
@@ -201,6 +204,7 @@ class _QPNLinearMethod(LinearMethodBase):
                 delattr(layer, name)
         self.census_name = CENSUS.register_module(layer, self.prefix, self.fmt, self.n, self.k,
                                                   eligible=True, prepack_verified=True)
+        self.op_id = _register_method(self)
         if isinstance(layer, VocabParallelEmbedding):
             CENSUS.set_lm_head(module=self.census_name, region=self.fmt, source="checkpoint_codes",
                                route_family=ROUTE_FAMILY[self.fmt], repack_fallback=False)
@@ -210,30 +214,51 @@ class _QPNLinearMethod(LinearMethodBase):
 
     # ------------------------------------------------------------------------------ apply
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # One opaque custom op per call: torch.compile traces through it without looking inside,
+        # so the route choice (from the real M) and the census count run at every call, eager or
+        # during CUDA-graph capture, exactly as in eager mode.
+        lead = x.shape[:-1]
+        y = torch.ops.qpn_loader.linear(x.reshape(-1, x.shape[-1]), self.op_id)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, self.n)
+
+    def run(self, x2: torch.Tensor) -> torch.Tensor:
+        """The body of the custom op: route by M, compute, count."""
         from qpn.kernels.routes import route_for
 
         if self._ops is None:
             from qpn.kernels import ops
 
             self._ops = ops
-        k = x.shape[-1]
-        m = x.numel() // k if k else 0
-        lead = x.shape[:-1]
+        m = x2.shape[0]
         if m == 0:
-            out = x.new_empty((*lead, self.n))
-            return out if bias is None else out + bias
+            return x2.new_empty((0, self.n))
         route = route_for(self.fmt, m, self.n, self.k, arch=self.arch)
-        x2 = x.reshape(m, k)
         if len(self.pieces) == 1:
             y = self._ops.qpn_linear(x2, self.pieces[0][2], route=route)
         else:
             y = torch.cat([self._ops.qpn_linear(x2, p, route=route) for _, _, p in self.pieces], dim=-1)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        if bias is not None:
-            y = y + bias
         CENSUS.count(self.census_name, route, graph=_capturing_cuda_graph())
-        return y.reshape(*lead, self.n)
+        return y if y.dtype == x2.dtype else y.to(x2.dtype)
+
+
+_METHODS: list[_QPNLinearMethod] = []
+
+
+def _register_method(method: _QPNLinearMethod) -> int:
+    _METHODS.append(method)
+    return len(_METHODS) - 1
+
+
+@torch.library.custom_op("qpn_loader::linear", mutates_args=())
+def _qpn_loader_linear(x: torch.Tensor, op_id: int) -> torch.Tensor:
+    return _METHODS[op_id].run(x)
+
+
+@_qpn_loader_linear.register_fake
+def _(x: torch.Tensor, op_id: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _METHODS[op_id].n))
 
 
 @register_weight_loader_v2_supported_method

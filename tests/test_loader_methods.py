@@ -224,3 +224,22 @@ def test_malformed_checkpoint_fails_naming_module_and_problem(engine_context, ch
     print(f"{kind}: {msg}")
     assert bad.module in msg, msg
     assert bad.problem.lower() in msg.lower(), msg
+
+
+def test_apply_traces_under_torch_compile_and_still_routes_by_real_m(engine_context, checkpoint):
+    """vLLM compiles the model unless --enforce-eager: the method must trace (fullgraph) and the
+    route choice and census count must still see each call's real M."""
+    from qpn.fork_patches.census import CENSUS
+
+    ckpt = checkpoint()
+    layer, plan = _build_and_load(ckpt, "model.layers.0.linear_attn.out_proj")
+    method = layer.quant_method
+    routes = CENSUS.modules[method.census_name]["routes"]
+    compiled = torch.compile(lambda x: method.apply(layer, x), fullgraph=True, dynamic=True, backend="eager")
+    w_ref = _reference_weight(_tensors(ckpt), plan)
+    for m, route in ((3, "qpn8"), (20, "qpn8_chunked"), (5, "qpn8")):
+        before = routes.get(route, {"eager": 0})["eager"]
+        x = torch.randn(m, method.k, dtype=torch.bfloat16)
+        y = compiled(x)
+        torch.testing.assert_close(y.float(), (x.float() @ w_ref.T), rtol=2e-2, atol=2e-2)
+        assert routes[route]["eager"] == before + 1, route
