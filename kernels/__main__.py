@@ -22,11 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         path = ops.build(args.arch)
+        from . import moe  # the grouped MoE kernels, one module per atom the architecture runs
+
+        moe_paths = [moe.build(args.arch, atom=a) for a in jit.atoms_for_arch(args.arch)]
     except (nvrtc.NvrtcUnavailable, jit.QpnBuildError, ValueError) as exc:
         print(f"[kernels] ERROR: {exc}", file=sys.stderr)
         return 2
     print(f"[kernels] built and checked QPN kernels for {args.arch} in "
           f"{time.monotonic() - t0:.1f} s: {path}")
+    print(f"[kernels] built and checked QPN MoE kernels for {args.arch}: {', '.join(moe_paths)}")
     return 0
 
 
