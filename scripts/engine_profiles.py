@@ -37,6 +37,7 @@ class EngineProfile:
     checks_gpus: bool  # refuse to boot over GPUs that hold processes
     default_max_model_len: int | None
     default_gpu_memory_utilization: float | None
+    default_tensor_parallel: int | None  # None: not passed (the engine's single-device default)
     gates: dict[str, GateExpectation] = field(default_factory=dict)
 
 
@@ -72,6 +73,7 @@ CPU = EngineProfile(
     checks_gpus=False,
     default_max_model_len=4096,
     default_gpu_memory_utilization=None,
+    default_tensor_parallel=None,
     gates={
         GATE_WARM: _ALWAYS,
         GATE_DEPTH: _ALWAYS,
@@ -109,6 +111,8 @@ SM70 = EngineProfile(
     checks_gpus=True,
     default_max_model_len=32768,
     default_gpu_memory_utilization=0.88,
+    # Four V100-SXM2-16GB hold the 27B checkpoint (seed 000's configuration).
+    default_tensor_parallel=4,
     gates={
         GATE_WARM: _ALWAYS,
         GATE_DEPTH: _ALWAYS,

@@ -4,7 +4,7 @@ boot gates pass.  Entry point of ``scripts/serve-qwen38-native.sh``.
     python -m qpn.scripts.serve CKPT [extra vLLM arguments...]
 
 Settings come from the environment (see docs/serving.md): K (speculative depth, default 7,
-0 = off), MML, MNS (default 1), GMU, PORT (8000), HOST (127.0.0.1), CAPTURE (capture sizes;
+0 = off), MML, MNS (default 1), GMU, TP, PORT (8000), HOST (127.0.0.1), CAPTURE (capture sizes;
 default derived from MNS and K, ``none`` = engine default), ENV_PREFIX / QPN_ENGINE_PYTHON
 (the engine), ENGINE (cpu|sm70, default read from the engine), VLLM_API_KEY, THINKING
 (default true), TOOL_PARSER, SERVED_NAME, RUN_DIR, BOOT_TIMEOUT.
@@ -106,6 +106,7 @@ class Launch:
     mns: int
     mml: int | None
     gmu: float | None
+    tp: int | None
     host: str
     port: int
     capture: list[int] | None
@@ -196,6 +197,9 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
     except ValueError:
         raise Refusal(f"GMU={gmu_raw!r} is not a number (fraction of GPU memory, e.g. 0.88)"
                       ) from None
+    tp = _int_setting(environ, "TP", profile.default_tensor_parallel)
+    if tp is not None and tp < 1:
+        raise Refusal(f"TP={tp}: tensor parallelism needs at least one device")
     run_dir = environ.get("RUN_DIR") or tempfile.mkdtemp(prefix="qpn-serve-")
     if os.path.exists(os.path.join(run_dir, "census")):
         # an earlier run's census would be read as this server's
@@ -204,7 +208,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
     os.makedirs(run_dir, exist_ok=True)
     tool_parser = environ.get("TOOL_PARSER") or tool_parser_for(ckpt)
     return Launch(
-        ckpt=ckpt, extra_args=extra, k=k, mns=mns, mml=mml, gmu=gmu, host=host, port=port,
+        ckpt=ckpt, extra_args=extra, k=k, mns=mns, mml=mml, gmu=gmu, tp=tp, host=host, port=port,
         capture=capture, python=python, profile=profile, engine_version=version,
         served_name=environ.get("SERVED_NAME") or os.path.basename(ckpt.rstrip("/")),
         tool_parser=None if tool_parser == "none" else tool_parser,
@@ -224,6 +228,8 @@ def server_command(launch: Launch) -> list[str]:
         cmd += ["--max-model-len", str(launch.mml)]
     if launch.gmu is not None:
         cmd += ["--gpu-memory-utilization", str(launch.gmu)]
+    if launch.tp is not None:
+        cmd += ["--tensor-parallel-size", str(launch.tp)]
     if launch.k > 0:
         spec = {"method": "mtp", "num_speculative_tokens": launch.k, **p.speculative_extra}
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -414,7 +420,7 @@ def announce(launch: Launch) -> None:
         f"({launch.python})")
     log(f"checkpoint {launch.ckpt}")
     log(f"K={launch.k} ({'speculation off' if launch.k == 0 else 'native MTP, greedy drafting'})"
-        f", MNS={launch.mns}, MML={launch.mml or 'model default'}, "
+        f", MNS={launch.mns}, MML={launch.mml or 'model default'}, TP={launch.tp or 1}, "
         f"GMU={launch.gmu if launch.gmu is not None else 'n/a on this engine'}")
     if launch.capture is None:
         log("capture sizes: engine default (CAPTURE=none)")

@@ -324,3 +324,70 @@ def test_run_dir_with_an_earlier_census_refused(tmp_path):
     if "no vLLM engine we support" in proc.stderr:
         pytest.skip("the test python has no engine; the run-dir check runs after detection")
     _refused(proc, t, "already holds a census", "new RUN_DIR")
+
+
+# ---- the command and environment each engine profile produces --------------------------------
+
+def _launch(profile, **over):
+    from qpn.scripts.serve import Launch
+
+    fields = dict(ckpt="/ckpt", extra_args=["--max-num-batched-tokens", "4096"], k=7, mns=4,
+                  mml=profile.default_max_model_len, gmu=profile.default_gpu_memory_utilization,
+                  tp=profile.default_tensor_parallel, host="127.0.0.1", port=8000,
+                  capture=derive_capture_sizes(4, 7), python="/engine/bin/python",
+                  profile=profile, engine_version="x", served_name="m", tool_parser="hermes",
+                  thinking=True, api_key=None, run_dir="/run", boot_timeout=1.0,
+                  environ={"PATH": "/bin"})
+    fields.update(over)
+    return Launch(**fields)
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_sm70_command_carries_the_profile():
+    from qpn.scripts.serve import server_command, server_env
+
+    launch = _launch(SM70)
+    cmd = server_command(launch)
+    assert cmd[:3] == ["/engine/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(cmd, "--dtype") == "float16" and _flag(cmd, "--kv-cache-dtype") == "float16"
+    assert _flag(cmd, "--attention-backend") == "FLASH_ATTN_V100"
+    assert _flag(cmd, "--tensor-parallel-size") == "4"
+    assert json.loads(_flag(cmd, "--compilation-config")) == {
+        "cudagraph_capture_sizes": [8, 16, 24, 32]}
+    assert json.loads(_flag(cmd, "--speculative-config")) == {
+        "method": "mtp", "num_speculative_tokens": 7, "draft_sample_method": "greedy",
+        "use_local_argmax_reduction": True}
+    assert _flag(cmd, "--reasoning-parser") == "qwen3"
+    assert _flag(cmd, "--tool-call-parser") == "hermes" and "--enable-auto-tool-choice" in cmd
+    assert cmd[-2:] == ["--max-num-batched-tokens", "4096"]  # pass-through comes last
+    env = server_env(launch)
+    assert env["QPN_CENSUS_DIR"] == "/run/census"
+    assert env["VLLM_FLASH_V100_DECODE_PARTITION_SIZE"] == "256"
+    pinned = server_env(_launch(SM70, environ={"VLLM_FLASH_V100_DECODE_PARTITION_SIZE": "1024"}))
+    assert pinned["VLLM_FLASH_V100_DECODE_PARTITION_SIZE"] == "1024"  # the user's value wins
+
+
+def test_cpu_command_runs_eager_without_capture_and_k0_drops_speculation():
+    from qpn.scripts.serve import server_command, server_env
+
+    cmd = server_command(_launch(CPU))
+    assert "--enforce-eager" in cmd and "--no-enable-prefix-caching" in cmd
+    assert "--compilation-config" not in cmd and "--tensor-parallel-size" not in cmd
+    assert "--gpu-memory-utilization" not in cmd
+    assert server_env(_launch(CPU))["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    off = server_command(_launch(CPU, k=0, tool_parser=None, capture=None))
+    assert "--speculative-config" not in off and "--enable-auto-tool-choice" not in off
+
+
+def test_tool_parser_follows_the_chat_template(tmp_path):
+    from qpn.scripts.serve import tool_parser_for
+
+    (tmp_path / "chat_template.jinja").write_text('<tool_call>\n{"name": ...}\n</tool_call>')
+    assert tool_parser_for(str(tmp_path)) == "hermes"
+    (tmp_path / "chat_template.jinja").write_text("<tool_call>\n<function=NAME>\n</tool_call>")
+    assert tool_parser_for(str(tmp_path)) == "qwen3_xml"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert tool_parser_for(str(tmp_path)) is None
