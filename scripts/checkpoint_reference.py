@@ -175,6 +175,23 @@ def teacher_forced_logprobs(model, token_ids: list[int]) -> dict:
     }
 
 
+def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: list[str],
+                       kv_cache: str = "auto") -> dict[str, dict]:
+    """Several references in one process. A variant is 'float32', 'bfloat16' or a perturbation
+    name (computed in float32)."""
+    import contextlib
+
+    out = {}
+    for variant in variants:
+        perturb = variant if variant in PERTURBATIONS else "none"
+        dtype = variant if variant in ("float32", "bfloat16") else "float32"
+        model = load_reference_model(ckpt_dir, perturb).to(getattr(torch, dtype))
+        ctx = fp8_kv_emulation(model, ckpt_dir) if kv_cache == "fp8_e4m3" else contextlib.nullcontext()
+        with ctx:
+            out[variant] = teacher_forced_logprobs(model, token_ids)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoint_reference",
                                 description=__doc__.split("\n\n")[0])
@@ -185,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="bfloat16 measures the rounding floor of a bf16 engine")
     p.add_argument("--kv-cache", choices=("auto", "fp8_e4m3"), default="auto",
                    help="fp8_e4m3 rounds K and V through e4m3 as an FP8 KV cache does")
+    p.add_argument("--variants", help="comma-separated list of float32, bfloat16 and perturbation names; "
+                   "writes {variant: result} (overrides --perturb and --dtype)")
     p.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
     ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
@@ -192,14 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         print("checkpoint_reference: need at least two token ids", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    import contextlib
-
-    model = load_reference_model(args.ckpt_dir, args.perturb).to(getattr(torch, args.dtype))
-    ctx = fp8_kv_emulation(model, args.ckpt_dir) if args.kv_cache == "fp8_e4m3" else contextlib.nullcontext()
-    with ctx:
-        result = teacher_forced_logprobs(model, ids)
-    result.update(ckpt_dir=str(args.ckpt_dir), perturb=args.perturb, dtype=args.dtype,
-                  kv_cache=args.kv_cache, token_ids=ids)
+    if args.variants:
+        result = reference_variants(args.ckpt_dir, ids, [v for v in args.variants.split(",") if v],
+                                    args.kv_cache)
+    else:
+        variant = args.perturb if args.perturb != "none" else args.dtype
+        if args.perturb != "none" and args.dtype != "float32":
+            p.error("--perturb runs in float32; do not combine it with --dtype")
+        result = reference_variants(args.ckpt_dir, ids, [variant], args.kv_cache)[variant]
+        result.update(ckpt_dir=str(args.ckpt_dir), perturb=args.perturb, dtype=args.dtype,
+                      kv_cache=args.kv_cache, token_ids=ids)
     text = json.dumps(result)
     if args.out:
         Path(args.out).write_text(text)

@@ -150,13 +150,11 @@ def _make_checkpoint(out: Path, malformed: str | None = None) -> Path:
     return out
 
 
-def _reference(ckpt: Path, ids: list[int], tmp: Path, **opts) -> dict:
-    out = tmp / f"ref_{'_'.join(f'{k}-{v}' for k, v in sorted(opts.items())) or 'fp32'}.json"
-    args = ["-m", "qpn.scripts.checkpoint_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
-            "--out", str(out)]
-    for k, v in opts.items():
-        args += [f"--{k.replace('_', '-')}", v]
-    _run_engine_python(args)
+def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str], kv_cache: str) -> dict:
+    """Independent references in one engine-python process (one transformers import)."""
+    out = tmp / "references.json"
+    _run_engine_python(["-m", "qpn.scripts.checkpoint_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
+                        "--variants", ",".join(variants), "--kv-cache", kv_cache, "--out", str(out)])
     return json.loads(out.read_text())
 
 
@@ -209,9 +207,10 @@ def test_served_logprobs_agree_with_float32_reference(served):
     assert len(ids) >= 65, "need at least 64 teacher-forced positions"
     got, top1 = _served_prompt_logprobs(server, ids)
 
-    kv = {"kv_cache": "fp8_e4m3"} if _kv_resolved(served["census_dir"]).startswith("fp8") else {}
-    ref = _reference(ckpt, ids, tmp, **kv)
-    floor_ref = _reference(ckpt, ids, tmp, dtype="bfloat16", **kv)
+    kv = "fp8_e4m3" if _kv_resolved(served["census_dir"]).startswith("fp8") else "auto"
+    controls = ("swap-nibbles", "collapse-fp8-shards")
+    refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *controls], kv)
+    ref, floor_ref = refs["float32"], refs["bfloat16"]
 
     def deltas(a, b):
         d = [abs(x - y) for x, y in zip(a, b)]
@@ -229,8 +228,8 @@ def test_served_logprobs_agree_with_float32_reference(served):
     decisive = [i for i, m in enumerate(ref["top2_margin"]) if m > tol_max]
     assert len(decisive) >= 16
     assert all(top1[i] == ref["argmax"][i] for i in decisive), report
-    for perturb in ("swap-nibbles", "collapse-fp8-shards"):
-        bad_mean, bad_max = deltas(got, _reference(ckpt, ids, tmp, perturb=perturb, **kv)["token_logprobs"])
+    for perturb in controls:
+        bad_mean, bad_max = deltas(got, refs[perturb]["token_logprobs"])
         assert bad_mean > 5 * tol_mean and bad_max > tol_max, f"{perturb}: mean {bad_mean:.3f} max {bad_max:.3f}; {report}"
 
 
