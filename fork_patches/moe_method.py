@@ -215,6 +215,8 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
             if name in layer._parameters:
                 delattr(layer, name)
         self.packed = packed
+        _MOE_METHODS.append(self)
+        self.op_id = len(_MOE_METHODS) - 1
         self.census_names = [
             CENSUS.register_module(packed.gate, f"{self.prefix}.w13", self.fmt, 2 * self.inter, self.hidden,
                                    eligible=True, prepack_verified=True),
@@ -226,8 +228,6 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
     # ------------------------------------------------------------------------------ apply
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
-        from qpn.kernels import moe
-
         if self.packed is None:
             self._fail("apply() before process_weights_after_loading()")
         ids = topk_ids
@@ -236,12 +236,35 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
             ids = expert_map[ids.long()]  # global -> local id, -1 where the expert is not on this rank
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        # One opaque custom op: torch.compile (vLLM's default outside --enforce-eager) cannot
+        # trace the census lock, and inside the op the count sees each call's real batch.
+        y = _qpn_loader_moe(x2, ids, topk_weights, self.op_id)
+        return y.reshape(*lead, y.shape[-1])
+
+    def run(self, x2: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The body of the custom op: compute, count."""
+        from qpn.kernels import moe
+
         y = moe.qpn_moe(x2, ids, topk_weights, self.packed)
         route = moe.moe_route(self.packed)
         graph = _capturing_cuda_graph()
         for name in self.census_names:
             CENSUS.count(name, route, graph=graph)
-        return y.to(x.dtype).reshape(*lead, y.shape[-1])
+        return y if y.dtype == x2.dtype else y.to(x2.dtype)
+
+
+_MOE_METHODS: list[QPNModelOptMoEMethod] = []
+
+
+@torch.library.custom_op("qpn_loader::moe", mutates_args=())
+def _qpn_loader_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    op_id: int) -> torch.Tensor:
+    return _MOE_METHODS[op_id].run(x, topk_ids, topk_weights)
+
+
+@_qpn_loader_moe.register_fake
+def _(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, op_id: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _MOE_METHODS[op_id].hidden))
 
 
 # --------------------------------------------------------------------------------- the hook
