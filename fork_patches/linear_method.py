@@ -62,11 +62,12 @@ class _QPNLinearMethod(LinearMethodBase):
     fmt: str = ""
 
     def __init__(self, prefix: str, algo: str, backend: str, arch: str = "sm70",
-                 shard_names: list[str] | None = None) -> None:
+                 atom: str = "m8n8k4", shard_names: list[str] | None = None) -> None:
         self.prefix = prefix
         self.algo = algo
         self.backend = backend
         self.arch = arch
+        self.atom = atom  # the fragment order the weights are prepacked in
         self.shard_names = list(shard_names or [])
         self.partition_sizes: list[int] = []
         self.n = self.k = 0
@@ -310,7 +311,7 @@ class QPN2LinearMethod(_QPNLinearMethod):
             r0 = sum(self.partition_sizes[: run[0]])
             r1 = sum(self.partition_sizes[: run[-1] + 1])
             try:
-                packed = prepack.prepack_nvfp4(w[r0:r1], s[r0:r1], s2[run[0]].reshape(()))
+                packed = prepack.prepack_nvfp4(w[r0:r1], s[r0:r1], s2[run[0]].reshape(()), atom=self.atom)
                 prepack.verify_nvfp4_roundtrip(packed, w[r0:r1], s[r0:r1])
             except prepack.PrepackMismatch as e:
                 self._fail(f"prepack inverse is not byte-identical for rows {r0}-{r1 - 1}: {e}")
@@ -358,7 +359,7 @@ class QPN8LinearMethod(_QPNLinearMethod):
             scale = torch.repeat_interleave(
                 ws, torch.tensor(self.partition_sizes, device=ws.device)).contiguous()
         try:
-            packed = prepack.prepack_fp8(w, scale)
+            packed = prepack.prepack_fp8(w, scale, atom=self.atom)
             prepack.verify_fp8_roundtrip(packed, w, scale)
         except prepack.PrepackMismatch as e:
             self._fail(f"prepack inverse is not byte-identical: {e}")

@@ -109,7 +109,7 @@ def _declared_entries(config, prefix: str, shard_names: list[str]) -> list[tuple
     return out
 
 
-def qpn_method_for(config, layer, prefix: str, backend: str):
+def qpn_method_for(config, layer, prefix: str, target: dict):
     """The QPN method for a linear / lm_head layer, None if the layer is not quantized."""
     proj = prefix.rsplit(".", 1)[-1]
     shard_names = list((config.packed_modules_mapping or {}).get(proj, []))
@@ -134,22 +134,23 @@ def qpn_method_for(config, layer, prefix: str, backend: str):
         raise QPNCheckpointError(
             f"{prefix}: quant_algo {algo!r} is not served by the QPN path "
             f"(serves {', '.join(sorted(ALGO_FAMILY))})")
-    return ALGO_FAMILY[algo](prefix=prefix, algo=algo, backend=backend, shard_names=shard_names)
+    return ALGO_FAMILY[algo](prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"],
+                             atom=target["atom"], shard_names=shard_names)
 
 
 def wrap_get_quant_method(original):
     def get_quant_method(self, layer, prefix: str):
-        from qpn.fork_patches.platform_gate import qpn_backend
+        from qpn.fork_patches.platform_gate import serving_target
 
-        backend = qpn_backend()
-        if backend is None:
+        target = serving_target()
+        if target is None:
             return original(self, layer, prefix)
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         _record_kv_once()
         if isinstance(layer, (LinearBase, ParallelLMHead)) and not self.is_layer_excluded(prefix):
-            method = qpn_method_for(self, layer, prefix, backend)
+            method = qpn_method_for(self, layer, prefix, target)
             if method is not None:
                 return method
         return original(self, layer, prefix)
