@@ -12,5 +12,6 @@ for candidate in "${QPN_ENGINE_PYTHON:-}" "${ENV_PREFIX:+$ENV_PREFIX/bin/python}
                  "$REPO_ROOT/.venv-sm70/bin/python" "$REPO_ROOT/.venv-cpu/bin/python"; do
   if [ -n "$candidate" ] && [ -x "$candidate" ]; then PY="$candidate"; break; fi
 done
-export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# From a source checkout, `qpn` resolves through the repository root (qpn/__init__.py).
+[ -f "$REPO_ROOT/qpn/__init__.py" ] && export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PY" -m qpn.scripts.serve "$@"

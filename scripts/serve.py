@@ -214,7 +214,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
         tool_parser=None if tool_parser == "none" else tool_parser,
         thinking=environ.get("THINKING", "true").lower() not in ("0", "false", "no", "off"),
         api_key=environ.get("VLLM_API_KEY") or None, run_dir=run_dir,
-        boot_timeout=float(environ.get("BOOT_TIMEOUT", "900")),
+        boot_timeout=_int_setting(environ, "BOOT_TIMEOUT", 900),
         regions=boot_gates.declared_regions(_quant_config(ckpt, config)), environ=environ)
 
 
@@ -250,10 +250,11 @@ def server_env(launch: Launch) -> dict[str, str]:
     # vLLM leaves its ZMQ socket files here; inside the run directory they go with it.
     env.setdefault("VLLM_RPC_BASE_PATH", launch.run_dir)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    # The launcher runs from a source checkout as well as from an install: make `qpn` (the
-    # overlay plugin) importable in the engine processes either way.
-    env["PYTHONPATH"] = os.pathsep.join(
-        [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # From a source checkout, make `qpn` (the overlay plugin) importable in the engine
+    # processes; an install has it in site-packages already.
+    if os.path.isfile(os.path.join(REPO_ROOT, "qpn", "__init__.py")):
+        env["PYTHONPATH"] = os.pathsep.join(
+            [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
 
