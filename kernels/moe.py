@@ -26,15 +26,13 @@ is its own pair); an expert chosen by no token is never read.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import formats, jit, nvrtc, prepack, routes
+from . import formats, jit, prepack, routes
 from .atoms import geometry
 
 MOE_SOURCE = "qpn_moe.cu"
@@ -313,30 +311,15 @@ def entry_points(atom: str = "m8n8k4") -> tuple[str, ...]:
 
 
 def compile_cubin(arch, use_cache: bool = True, atom: str = "m8n8k4") -> tuple[bytes, str]:
-    """Compile the MoE source of ``atom`` for sm_<arch> into the QPN kernel cache (same key rules
-    as jit: hash of every csrc/ file, source, architecture, flags, NVRTC version)."""
+    """Compile the MoE source of ``atom`` for sm_<arch> through jit.compile_cubin (the same
+    cache and key rules as the dense kernels)."""
     a = jit.arch_number(arch)
     if atom not in MOE_SOURCES:
         raise ValueError(f"no MoE kernels for atom {atom!r}; known: {sorted(MOE_SOURCES)}")
     if a < MIN_ARCH[atom]:
         raise ValueError(f"the {atom} MoE kernels need sm_{MIN_ARCH[atom]} or later, asked for sm_{a}; "
                          "prepack the experts with atom='m8n8k4' for this GPU")
-    source = MOE_SOURCES[atom]
-    nv = jit.nvrtc_for_arch(a)
-    key = hashlib.sha256(f"{jit.source_hash()}|{source}|sm_{a}|{' '.join(jit.COMPILE_FLAGS)}|"
-                         f"nvrtc{nv.version}".encode()).hexdigest()[:32]
-    stem = os.path.splitext(source)[0]
-    path = os.path.join(jit.cache_dir(), f"{stem}_sm{a}_{key}.cubin")
-    if use_cache and os.path.exists(path):
-        with open(path, "rb") as f:
-            return f.read(), path
-    src = nvrtc.read_sources()[source]
-    res = nv.compile(src, source, a, list(jit.COMPILE_FLAGS), want_cubin=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(res.cubin)
-    os.replace(tmp, path)
-    return res.cubin, path
+    return jit.compile_cubin(a, use_cache=use_cache, source=MOE_SOURCES[atom])
 
 
 def check_entry_points(cubin: bytes, atom: str = "m8n8k4") -> None:
