@@ -143,33 +143,44 @@ def calibrate(spec, weights: dict[str, torch.Tensor], modules: list[str],
     hooks = []
     named = dict(model.named_modules())
 
-    def keep_max(table, key, t):
-        table[key] = max(table.get(key, 0.0), float(t.detach().abs().max()))
-
     for name in modules:
         hooks.append(named[name].register_forward_pre_hook(
             lambda mod, args, name=name: keep_max(amax, name, args[0])))
+    run_recording_kv(model, spec, modeling_qwen3_5, token_ids, hooks, kv_amax)
+    return amax, kv_amax
+
+
+def keep_max(table: dict[str, float], key: str, t: torch.Tensor) -> None:
+    if t.numel():
+        table[key] = max(table.get(key, 0.0), float(t.detach().abs().max()))
+
+
+def run_recording_kv(model, spec, modeling_module, token_ids: list[int], hooks: list,
+                     kv_amax: dict[str, float]) -> None:
+    """Run the float model once over ``token_ids`` with the largest |K| (after RoPE, where
+    attention reads it) and |V| of every full-attention layer recorded into ``kv_amax``; then
+    remove every hook in ``hooks`` and the RoPE wrapper."""
+    named = dict(model.named_modules())
     attn_layers = [i for i, t in enumerate(spec.layer_types()) if t == "full_attention"]
     for i in attn_layers:
         hooks.append(named[f"model.layers.{i}.self_attn.v_proj"].register_forward_hook(
             lambda mod, args, out, i=i: keep_max(kv_amax, f"model.layers.{i}.self_attn.v", out)))
     calls = iter(attn_layers)
-    rope = modeling_qwen3_5.apply_rotary_pos_emb
+    rope = modeling_module.apply_rotary_pos_emb
 
     def rope_and_record(q, k, *args, **kwargs):
         q, k = rope(q, k, *args, **kwargs)
         keep_max(kv_amax, f"model.layers.{next(calls)}.self_attn.k", k)
         return q, k
 
-    modeling_qwen3_5.apply_rotary_pos_emb = rope_and_record
+    modeling_module.apply_rotary_pos_emb = rope_and_record
     try:
         with torch.no_grad():
             model(torch.tensor([token_ids]))
     finally:
-        modeling_qwen3_5.apply_rotary_pos_emb = rope
+        modeling_module.apply_rotary_pos_emb = rope
         for h in hooks:
             h.remove()
-    return amax, kv_amax
 
 
 def hub_name(name: str) -> str:

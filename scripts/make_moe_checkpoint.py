@@ -35,6 +35,7 @@ import torch
 
 from qpn.kernels import formats
 from qpn.scripts import make_checkpoint, tiny_hybrid, tiny_tokenizer
+from qpn.scripts.make_checkpoint import keep_max
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -167,10 +168,6 @@ def calibrate(spec: TinyMoeSpec, weights: dict[str, torch.Tensor], quantized: di
     kv_amax: dict[str, float] = {}
     hooks = []
 
-    def keep_max(table, key, t):
-        if t.numel():
-            table[key] = max(table.get(key, 0.0), float(t.detach().abs().max()))
-
     for name in quantized:
         if ".mlp.experts." not in name:
             hooks.append(named[name].register_forward_pre_hook(
@@ -193,26 +190,7 @@ def calibrate(spec: TinyMoeSpec, weights: dict[str, torch.Tensor], quantized: di
                 keep_max(amax, f"{p}.{e}.down_proj", torch.nn.functional.silu(gate) * up)
 
         hooks.append(named[p].register_forward_pre_hook(expert_inputs))
-    attn_layers = [i for i, t in enumerate(spec.layer_types()) if t == "full_attention"]
-    for i in attn_layers:
-        hooks.append(named[f"model.layers.{i}.self_attn.v_proj"].register_forward_hook(
-            lambda mod, args, out, i=i: keep_max(kv_amax, f"model.layers.{i}.self_attn.v", out)))
-    calls = iter(attn_layers)
-    rope = mm.apply_rotary_pos_emb
-
-    def rope_and_record(q, k, *args, **kwargs):
-        q, k = rope(q, k, *args, **kwargs)
-        keep_max(kv_amax, f"model.layers.{next(calls)}.self_attn.k", k)
-        return q, k
-
-    mm.apply_rotary_pos_emb = rope_and_record
-    try:
-        with torch.no_grad():
-            model(torch.tensor([token_ids]))
-    finally:
-        mm.apply_rotary_pos_emb = rope
-        for h in hooks:
-            h.remove()
+    make_checkpoint.run_recording_kv(model, spec, mm, token_ids, hooks, kv_amax)
     for name in quantized:  # experts no calibration token reached: the layer's MoE input amax
         if name not in amax:
             amax[name] = block_amax[name.split(".experts.")[0] + ".experts"]
