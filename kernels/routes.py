@@ -13,9 +13,10 @@ every M has exactly one named route, and every route below is a real kernel path
 * *_mt2: two 8-row tiles against a single pass over the weights.
 * *_chunked: the M rows cut into 16-row chunks, each chunk an MT2 pass; the chunks of one weight
   tile are scheduled as adjacent blocks so that they stream the same weight bytes at the same
-  time (the second and later reads come from L2). Why MT2 chunks and not a wider tile: with FP32
-  accumulators and the per-16 flush a tile costs 16 registers per thread, so four tiles alone
-  would take the whole 64-register budget that keeps two blocks resident per SM on SM70.
+  time (the second and later reads come from L2). Why MT2 chunks and not a wider tile: each 8-row tile
+  holds 8 FP32 accumulators per thread beside its decode registers, and a four-tile variant
+  spilled 36-40 bytes under the 64-register cap (ptxas, sm_70) that keeps two blocks resident
+  per SM on SM70.
   The choice of 16-row chunks over 8-row chunks is by that design reasoning; the H200 benchmark
   also times the 8-row variant, but m8n8k4 is emulated there, so it cannot settle the V100 question.
 * *_reconstruct: the packed weights are expanded into a transient FP16 workspace holding
