@@ -7,9 +7,11 @@ belongs to, named here by a dotted path, so this file stays a table a reader can
 Two kinds:
 
 - ``runtime``: applied in every vLLM process by our ``vllm.general_plugins`` entry point
-  (``qpn.fork_patches.plugin``). ``anchor`` is ``module:attribute`` in the engine; before
-  patching, the plugin checks the anchor exists and fails loudly, naming the engine version,
-  when it does not.
+  (``qpn.fork_patches.plugin``). ``anchor`` is ``module:Attr.path`` in the engine and ``apply``
+  names a function ``wrap(original) -> replacement``; the replacement is marked with the hook's
+  name so that loading the plugin twice changes nothing. Before patching, the plugin checks the
+  anchor exists and fails loudly, naming the engine version, when it does not; the overlay's
+  ``--check`` verifies every anchor too.
 - ``disk``: a text edit of one engine file, made by the bootstrap's overlay step
   (``qpn.fork_patches.overlay``). ``anchor`` is the file path inside the ``vllm`` package;
   ``apply`` names a function ``str -> str`` that returns the patched text and raises
