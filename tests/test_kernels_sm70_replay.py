@@ -1,0 +1,271 @@
+"""The V100 layout in CI: a lane-level CPU replay of the m8n8k4 kernels (tests/_sm70_replay.py)
+against the float64 product of the CHECKPOINT tensors, for every packed route (mt1, mt2,
+chunked, reconstruct), several split-K partitions, both formats, and the MoE gate/up and down
+kernels.
+
+The replay takes its lane rules and decoders from the CUDA source text and its MMA operand
+distribution from the PTX ISA, and never reads kernels/atoms.py; prepack (which does read
+atoms.py) produced the buffers. So the two descriptions of the layout are checked against each
+other, and a drift on either side fails here. How that was proven (kept as tests below):
+
+* atoms.py side: ``test_a_drift_in_atoms_py_fails_the_replay`` prepacks with a mutated copy of
+  each m8n8k4 permutation (two slots of ``word_order_fp4`` swapped, of ``word_order_fp8``, two
+  lanes' rows, the scale pair order) and requires the replay to disagree with float64;
+* CUDA side: ``test_a_drift_in_qpn_family_cuh_fails_the_replay`` feeds the replay mutated copies
+  of qpn_family.cuh's text (a_row / b_token / acc_row / acc_token / scale_pair_offset, the
+  decoder's shift, the e2m1 and e4m3 masks, the scale constant) and of the kernel main loop's
+  expressions, and requires each to disagree (or to fail to parse, naming the function);
+* tests/test_mutations.py applies the same kind of edits to the real files in a scratch copy of
+  the repository and requires the fast tier to fail.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import _format_cases as fc
+import _moe_cases
+import _sm70_replay as rp
+from qpn.kernels import formats, moe, prepack
+
+TIGHT = 1e-12   # float64 summation-order noise, relative to the magnitude sum |x| @ |W|^T
+
+
+def _assert_exact(y: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, what: str) -> None:
+    err = (y - ref).abs()
+    worst = float((err / (mag + 1e-300)).max())
+    assert bool((err <= TIGHT * mag + 1e-300).all()), f"{what}: replay differs from float64 (worst {worst:.3e} of |x||W|)"
+
+
+@pytest.fixture(scope="module")
+def replay():
+    return rp.Replay()
+
+
+def _packed(fmt, n, k, kind, gen, per_channel=False):
+    if fmt == "nvfp4":
+        wt = fc.nvfp4_weight(n, k, kind, gen)
+        return prepack.prepack_nvfp4(*wt), wt
+    wt = fc.fp8_weight(n, k, kind, gen, per_channel)
+    return prepack.prepack_fp8(*wt), wt
+
+
+# (format, weight kind, route suffix, M, ksplit): each route of each format once in the fast tier,
+# split-K and partial token tiles included; the exhaustive grid is the unmarked test below.
+ROUTE_CASES = [
+    ("nvfp4", "all_bytes", "", 5, 1), ("nvfp4", "heavy", "_mt2", 16, 2), ("nvfp4", "gauss", "_chunked", 40, 2),
+    ("nvfp4", "all_bytes", "_reconstruct", 23, 1),
+    ("fp8", "all_bytes", "", 8, 2), ("fp8", "gauss", "_mt2", 9, 1), ("fp8", "all_bytes", "_chunked", 33, 1),
+    ("fp8", "heavy", "_reconstruct", 23, 1)]
+
+
+# ------------------------------------------------------------------------- the rules it reads
+@pytest.mark.fast
+def test_replay_reads_the_atom_and_decoders_from_the_cuda_source(replay):
+    at = replay.r.atom
+    assert (at.TILE_N, at.K_BLOCK, at.K_STEP, at.TOKENS, at.ACC) == (32, 32, 4, 8, 8)
+    # the source's lane rules, read from qpn_family.cuh, agree with the PTX m8n8k4 layout: the lane
+    # supplying B column c of its quadpair loads token c; its accumulator i lands at the PTX position
+    for lane in range(32):
+        assert at.b_token(lane) == rp.ptx_b_col(lane)
+        for i in range(8):
+            r, c = rp.ptx_c_pos(lane, i)
+            assert at.acc_token(lane, i) == c
+            assert at.acc_row(lane, i) == 8 * (lane % 16 // 4) + r
+    # every e2m1 code and every finite e4m3 byte decodes exactly (the decoders' only claim)
+    rp.PTX.roundings = 0
+    for code in range(16):
+        word = rp.U32(torch.tensor([(code << 12) | (code << 28)]))
+        lo, hi = rp.h2(replay.r.nvfp4.dec(word))
+        want = float(formats.e2m1_table()[code])
+        assert float(lo) == want and float(hi) == want
+    e4 = formats.e4m3_table(torch.float64)
+    b = fc.FP8_FINITE_BYTES.to(torch.int64)
+    lo, hi = rp.h2(replay.r.fp8.dec(rp.U32((b << 8) | (b << 24))))
+    assert torch.equal(lo, e4[b]) and torch.equal(hi, e4[b])
+    lo, _ = rp.h2(replay.r.nvfp4.scale_h2(rp.U32(b)))
+    assert torch.equal(lo, e4[b])
+    assert rp.PTX.roundings == 0
+
+
+# --------------------------------------------------------------------------- dense routes
+@pytest.mark.fast
+@pytest.mark.parametrize("fmt,kind,suffix,m,ksplit", ROUTE_CASES,
+                         ids=[f"{f}-{w}{s or '_mt1'}-M{m}-ks{k}" for f, w, s, m, k in ROUTE_CASES])
+def test_replayed_route_equals_float64(replay, fmt, kind, suffix, m, ksplit):
+    gen = torch.Generator().manual_seed(1000 + 7 * m + ksplit)
+    n, k = (70, 96) if fmt == "nvfp4" else (45, 99)          # partial tiles and k-blocks
+    packed, wt = _packed(fmt, n, k, kind, gen, per_channel=(m % 2 == 1))
+    x = fc.activations(m, k, gen, outliers=bool(ksplit % 2))
+    route = {"nvfp4": "qpn2", "fp8": "qpn8"}[fmt] + suffix
+    rp.PTX.roundings = 0
+    y = replay.linear(packed, x, route, ksplit=ksplit)
+    ref, mag = fc.exact_f64(x, fmt, wt)
+    _assert_exact(y, ref, mag, f"{route} M={m} ksplit={ksplit}")
+    assert rp.PTX.roundings == 0, "an FP16 operand multiply rounded"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("kind", fc.WEIGHT_KINDS)
+@pytest.mark.parametrize("outliers", [False, True], ids=["plain", "outliers"])
+def test_replayed_routes_equal_float64_larger(replay, fmt, kind, outliers):
+    """Exhaustive variant (not in the fast tier): a larger layer, every route, split-K 1 and 4."""
+    gen = torch.Generator().manual_seed(31)
+    n, k = (200, 544) if fmt == "nvfp4" else (130, 517)
+    packed, wt = _packed(fmt, n, k, kind, gen, per_channel=True)
+    if fmt == "fp8" and kind == "all_bytes":
+        assert fc.covers_every_fp8_byte(wt[0])
+    x = fc.activations(96, k, gen, outliers=outliers)
+    ref, mag = fc.exact_f64(x, fmt, wt)
+    p = {"nvfp4": "qpn2", "fp8": "qpn8"}[fmt]
+    for route, m in ((p, 8), (p + "_mt2", 16), (p + "_chunked", 96), (p + "_reconstruct", 96)):
+        for ks in (1, 4):
+            y = replay.linear(packed, x[:m], route, ksplit=ks)
+            _assert_exact(y, ref[:m], mag[:m], f"{route} M={m} ksplit={ks}")
+
+
+# ------------------------------------------------------------------------------------ MoE
+MOE_CASES = [("nvfp4", False, "random", 2), ("fp8", True, "invalid_ids", 1), ("nvfp4", False, "all_same", 1),
+             ("fp8", False, "repeat_in_token", 2), ("nvfp4", False, "invalid_ids", 4), ("fp8", True, "unused_experts", 4)]
+
+
+@pytest.mark.parametrize("fmt,per_channel,routing,ksplit", [
+    pytest.param(*c, marks=[pytest.mark.fast] if i < 2 else []) for i, c in enumerate(MOE_CASES)])
+def test_replayed_moe_gemms_equal_float64(replay, fmt, per_channel, routing, ksplit):
+    gen = torch.Generator().manual_seed(77)
+    experts, hidden, inter, tokens, top_k = 4, 64, 48, 5, 2
+    pm = _moe_cases.random_moe(fmt, experts, hidden, inter, gen, per_channel=per_channel)
+    ids, _ = _moe_cases.routing(routing, tokens, top_k, experts, gen)
+    x = fc.activations(tokens, hidden, gen, outliers=True, lo=100.0, hi=300.0)
+    order, groups = rp.group_table(ids, experts)
+    gate, up = replay.moe_gemm([pm.gate, pm.up], x, top_k, order, groups, gate_up=True, ksplit=ksplit,
+                               num_pairs=tokens * top_k)
+    h = (torch.randn((tokens * top_k, inter), generator=gen)).half()
+    (down,) = replay.moe_gemm([pm.down], h, 1, order, groups, gate_up=False, ksplit=ksplit,
+                              num_pairs=tokens * top_k)
+    for pair, e in enumerate(ids.reshape(-1).tolist()):
+        if not 0 <= e < experts:
+            assert torch.isnan(gate[pair]).all() and torch.isnan(down[pair]).all(), "an invalid pair was computed"
+            continue
+        xr = x[pair // top_k: pair // top_k + 1].double()
+        for stack, got, act in ((pm.gate, gate, xr), (pm.up, up, xr), (pm.down, down, h[pair:pair + 1].double())):
+            w = _expert_f64(stack, e)
+            _assert_exact(got[pair:pair + 1], act @ w.t(), act.abs() @ w.abs().t(),
+                          f"MoE {stack.fmt} expert {e} pair {pair} ksplit {ksplit}")
+
+
+def _expert_f64(stack, e):
+    """Expert e's float64 weights from the prepack's verified inverse (not from the replay's rules)."""
+    p = stack.expert(e)
+    if stack.fmt == "nvfp4":
+        w, s = prepack.unprepack_nvfp4(p)
+        return formats.dequantize_nvfp4_f64(w, s, p.global_scale)
+    w, s = prepack.unprepack_fp8(p)
+    return formats.dequantize_fp8_f64(w, s)
+
+
+# ------------------------------------------------------------ drift on either side must fail
+def _drifted_block_maps(kind_to_mutate, mutate):
+    from qpn.kernels import atoms
+    real = atoms.block_maps
+
+    def block_maps(atom, kind):
+        gather, scatter = real(atom, kind)
+        if atom != "m8n8k4" or kind != kind_to_mutate:
+            return gather, scatter
+        g = mutate(gather.clone())
+        return g, torch.argsort(g)
+    return block_maps
+
+
+def _swap_in_each_word(width, a, b):
+    """Swap slots a and b inside every group of `width` consecutive packed elements."""
+    def mutate(g):
+        v = g.view(-1, width).clone()
+        v[:, [a, b]] = v[:, [b, a]]
+        return v.reshape(-1)
+    return mutate
+
+
+def _swap_lanes(per_lane, l0, l1):
+    def mutate(g):
+        v = g.view(32, per_lane).clone()
+        v[[l0, l1]] = v[[l1, l0]]
+        return v.reshape(-1)
+    return mutate
+
+
+ATOMS_DRIFTS = {
+    "word_order_fp4 slots 0/1": ("nvfp4", _swap_in_each_word(8, 0, 1)),
+    "word_order_fp4 slots 3/7": ("nvfp4", _swap_in_each_word(8, 3, 7)),
+    "word_order_fp8 slots 1/3": ("fp8", _swap_in_each_word(4, 1, 3)),
+    "lane rows 0/16 (nvfp4)": ("nvfp4", _swap_lanes(32, 0, 16)),
+    "lane rows 1/2 (fp8)": ("fp8", _swap_lanes(32, 1, 2)),
+    "scale pair order": ("scale", _swap_in_each_word(2, 0, 1)),
+    "scale lanes 3/4": ("scale", _swap_lanes(2, 3, 4)),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", list(ATOMS_DRIFTS))
+def test_a_drift_in_atoms_py_fails_the_replay(replay, monkeypatch, name):
+    kind, mutate = ATOMS_DRIFTS[name]
+    fmt = "fp8" if kind == "fp8" else "nvfp4"
+    gen = torch.Generator().manual_seed(5)
+    packed_ok, wt = _packed(fmt, 32, 64, "all_bytes", gen)
+    monkeypatch.setattr(prepack, "block_maps", _drifted_block_maps(kind, mutate))
+    packed = prepack.prepack_nvfp4(*wt) if fmt == "nvfp4" else prepack.prepack_fp8(*wt)
+    assert not torch.equal(packed.codes, packed_ok.codes) or (
+        fmt == "nvfp4" and not torch.equal(packed.scales, packed_ok.scales))
+    x = fc.activations(8, 64, gen, outliers=False)
+    y = replay.linear(packed, x, "qpn2" if fmt == "nvfp4" else "qpn8")
+    ref, _ = fc.exact_f64(x, fmt, wt)
+    assert float((y - ref).norm() / ref.norm()) > 1e-3, f"atoms.py drift '{name}' was not seen by the replay"
+
+
+FAMILY = (rp.CSRC / "qpn_family.cuh").read_text()
+KERNEL_BODY = rp.kernel_body("qpn_kernels.cu", "qpn_linear_body")
+FAMILY_DRIFTS = {   # (old text, new text) in qpn_family.cuh
+    "a_row (reconstruct route)": ("8 * ((lane >> 2) & 3) + (lane & 3) + ((lane >> 4) << 2); }",
+                                  "8 * ((lane >> 2) & 3) + ((lane + 1) & 3) + ((lane >> 4) << 2); }"),
+    "b_token": ("return (lane & 3) + ((lane >> 4) << 2); }\n  // Weight row", "return (lane & 3) ^ 1 + ((lane >> 4) << 2); }\n  // Weight row"),
+    "acc_row": ("(lane & 1) + (i & 2) + ((lane >> 4) << 2);", "(lane & 2) + (i & 1) + ((lane >> 4) << 2);"),
+    "acc_token": ("return (i & 4) + (lane & 2) + (i & 1); }", "return (i & 4) + (lane & 1) + (i & 2); }"),
+    "scale_pair_offset": ("return 2 * lane; }", "return 2 * (lane ^ 1); }"),
+    "b_frag register order": ("b0 = xr[2 * j];\n    b1 = xr[2 * j + 1];", "b0 = xr[2 * j + 1];\n    b1 = xr[2 * j];"),
+    "NVFP4 front_half2 shift": ("return dec(w[0] << (4 * r)); }", "return dec(w[0] << (4 * (r ^ 1))); }"),
+    "FP8 front_half2 byte": ("return dec(w[r >> 1] << (8 * (r & 1))); }", "return dec(w[r >> 1] << (8 * ((r + 1) & 1))); }"),
+    "e2m1 exponent mask": ("and_or(t >> 3, 0x0E000E00u, t & 0x80008000u)", "and_or(t >> 3, 0x0C000C00u, t & 0x80008000u)"),
+    "e4m3 exponent bit": ("and_or(t >> 1, 0x3F803F80u, t & 0x80008000u)", "and_or(t >> 1, 0x3B803B80u, t & 0x80008000u)"),
+    "NVFP4 rescale 2^14": ("hmul2(e2m1x2_bits(t), 0x74007400u)", "hmul2(e2m1x2_bits(t), 0x70007000u)"),
+}
+LOOP_DRIFTS = {     # (old, new) in qpn_linear_body
+    "group scale pick": ("(2 * p * Atom::K_STEP < 16) ? sc2[0] : sc2[1]", "(2 * p * Atom::K_STEP < 8) ? sc2[0] : sc2[1]"),
+    "activation offset": ("kb * Atom::K_BLOCK + p * 2 * Atom::K_STEP", "kb * Atom::K_BLOCK + p * Atom::K_STEP"),
+    "a0/a1 order": ("u32 a0 = Dec::front_half2(w, j * Atom::A_REGS);", "u32 a0 = Dec::front_half2(w, j * Atom::A_REGS + 1);"),
+    "scale pair bytes": ("sc2[0] = Dec::scale_h2(sp & 0xFFu);", "sc2[0] = Dec::scale_h2(sp >> 8);"),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("where,name", [("family", n) for n in FAMILY_DRIFTS] + [("loop", n) for n in LOOP_DRIFTS])
+def test_a_drift_in_qpn_family_cuh_fails_the_replay(where, name):
+    old, new = (FAMILY_DRIFTS if where == "family" else LOOP_DRIFTS)[name]
+    text = FAMILY if where == "family" else KERNEL_BODY
+    assert text.count(old) == 1, f"mutation '{name}' no longer matches the source: update it"
+    mutated = text.replace(old, new)
+    gen = torch.Generator().manual_seed(9)
+    fmt = "fp8" if "FP8" in name or "e4m3" in name else "nvfp4"
+    packed, wt = _packed(fmt, 40, 64, "all_bytes", gen)
+    x = fc.activations(8, 64, gen, outliers=False)
+    ref, _ = fc.exact_f64(x, fmt, wt)
+    try:
+        r = rp.Replay(family_src=mutated) if where == "family" else rp.Replay(kernels_src=mutated)
+        route = ("qpn2" if fmt == "nvfp4" else "qpn8") + ("_reconstruct" if "reconstruct" in name else "")
+        y = r.linear(packed, x, route)
+    except (rp.ReplayParseError, AssertionError, IndexError) as e:   # unreadable / inconsistent: also caught
+        assert re.search(r"\w", str(e)), e
+        return
+    assert float((y - ref).norm() / ref.norm()) > 1e-3, f"CUDA drift '{name}' was not seen by the replay"
