@@ -12,6 +12,9 @@ import pytest
 from qpn.benchmarks import metrics
 from qpn.benchmarks.client import StreamCut, parse_stream
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 
 def _chunk(delta=None, finish=None):
     choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}

@@ -8,6 +8,9 @@ from qpn.benchmarks import provenance
 from qpn.benchmarks.prompts import CELLS, extract_json
 from qpn.benchmarks.results import Column, ResultsWriter, read_results
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 COLS = [Column("cell", "cell"), Column("tok_s", "tok/s", 2), Column("note", "note")]
 
 

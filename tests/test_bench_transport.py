@@ -13,6 +13,9 @@ import pytest
 from qpn.benchmarks.client import ChatClient, ServerUnreachable, StreamCut
 from qpn.benchmarks.suite import GREEDY, Bench
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 
 class DyingServer:
     """Accept connections; for each, read the request and send ``reply`` bytes, then close."""

@@ -80,6 +80,7 @@ def _snapshot(paths: list[Path]) -> dict:
     return snap
 
 
+@pytest.mark.fast
 def test_cpu_engine_has_disk_hooks_to_exercise():
     # Without at least one disk hook the backup/restore tests below would prove nothing.
     assert hooks_for("cpu", kind="disk")
@@ -199,6 +200,7 @@ def test_wheel_override_without_digest_is_refused(tmp_path, cpu_engine_wheel):
     assert not prefix.exists()
 
 
+@pytest.mark.fast
 def test_sm70_engine_is_refused_without_v100s_with_the_cpu_hint(tmp_path):
     env = dict(os.environ, ENV_PREFIX=str(tmp_path / "x"))
     env.pop("ENGINE", None)
@@ -248,6 +250,7 @@ def _fake_nvidia_smi(bin_dir: Path, gpus: int, cuda: str) -> dict:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
+@pytest.mark.fast
 def test_sm70_preflight_counts_gpus_and_driver(tmp_path):
     env = dict(os.environ, ENV_PREFIX=str(tmp_path / "x"), **_fake_nvidia_smi(tmp_path / "bin", 2, "12.8"))
     env.pop("ENGINE", None)  # auto: an SM70 GPU is visible, so the sm70 engine is chosen

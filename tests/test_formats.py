@@ -9,6 +9,9 @@ import torch
 
 from qpn.kernels import formats
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 
 def test_e2m1_table_from_bits():
     for code in range(16):

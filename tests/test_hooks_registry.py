@@ -5,6 +5,9 @@ import pytest
 
 from qpn.fork_patches.hooks import REGISTRY, as_markdown
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 
 def test_names_are_unique():
     names = [h.name for h in REGISTRY]

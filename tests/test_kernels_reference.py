@@ -7,6 +7,9 @@ import torch
 
 from qpn.kernels import formats, jit, nvrtc, ops, prepack, reference, routes
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 BOUND = 2.75e-4
 
 

@@ -20,6 +20,7 @@ ATOM = "m16n8k16"
 M32 = 0xFFFFFFFF
 
 
+@pytest.mark.fast
 # ----------------------------------------------------------------------------- geometry
 def test_geometry_is_a_permutation_with_the_sm70_block_sizes():
     g, g70 = geometry(ATOM), geometry("m8n8k4")
@@ -43,6 +44,7 @@ def test_geometry_is_a_permutation_with_the_sm70_block_sizes():
     assert g70.tile_n == 32
 
 
+@pytest.mark.fast
 def test_atom_for_arch():
     assert atom_for_arch("sm70") == "m8n8k4" and atom_for_arch(75) == "m8n8k4"
     assert atom_for_arch("sm_80") == "m16n8k16" and atom_for_arch((9, 0)) == "m16n8k16"
@@ -55,6 +57,7 @@ def test_atom_for_arch():
         geometry("m16n8k8")
 
 
+@pytest.mark.fast
 # ------------------------------------------------------------------------------ prepack
 @pytest.mark.parametrize("n,k", [(1, 16), (15, 48), (16, 64), (17, 80), (33, 112), (100, 1008), (3, 2064)])
 def test_nvfp4_roundtrip_byte_identical(n, k):
@@ -73,6 +76,7 @@ def test_nvfp4_roundtrip_byte_identical(n, k):
         prepack.verify_nvfp4_roundtrip(p, w, s)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("n,k,per_channel", [(1, 1, False), (7, 3, True), (17, 65, False), (64, 100, True),
                                              (100, 1001, False)])
 def test_fp8_roundtrip_byte_identical(n, k, per_channel):
@@ -85,6 +89,7 @@ def test_fp8_roundtrip_byte_identical(n, k, per_channel):
     assert torch.equal(w2.view(torch.uint8), w.view(torch.uint8))
 
 
+@pytest.mark.fast
 def test_reference_on_m16n8k16_buffers_equals_the_sm70_atom_and_float64():
     g = torch.Generator().manual_seed(11)
     w = torch.randn((70, 320), generator=g) * 0.05
@@ -133,6 +138,7 @@ def _e2m1x2_quad(v):             # csrc/qpn_family.cuh e2m1x2_quad (what Frag16N
             (((odd << 5) & M32) | ((odd << 8) & M32)) & k, (((even << 5) & M32) | ((even << 8) & M32)) & k]
 
 
+@pytest.mark.fast
 def test_quad_decoder_equals_the_pair_decoder_on_every_nibble_pattern():
     g = torch.Generator().manual_seed(4)
     v = torch.randint(0, 2 ** 32, (200_000,), dtype=torch.int64, generator=g)
@@ -229,6 +235,7 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
     return y * formats.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("sm80_paths", [False, True], ids=["sm89_cvt", "sm80_bits"])
 @pytest.mark.parametrize("n,k,m", [(48, 1008, 5), (16, 64, 8), (33, 160, 1)])
 def test_replayed_nvfp4_fragments_give_the_exact_product(n, k, m, sm80_paths):
@@ -244,6 +251,7 @@ def test_replayed_nvfp4_fragments_give_the_exact_product(n, k, m, sm80_paths):
     assert float((y - y64).norm() / y64.norm()) < 1e-12
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("sm80_paths", [False, True], ids=["sm89_cvt", "sm80_bits"])
 def test_replayed_fp8_fragments_give_the_exact_product(sm80_paths):
     g = torch.Generator().manual_seed(5)
@@ -256,6 +264,7 @@ def test_replayed_fp8_fragments_give_the_exact_product(sm80_paths):
     assert float((y - y64).norm() / y64.norm()) < 1e-12
 
 
+@pytest.mark.fast
 def test_replay_detects_a_wrong_layout():
     """The replay is not vacuous: the m8n8k4 bytes read as m16n8k16 give a different product."""
     g = torch.Generator().manual_seed(2)
@@ -293,9 +302,10 @@ def _kernel_partition(n_groups, kblocks, nwarps):
 
 
 @pytest.mark.parametrize("n,kblocks,tiles,chunks,resident,min_items", [
-    (5120, 24, 2, 1, 2112, 4), (34816, 80, 2, 1, 2112, 4), (248320, 80, 2, 1, 2112, 4),
-    (5120, 272, 2, 1, 2112, 2), (1, 1, 2, 1, 2112, 4), (31, 33, 2, 1, 2112, 4), (300, 17, 1, 6, 2112, 2),
-    (16, 3, 4, 2, 64, 1)])
+    *(pytest.param(*case, marks=pytest.mark.fast) for case in [
+        (5120, 24, 2, 1, 2112, 4), (34816, 80, 2, 1, 2112, 4), (5120, 272, 2, 1, 2112, 2), (1, 1, 2, 1, 2112, 4),
+        (31, 33, 2, 1, 2112, 4), (300, 17, 1, 6, 2112, 2), (16, 3, 4, 2, 64, 1)]),
+    (248320, 80, 2, 1, 2112, 4)])  # the lm_head-sized case takes ~10 s: full tier only
 def test_split_k_partition_covers_every_item_once(n, kblocks, tiles, chunks, resident, min_items):
     grid, nwarps, n_groups = ops.sm80_partition(n, kblocks, tiles, chunks, resident, min_items)
     items = n_groups * kblocks
@@ -380,6 +390,7 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
         assert (counts[name]["hmma"] > 0) == (cfg.variant not in (2, 3)), name
 
 
+@pytest.mark.fast
 def test_sm80_kernel_table_and_route_kernels():
     configured = jit.sm80_kernels()
     for (fmt, mt), name in jit.SM80_ROUTE_KERNELS.items():
@@ -404,6 +415,7 @@ def test_build_for_sm90_builds_both_atoms(tmp_path, monkeypatch):
     assert ops.build("sm90", atom="m8n8k4") != p
 
 
+@pytest.mark.fast
 # ------------------------------------------------------------------ routes and serving
 def test_routes_are_the_same_names_on_sm80_and_sm90():
     for m in (1, 8, 9, 16, 17, 96, 97, 500):
@@ -413,6 +425,7 @@ def test_routes_are_the_same_names_on_sm80_and_sm90():
     assert ops.arch_for_atom(ATOM) == "sm80" and ops.arch_for_atom("m8n8k4") == "sm70"
 
 
+@pytest.mark.fast
 def test_sm80_opt_in_is_off_by_default(monkeypatch):
     monkeypatch.delenv(ops.SM80_OPT_IN_ENV, raising=False)
     assert not ops.sm80_opt_in()

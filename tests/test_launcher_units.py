@@ -24,6 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVE_SH = os.path.join(REPO, "scripts", "serve-qwen38-native.sh")
 ENGINE_STARTED = "starting the engine"
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 
 # ---- capture ladder (seed 001) ---------------------------------------------------------------
 

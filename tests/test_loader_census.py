@@ -11,6 +11,9 @@ from qpn.fork_patches import census as census_mod
 from qpn.fork_patches.census import Census, aggregate, read_rank_files, write_json_atomic
 
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 _PLATFORM = {"engine_version": "test", "platform": "cpu", "device_capability": None, "backend": "reference"}
 
 

@@ -11,6 +11,9 @@ pytest.importorskip("vllm")
 from qpn.fork_patches import kv_policy, plugin  # noqa: E402
 from qpn.fork_patches.hooks import REGISTRY, AnchorMissing, Hook  # noqa: E402
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 RUNTIME = [h for h in REGISTRY if h.kind == "runtime"]
 LOADER_HOOKS = {"modelopt-mixed-precision-file-form", "modelopt-mixed-admit-sm70",
                 "modelopt-mixed-qpn-linear-methods", "kv-cache-fp16-on-sm70"}

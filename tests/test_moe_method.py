@@ -18,7 +18,7 @@ from qpn.kernels import formats, moe, moe_reference  # noqa: E402
 from tests._moe_cases import activations, routing  # noqa: E402
 from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group)
 
-pytestmark = pytest.mark.usefixtures("engine_context")
+pytestmark = [pytest.mark.usefixtures("engine_context"), pytest.mark.fast]
 
 E, H, I = 4, 64, 32
 SHARD_ROWS = {"w1": slice(0, I), "w3": slice(I, 2 * I)}

@@ -10,6 +10,9 @@ import torch
 from qpn.kernels import formats, moe, moe_reference, prepack, reference, routes
 from tests._moe_cases import ROUTINGS, activations, random_moe, routing
 
+# The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
+pytestmark = pytest.mark.fast
+
 BOUND = 2.75e-4
 E, H, I = 8, 80, 48  # H, I not multiples of the 32-wide k-block: padding on both GEMMs
 

@@ -43,6 +43,7 @@ def gate(monkeypatch):
     platform_gate.serving_target.cache_clear()
 
 
+@pytest.mark.fast
 def test_cpu_platform_serves_the_reference():
     from qpn.fork_patches import platform_gate
 

@@ -15,6 +15,7 @@ def _nvfp4_bytes(n, k, seed):
     return w, s
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("n,k", [(1, 16), (7, 32), (31, 48), (32, 64), (33, 80), (65, 112), (100, 1008),
                                  (3, 2064), (129, 16)])
 def test_nvfp4_roundtrip_byte_identical(n, k):
@@ -35,6 +36,7 @@ def test_nvfp4_roundtrip_byte_identical(n, k):
     assert torch.equal(src_hist, dst_hist)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("n,k,per_channel", [(1, 1, False), (7, 3, True), (33, 31, False), (64, 100, True),
                                              (100, 1001, False), (31, 33, True)])
 def test_fp8_roundtrip_byte_identical(n, k, per_channel):
@@ -49,6 +51,7 @@ def test_fp8_roundtrip_byte_identical(n, k, per_channel):
     assert torch.equal(s2.reshape(-1), torch.as_tensor(scale, dtype=torch.float32).reshape(-1))
 
 
+@pytest.mark.fast
 def test_chunking_does_not_change_the_packed_bytes():
     w, s = _nvfp4_bytes(200, 96, 7)
     a = prepack.prepack_nvfp4(w, s, 1.0, rows_per_chunk=32)
@@ -59,6 +62,7 @@ def test_chunking_does_not_change_the_packed_bytes():
                        prepack.prepack_fp8(f, 1.0, rows_per_chunk=4096).codes)
 
 
+@pytest.mark.fast
 def test_fragment_positions_pin_the_kernel_contract():
     """Where single codes land: the CUDA decoders (csrc/qpn_family.cuh) read exactly these places."""
     n, k = 32, 32
@@ -85,6 +89,7 @@ def test_fragment_positions_pin_the_kernel_contract():
     assert ps.scales[32:34].tolist() == [0x30, 0x31] and int(ps.scales[11]) == 0x32
 
 
+@pytest.mark.fast
 def test_block_maps_are_permutations():
     for kind in ("nvfp4", "fp8", "scale"):
         gather, scatter = block_maps("m8n8k4", kind)
@@ -94,6 +99,7 @@ def test_block_maps_are_permutations():
         geometry("m99")
 
 
+@pytest.mark.fast
 def test_verify_names_first_differing_byte():
     w, s = _nvfp4_bytes(64, 64, 11)
     p = prepack.prepack_nvfp4(w, s, 1.0)
@@ -113,6 +119,7 @@ def test_verify_names_first_differing_byte():
         prepack.verify_fp8_roundtrip(pf, f)
 
 
+@pytest.mark.fast
 def test_nvfp4_k_must_be_multiple_of_16():
     with pytest.raises(formats.FormatError, match="multiple of 16"):
         prepack.prepack_nvfp4(torch.zeros((4, 12), dtype=torch.uint8), torch.zeros((4, 1), dtype=torch.uint8), 1.0)
@@ -126,6 +133,7 @@ def test_real_per_rank_nvfp4_shapes(n, k):
     prepack.verify_nvfp4_roundtrip(p, w, s)
 
 
+@pytest.mark.fast
 def test_real_per_rank_fp8_shapes():
     for n, k in [(4096, 5120), (5120, 1536)]:  # GDN in_proj_qkvz, out_proj per rank
         g = torch.Generator().manual_seed(n)

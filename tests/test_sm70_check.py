@@ -31,6 +31,7 @@ def test_sm70_kernels_are_v100_ready(capsys):
             assert k.hmma884 > 0, k.name
 
 
+@pytest.mark.fast
 def test_parsers_flag_violations():
     """The check fails when the tools report what it forbids (so a pass above means something)."""
     text = ("ptxas info    : Compiling entry function 'qpn9_bad' for 'sm_70'\n"
