@@ -101,9 +101,26 @@ def dequantized_state_dict(ckpt_dir: str | Path, perturb: str = "none") -> dict[
             for k, v in out.items()}
 
 
+def e4m3_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float8_e4m3fn rounded toward zero and saturated at +-448: the conversion vLLM
+    0.32's CPU attention applies when it writes an FP8 KV cache (its AVX-512 path truncates the
+    mantissa instead of rounding to nearest; measured byte for byte against
+    ``torch.ops._C.cpu_attn_reshape_and_cache`` by tests/test_kv_fp8_emulation.py). Rounding to
+    nearest instead biases nothing but misses the engine's systematic shrink of every K and V
+    element by up to one e4m3 step, which is why the served logprobs once fell outside a bound
+    measured with a round-to-nearest reference."""
+    x = x.float().clamp(-448.0, 448.0)
+    nearest = x.to(torch.float8_e4m3fn)
+    codes = nearest.view(torch.uint8).clone()
+    # e4m3 codes are monotone in magnitude within a sign: one code down is one step toward zero.
+    codes[nearest.float().abs() > x.abs()] -= 1
+    return codes.view(torch.float8_e4m3fn)
+
+
 def fp8_kv_emulation(model, ckpt_dir: str | Path):
-    """Context manager: K (after RoPE) and V rounded through e4m3 with the checkpoint's
-    ``k_scale`` / ``v_scale`` (1.0 when absent), as an FP8 KV cache stores them."""
+    """Context manager: K (after RoPE) and V stored through e4m3 with the checkpoint's
+    ``k_scale`` / ``v_scale`` (1.0 when absent) exactly as vLLM's CPU FP8 KV cache stores them
+    (divide by the scale, saturate, round toward zero; see ``e4m3_toward_zero``)."""
     import contextlib
 
     from safetensors.torch import load_file
@@ -114,7 +131,7 @@ def fp8_kv_emulation(model, ckpt_dir: str | Path):
         tensors.update(load_file(str(f)))
 
     def through_e4m3(t, scale):
-        return ((t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(t.dtype)
+        return (e4m3_toward_zero(t.float() / scale).float() * scale).to(t.dtype)
 
     layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
 
@@ -201,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="bfloat16 measures the rounding floor of a bf16 engine")
     p.add_argument("--kv-cache", choices=("auto", "fp8_e4m3"), default="auto",
-                   help="fp8_e4m3 rounds K and V through e4m3 as an FP8 KV cache does")
+                   help="fp8_e4m3 stores K and V through e4m3 as the cpu engine's FP8 KV cache does")
     p.add_argument("--variants", help="comma-separated list of float32, bfloat16 and perturbation names; "
                    "writes {variant: result} (overrides --perturb and --dtype)")
     p.add_argument("--out", help="write the JSON result here (default: stdout)")
