@@ -1,8 +1,8 @@
 """Route census: what every quantized module of this rank was admitted as, and which QPN route
 served each of its calls. The launcher's boot gates read only this (never log text).
 
-Each rank writes ``<QPN_CENSUS_DIR>/census_rank<R>.json`` (schema 1, described in the project's
-shared interfaces): after weight loading, then whenever the counts changed (at most once per
+Each rank writes ``<QPN_CENSUS_DIR>/census_rank<R>.json`` (format and version: the typed schema
+in ``census_schema.py``, which the boot gates read through as well): after weight loading, then whenever the counts changed (at most once per
 second, from a background thread), and at exit. Every write goes to a temporary file in the
 same folder that is then renamed over the old one, so a reader never sees a half-written file.
 
@@ -10,7 +10,14 @@ Calls made while a CUDA graph is being captured are counted under ``graph``, all
 ``eager``. A captured graph replays without running any Python, so replays are not counted:
 ``graph`` counts how many captures went through each route, ``eager`` counts real calls.
 
-``aggregate(census_dir)`` merges the ranks into one summary.
+Besides the QPN modules the census records, per rank: the tensor-parallel size, the serving
+settings the attention route depends on, what every attention layer actually uses (read from the
+live layers the engine registered in its static forward context: the KV dtype string the
+implementation hands its kernels and the dtype of the bound cache tensor), the engine's own
+attention route decisions (``count_attention_route``, fed by the ``_record_route`` hook on
+1Cat-vLLM), and hooks the plugin skipped.
+
+``aggregate(census_dir)`` merges the ranks into one summary (keys: ``census_schema.SUMMARY_KEYS``).
 """
 from __future__ import annotations
 
@@ -24,7 +31,9 @@ import tempfile
 import threading
 import time
 
-SCHEMA = 1
+from qpn.fork_patches.census_schema import RANK_SUMMARY_KEYS, SCHEMA_VERSION, validate_rank
+
+SCHEMA = SCHEMA_VERSION
 FLUSH_INTERVAL_S = 1.0
 _FILE_RE = re.compile(r"census_rank(\d+)\.json$")
 
@@ -99,6 +108,79 @@ def _detect_platform() -> dict:
     return info
 
 
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _bound_cache_tensor(layer):
+    cache = getattr(layer, "kv_cache", None)
+    if isinstance(cache, (list, tuple)):
+        cache = cache[0] if cache else None
+    if cache is None or not hasattr(cache, "dtype") or cache.numel() == 0:
+        return None  # the placeholder vLLM keeps until bind_kv_cache
+    return cache
+
+
+def _window(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):  # (left, right) as some implementations keep it
+        return None if tuple(value) == (-1, -1) else int(value[0]) + 1
+    return int(value)
+
+
+def attention_layer_groups(forward_context: dict) -> list[dict]:
+    """The attention layers of ``forward_context`` (vLLM's ``static_forward_context``: layer
+    name -> layer), grouped by everything the attention route depends on."""
+    groups: dict[tuple, dict] = {}
+    for name, layer in sorted(list(forward_context.items()), key=lambda kv: str(kv[0])):
+        impl = getattr(layer, "impl", None)
+        if impl is None or not hasattr(impl, "kv_cache_dtype") or not hasattr(layer, "head_size"):
+            continue  # not an attention layer (gated-delta-net and other state layers)
+        cache = _bound_cache_tensor(layer)
+        entry = {
+            "impl": type(impl).__name__,
+            "kv_cache_dtype": str(impl.kv_cache_dtype),
+            "cache_tensor_dtype": _dtype_name(cache.dtype) if cache is not None else None,
+            "head_size": int(layer.head_size),
+            "num_heads": int(layer.num_heads),
+            "num_kv_heads": int(layer.num_kv_heads),
+            "sliding_window": _window(getattr(layer, "sliding_window", None)),
+        }
+        key = tuple(sorted(entry.items()))
+        group = groups.setdefault(key, {**entry, "layers": 0, "names": []})
+        group["layers"] += 1
+        if len(group["names"]) < 3:
+            group["names"].append(str(name))
+    return list(groups.values())
+
+
+def _engine_facts(vllm_config) -> dict:
+    """Tensor-parallel size, serving settings and attention layers, from the engine's config."""
+    if vllm_config is None:
+        return {"tensor_parallel_size": None, "serving": None, "attention_layers": []}
+    parallel = getattr(vllm_config, "parallel_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    compilation = getattr(vllm_config, "compilation_config", None)
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None) if attention is not None else None
+    try:
+        layers = attention_layer_groups(getattr(compilation, "static_forward_context", {}) or {})
+    except RuntimeError:  # the engine is still adding layers; the next flush reads them
+        layers = []
+    return {
+        "tensor_parallel_size": int(parallel.tensor_parallel_size) if parallel is not None else None,
+        "serving": {
+            "max_model_len": int(model.max_model_len) if model is not None else None,
+            "enforce_eager": bool(model.enforce_eager) if model is not None else None,
+            "num_speculative_tokens": int(getattr(spec, "num_speculative_tokens", 0) or 0),
+            "attention_backend": None if backend is None else str(getattr(backend, "name", backend)),
+        },
+        "attention_layers": layers,
+    }
+
+
 class Census:
     """One rank's census. Thread-safe; every method is cheap enough to call per linear call."""
 
@@ -111,6 +193,9 @@ class Census:
         self.kv_cache: dict | None = None
         self.platform: dict | None = None
         self.rank: int | None = None
+        self.attention_routes: dict[str, dict[str, int]] = {}
+        self.hooks_skipped: dict[str, dict] = {}
+        self._engine_config = None  # the engine's VllmConfig, read at snapshot time
         self._dirty = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -119,7 +204,8 @@ class Census:
 
     # ---------------------------------------------------------------------------- recording
     def register_module(self, layer, name: str, region: str, n: int, k: int,
-                        eligible: bool = True, prepack_verified: bool = False) -> str:
+                        eligible: bool = True, prepack_verified: bool = False,
+                        declared: list[str] | None = None) -> str:
         """Admit a module; returns the census name (made unique if two layers share a prefix)."""
         with self._lock:
             known = self._layer_names.get(id(layer))
@@ -133,6 +219,7 @@ class Census:
                 "region": region, "eligible": bool(eligible), "n": int(n), "k": int(k),
                 "prepack_verified": bool(prepack_verified),
                 "routes": self.modules.get(known, {}).get("routes", {}),
+                "declared": sorted(declared) if declared is not None else None,
             }
             self._mark_dirty()
             return known
@@ -165,6 +252,30 @@ class Census:
                             "route_family": route_family, "repack_fallback": bool(repack_fallback)}
             self._mark_dirty()
 
+    def count_attention_route(self, route: str, graph: bool = False, calls: int = 1) -> None:
+        """One attention route decision of the engine (1Cat-vLLM's ``_record_route``)."""
+        with self._lock:
+            slot = self.attention_routes.get(route)
+            if slot is None:
+                slot = self.attention_routes[route] = {"eager": 0, "graph": 0}
+            slot["graph" if graph else "eager"] += calls
+            self._mark_dirty()
+
+    def skip_hook(self, hook: str, reason: str, **details) -> None:
+        """A hook the plugin did not apply (the gates fail if the checkpoint needs it); details:
+        anchor, engine, engine_version, needed_for (census_schema.HookSkipped)."""
+        with self._lock:
+            self.hooks_skipped[hook] = {"hook": hook, "reason": reason, **details}
+            self._mark_dirty()
+
+    def watch_engine(self, vllm_config) -> None:
+        """Keep the engine's config: each snapshot reads the tensor-parallel size, the serving
+        settings and the live attention layers (static forward context) from it."""
+        with self._lock:
+            if self._engine_config is None:
+                self._engine_config = vllm_config
+                self._mark_dirty()
+
     def set_kv_cache(self, checkpoint_requested: str | None, resolved: str, policy: str) -> None:
         with self._lock:
             self.kv_cache = {"checkpoint_requested": checkpoint_requested, "resolved": resolved,
@@ -177,17 +288,21 @@ class Census:
             self.platform = _detect_platform()
         if self.rank is None:
             self.rank = _detect_rank()
+        engine = _engine_facts(self._engine_config)
         with self._lock:
             return {
                 "schema": SCHEMA,
                 "rank": self.rank,
                 "pid": os.getpid(),
                 **self.platform,
+                **engine,
                 "kv_cache": dict(self.kv_cache) if self.kv_cache else None,
+                "attention_routes": json.loads(json.dumps(self.attention_routes)),
                 "modules": json.loads(json.dumps(self.modules)),
                 "lm_head": dict(self.lm_head) if self.lm_head else None,
                 "fallbacks": [{"module": m, "reason": r, "count": c}
                               for (m, r), c in sorted(self.fallbacks.items())],
+                "hooks_skipped": [dict(v) for _, v in sorted(self.hooks_skipped.items())],
                 "updated": _now(),
             }
 
@@ -195,7 +310,7 @@ class Census:
         """Write this rank's file now; returns its path."""
         with self._lock:
             self._dirty = False
-        data = self.snapshot()
+        data = validate_rank(self.snapshot(), "census being written")
         path = census_path(data["rank"], self.directory)
         write_json_atomic(path, data)
         return path
@@ -219,7 +334,7 @@ class Census:
 
     def _flush_at_exit(self) -> None:
         self._stop.set()
-        if self.modules or self.kv_cache or self.fallbacks:
+        if self.modules or self.kv_cache or self.fallbacks or self.attention_routes:
             try:
                 self.flush()
             except OSError:
@@ -231,17 +346,22 @@ CENSUS = Census()
 
 # ------------------------------------------------------------------------------------ reading
 def read_rank_files(directory: str) -> list[dict]:
-    """Every complete census file of ``directory``, by rank."""
+    """Every complete census file of ``directory``, by rank, each checked against the schema
+    (CensusSchemaError, a ValueError, names the file and the field)."""
     out = []
     for path in sorted(glob.glob(os.path.join(directory, "census_rank*.json"))):
         if not _FILE_RE.search(os.path.basename(path)):
             continue
         with open(path) as f:
             data = json.load(f)
-        if data.get("schema") != SCHEMA:
-            raise ValueError(f"{path}: census schema {data.get('schema')!r}, this reader knows {SCHEMA}")
-        out.append(data)
+        out.append(validate_rank(data, path))
     return sorted(out, key=lambda d: d["rank"])
+
+
+def module_on_qpn(name: str, mod: dict, failed: set, qpn_routes: frozenset) -> bool:
+    """Admitted on QPN, prepack proven, no fallback, and every call on a QPN route."""
+    return bool(mod.get("eligible") and mod.get("prepack_verified") and name not in failed
+                and all(route in qpn_routes for route in mod.get("routes", {})))
 
 
 def aggregate(census_dir: str) -> dict:
@@ -252,24 +372,34 @@ def aggregate(census_dir: str) -> dict:
     route_counts: dict[str, dict[str, int]] = {}
     on_qpn = total = 0
     fallbacks = []
+    rank_summaries = []
     for r in ranks:
         failed = {f["module"] for f in r.get("fallbacks", [])}
+        declared_on: set[str] = set()
+        declared_off: set[str] = set()
+        rank_total = rank_on = 0
         for name, mod in r.get("modules", {}).items():
             total += 1
+            rank_total += 1
             by_region[mod["region"]] = by_region.get(mod["region"], 0) + 1
             routes = mod.get("routes", {})
             for route, c in routes.items():
                 slot = route_counts.setdefault(route, {"eager": 0, "graph": 0})
                 slot["eager"] += c.get("eager", 0)
                 slot["graph"] += c.get("graph", 0)
-            if (mod.get("eligible") and mod.get("prepack_verified") and name not in failed
-                    and all(route in qpn_routes for route in routes)):
-                on_qpn += 1
+            good = module_on_qpn(name, mod, failed, qpn_routes)
+            on_qpn += good
+            rank_on += good
+            (declared_on if good else declared_off).update(mod.get("declared") or [])
         for f in r.get("fallbacks", []):
             fallbacks.append({**f, "rank": r["rank"]})
+        summary = {k: r.get(k) for k in RANK_SUMMARY_KEYS}
+        summary.update(declared_on_qpn=sorted(declared_on - declared_off),
+                       declared_off_qpn=sorted(declared_off), modules_total=rank_total,
+                       modules_on_qpn=rank_on)
+        rank_summaries.append(summary)
     return {
-        "ranks": [{k: r.get(k) for k in ("rank", "pid", "engine_version", "platform",
-                                         "device_capability", "backend", "updated")} for r in ranks],
+        "ranks": rank_summaries,
         "modules_by_region": by_region,
         "modules_on_qpn": on_qpn,
         "modules_total": total,
@@ -279,4 +409,5 @@ def aggregate(census_dir: str) -> dict:
         "fallbacks": fallbacks,
         "lm_head": [r.get("lm_head") for r in ranks],
         "kv_resolved": [r.get("kv_cache") for r in ranks],
+        "hooks_skipped": [{**h, "rank": r["rank"]} for r in ranks for h in r.get("hooks_skipped", [])],
     }

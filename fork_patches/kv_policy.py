@@ -12,7 +12,25 @@ refuses to allocate it; there the cache stays in the model dtype (logged, and in
 
 The decision is made where vLLM resolves ``auto`` (``EngineArgs.create_engine_config`` calling
 ``resolve_kv_cache_dtype_string``, in the API process); each worker re-derives the same
-description for its census from the config it received.
+description for its census from the config it received. The census also records what every
+attention layer actually uses (the string its implementation hands the kernels and the dtype of
+the bound cache tensor), read from the live layers (``census.attention_layer_groups``).
+
+How the KV dtype string travels on 1Cat-vLLM (both locked tags, read in their sources):
+``engine/arg_utils.py`` ``create_engine_config`` resolves ``--kv-cache-dtype`` through
+``resolve_kv_cache_dtype_string`` (our wrapper above; 1.3.0 then maps a bare ``fp8`` to
+``fp8_e5m2`` on SM70 in ``_resolve_sm70_flash_v100_kv_cache_dtype_alias``) into
+``CacheConfig.cache_dtype``; ``model_executor/layers/attention/attention.py`` ``Attention.__init__``
+takes ``cache_config.cache_dtype``, sizes the cache tensor with ``kv_cache_dtype_str_to_dtype``
+(``float16`` and ``auto`` on a float16 model both give torch.float16) and passes the string to
+``FlashAttnV100Impl``. There the decode XQA branch accepts only ``auto``/``bfloat16`` with FP16
+tensors or ``fp8_e5m2`` (``_flash_v100_decode``, ``_smallq_decode_xqa_allowed``), and the scalar
+kernel's ``kv_cache_dtype_code_from_string`` (``flash-attention-v100/kernel/flash_decode_paged.cu``)
+accepts ``auto``, ``bfloat16``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2`` and refuses anything else.
+So ``float16`` (our SM70 choice, and what the sm70 profile passes) reaches neither kernel on
+1.2.2. 1.3.0 normalises it in ``FlashAttnV100Impl.__init__``
+(``_normalize_flash_v100_kv_cache_dtype``: ``float16`` -> ``auto``, the same unquantized FP16
+layout); ``wrap_flash_v100_impl_init`` does exactly that on 1.2.2.
 """
 from __future__ import annotations
 
@@ -105,3 +123,32 @@ def describe(vllm_config) -> tuple[str | None, str, str]:
         platform = "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
         policy = POLICY_ENGINE.format(platform=platform)
     return requested, resolved, policy
+
+
+# ------------------------------------------------------------------ 1Cat 1.2.2: float16 -> auto
+FLASH_V100_FP16_ALIAS = "float16"
+FLASH_V100_FP16_NAME = "auto"  # the name 1Cat's kernels and XQA allow-lists use for FP16 KV
+
+
+def normalize_flash_v100_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """1Cat 1.3.0's rule (flash_attn_v100._normalize_flash_v100_kv_cache_dtype): an explicit
+    FP16 cache is the kernels' ``auto`` layout; every other string unchanged."""
+    return FLASH_V100_FP16_NAME if kv_cache_dtype == FLASH_V100_FP16_ALIAS else kv_cache_dtype
+
+
+def wrap_flash_v100_impl_init(original):
+    """Wrapper of ``FlashAttnV100Impl.__init__`` on 1Cat 1.2.2: after the engine's own
+    constructor, map the KV dtype string ``float16`` to ``auto`` as 1.3.0 does, so FP16 KV
+    reaches the XQA decode branch and the scalar kernel accepts the string."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        before = getattr(self, "kv_cache_dtype", None)
+        after = normalize_flash_v100_kv_cache_dtype(before)
+        if after != before:
+            self.kv_cache_dtype = after
+            logger.info("volta-qpn: FLASH_ATTN_V100 KV cache dtype %r served as %r (the FP16 "
+                        "layout's name in 1Cat's kernels; 1.3.0 does the same)", before, after)
+
+    __init__.__wrapped__ = original
+    return __init__

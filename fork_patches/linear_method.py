@@ -62,8 +62,10 @@ class _QPNLinearMethod(LinearMethodBase):
     fmt: str = ""
 
     def __init__(self, prefix: str, algo: str, backend: str, arch: str = "sm70",
-                 atom: str = "m8n8k4", shard_names: list[str] | None = None) -> None:
+                 atom: str = "m8n8k4", shard_names: list[str] | None = None,
+                 declared: list[str] | None = None) -> None:
         self.prefix = prefix
+        self.declared = declared  # the checkpoint's quantized_layers names this module serves
         self.algo = algo
         self.backend = backend
         self.arch = arch
@@ -204,11 +206,28 @@ class _QPNLinearMethod(LinearMethodBase):
             if name in layer._parameters:
                 delattr(layer, name)
         self.census_name = CENSUS.register_module(layer, self.prefix, self.fmt, self.n, self.k,
-                                                  eligible=True, prepack_verified=True)
+                                                  eligible=True, prepack_verified=bool(self.pieces),
+                                                  declared=self.declared)
         self.op_id = _register_method(self)
         if isinstance(layer, VocabParallelEmbedding):
-            CENSUS.set_lm_head(module=self.census_name, region=self.fmt, source="checkpoint_codes",
-                               route_family=ROUTE_FAMILY[self.fmt], repack_fallback=False)
+            CENSUS.set_lm_head(module=self.census_name, region=self.fmt, source=self.weight_source(),
+                               route_family=ROUTE_FAMILY[self.fmt],
+                               repack_fallback=not self._served_from_packed_codes())
+
+    def weight_source(self) -> str:
+        """What the loader did for this module's weights, as the census reports it:
+        ``checkpoint_codes`` when the checkpoint delivered codes and scales for every output shard
+        through our checked loader and the packed buffers were proven byte-identical to them."""
+        shards = set(range(len(self.partition_sizes)))
+        received = all(shards <= self.loaded.get(name, set()) for name in self._required())
+        if not received:
+            return "not_from_checkpoint"
+        return "checkpoint_codes" if self._served_from_packed_codes() else "checkpoint_unverified"
+
+    def _served_from_packed_codes(self) -> bool:
+        # pieces are set only after every piece's inverse permutation matched the loaded bytes
+        covered = sum(r1 - r0 for r0, r1, _ in self.pieces)
+        return bool(self.pieces) and covered == self.n
 
     def _prepack(self, layer) -> None:
         raise NotImplementedError

@@ -62,6 +62,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         self.fmt = "nvfp4" if algo in NVFP4_ALGOS else "fp8"
         self.packed = None
         self.census_names: list[str] = []
+        self.declared: list[str] = []  # set by qpn_moe_method_for from the checkpoint's map
         self.loaded: dict[str, set[tuple[int, str]]] = {}
         self.num_experts = 0
         self.hidden = self.inter = 0
@@ -219,9 +220,11 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         self.op_id = len(_MOE_METHODS) - 1
         self.census_names = [
             CENSUS.register_module(packed.gate, f"{self.prefix}.w13", self.fmt, 2 * self.inter, self.hidden,
-                                   eligible=True, prepack_verified=True),
+                                   eligible=True, prepack_verified=True,
+                                   declared=[k for k in self.declared if not k.endswith("down_proj")]),
             CENSUS.register_module(packed.down, f"{self.prefix}.w2", packed.down.fmt, self.hidden, self.inter,
-                                   eligible=True, prepack_verified=True),
+                                   eligible=True, prepack_verified=True,
+                                   declared=[k for k in self.declared if k.endswith("down_proj")]),
         ]
         logger.debug("volta-qpn: %s: %d experts prepacked (%s)", self.prefix, self.num_experts, self.fmt)
 
@@ -297,7 +300,11 @@ def qpn_moe_method_for(quant_config, moe_config, prefix: str, backend: str):
             f"{prefix}: quantized_layers declares quant_algo {algo!r} for these experts; the QPN MoE "
             f"kernels serve {', '.join(MOE_ALGOS)} (fix the checkpoint's hf_quant_config.json or serve it on "
             "hardware vLLM supports natively)")
-    return QPNModelOptMoEMethod(moe_config, prefix=prefix, algo=algo, backend=backend)
+    method = QPNModelOptMoEMethod(moe_config, prefix=prefix, algo=algo, backend=backend)
+    # the checkpoint's quantized_layers names these experts serve (for the census and its gate)
+    candidates = tuple(c + "." for c in quant_config._quantized_layer_prefix_candidates(prefix))
+    method.declared = sorted(k for k in quant_config.quantized_layers if k.startswith(candidates))
+    return method
 
 
 def wrap_routed_experts_get_quant_method(original):

@@ -90,6 +90,7 @@ def _record_kv_once() -> None:
     from qpn.fork_patches.kv_policy import describe
 
     CENSUS.set_kv_cache(*describe(vllm_config))
+    CENSUS.watch_engine(vllm_config)
     _KV_RECORDED = True
 
 
@@ -135,7 +136,8 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
             f"{prefix}: quant_algo {algo!r} is not served by the QPN path "
             f"(serves {', '.join(sorted(ALGO_FAMILY))})")
     return ALGO_FAMILY[algo](prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"],
-                             atom=target["atom"], shard_names=shard_names)
+                             atom=target["atom"], shard_names=shard_names,
+                             declared=[name for name, _ in entries])
 
 
 def wrap_get_quant_method(original):

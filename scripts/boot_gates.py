@@ -5,6 +5,21 @@ Every gate reads a structured source only: the route census the overlay writes p
 request's API response. No gate reads log text. The engine profile says which gates apply on
 an engine and what they expect; a gate that does not apply is reported as ``n/a`` with the
 reason and, where there is one, the value observed.
+
+The census keys the gates read are those of ``qpn.fork_patches.census_schema`` (the same module
+the census writer validates against). What each census gate proves:
+
+- ``census_platform``: one census per tensor-parallel rank (ranks 0..TP-1, each reporting that TP),
+  on the expected platform and backend;
+- ``qpn_routes``: every module the checkpoint's own ``quantized_layers`` lists is served on a QPN
+  route on every rank (the loader records which checkpoint names each module serves), with zero
+  fallbacks and route calls after the warm request;
+- ``lm_head_from_codes``: every rank's head reports what the loader did (codes and scales
+  received from the checkpoint and proven byte-identical after prepacking);
+- ``served_depth``: the engine exports K draft positions and has proposed draft tokens since
+  the warm request (speculation configured but not running fails);
+- ``decode_attention_route``: XQA for decode and MTP verification wherever 1Cat's own conditions
+  send them there for the served layers (``qpn.fork_patches.attention_routes``), per rank.
 """
 from __future__ import annotations
 
@@ -22,7 +37,11 @@ PASS, FAIL, NA = "PASS", "FAIL", "n/a"
 # vLLM 0.32 (v1/spec_decode/metrics.py) registers one `position` label per draft slot at
 # start-up, so the served depth is readable before any request is speculated.
 DEPTH_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+DRAFT_TOKENS_METRIC = "vllm:spec_decode_num_draft_tokens_total"
+DRAFTS_METRIC = "vllm:spec_decode_num_drafts_total"
 _POSITION = re.compile(r'position="(\d+)"')
+# Checkpoint modules that belong to the MTP drafter: loaded only when speculation is on.
+DRAFTER_PREFIXES = ("mtp.",)
 
 
 @dataclass
@@ -48,6 +67,18 @@ def served_depth(metrics_text: str) -> int:
     return len(positions)
 
 
+def counter_total(metrics_text: str, metric: str) -> float:
+    """Sum of a Prometheus counter over all its label sets (0 when absent)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(metric + "{") or line.startswith(metric + " "):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return total
+
+
 def qpn_route_names() -> frozenset[str] | None:
     """The kernels' route table names, when the kernel package is importable."""
     try:
@@ -63,15 +94,20 @@ def is_qpn_route(route: str, known: frozenset[str] | None) -> bool:
     return route.startswith("qpn")
 
 
-def declared_regions(quant_config: dict | None) -> set[str]:
-    """Regions ('nvfp4', 'fp8') the checkpoint's quantization map declares."""
+def declared_layers(quant_config: dict | None) -> dict:
+    """The checkpoint's ``quantized_layers`` map (module name -> entry), {} when it has none."""
     if not quant_config:
-        return set()
+        return {}
     layers = quant_config.get("quantized_layers")
     if layers is None:
         layers = quant_config.get("quantization", {}).get("quantized_layers", {})
+    return dict(layers or {})
+
+
+def declared_regions(quant_config: dict | None) -> set[str]:
+    """Regions ('nvfp4', 'fp8') the checkpoint's quantization map declares."""
     regions = set()
-    for entry in (layers or {}).values():
+    for entry in declared_layers(quant_config).values():
         algo = str(entry.get("quant_algo", "") if isinstance(entry, dict) else entry).lower()
         if "nvfp4" in algo:
             regions.add("nvfp4")
@@ -99,29 +135,87 @@ def gate_warm(warm: dict) -> GateResult:
 
 
 def gate_depth(k: int, metrics_text: str | None) -> GateResult:
+    expected = f"{k} draft positions ({DEPTH_METRIC})" + (
+        f", draft tokens proposed after the warm request ({DRAFT_TOKENS_METRIC} > 0)" if k else "")
     if metrics_text is None:
-        return GateResult(GATE_DEPTH, FAIL, f"{k} draft positions in /metrics",
-                          "/metrics unreadable")
+        return GateResult(GATE_DEPTH, FAIL, expected, "/metrics unreadable")
     served = served_depth(metrics_text)
-    return GateResult(GATE_DEPTH, PASS if served == k else FAIL,
-                      f"{k} draft positions ({DEPTH_METRIC})", f"{served} positions")
+    drafts = counter_total(metrics_text, DRAFTS_METRIC)
+    draft_tokens = counter_total(metrics_text, DRAFT_TOKENS_METRIC)
+    observed = f"{served} positions; {drafts:g} drafts, {draft_tokens:g} draft tokens"
+    problems = []
+    if served != k:
+        problems.append(f"served depth {served}, asked {k}")
+    if k and draft_tokens <= 0:
+        problems.append("no draft token proposed: speculation is configured but not running")
+    if problems:
+        observed += " -- " + "; ".join(problems)
+    return GateResult(GATE_DEPTH, FAIL if problems else PASS, expected, observed)
 
 
-def gate_platform(expect: dict, census: dict) -> GateResult:
+def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResult:
+    """One census per tensor-parallel rank, each on the expected platform and backend. ``tp`` is
+    the size the launcher asked for; None: the size the ranks themselves report."""
     ranks = _rank_dicts(census)
+    reported = sorted({r.get("tensor_parallel_size") for r in ranks}, key=str)
+    size = tp if tp is not None else (reported[0] if len(reported) == 1 and reported[0] else None)
+    expected = _fmt(expect) + f"; one census per rank of TP={size if size else '?'}"
     if not ranks:
-        return GateResult(GATE_PLATFORM, FAIL, _fmt(expect), "no census written by any rank")
+        return GateResult(GATE_PLATFORM, FAIL, expected, "no census written by any rank")
     seen = sorted({(str(r.get("platform")), str(r.get("backend")),
                     str(r.get("device_capability"))) for r in ranks})
     bad = [r for r in ranks if any(str(r.get(key)) != str(value) for key, value in expect.items())]
-    observed = f"{len(ranks)} rank(s): " + "; ".join(
+    have = sorted(int(r["rank"]) for r in ranks)
+    observed = f"ranks {have}: " + "; ".join(
         f"platform={p} backend={b}" + (f" capability={c}" if c != "None" else "")
         for p, b, c in seen)
-    return GateResult(GATE_PLATFORM, FAIL if bad else PASS, _fmt(expect), observed)
+    problems = []
+    if bad:
+        problems.append(f"rank(s) {sorted(r['rank'] for r in bad)} not on {_fmt(expect)}")
+    if size is None:
+        problems.append(f"tensor-parallel size unknown (ranks report {reported})")
+    else:
+        missing = sorted(set(range(size)) - set(have))
+        extra = sorted(set(have) - set(range(size)))
+        if missing:
+            problems.append(f"no census from rank(s) {missing} of TP={size}")
+        if extra or len(have) != len(set(have)):
+            problems.append(f"census rank(s) {extra or have} outside TP={size}")
+        wrong = sorted(int(r["rank"]) for r in ranks if r.get("tensor_parallel_size") not in (size,))
+        if wrong:
+            problems.append(f"rank(s) {wrong} report TP {reported}, asked {size}")
+    if problems:
+        observed += " -- " + "; ".join(problems)
+    return GateResult(GATE_PLATFORM, FAIL if problems else PASS, expected, observed)
 
 
-def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | None
-                    ) -> GateResult:
+def _needed_modules(quantized_layers: dict, rank: dict) -> list[str]:
+    serving = rank.get("serving") or {}
+    drafting = int(serving.get("num_speculative_tokens") or 0) > 0
+    return sorted(name for name in quantized_layers
+                  if drafting or not name.startswith(DRAFTER_PREFIXES))
+
+
+def _coverage_problems(census: dict, quantized_layers: dict) -> list[str]:
+    """Checkpoint modules (quantized_layers) not served on QPN, per rank."""
+    problems = []
+    for rank in _rank_dicts(census):
+        on = set(rank.get("declared_on_qpn") or [])
+        off = set(rank.get("declared_off_qpn") or [])
+        needed = _needed_modules(quantized_layers, rank)
+        not_on = [n for n in needed if n in off]
+        absent = [n for n in needed if n not in on and n not in off]
+        if not_on:
+            problems.append(f"rank {rank['rank']}: {len(not_on)} checkpoint module(s) admitted but "
+                            f"not on a QPN route, e.g. {not_on[:3]}")
+        if absent:
+            problems.append(f"rank {rank['rank']}: {len(absent)} of {len(needed)} checkpoint "
+                            f"module(s) in quantized_layers not in the census, e.g. {absent[:3]}")
+    return problems
+
+
+def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | None,
+                    quantized_layers: dict | None = None) -> GateResult:
     total = int(census.get("modules_total", 0))
     on_qpn = int(census.get("modules_on_qpn", 0))
     by_region = {k: int(v) for k, v in census.get("modules_by_region", {}).items()}
@@ -146,14 +240,17 @@ def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | Non
         problems.append(f"declared region(s) {missing_regions} have no admitted module")
     if total and calls == 0:
         problems.append("no QPN route calls recorded after the warm request")
+    if quantized_layers:
+        problems += _coverage_problems(census, quantized_layers)
     routes = ", ".join(f"{r}={total_calls({r: c})}" for r, c in sorted(route_counts.items()))
     observed = (f"{on_qpn}/{total} modules on QPN ({_fmt(by_region)}); calls: {routes or 'none'}"
                 f"; fallbacks {fallback_calls}")
     if problems:
         observed += " -- " + "; ".join(problems)
-    return GateResult(GATE_QPN_ROUTES, FAIL if problems else PASS,
-                      "every quantized module on a QPN route, 0 fallbacks" +
-                      (f", regions {sorted(regions)}" if regions else ""), observed)
+    expected = ("every module of the checkpoint's quantized_layers"
+                f"{f' ({len(quantized_layers)})' if quantized_layers else ''} on a QPN route on "
+                "every rank, 0 fallbacks" + (f", regions {sorted(regions)}" if regions else ""))
+    return GateResult(GATE_QPN_ROUTES, FAIL if problems else PASS, expected, observed)
 
 
 def gate_lm_head(census: dict, known: frozenset[str] | None) -> GateResult:
@@ -161,8 +258,12 @@ def gate_lm_head(census: dict, known: frozenset[str] | None) -> GateResult:
     if isinstance(heads, dict):
         heads = [heads]
     expected = "source=checkpoint_codes, no repack fallback, QPN route family (every rank)"
-    if not heads:
-        return GateResult(GATE_LM_HEAD, FAIL, expected, "no lm_head entry in the census")
+    ranks = _rank_dicts(census)
+    if not heads or any(h is None for h in heads) or (ranks and len(heads) != len(ranks)):
+        missing = sum(1 for h in heads if h is None) if heads else len(ranks) or 1
+        return GateResult(GATE_LM_HEAD, FAIL, expected,
+                          f"no lm_head entry in the census of {missing} rank(s): the head was "
+                          "not loaded through a QPN method")
     bad = [h for h in heads
            if h.get("source") != "checkpoint_codes" or h.get("repack_fallback") is not False
            or not is_qpn_route(str(h.get("route_family", "")), known)]
@@ -184,21 +285,85 @@ def gate_kv(expect_applies: bool, expected: tuple[str, ...] | None, why_not: str
     return GateResult(GATE_KV, PASS if ok else FAIL, " or ".join(expected), observed)
 
 
-def gate_decode_attention(expect: dict, census: dict) -> GateResult:
-    counts: dict[str, int] = {}
-    for rank in _rank_dicts(census):
-        for route, calls in (rank.get("attention_routes") or {}).items():
-            counts[route] = counts.get(route, 0) + int(calls)
-    expected = (f"calls on a tensor-core route {list(expect['tensor_core_prefixes'])}, "
-                f"0 on {list(expect['forbidden'])}")
-    if not counts:
+def _route_total(routes: dict, name: str, mode: str | None = None) -> int:
+    slot = routes.get(name) or {}
+    if isinstance(slot, int):
+        return slot if mode in (None, "eager") else 0
+    if mode is None:
+        return int(slot.get("eager", 0)) + int(slot.get("graph", 0))
+    return int(slot.get(mode, 0))
+
+
+def gate_decode_attention(census: dict, k: int, env: dict | None = None) -> GateResult:
+    """XQA for decode and MTP verification wherever 1Cat's own conditions send them there, per
+    rank; prints why where they do not (attention_routes.xqa_verdicts)."""
+    from qpn.fork_patches import attention_routes as ar
+
+    expected = ("decode on XQA (0 scalar) where the engine's conditions hold at every context "
+                "length; MTP verification on XQA in captured graphs where max_model_len reaches "
+                "the engine's threshold")
+    ranks = _rank_dicts(census)
+    if not ranks:
+        return GateResult(GATE_DECODE_ATTENTION, FAIL, expected, "no census written by any rank")
+    problems, notes, counts = [], [], []
+    any_required = False
+    for rank in ranks:
+        rid = rank["rank"]
+        routes = rank.get("attention_routes") or {}
+        groups = rank.get("attention_layers") or []
+        serving = rank.get("serving") or {}
+        if not routes:
+            problems.append(f"rank {rid}: no attention route recorded (the _record_route hook is "
+                            "not active, or the engine is not on FLASH_ATTN_V100)")
+            continue
+        if not groups:
+            problems.append(f"rank {rid}: the census has no attention layers")
+            continue
+        d_x, d_s = _route_total(routes, ar.DECODE_XQA), _route_total(routes, ar.DECODE_SCALAR)
+        v_xg, v_sg = (_route_total(routes, ar.VERIFY_XQA, "graph"),
+                      _route_total(routes, ar.VERIFY_SCALAR, "graph"))
+        v_xe, v_se = (_route_total(routes, ar.VERIFY_XQA, "eager"),
+                      _route_total(routes, ar.VERIFY_SCALAR, "eager"))
+        counts.append(f"rank {rid}: decode xqa={d_x} scalar={d_s}; verify graph xqa={v_xg} "
+                      f"scalar={v_sg}, eager xqa={v_xe} scalar={v_se}")
+        mml = serving.get("max_model_len")
+        graphs = serving.get("enforce_eager") is False
+        for group in groups:
+            decode, verify = ar.xqa_verdicts(group, rank.get("engine_version"), env)
+            where = f"rank {rid} {group.get('layers')} layer(s) {group.get('names', [])[:1]}"
+            if decode.required:
+                any_required = True
+                if d_s:
+                    problems.append(f"{where}: {d_s} decode call(s) on the scalar kernel although "
+                                    f"{decode.why}")
+                if not d_x:
+                    problems.append(f"{where}: no decode call on XQA recorded ({decode.why})")
+            else:
+                notes.append(f"decode not required on XQA: {decode.why}")
+            if k > 0:
+                if (verify.context_min is not None and graphs and mml is not None
+                        and int(mml) >= verify.context_min):
+                    any_required = True
+                    if not v_xg:
+                        problems.append(f"{where}: no captured MTP verification on XQA although "
+                                        f"max_model_len {mml} >= {verify.context_min} "
+                                        f"({verify.why})")
+                else:
+                    mode = "graphs" if graphs else "eager mode"
+                    notes.append(f"verification legitimately scalar here ({mode}, max_model_len "
+                                 f"{mml}): {verify.why}")
+                if v_se:
+                    notes.append(f"{v_se} eager verification call(s) scalar, legitimately below "
+                                 f"{verify.context_min} tokens of context (the engine's rule)")
+    observed = "; ".join(counts) or "-"
+    if problems:
         return GateResult(GATE_DECODE_ATTENTION, FAIL, expected,
-                          "no attention_routes recorded in the census")
-    tensor_core = sum(c for r, c in counts.items()
-                      if r.startswith(tuple(expect["tensor_core_prefixes"])))
-    forbidden = sum(c for r, c in counts.items() if r in expect["forbidden"])
-    ok = tensor_core > 0 and forbidden == 0
-    return GateResult(GATE_DECODE_ATTENTION, PASS if ok else FAIL, expected, _fmt(counts))
+                          observed + " -- " + "; ".join(problems))
+    if notes:
+        observed += " (" + "; ".join(sorted(set(notes))) + ")"
+    if not any_required:
+        return GateResult(GATE_DECODE_ATTENTION, NA, expected, observed)
+    return GateResult(GATE_DECODE_ATTENTION, PASS, expected, observed)
 
 
 def _fmt(value: object) -> str:
@@ -210,7 +375,11 @@ def _fmt(value: object) -> str:
 # ---- all gates -------------------------------------------------------------------------------
 
 def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | None,
-             census: dict | None, regions: set[str]) -> list[GateResult]:
+             census: dict | None, regions: set[str], *, tp: int | None = None,
+             quantized_layers: dict | None = None, env: dict | None = None) -> list[GateResult]:
+    """Every gate. ``tp``: the tensor-parallel size asked for (None: what the ranks report);
+    ``quantized_layers``: the checkpoint's own map (every listed module must be on QPN);
+    ``env``: the server's environment (the engine's XQA switches and thresholds)."""
     census = census or {}
     known = qpn_route_names()
     results: dict[str, GateResult] = {}
@@ -227,9 +396,9 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
         elif name == GATE_DEPTH:
             results[name] = gate_depth(k, metrics_text)
         elif name == GATE_PLATFORM:
-            results[name] = gate_platform(spec.expected, census)
+            results[name] = gate_platform(spec.expected, census, tp)
         elif name == GATE_QPN_ROUTES:
-            result = gate_qpn_routes(census, regions, known)
+            result = gate_qpn_routes(census, regions, known, quantized_layers)
             backend = (spec.expected or {}).get("backend")
             wrong = sorted({str(r.get("backend")) for r in _rank_dicts(census)} - {backend})
             if backend and wrong and result.status == PASS:
@@ -239,7 +408,7 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
         elif name == GATE_LM_HEAD:
             results[name] = gate_lm_head(census, known)
         elif name == GATE_DECODE_ATTENTION:
-            results[name] = gate_decode_attention(spec.expected, census)
+            results[name] = gate_decode_attention(census, k, env)
     return [results[name] for name in GATE_ORDER]
 
 

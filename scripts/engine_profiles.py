@@ -121,11 +121,10 @@ SM70 = EngineProfile(
         GATE_QPN_ROUTES: GateExpectation(True, {"backend": "cuda"}),
         GATE_LM_HEAD: _ALWAYS,
         GATE_KV: GateExpectation(True, ("float16",)),
-        # Observed through the census key "attention_routes" ({route: calls}) that the overlay
-        # counts on the FLASH_ATTN_V100 decode path: a tensor-core route must have calls and
-        # "scalar_paged" must have none.
-        GATE_DECODE_ATTENTION: GateExpectation(True, {"tensor_core_prefixes": ("xqa", "wmma"),
-                                                      "forbidden": ("scalar_paged",)}),
+        # Observed through the census key "attention_routes" that the _record_route hook fills
+        # with 1Cat's own route names; the rule for when XQA is required is the engine's
+        # (qpn.fork_patches.attention_routes.xqa_verdicts), applied to the served layers.
+        GATE_DECODE_ATTENTION: GateExpectation(True, "engine XQA conditions"),
     },
 )
 

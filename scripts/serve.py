@@ -412,7 +412,11 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     warm = warm_request(launch, model)
     census = read_census(launch)
     metrics = read_metrics(launch)
-    return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions)
+    quantized_layers = boot_gates.declared_layers(
+        _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt)))
+    return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
+                               tp=launch.tp or 1, quantized_layers=quantized_layers,
+                               env=server_env(launch))
 
 
 def announce(launch: Launch) -> None:

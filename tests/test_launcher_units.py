@@ -224,14 +224,15 @@ def _metrics(k: int) -> str:
     lines = ["# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
     lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",'
               f'model_name="m",position="{i}"}} 0.0' for i in range(k)]
-    lines += ['vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0']
+    lines += ['vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
+              f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {3.0 * k}']
     return "\n".join(lines) + "\n"
 
 
 def _census(**over) -> dict:
     census = {
         "ranks": [{"rank": 0, "pid": 1, "platform": "cpu", "backend": "reference",
-                   "device_capability": None}],
+                   "device_capability": None, "tensor_parallel_size": 1}],
         "modules_by_region": {"nvfp4": 3, "fp8": 2}, "modules_on_qpn": 5, "modules_total": 5,
         "route_counts": {"qpn2": {"eager": 10, "graph": 0}, "qpn8": {"eager": 8, "graph": 0}},
         "non_qpn_routes": [], "fallback_calls": 0, "fallbacks": [],
@@ -293,16 +294,25 @@ def test_cpu_gate_failures_name_the_gate(change, gate):
 
 
 def test_sm70_gates_require_fp16_kv_and_tensor_core_attention():
+    # the decode-attention decision table itself: tests/test_attention_routes.py
     rank = {"rank": 0, "platform": "cuda", "backend": "cuda", "device_capability": "7.0",
-            "attention_routes": {"xqa": 40, "scalar_paged": 0}}
+            "tensor_parallel_size": 1, "engine_version": "1.3.0",
+            "serving": {"max_model_len": 32768, "enforce_eager": False, "num_speculative_tokens": 7,
+                        "attention_backend": "FLASH_ATTN_V100"},
+            "attention_layers": [{"impl": "FlashAttnV100Impl", "kv_cache_dtype": "auto",
+                                  "cache_tensor_dtype": "float16", "head_size": 256, "num_heads": 24,
+                                  "num_kv_heads": 4, "sliding_window": None, "layers": 16}],
+            "attention_routes": {"decode_xqa_paged": {"eager": 0, "graph": 40},
+                                 "prefill_smallq_decode_xqa": {"eager": 0, "graph": 16}}}
     good = _census(ranks=[rank], kv_resolved=[{"resolved": "float16"}])
     results = _by_name(boot_gates.evaluate(SM70, 7, WARM_OK, _metrics(7), good, {"nvfp4"}))
-    assert not any(r.failed for r in results.values())
+    assert not any(r.failed for r in results.values()), boot_gates.format_table(list(results.values()))
     fp8_kv = _census(ranks=[rank], kv_resolved=[{"resolved": "fp8_e4m3"}])
     assert _by_name(boot_gates.evaluate(SM70, 7, WARM_OK, _metrics(7), fp8_kv, {"nvfp4"})
                     )["kv_cache_dtype"].failed
-    scalar = _census(ranks=[{**rank, "attention_routes": {"xqa": 40, "scalar_paged": 2}}],
-                     kv_resolved=[{"resolved": "float16"}])
+    scalar = _census(ranks=[{**rank, "attention_routes": {
+        **rank["attention_routes"], "decode_scalar_paged": {"eager": 2, "graph": 0}}}],
+        kv_resolved=[{"resolved": "float16"}])
     assert _by_name(boot_gates.evaluate(SM70, 7, WARM_OK, _metrics(7), scalar, {"nvfp4"})
                     )["decode_attention_route"].failed
     unobserved = _census(ranks=[{k: v for k, v in rank.items() if k != "attention_routes"}],

@@ -1,4 +1,5 @@
-"""Route census: per-rank files in schema 1, written atomically, merged by aggregate()."""
+"""Route census: per-rank files in the census schema (census_schema.py), written atomically, merged by
+aggregate()."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import pytest
 
 from qpn.fork_patches import census as census_mod
 from qpn.fork_patches.census import Census, aggregate, read_rank_files, write_json_atomic
+from qpn.fork_patches.census_schema import SCHEMA_VERSION
 
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
@@ -19,7 +21,7 @@ _PLATFORM = {"engine_version": "test", "platform": "cpu", "device_capability": N
 
 def _rank_file(rank, modules, fallbacks=(), lm_head=None, kv=None):
     return {
-        "schema": 1, "rank": rank, "pid": 100 + rank, "engine_version": "0.32.0", "platform": "cuda",
+        "schema": SCHEMA_VERSION, "rank": rank, "pid": 100 + rank, "engine_version": "0.32.0", "platform": "cuda",
         "device_capability": "7.0", "backend": "cuda",
         "kv_cache": kv or {"checkpoint_requested": "fp8_e4m3", "resolved": "float16", "policy": "sm70"},
         "modules": modules, "lm_head": lm_head, "fallbacks": list(fallbacks), "updated": "2026-11-29T00:00:00Z",
@@ -70,14 +72,15 @@ def test_aggregate_of_an_empty_folder_is_empty_not_an_error(tmp_path):
 
 
 def test_reader_refuses_another_schema(tmp_path):
-    data = _rank_file(0, {})
-    data["schema"] = 2
-    (tmp_path / "census_rank0.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="schema"):
-        read_rank_files(str(tmp_path))
+    for other in (SCHEMA_VERSION - 1, SCHEMA_VERSION + 1):
+        data = _rank_file(0, {})
+        data["schema"] = other
+        (tmp_path / "census_rank0.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=f"census schema {other}, this reader knows {SCHEMA_VERSION}"):
+            read_rank_files(str(tmp_path))
 
 
-def test_census_records_and_flushes_schema_1(tmp_path, monkeypatch):
+def test_census_records_and_flushes_in_the_schema(tmp_path, monkeypatch):
     monkeypatch.setenv("QPN_CENSUS_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "3")
     c = Census()
@@ -96,7 +99,7 @@ def test_census_records_and_flushes_schema_1(tmp_path, monkeypatch):
     path = c.flush()
     assert os.path.basename(path) == "census_rank3.json"
     data = json.loads(open(path).read())
-    assert data["schema"] == 1 and data["rank"] == 3 and data["pid"] == os.getpid()
+    assert data["schema"] == SCHEMA_VERSION and data["rank"] == 3 and data["pid"] == os.getpid()
     assert data["modules"][name]["routes"] == {"qpn2": {"eager": 2, "graph": 0}, "qpn2_mt2": {"eager": 0, "graph": 1}}
     assert data["modules"][name]["prepack_verified"] is True
     assert data["fallbacks"] == [{"module": name + "#2", "reason": "test reason", "count": 1}]

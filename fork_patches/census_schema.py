@@ -1,0 +1,226 @@
+"""The route census's file format, shared by its writer (``census.py``, one file per rank) and
+its readers (``census.aggregate``, the boot gates in ``qpn.scripts.boot_gates``).
+
+One module so that writer and gates cannot drift apart: every key the writer emits and every
+key a gate reads is named here, with its type, and both sides validate against it. A file of
+another schema version is refused by the reader with a message naming both versions.
+
+Version history:
+  1: modules, lm_head, fallbacks, kv_cache, platform fields.
+  2: adds ``tensor_parallel_size``, ``serving`` (settings the attention route depends on),
+     ``attention_layers`` (what each attention layer actually uses: impl, KV dtype string the
+     kernel receives, cache tensor dtype, heads, head size, window), ``attention_routes``
+     (the engine's own attention route decisions, eager and graph-capture counts apart),
+     ``declared`` per module (the checkpoint's ``quantized_layers`` names the module serves),
+     ``lm_head.loaded`` (what the loader received for the head) and ``hooks_skipped``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+SCHEMA_VERSION = 2
+
+
+class CensusSchemaError(ValueError):
+    """A census file or summary that does not follow this schema; names the field."""
+
+
+@dataclass
+class RouteCount:
+    """Calls through one route: ``eager`` counts real calls, ``graph`` counts CUDA-graph
+    captures (a replay runs no Python, so it is not counted)."""
+
+    eager: int = 0
+    graph: int = 0
+
+
+@dataclass
+class ModuleRecord:
+    region: str  # "nvfp4" | "fp8"
+    eligible: bool
+    n: int  # output rows on this rank
+    k: int  # input columns on this rank
+    prepack_verified: bool
+    routes: dict[str, RouteCount] = field(default_factory=dict)
+    # the checkpoint's quantized_layers names this module serves (fused shards: several);
+    # None when the loader did not say (then no checkpoint name counts as covered by it)
+    declared: list[str] | None = None
+
+
+@dataclass
+class LmHeadRecord:
+    module: str
+    region: str
+    # "checkpoint_codes" only when the loader received the head's codes and scales from the
+    # checkpoint for every shard and the prepacked buffer proved byte-identical to them
+    source: str
+    route_family: str
+    repack_fallback: bool
+
+
+@dataclass
+class KvCacheRecord:
+    checkpoint_requested: str | None
+    resolved: str  # the engine config's cache dtype string (after our policy)
+    policy: str
+
+
+@dataclass
+class AttentionLayerGroup:
+    """Attention layers of one rank that share every field below (``layers`` of them)."""
+
+    impl: str  # the attention implementation class
+    kv_cache_dtype: str  # the string the implementation hands its kernels
+    cache_tensor_dtype: str | None  # dtype of the bound KV-cache tensor (None before binding)
+    head_size: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    sliding_window: int | None
+    layers: int
+    names: list[str] = field(default_factory=list)  # first few layer names, for messages
+
+
+@dataclass
+class ServingRecord:
+    max_model_len: int | None
+    enforce_eager: bool | None
+    num_speculative_tokens: int  # 0: no speculation
+    attention_backend: str | None
+
+
+@dataclass
+class HookSkipped:
+    """A hook the plugin did not apply (failure policy: only hooks not every checkpoint needs)."""
+
+    hook: str
+    reason: str
+    anchor: str | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    needed_for: str | None = None
+
+
+@dataclass
+class RankCensus:
+    schema: int
+    rank: int
+    pid: int
+    engine_version: str | None
+    platform: str | None
+    device_capability: str | None
+    backend: str | None
+    updated: str
+    tensor_parallel_size: int | None = None
+    serving: ServingRecord | None = None
+    kv_cache: KvCacheRecord | None = None
+    attention_layers: list[AttentionLayerGroup] = field(default_factory=list)
+    attention_routes: dict[str, RouteCount] = field(default_factory=dict)
+    modules: dict[str, ModuleRecord] = field(default_factory=dict)
+    lm_head: LmHeadRecord | None = None
+    fallbacks: list[dict] = field(default_factory=list)  # {module, reason, count}
+    hooks_skipped: list[HookSkipped] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------- checking
+_SCALARS = {int: (int,), str: (str,), bool: (bool,), float: (int, float)}
+
+
+def _check(value: Any, typ: Any, where: str) -> None:
+    """Raise CensusSchemaError unless ``value`` (parsed JSON) fits the annotation ``typ``."""
+    import types
+    import typing
+
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(typ)
+        errors = []
+        for option in options:
+            try:
+                _check(value, option, where)
+                return
+            except CensusSchemaError as e:
+                errors.append(str(e))
+        raise CensusSchemaError("; ".join(errors))
+    if typ is type(None):
+        if value is not None:
+            raise CensusSchemaError(f"{where}: expected null, found {value!r}")
+        return
+    if typ is Any:
+        return
+    if origin is list:
+        if not isinstance(value, list):
+            raise CensusSchemaError(f"{where}: expected a list, found {type(value).__name__}")
+        (item,) = typing.get_args(typ) or (Any,)
+        for i, v in enumerate(value):
+            _check(v, item, f"{where}[{i}]")
+        return
+    if origin is dict or typ is dict:
+        if not isinstance(value, dict):
+            raise CensusSchemaError(f"{where}: expected an object, found {type(value).__name__}")
+        args = typing.get_args(typ)
+        if args:
+            for k, v in value.items():
+                _check(k, args[0], f"{where} key")
+                _check(v, args[1], f"{where}[{k!r}]")
+        return
+    if hasattr(typ, "__dataclass_fields__"):
+        if not isinstance(value, dict):
+            raise CensusSchemaError(f"{where}: expected a {typ.__name__} object, found {value!r}")
+        hints = typing.get_type_hints(typ)
+        known = {f.name for f in fields(typ)}
+        extra = sorted(set(value) - known)
+        if extra:
+            raise CensusSchemaError(f"{where}: unknown key(s) {extra} for {typ.__name__} "
+                                    f"(schema {SCHEMA_VERSION})")
+        for f in fields(typ):
+            if f.name not in value:
+                if _has_default(f):
+                    continue
+                raise CensusSchemaError(f"{where}: missing key {f.name!r} of {typ.__name__}")
+            _check(value[f.name], hints[f.name], f"{where}.{f.name}")
+        return
+    if typ in _SCALARS:
+        ok = isinstance(value, _SCALARS[typ]) and not (typ is not bool and isinstance(value, bool))
+        if not ok:
+            raise CensusSchemaError(f"{where}: expected {typ.__name__}, found {value!r}")
+        return
+    raise CensusSchemaError(f"{where}: no rule for type {typ!r}")
+
+
+def _has_default(f) -> bool:
+    from dataclasses import MISSING
+
+    return f.default is not MISSING or f.default_factory is not MISSING
+
+
+def validate_rank(data: dict, where: str = "census") -> dict:
+    """Check one rank file's parsed JSON against the schema; returns it unchanged."""
+    if not isinstance(data, dict):
+        raise CensusSchemaError(f"{where}: not a JSON object")
+    if data.get("schema") != SCHEMA_VERSION:
+        raise CensusSchemaError(f"{where}: census schema {data.get('schema')!r}, this reader knows "
+                                f"{SCHEMA_VERSION} (the census writer and the gates come from "
+                                "different volta-qpn versions; reinstall one checkout)")
+    _check(data, RankCensus, where)
+    return data
+
+
+def to_json_dict(record: Any) -> dict:
+    """A dataclass record as plain JSON data (nested records included)."""
+    return asdict(record)
+
+
+# ----------------------------------------------------------------------- the summary the gates read
+# Keys of census.aggregate()'s result; the gates read only these.
+SUMMARY_KEYS = (
+    "ranks",  # per rank: identity, platform, tensor_parallel_size, serving, attention_layers,
+              # attention_routes, kv_cache, hooks_skipped, declared_on_qpn, declared_off_qpn
+    "modules_by_region", "modules_on_qpn", "modules_total", "route_counts", "non_qpn_routes",
+    "fallback_calls", "fallbacks", "lm_head", "kv_resolved", "hooks_skipped",
+)
+RANK_SUMMARY_KEYS = (
+    "rank", "pid", "engine_version", "platform", "device_capability", "backend", "updated",
+    "tensor_parallel_size", "serving", "kv_cache", "attention_layers", "attention_routes",
+    "hooks_skipped", "declared_on_qpn", "declared_off_qpn", "modules_total", "modules_on_qpn",
+)

@@ -1,0 +1,189 @@
+"""Census schema and the gates that read it (issue 11 item 7): the writer and the gates share
+``census_schema``; qpn_routes checks the checkpoint's own quantized_layers on every rank;
+census_platform wants one census per tensor-parallel rank; lm_head_from_codes reports what the
+loader did; served_depth wants draft tokens proposed, not only positions exported."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from qpn.fork_patches import census as census_mod
+from qpn.fork_patches.census import Census, aggregate, attention_layer_groups
+from qpn.fork_patches.census_schema import SCHEMA_VERSION, CensusSchemaError, validate_rank
+from qpn.scripts import boot_gates
+from qpn.scripts.engine_profiles import CPU
+
+_PLATFORM = {"engine_version": "0.32.0", "platform": "cpu", "device_capability": None,
+             "backend": "reference"}
+LAYERS = {  # a checkpoint's quantized_layers: fused q/k/v shards, an MLP, the head, the drafter
+    "model.language_model.layers.0.self_attn.q_proj": {"quant_algo": "FP8"},
+    "model.language_model.layers.0.self_attn.k_proj": {"quant_algo": "FP8"},
+    "model.language_model.layers.0.self_attn.v_proj": {"quant_algo": "FP8"},
+    "model.language_model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 16},
+    "lm_head": {"quant_algo": "NVFP4", "group_size": 16},
+    "mtp.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 16},
+}
+QKV = [k for k in LAYERS if "self_attn" in k]
+
+
+def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True):
+    c = Census()
+    c.platform = _PLATFORM
+    c.rank = rank
+    c.directory = str(tmp_path)
+    c._engine_config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp),
+        model_config=types.SimpleNamespace(max_model_len=1024, enforce_eager=True),
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=k) if k else None,
+        compilation_config=types.SimpleNamespace(static_forward_context={}),
+    )
+    modules = [("model.layers.0.self_attn.qkv_proj", "fp8", QKV),
+               ("model.layers.0.mlp.down_proj", "nvfp4", ["model.language_model.layers.0.mlp.down_proj"]),
+               ("lm_head", "nvfp4", ["lm_head"]),
+               ("mtp.layers.0.mlp.down_proj", "nvfp4", ["mtp.layers.0.mlp.down_proj"])]
+    layers = [object() for _ in modules]  # alive: the census knows layers by id()
+    for layer, (name, region, declared) in zip(layers, modules):
+        if name in skip:
+            continue
+        n = c.register_module(layer, name, region, 64, 128, prepack_verified=True,
+                              declared=declared)
+        c.count(n, "marlin" if name in off_qpn else ("qpn8" if region == "fp8" else "qpn2"))
+    if head:
+        c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
+    c.set_kv_cache("fp8_e4m3", "fp8_e4m3", "engine")
+    c._stop.set()
+    return c.flush()
+
+
+def test_written_file_follows_the_schema_and_bad_fields_are_named(tmp_path):
+    data = json.loads(open(_write_rank(tmp_path, 0)).read())
+    assert data["schema"] == SCHEMA_VERSION and data["tensor_parallel_size"] == 2
+    assert data["serving"]["num_speculative_tokens"] == 3
+    assert data["modules"]["model.layers.0.self_attn.qkv_proj"]["declared"] == sorted(QKV)
+    validate_rank(data)
+    bad = json.loads(json.dumps(data))
+    bad["modules"]["lm_head"]["n"] = "64"
+    with pytest.raises(CensusSchemaError, match=r"modules\['lm_head'\]\.n"):
+        validate_rank(bad)
+    bad = json.loads(json.dumps(data))
+    bad["attention_routes"] = {"decode_xqa_paged": 3}  # counts must be {eager, graph}
+    with pytest.raises(CensusSchemaError, match="attention_routes"):
+        validate_rank(bad)
+    bad = json.loads(json.dumps(data))
+    bad["surprise"] = 1
+    with pytest.raises(CensusSchemaError, match="unknown key"):
+        validate_rank(bad)
+
+
+def test_attention_layer_groups_read_what_the_layers_use():
+    def layer(kv, cache_dtype, heads=6, window=None):
+        impl = types.SimpleNamespace(kv_cache_dtype=kv)
+        cache = torch.zeros(2, 2, dtype=cache_dtype) if cache_dtype is not None else torch.tensor([])
+        return types.SimpleNamespace(impl=impl, head_size=256, num_heads=heads, num_kv_heads=1,
+                                     sliding_window=window, kv_cache=cache)
+
+    ctx = {"model.layers.3.self_attn.attn": layer("auto", torch.float16),
+           "model.layers.7.self_attn.attn": layer("auto", torch.float16),
+           "mtp.layers.0.self_attn.attn": layer("float16", torch.float16),
+           "model.layers.0.linear_attn": types.SimpleNamespace(kv_cache=[torch.zeros(1)]),  # GDN
+           "x.attn": layer("fp8_e5m2", torch.uint8, window=(127, 0)),
+           "y.attn": layer("auto", None)}  # cache not bound yet
+    groups = {g["names"][0]: g for g in attention_layer_groups(ctx)}
+    assert groups["model.layers.3.self_attn.attn"]["layers"] == 2
+    assert groups["model.layers.3.self_attn.attn"]["cache_tensor_dtype"] == "float16"
+    assert groups["mtp.layers.0.self_attn.attn"]["kv_cache_dtype"] == "float16"
+    assert groups["x.attn"]["cache_tensor_dtype"] == "uint8" and groups["x.attn"]["sliding_window"] == 128
+    assert groups["y.attn"]["cache_tensor_dtype"] is None
+    assert sum(g["layers"] for g in groups.values()) == 5
+
+
+def _gates(tmp_path, tp=2, k=3, metrics_k=None):
+    agg = aggregate(str(tmp_path))
+    metrics = _metrics(metrics_k if metrics_k is not None else k, drafted=True)
+    return {r.name: r for r in boot_gates.evaluate(CPU, k, {"ok": True, "completion_tokens": 4}, metrics,
+                                                   agg, {"nvfp4", "fp8"}, tp=tp,
+                                                   quantized_layers=LAYERS)}
+
+
+def _metrics(k, drafted):
+    lines = [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} 0.0'
+             for i in range(k)]
+    lines.append(f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {12.0 if drafted else 0.0}')
+    lines.append(f'vllm:spec_decode_num_drafts_total{{engine="0"}} {4.0 if drafted else 0.0}')
+    return "\n".join(lines) + "\n"
+
+
+def test_gates_pass_over_two_ranks(tmp_path):
+    for rank in (0, 1):
+        _write_rank(tmp_path, rank)
+    gates = _gates(tmp_path)
+    assert not any(g.failed for g in gates.values()), gates
+    assert "ranks [0, 1]" in gates["census_platform"].observed
+    assert "(6)" in gates["qpn_routes"].expected
+
+
+def test_census_platform_wants_every_rank(tmp_path):
+    _write_rank(tmp_path, 0)
+    g = _gates(tmp_path)["census_platform"]
+    assert g.failed and "no census from rank(s) [1] of TP=2" in g.observed
+    _write_rank(tmp_path, 1, tp=4)
+    g = _gates(tmp_path)["census_platform"]
+    assert g.failed and "report TP" in g.observed
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(skip=("mtp.layers.0.mlp.down_proj",)), "not in the census, e.g. ['mtp.layers.0.mlp.down_proj']"),
+    (dict(skip=("model.layers.0.self_attn.qkv_proj",)), "3 of 6 checkpoint module(s)"),
+    (dict(off_qpn=("model.layers.0.mlp.down_proj",)), "admitted but not on a QPN route"),
+])
+def test_qpn_routes_checks_every_listed_module_on_every_rank(tmp_path, change, needle):
+    _write_rank(tmp_path, 0)
+    _write_rank(tmp_path, 1, **change)
+    g = _gates(tmp_path)["qpn_routes"]
+    assert g.failed and "rank 1" in g.observed and needle in g.observed, g.observed
+
+
+def test_drafter_modules_are_not_needed_without_speculation(tmp_path):
+    for rank in (0, 1):
+        _write_rank(tmp_path, rank, k=0, skip=("mtp.layers.0.mlp.down_proj",))
+    gates = _gates(tmp_path, k=0)
+    assert not gates["qpn_routes"].failed, gates["qpn_routes"].observed
+
+
+def test_lm_head_missing_on_one_rank_fails(tmp_path):
+    _write_rank(tmp_path, 0)
+    _write_rank(tmp_path, 1, head=False)
+    g = _gates(tmp_path)["lm_head_from_codes"]
+    assert g.failed and "1 rank(s)" in g.observed
+
+
+def test_served_depth_wants_drafts_proposed():
+    assert not boot_gates.gate_depth(3, _metrics(3, drafted=True)).failed
+    g = boot_gates.gate_depth(3, _metrics(3, drafted=False))
+    assert g.failed and "speculation is configured but not running" in g.observed
+    assert boot_gates.gate_depth(2, _metrics(3, drafted=True)).failed
+    assert not boot_gates.gate_depth(0, _metrics(0, drafted=False)).failed
+
+
+def test_lm_head_source_comes_from_the_loader():
+    """weight_source reads what the checked loader received and what the prepack proved."""
+    pytest.importorskip("vllm")
+    from qpn.fork_patches.linear_method import QPN2LinearMethod
+
+    m = QPN2LinearMethod(prefix="lm_head", algo="NVFP4", backend="reference")
+    m.partition_sizes, m.n = [64], 64
+    assert m.weight_source() == "not_from_checkpoint"
+    m.loaded = {"weight": {0}, "weight_scale": {0}, "weight_scale_2": {0}}
+    assert m.weight_source() == "checkpoint_unverified"  # nothing packed and proven yet
+    m.pieces = [(0, 64, object())]
+    assert m.weight_source() == "checkpoint_codes"
+    m.loaded["weight_scale"] = set()
+    assert m.weight_source() == "not_from_checkpoint"
+
+
+@pytest.fixture(autouse=True)
+def _no_background_flush(monkeypatch):
+    monkeypatch.setattr(census_mod, "FLUSH_INTERVAL_S", 3600)
