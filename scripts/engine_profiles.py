@@ -130,6 +130,33 @@ SM70 = EngineProfile(
 
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (CPU, SM70)}
 
+# vLLM's CPU worker binds each tensor-parallel rank's OpenMP threads to the cores this variable
+# lists, ranks separated by "|" (vllm/v1/worker/cpu_worker.py); its "auto" binding per NUMA node
+# gives a 2-core, 1-node host one rank's worth of cores, so TP > 1 needs an explicit split.
+CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind(tp: int, cpus: list[int]) -> str:
+    """``tp`` contiguous core groups of equal size from ``cpus``, e.g. "0|1" or "0-3|4-7"."""
+    cpus = sorted(cpus)
+    if tp > len(cpus):
+        raise ValueError(f"TP={tp} on the cpu engine needs at least {tp} cores; this process may "
+                         f"use {len(cpus)} ({cpus})")
+    per = len(cpus) // tp
+    groups = [cpus[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1
+                    else ",".join(map(str, g)) for g in groups)
+
+
+def tp_env(profile: EngineProfile, tp: int, cpus: list[int] | None = None) -> dict[str, str]:
+    """Environment an engine needs for ``tp`` ranks: on the cpu engine, one core group per rank."""
+    if profile.name != "cpu" or tp <= 1:
+        return {}
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    return {CPU_THREADS_BIND: cpu_threads_bind(tp, cpus)}
+
 
 class EngineNotFound(RuntimeError):
     pass

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 from qpn.scripts import boot_gates, serve_preflight
 from qpn.scripts.capture_ladder import CaptureSpecError, resolve_capture
-from qpn.scripts.engine_profiles import PROFILES, EngineNotFound, EngineProfile, detect_engine
+from qpn.scripts.engine_profiles import (
+    PROFILES, EngineNotFound, EngineProfile, detect_engine, tp_env,
+)
 from qpn.scripts.launched import group_alive
 from qpn.scripts.serve_preflight import Refusal
 
@@ -200,6 +202,11 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
     tp = _int_setting(environ, "TP", profile.default_tensor_parallel)
     if tp is not None and tp < 1:
         raise Refusal(f"TP={tp}: tensor parallelism needs at least one device")
+    serve_preflight.check_tp_split(ckpt, _quant_config(ckpt, config), tp)
+    try:
+        tp_env(profile, tp or 1)
+    except ValueError as exc:
+        raise Refusal(str(exc)) from None
     run_dir = environ.get("RUN_DIR") or tempfile.mkdtemp(prefix="qpn-serve-")
     if os.path.exists(os.path.join(run_dir, "census")):
         # an earlier run's census would be read as this server's
@@ -245,6 +252,8 @@ def server_command(launch: Launch) -> list[str]:
 def server_env(launch: Launch) -> dict[str, str]:
     env = dict(launch.environ)
     for key, value in launch.profile.env_defaults.items():
+        env.setdefault(key, value)
+    for key, value in tp_env(launch.profile, launch.tp or 1).items():
         env.setdefault(key, value)
     env["QPN_CENSUS_DIR"] = launch.census_dir
     # vLLM leaves its ZMQ socket files here; inside the run directory they go with it.

@@ -227,3 +227,23 @@ def check_gpus_free(nvidia_smi: str = "nvidia-smi", visible: str | None = None) 
                       "its speed instead of failing. Stop them first (or pick free GPUs with "
                       "CUDA_VISIBLE_DEVICES):\n  " + "\n  ".join(holders))
     return "free"
+
+
+def check_tp_split(ckpt: str, quant_config: dict | None, tp: int | None) -> str:
+    """Refuse a checkpoint whose quantized modules cannot be split over ``tp`` ranks with whole
+    NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.tp_sharding), naming the module."""
+    if not tp or tp <= 1:
+        return "single rank"
+    from qpn.fork_patches.tp_sharding import checkpoint_modules, plan
+
+    layers = (quant_config or {}).get("quantized_layers")
+    if layers is None:
+        layers = (quant_config or {}).get("quantization", {}).get("quantized_layers", {})
+    modules = checkpoint_modules(ckpt, layers or {})
+    _, issues = plan(modules, tp)
+    if issues:
+        more = f" (and {len(issues) - 5} more)" if len(issues) > 5 else ""
+        raise Refusal(f"TP={tp}: this checkpoint cannot be split over {tp} ranks:\n  "
+                      + "\n  ".join(issues[:5]) + more
+                      + "\nChoose a TP that divides these sizes (e.g. TP=1, 2 or 4 for Qwen3.8-27B)")
+    return f"{len(modules)} quantized module(s) split over {tp} ranks"
