@@ -152,27 +152,54 @@ def _make_checkpoint(out: Path, malformed: str | None = None) -> Path:
 
 def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str], kv_cache: str) -> dict:
     """Independent references in one engine-python process (one transformers import)."""
-    out = tmp / "references.json"
+    out = tmp / f"references-{kv_cache}.json"
     _run_engine_python(["-m", "qpn.scripts.checkpoint_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
                         "--variants", ",".join(variants), "--kv-cache", kv_cache, "--out", str(out)])
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One server on the good checkpoint for the agreement, census and chat tests."""
-    root = tmp_path_factory.mktemp("e2e")
-    ckpt = _make_checkpoint(root / "ckpt")
-    census_dir = root / "census"
+# The KV-cache path the main server runs: "checkpoint" lets the engine resolve the checkpoint's
+# FP8 directive (an FP8 cache on x86 with AVX-512/AMX, the model dtype elsewhere); any other value
+# is passed as --kv-cache-dtype, so QPN_TEST_KV_CACHE=bfloat16 forces the bf16 path on any host.
+KV_SETTING = os.environ.get("QPN_TEST_KV_CACHE", "checkpoint")
+
+
+def _serve(root: Path, kv_setting: str):
+    ckpt = root / "ckpt"
+    if not ckpt.exists():
+        _make_checkpoint(ckpt)
+    census_dir = root / f"census-{kv_setting}"
+    kv_args = [] if kv_setting == "checkpoint" else ["--kv-cache-dtype", kv_setting]
     # Served the way the launcher serves the real model: tool calls and reasoning parsed.
     server = Server(ckpt, census_dir, extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                                  "--reasoning-parser", "qwen3"])
+                                                  "--reasoning-parser", "qwen3", *kv_args])
     try:
         server.wait_ready()
-        yield {"server": server, "ckpt": ckpt, "census_dir": census_dir, "tmp": root}
+        yield {"server": server, "ckpt": ckpt, "census_dir": census_dir, "tmp": root, "kv_setting": kv_setting}
     finally:
         server.stop()
         assert not _tagged_pids(server.tag), "server processes left behind"
+
+
+@pytest.fixture(scope="module")
+def e2e_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def served(e2e_root):
+    """One server on the good checkpoint for the agreement, census and chat tests."""
+    yield from _serve(e2e_root, KV_SETTING)
+
+
+@pytest.fixture(scope="module")
+def served_bf16_kv(e2e_root, served):
+    """A second server forced onto the bf16 KV path, where the main one keeps an FP8 cache, so
+    both KV paths are proven on a host that has both."""
+    if _kv_resolved(served["census_dir"]) == "bfloat16":
+        pytest.skip("the main server already runs the bf16 KV path on this host "
+                    f"(QPN_TEST_KV_CACHE={KV_SETTING}); nothing more to prove here")
+    yield from _serve(e2e_root, "bfloat16")
 
 
 def _served_prompt_logprobs(server: Server, ids: list[int]) -> tuple[list[float], list[int]]:
@@ -192,7 +219,8 @@ def _kv_resolved(census_dir: Path) -> str:
     return kv["resolved"]
 
 
-def test_served_logprobs_agree_with_float32_reference(served):
+@pytest.mark.parametrize("kv_path", ["main", "bf16-forced"])
+def test_served_logprobs_agree_with_float32_reference(kv_path, request):
     """Tolerance, and why: vLLM's CPU engine runs this model in bfloat16 (its gated-delta-net
     kernel accepts nothing else), which keeps 8 significant bits, so even an exact bf16
     implementation departs from float32. We measure that floor on the same positions by running
@@ -200,14 +228,23 @@ def test_served_logprobs_agree_with_float32_reference(served):
     positions); the factor 2 covers the engine rounding at other points than transformers does.
     Two single decoding mistakes (NVFP4 nibbles swapped; fused FP8 shards collapsed to one scale
     without requantizing) are computed too and must land far outside the tolerance, so the
-    tolerance is shown to catch the errors a loader can make. Where the engine keeps an FP8 KV
-    cache (x86 with AVX-512/AMX), the reference rounds K and V through e4m3 the same way."""
+    tolerance is shown to catch the errors a loader can make.
+
+    KV paths: where the engine keeps the checkpoint's FP8 KV cache (x86 with AVX-512/AMX), every
+    reference variant, the bf16 floor included, stores K and V through e4m3 exactly as the engine
+    does (scale, saturation, rounding toward zero: tests/test_kv_fp8_emulation.py pins that to the
+    engine's op), so the floor is measured on the same KV path as the served run and the bound
+    stays 2x that floor. The "bf16-forced" case serves the same checkpoint with
+    --kv-cache-dtype bfloat16, so both paths are proven on such a host."""
+    served = request.getfixturevalue("served" if kv_path == "main" else "served_bf16_kv")
     server, ckpt, tmp = served["server"], served["ckpt"], served["tmp"]
     ids = server.post("/tokenize", {"model": SERVED_NAME, "prompt": PROMPT_TEXT, "add_special_tokens": False})["tokens"]
     assert len(ids) >= 65, "need at least 64 teacher-forced positions"
     got, top1 = _served_prompt_logprobs(server, ids)
 
-    kv = "fp8_e4m3" if _kv_resolved(served["census_dir"]).startswith("fp8") else "auto"
+    resolved = _kv_resolved(served["census_dir"])
+    kv = "fp8_e4m3" if resolved.startswith("fp8") else "auto"
+    assert resolved in ("fp8_e4m3", "bfloat16"), f"KV path {resolved!r} has no reference model"
     controls = ("swap-nibbles", "collapse-fp8-shards")
     refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *controls], kv)
     ref, floor_ref = refs["float32"], refs["bfloat16"]
@@ -219,7 +256,8 @@ def test_served_logprobs_agree_with_float32_reference(served):
     floor_mean, floor_max = deltas(floor_ref["token_logprobs"], ref["token_logprobs"])
     tol_mean, tol_max = 2 * floor_mean, 2 * floor_max
     mean, worst = deltas(got, ref["token_logprobs"])
-    report = (f"{len(got)} positions: served vs float32 mean {mean:.4f} max {worst:.4f}; "
+    report = (f"KV path {resolved} ({served['kv_setting']}), {len(got)} positions: "
+              f"served vs float32 mean {mean:.4f} max {worst:.4f}; "
               f"bf16 floor mean {floor_mean:.4f} max {floor_max:.4f}")
     print(report)
     assert mean <= tol_mean and worst <= tol_max, report
@@ -271,7 +309,10 @@ def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
                                "route_family": "qpn2", "repack_fallback": False}]
     (kv,) = agg["kv_resolved"]
     assert kv["checkpoint_requested"] == "fp8_e4m3"
-    assert kv["resolved"] == ("bfloat16" if cpu_lacks_fp8_kv() else "fp8_e4m3")
+    if KV_SETTING == "checkpoint":
+        assert kv["resolved"] == ("bfloat16" if cpu_lacks_fp8_kv() else "fp8_e4m3")
+    else:
+        assert kv["resolved"] == KV_SETTING
     assert kv["policy"]
 
 
