@@ -122,9 +122,13 @@ def fp8_kv_emulation(model, ckpt_dir: str | Path):
     ``k_scale`` / ``v_scale`` (1.0 when absent) exactly as vLLM's CPU FP8 KV cache stores them
     (divide by the scale, saturate, round toward zero; see ``e4m3_toward_zero``)."""
     import contextlib
+    import importlib
 
     from safetensors.torch import load_file
-    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    # The module of the model at hand (Qwen3.5 dense, or its MoE sibling, which has its own copy
+    # of apply_rotary_pos_emb): the one whose attention calls the function patched below.
+    modeling_qwen3_5 = importlib.import_module(type(model).__module__)
 
     tensors = {}
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
