@@ -16,7 +16,18 @@ Two kinds:
   (``qpn.fork_patches.overlay``). ``anchor`` is the file path inside the ``vllm`` package;
   ``apply`` names a function ``str -> str`` that returns the patched text and raises
   ``AnchorMissing`` when the text it expects is absent. The pristine file is kept as
-  ``<file>.pre_bootstrap`` and every change is recorded in the manifest.
+  ``<file>.pre_bootstrap`` and every change is recorded in the manifest. ``targets`` lists the
+  texts the edit rewrites; each must occur exactly once in the engine's file.
+
+Per engine. ``engines`` names the profiles (``sm70``, ``cpu``) a hook is written for. Where the
+engine's code differs between locked builds, ``anchors`` / ``apply_on`` give the anchor and the
+wrapper per engine key (``sm70@1.3.0``) or profile; ``not_on`` says, per key or profile, why a hook
+does not apply there. ``needed_for`` is the failure policy: ``always`` hooks must apply or the
+engine stops at start; ``moe`` hooks are needed only by checkpoints with routed experts, and are
+skipped with a warning (and recorded in the census) when their anchor is missing. ``params`` are
+the anchor's parameters our wrapper calls it with (default: read from the wrapper itself).
+``qpn.fork_patches.engine_source`` proves all of this against each locked engine's source:
+``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR``.
 """
 from __future__ import annotations
 
@@ -28,21 +39,56 @@ class AnchorMissing(RuntimeError):
     """The engine does not have the code a hook expects (another engine version)."""
 
 
+NEEDED_FOR = ("always", "moe")
+
+
 @dataclass(frozen=True)
 class Hook:
     name: str
     kind: str  # "runtime" | "disk"
-    anchor: str  # "vllm.module:attr" (runtime) or "path/inside/vllm.py" (disk)
+    anchor: str  # "vllm.module:attr" (runtime) or "path/inside/vllm.py" (disk); default anchor
     what: str
     why: str
     how: str
     remove_when: str
-    apply: str  # "qpn.fork_patches.<module>:<function>"
+    apply: str  # "qpn.fork_patches.<module>:<function>"; default wrapper
     engines: tuple[str, ...] = ("sm70", "cpu")  # engine profiles the hook applies to
     platforms: tuple[str, ...] = field(default=("any",))
+    # Per engine key ("sm70@1.3.0") or profile ("sm70"): the anchor / wrapper where they differ.
+    anchors: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    apply_on: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    # Per engine key or profile: why the hook does not apply to that engine.
+    not_on: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    needed_for: str = "always"  # "always" | "moe" (checkpoints with routed experts)
+    params: tuple[str, ...] | None = None  # the anchor's parameters our wrapper passes
+    targets: tuple[str, ...] = ()  # disk hooks: texts the edit rewrites, each exactly once
 
-    def load(self):
-        module_name, _, attr = self.apply.partition(":")
+    @staticmethod
+    def _per_engine(table: dict, engine: str | None):
+        if not engine:
+            return None
+        if engine in table:
+            return table[engine]
+        return table.get(engine.partition("@")[0])
+
+    def anchor_for(self, engine: str | None = None) -> str:
+        """The anchor on ``engine`` (a key ``sm70@1.3.0`` or a profile; None: the default)."""
+        return self._per_engine(self.anchors, engine) or self.anchor
+
+    def apply_for(self, engine: str | None = None) -> str:
+        return self._per_engine(self.apply_on, engine) or self.apply
+
+    def skip_reason(self, engine: str) -> str | None:
+        """Why the hook does not apply to ``engine`` (key or profile); None when it applies."""
+        if engine.partition("@")[0] not in self.engines:
+            return f"written for engine profile(s) {', '.join(self.engines)} only"
+        return self._per_engine(self.not_on, engine)
+
+    def applies_to(self, engine: str) -> bool:
+        return self.skip_reason(engine) is None
+
+    def load(self, engine: str | None = None):
+        module_name, _, attr = self.apply_for(engine).partition(":")
         return getattr(importlib.import_module(module_name), attr)
 
 
@@ -51,6 +97,25 @@ _VISION_GUARD_WHY = (
     "removes it; this module imports transformers' vision processors, which need torchvision, "
     "and Qwen3_5ForCausalLM (text-only) imports it through qwen3_5.py"
 )
+
+
+_VISION_TARGETS = {  # the imports the guard wraps, per file (vLLM 0.32 CPU build)
+    "model_executor/models/qwen3_vl.py": (
+        "from transformers.models.qwen2_vl import ",
+        "from transformers.models.qwen2_vl.image_processing_qwen2_vl import ",
+        "from transformers.models.qwen3_vl import ",
+        "from transformers.models.qwen3_vl.video_processing_qwen3_vl import ",
+        "from transformers.video_utils import ",
+    ),
+    "model_executor/models/qwen2_vl.py": (
+        "from transformers.models.qwen2_vl import ",
+        "from transformers.models.qwen2_vl.image_processing_qwen2_vl import ",
+    ),
+    "model_executor/models/qwen2_5_vl.py": (
+        "from transformers.models.qwen2_5_vl import ",
+        "from transformers.video_utils import ",
+    ),
+}
 
 
 def _vision_guard(relpath: str) -> Hook:
@@ -66,6 +131,7 @@ def _vision_guard(relpath: str) -> Hook:
         "or vLLM stops importing the VL module from the text-only Qwen3.5 model",
         apply="qpn.fork_patches.engine_quirks:guard_vision_imports",
         engines=("cpu",),
+        targets=_VISION_TARGETS[relpath],
     )
 
 
@@ -94,9 +160,12 @@ REGISTRY: list[Hook] = [
         kind="runtime",
         anchor="vllm.model_executor.layers.quantization.modelopt:"
         "ModelOptMixedPrecisionConfig.get_min_capability",
-        what="minimum compute capability of the mixed ModelOpt config (75 in vLLM 0.32)",
+        what="minimum compute capability of the mixed ModelOpt config (75 in vLLM 0.32; 89 in "
+        "1Cat-vLLM 1.2.2 and 1.3.0, modelopt.py ModelOptMixedPrecisionConfig.get_min_capability)",
         why="QPN2/QPN8 serve NVFP4 and FP8 weights with FP16 tensor-core math on SM70, so a V100 "
-        "(capability 70) can serve the checkpoint unchanged",
+        "(capability 70) can serve the checkpoint unchanged. 1Cat has SM70 NVFP4 kernels of its own "
+        "(TurboMind sm70_turbomind.py, SM70 Marlin FP4 marlin_utils_fp4.py, a Marlin MoE that accepts "
+        "SM70), but not for MIXED_PRECISION: it keeps 89 for this config",
         how="answer 70 only on a CUDA device of capability 7.0 where qpn.kernels.ops builds for "
         "sm_70; vLLM's own value everywhere else (the CPU platform has no capability check)",
         remove_when="the engine ships an SM70 path for mixed ModelOpt checkpoints",
@@ -110,7 +179,9 @@ REGISTRY: list[Hook] = [
         what="the per-layer quant method of the mixed ModelOpt config",
         why="vLLM 0.32 has no NVFP4 linear kernel on CPU or SM70, requantizes fused FP8 shards with "
         "different scales through a CUDA-only op, and silently leaves a module with an unknown "
-        "declared algo unquantized",
+        "declared algo unquantized. 1Cat-vLLM gives the mixed config's layers ModelOpt's own FP8 "
+        "(needs capability 89) and NVFP4 methods; its SM70 NVFP4 kernels (TurboMind, Marlin) are "
+        "not the QPN kernels this overlay serves and measures",
         how="where the QPN path serves (CPU: reference; SM70: built kernels) give each linear and "
         "ParallelLMHead in quantized_layers a QPN2 (NVFP4) or QPN8 (FP8) method "
         "(qpn.fork_patches.linear_method): codes and scales loaded and checked unchanged, "
@@ -124,20 +195,29 @@ REGISTRY: list[Hook] = [
         name="modelopt-mixed-qpn-moe-method",
         kind="runtime",
         anchor="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method",
-        what="the choice of quant method for the routed experts of a MoE layer (RoutedExperts), for "
-        "the ModelOpt mixed and NVFP4 configs",
+        anchors={"sm70": "vllm.model_executor.layers.quantization.modelopt:"
+                         "ModelOptMixedPrecisionConfig.get_quant_method"},
+        apply="qpn.fork_patches.moe_method:wrap_routed_experts_get_quant_method",
+        apply_on={"sm70": "qpn.fork_patches.moe_method:wrap_mixed_config_moe_method"},
+        needed_for="moe",
+        what="the choice of quant method for the routed experts of a MoE layer: vLLM 0.32's "
+        "RoutedExperts._get_quant_method (ModelOpt mixed and NVFP4 configs); on 1Cat-vLLM 1.2.2 and "
+        "1.3.0, where RoutedExperts is an alias of FusedMoE (fused_moe/__init__.py) and a closure "
+        "in FusedMoE.__init__ (fused_moe/layer.py) asks quant_config.get_quant_method(layer, prefix), "
+        "the mixed config's get_quant_method for a FusedMoE layer",
         why="vLLM 0.32 gives NVFP4 experts ModelOptNvFp4FusedMoE, which has no backend on CPU or SM70 "
-        "(Marlin-MoE needs SM75+), and folds gate and up into one global scale",
-        how="where the QPN path serves (CPU: reference; SM70: built kernels) a RoutedExperts layer whose "
+        "(Marlin-MoE needs SM75+), and folds gate and up into one global scale; 1Cat gives them "
+        "ModelOptNvFp4FusedMoE too (its Marlin MoE accepts SM70, but it is not the QPN MoE path)",
+        how="where the QPN path serves (CPU: reference; SM70: built kernels) a routed-experts layer whose "
         "declared algo is NVFP4 / W4A16_NVFP4 / FP8 gets QPNModelOptMoEMethod (qpn.fork_patches.moe_method) "
         "before vLLM builds its own method: "
         "expert tensors loaded and checked unchanged through vLLM's ModelOpt expert loader, every "
         "expert prepacked with a byte-identical inverse check, served by the grouped QPN MoE kernels "
         "(device-side routing, CUDA-graph capturable), both expert stacks counted in the census; "
-        "another declared algo fails the load naming the layer",
+        "another declared algo fails the load naming the layer. On 1Cat only the mixed config is "
+        "hooked: a plain ModelOpt NVFP4 MoE checkpoint stays on 1Cat's own SM70 MoE path",
         remove_when="never on SM70 (the QPN MoE kernels are the point); on CPU, when vLLM serves "
         "NVFP4 MoE checkpoints natively",
-        apply="qpn.fork_patches.moe_method:wrap_routed_experts_get_quant_method",
     ),
     Hook(
         name="kv-cache-fp16-on-sm70",
@@ -153,11 +233,49 @@ REGISTRY: list[Hook] = [
         remove_when="Volta gets an FP8-KV attention path as fast as its FP16 one",
         apply="qpn.fork_patches.kv_policy:wrap_resolve_kv_cache_dtype_string",
     ),
+    # ---- 1Cat-vLLM FlashAttention-V100 hooks (runtime; sm70 engine only)
+    Hook(
+        name="flash-v100-kv-float16-as-auto",
+        kind="runtime",
+        anchor="vllm.v1.attention.backends.flash_attn_v100:FlashAttnV100Impl.__init__",
+        engines=("sm70",),
+        not_on={"sm70@1.3.0": "1.3.0 maps float16 to auto itself "
+                "(flash_attn_v100.py _normalize_flash_v100_kv_cache_dtype, called in "
+                "FlashAttnV100Impl.__init__)"},
+        what="the KV-cache dtype string FlashAttnV100Impl keeps (self.kv_cache_dtype)",
+        why="on 1.2.2 an FP16 KV cache requested as float16 (our SM70 policy and the sm70 profile's "
+        "--kv-cache-dtype) is on no XQA allow-list (auto/bfloat16 only) and the scalar decode "
+        "kernel refuses the string (flash_decode_paged.cu kv_cache_dtype_code_from_string), so "
+        "the first decode fails",
+        how="after the engine's constructor, map float16 to auto (the kernels' name for the same "
+        "unquantized FP16 layout), exactly as 1.3.0's _normalize_flash_v100_kv_cache_dtype does; "
+        "every other string unchanged (qpn.fork_patches.kv_policy)",
+        remove_when="1.2.2 is no longer a selectable engine (1.3.0 and later normalise it)",
+        apply="qpn.fork_patches.kv_policy:wrap_flash_v100_impl_init",
+    ),
+    Hook(
+        name="flash-v100-attention-route-census",
+        kind="runtime",
+        anchor="vllm.v1.attention.backends.flash_attn_v100:_record_route",
+        engines=("sm70",),
+        what="1Cat's attention route recorder, called by FLASH_ATTN_V100 for every decision "
+        "(decode_xqa_paged, decode_scalar_paged, prefill_smallq_decode_xqa/_scalar, "
+        "prefill_capture_smallq, fp8_kv_decode_*, ...)",
+        why="the decode_attention_route gate must see which kernel decode and MTP verification "
+        "really took; the engine counts routes only with VLLM_FLASH_V100_ROUTE_SUMMARY=1 and "
+        "prints them at exit, out of the gates' reach",
+        how="count every route in the census (CUDA-graph captures apart from eager calls), then "
+        "call the engine's own function (qpn.fork_patches.attention_routes)",
+        remove_when="the engine exports its route counts through a structured interface",
+        apply="qpn.fork_patches.attention_routes:wrap_record_route",
+    ),
 ]
 
 
 def hooks_for(engine: str, kind: str | None = None) -> list[Hook]:
-    return [h for h in REGISTRY if engine in h.engines and (kind is None or h.kind == kind)]
+    """The hooks that apply to ``engine``: a profile (``sm70``: every hook written for it) or an
+    engine key (``sm70@1.2.2``: less those whose ``not_on`` names that build)."""
+    return [h for h in REGISTRY if h.applies_to(engine) and (kind is None or h.kind == kind)]
 
 
 def by_name(name: str) -> Hook:
@@ -169,14 +287,28 @@ def by_name(name: str) -> Hook:
 
 def as_markdown() -> str:
     """The registry as a Markdown table (``python -m qpn.fork_patches.hooks``; docs/hooks.md)."""
-    rows = ["| hook | kind | engines | anchor (vLLM 0.32) | what | why | how | remove when |",
+    rows = ["| hook | kind | engines | anchor | what | why | how | remove when |",
             "|---|---|---|---|---|---|---|---|"]
     for h in REGISTRY:
-        cells = [h.name, h.kind, ", ".join(h.engines), f"`{h.anchor}`", h.what, h.why, h.how,
-                 h.remove_when]
+        anchors = f"`{h.anchor}`" + "".join(f"; {k}: `{v}`" for k, v in h.anchors.items())
+        engines = ", ".join(h.engines) + "".join(f"; not on {k}: {v}" for k, v in h.not_on.items())
+        cells = [h.name, h.kind, engines, anchors, h.what, h.why, h.how, h.remove_when]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
+    """No argument: the registry as Markdown. ``--engine-source ARCHIVE_OR_DIR [--engine KEY]``:
+    prove every hook against that engine's source (qpn.fork_patches.engine_source); exit 1 on a miss."""
+    if argv and argv[0] == "--engine-source":
+        from qpn.fork_patches.engine_source import main as engine_source_main
+
+        return engine_source_main(argv[1:])
     print(as_markdown(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

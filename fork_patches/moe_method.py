@@ -2,11 +2,15 @@
 QPN MoE kernels (qpn.kernels.moe) on SM70, and by their CPU reference over the same packed
 buffers on the CPU engine.
 
-Runtime hook ``modelopt-mixed-qpn-moe-method`` (hooks.py) wraps
-``RoutedExperts._get_quant_method``: a ``RoutedExperts`` layer of a ModelOpt mixed (or NVFP4)
-checkpoint whose declared algo is NVFP4 / W4A16_NVFP4 / FP8 gets a ``QPNModelOptMoEMethod``
-where the QPN path serves (platform_gate.qpn_backend); any other declared algo fails the load
-naming the layer. Elsewhere vLLM's method stands.
+Runtime hook ``modelopt-mixed-qpn-moe-method`` (hooks.py) wraps the place each engine chooses the
+experts' quant method: on vLLM 0.32 ``RoutedExperts._get_quant_method``
+(``wrap_routed_experts_get_quant_method``: ModelOpt mixed and NVFP4 configs); on 1Cat-vLLM 1.2.2
+and 1.3.0, where ``RoutedExperts`` is an alias of ``FusedMoE`` and ``FusedMoE.__init__`` asks
+``quant_config.get_quant_method(layer, prefix)``, ``ModelOptMixedPrecisionConfig.get_quant_method``
+(``wrap_mixed_config_moe_method``). A routed-experts layer whose declared algo is NVFP4 /
+W4A16_NVFP4 / FP8 gets a ``QPNModelOptMoEMethod`` where the QPN path serves
+(platform_gate.qpn_backend); any other declared algo fails the load naming the layer. Elsewhere
+the engine's method stands.
 
 Life of one MoE layer (vLLM 0.32's FusedMoEMethodBase contract):
 
@@ -325,3 +329,28 @@ def wrap_routed_experts_get_quant_method(original):
 
     _get_quant_method.__wrapped__ = original
     return _get_quant_method
+
+
+def wrap_mixed_config_moe_method(original):
+    """1Cat-vLLM: ``ModelOptMixedPrecisionConfig.get_quant_method(self, layer, prefix)``, which the
+    closure in ``FusedMoE.__init__`` calls for every routed-experts layer (1Cat has no
+    ``RoutedExperts._get_quant_method``). For a routed-experts layer where the QPN path serves: the
+    QPN MoE method, built from the layer's own ``moe_config``; every other layer, and every layer
+    where the QPN path does not serve, goes to ``original`` (the linear hook's wrapper, then the
+    engine's method)."""
+
+    def get_quant_method(self, layer, prefix):
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        if isinstance(layer, RoutedExperts):
+            from qpn.fork_patches.platform_gate import qpn_backend
+
+            backend = qpn_backend()
+            if backend is not None:
+                method = qpn_moe_method_for(self, layer.moe_config, prefix, backend)
+                if method is not None:
+                    return method
+        return original(self, layer, prefix)
+
+    get_quant_method.__wrapped__ = original
+    return get_quant_method

@@ -23,11 +23,12 @@ import os
 import shutil
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from qpn.fork_patches import engine_lock
+from qpn.fork_patches.engine_lock import load_lock  # noqa: F401 - re-exported
 from qpn.fork_patches.hooks import AnchorMissing, hooks_for
 
 STATE_DIR_NAME = "volta_qpn_overlay"
@@ -87,15 +88,6 @@ def _write_json(path: Path, obj) -> None:
 # ---------------------------------------------------------------- the engine and its lock
 
 
-def load_lock() -> dict:
-    lock_path = Path(__file__).resolve().parent.parent / "scripts" / "engines.lock.toml"
-    if not lock_path.exists():  # installed wheel: the lock travels as package data
-        from importlib.resources import files
-
-        return tomllib.loads(files("qpn.scripts").joinpath("engines.lock.toml").read_text())
-    return tomllib.loads(lock_path.read_text())
-
-
 @dataclass
 class Engine:
     name: str
@@ -134,36 +126,43 @@ def find_engine() -> Engine:
 
 
 def require_known(engine: Engine, profile_name: str, lock: dict) -> dict:
-    profile = lock["engines"].get(profile_name)
-    if profile is None:
+    """The locked profile (flat, at the installed version) of the engine found; OverlayError
+    naming what was found when it is not a locked build of ``profile_name``."""
+    if profile_name not in lock["engines"]:
         raise OverlayError(
             f"unknown engine profile {profile_name!r}; known: {', '.join(lock['engines'])}"
         )
-    if engine.name != profile["distribution"] or engine.version != profile["version"]:
+    table = lock["engines"][profile_name]
+    try:
+        if engine.name != table["distribution"]:
+            raise engine_lock.LockError("another distribution")
+        return engine_lock.profile_for_installed(profile_name, engine.version, lock)
+    except engine_lock.LockError:
         raise OverlayError(
             f"the overlay does not know engine {engine.name} {engine.version}: profile "
-            f"{profile_name!r} is {profile['distribution']} {profile['version']}. Install the "
-            "pinned engine with scripts/bootstrap-sm70.sh (a fresh ENV_PREFIX), or port the hooks "
-            "in fork_patches/hooks.py to this version first"
-        )
-    return profile
+            f"{profile_name!r} is {table['distribution']} "
+            f"{', '.join(engine_lock.versions(profile_name, lock))} (a local build suffix such as "
+            "+cu128 is accepted). Install the pinned engine with scripts/bootstrap-sm70.sh (a fresh "
+            "ENV_PREFIX), or port the hooks in fork_patches/hooks.py to this version first"
+        ) from None
 
 
 # ---------------------------------------------------------------- the plan
 
 
-def planned_files(profile_name: str) -> dict[str, list]:
+def planned_files(engine_key: str) -> dict[str, list]:
+    """Engine file -> the disk hooks that edit it, on ``engine_key`` (``cpu@0.32.0``) or a profile."""
     plan: dict[str, list] = {}
-    for hook in hooks_for(profile_name, kind="disk"):
-        plan.setdefault(hook.anchor, []).append(hook)
+    for hook in hooks_for(engine_key, kind="disk"):
+        plan.setdefault(hook.anchor_for(engine_key), []).append(hook)
     return plan
 
 
-def patched_text(pristine: str, hooks: list, relpath: str) -> str:
+def patched_text(pristine: str, hooks: list, relpath: str, engine_key: str | None = None) -> str:
     text = pristine
     for hook in hooks:
         try:
-            text = hook.load()(text)
+            text = hook.load(engine_key)(text)
         except AnchorMissing as exc:
             raise OverlayError(
                 f"hook {hook.name}: its anchor in vllm/{relpath} is missing ({exc}); this engine "
@@ -232,7 +231,7 @@ def apply(profile_name: str) -> int:
     if journal_path.exists():
         _rollback(engine, journal_path)
 
-    plan = planned_files(profile_name)
+    plan = planned_files(profile["key"])
     previous = json.loads(manifest_path.read_text())["files"] if manifest_path.exists() else {}
     stale = sorted(set(previous) - set(plan))
     _write_json(
@@ -272,7 +271,7 @@ def apply(profile_name: str) -> int:
             _atomic_copy(target, backup)
             _fault("after_backup")
         pristine = backup.read_text()
-        new_text = patched_text(pristine, hooks, relpath)
+        new_text = patched_text(pristine, hooks, relpath, profile["key"])
         if target.read_text() != new_text:
             _atomic_write_bytes(target, new_text.encode(), mode_from=backup)
             changed += 1
@@ -374,7 +373,7 @@ def check(profile_name: str, source: Path | None = None) -> int:
             f"manifest is for {manifest.get('engine')} {manifest.get('version')}, "
             f"engine is {profile_name} {engine.version}"
         )
-    for relpath, hooks in sorted(planned_files(profile_name).items()):
+    for relpath, hooks in sorted(planned_files(profile["key"]).items()):
         entry = manifest["files"].get(relpath)
         target = engine.vllm_dir / relpath
         backup = target.with_name(target.name + BACKUP_SUFFIX)
@@ -399,7 +398,7 @@ def check(profile_name: str, source: Path | None = None) -> int:
             problems.append(f"metadata alias {shim.name} is missing")
     problems.extend(_check_our_distribution(engine.site_packages, source))
     if not problems:  # only a complete overlay is worth importing the engine for
-        problems.extend(_check_runtime_anchors(profile_name))
+        problems.extend(_check_runtime_anchors(profile["key"]))
     if problems:
         for p in problems:
             _say(f"FAIL {p}")
@@ -460,20 +459,20 @@ def _check_our_distribution(site_packages: Path, source: Path | None = None) -> 
     return problems
 
 
-def _check_runtime_anchors(profile_name: str) -> list[str]:
+def _check_runtime_anchors(engine_key: str) -> list[str]:
     """Every runtime hook's anchor exists in the installed engine (imports vLLM: seconds)."""
     from qpn.fork_patches.plugin import check_anchor
 
-    hooks = hooks_for(profile_name, kind="runtime")
+    hooks = hooks_for(engine_key, kind="runtime")
     _say(f"importing the engine to check the anchors of {len(hooks)} runtime hook(s)")
     problems = []
     for hook in hooks:
         try:
-            check_anchor(hook)
+            check_anchor(hook, engine_key)
         except AnchorMissing as exc:
             problems.append(str(exc))
         else:
-            _say(f"ok  runtime hook {hook.name}: anchor {hook.anchor}")
+            _say(f"ok  runtime hook {hook.name}: anchor {hook.anchor_for(engine_key)}")
     return problems
 
 

@@ -4,15 +4,24 @@ vLLM calls ``register()`` in every process it starts (API server, engine core, w
 more than once per process; it must be cheap and idempotent. It imports no kernel code: each hook
 replaces one engine attribute with a thin wrapper whose work happens only when vLLM calls it.
 
-A runtime hook's ``anchor`` is ``module:Attr.path`` and its ``apply`` names a function
-``wrap(original) -> replacement``. Before patching, the anchor must exist; if it does not, the
-engine is not the one the hook was written for and ``register()`` raises ``AnchorMissing``
-naming the hook, the anchor and the installed vLLM version. A replacement carries the hook's
-name in ``__qpn_hook__``, so a second ``register()`` (or a second plugin load) changes nothing.
+A runtime hook's anchor is ``module:Attr.path`` (per engine: ``Hook.anchor_for(key)``) and its
+wrapper ``wrap(original) -> replacement``. A replacement carries the hook's name in
+``__qpn_hook__`` and the original in ``__wrapped__``; a hook counts as applied when its name is
+anywhere on that chain, so a second ``register()`` changes nothing even where two hooks wrap the
+same anchor (on 1Cat the linear and the MoE hooks both wrap the mixed config's get_quant_method).
 
-Which hooks apply: ``hooks_for(profile, "runtime")`` with profile ``$QPN_ENGINE`` if set, else
-``cpu`` on vLLM's CPU platform and ``sm70`` everywhere else (each hook then decides for itself,
-at call time, whether the device is one it serves; on other hardware it defers to vLLM).
+Which engine: ``$QPN_ENGINE`` (profile) if set, else ``cpu`` on vLLM's CPU platform and ``sm70``
+everywhere else; the build is the locked version the installed ``vllm.__version__`` is (local
+suffix allowed; ``$QPN_ENGINE_VERSION`` overrides), giving an engine key such as ``sm70@1.3.0``.
+An unlocked build gets the anchors of the profile's default version and is named in any failure.
+
+Failure policy (vLLM calls plugins outside its error handling, in ``EngineArgs.__post_init__``,
+so whatever ``register()`` raises stops the process before any model is read):
+- a hook needed by every checkpoint (``needed_for="always"``) whose anchor is missing stops the
+  engine with one message naming each such hook, its anchor, the engine version and the fix;
+- a hook only some checkpoints need (``needed_for="moe"``) whose anchor is missing is skipped
+  with a warning and recorded (``skipped_hooks()``, written into the census); the boot gate
+  ``skipped_hooks`` fails when the served checkpoint needs it.
 """
 from __future__ import annotations
 
@@ -27,6 +36,9 @@ logger = logging.getLogger("vllm.qpn.plugin")
 
 _REGISTERED = False
 MARK = "__qpn_hook__"
+ENGINE_VERSION_ENV = "QPN_ENGINE_VERSION"
+# Hooks skipped in this process: {"hook", "anchor", "engine", "needed_for", "reason"} per hook.
+_SKIPPED: list[dict] = []
 
 
 def engine_version() -> str:
@@ -47,17 +59,36 @@ def engine_profile() -> str:
     return "cpu" if current_platform.is_cpu() else "sm70"
 
 
-def resolve_anchor(hook: Hook):
-    """(owner, attribute name, raw original) of a runtime hook's anchor, or AnchorMissing."""
-    module_name, sep, path = hook.anchor.partition(":")
+def engine_key() -> str:
+    """``profile@version`` of the running engine (see the module docstring)."""
+    from qpn.fork_patches import engine_lock
+
+    profile = engine_profile()
+    found = os.environ.get(ENGINE_VERSION_ENV) or engine_version()
+    try:
+        return engine_lock.profile_for_installed(profile, found)["key"]
+    except (engine_lock.LockError, KeyError):
+        return f"{profile}@{engine_lock.default_version(profile)}"
+
+
+def skipped_hooks() -> list[dict]:
+    """The hooks this process skipped (anchor missing, not needed by every checkpoint)."""
+    return [dict(s) for s in _SKIPPED]
+
+
+def resolve_anchor(hook: Hook, engine: str | None = None):
+    """(owner, attribute name, raw original) of a runtime hook's anchor on ``engine`` (key or
+    profile; None: the running engine), or AnchorMissing naming hook, anchor and engine."""
+    engine = engine or engine_key()
+    anchor = hook.anchor_for(engine)
+    module_name, sep, path = anchor.partition(":")
     if not sep or not path:
-        raise AnchorMissing(f"hook {hook.name}: runtime anchor {hook.anchor!r} is not 'module:attr'")
+        raise AnchorMissing(f"hook {hook.name}: runtime anchor {anchor!r} is not 'module:attr'")
 
     def missing(detail: str) -> AnchorMissing:
         return AnchorMissing(
-            f"hook {hook.name}: anchor {hook.anchor} not found in the installed vLLM "
-            f"{engine_version()} ({detail}); this overlay was written against vLLM 0.32.0. "
-            "Install the pinned engine (scripts/bootstrap-sm70.sh) or port the hook.")
+            f"hook {hook.name}: anchor {anchor} not found in the installed vLLM "
+            f"{engine_version()} (engine {engine}; {detail})")
 
     try:
         # The engine's own import order: vllm.config first. Its model module imports the config
@@ -83,32 +114,84 @@ def resolve_anchor(hook: Hook):
     return owner, name, getattr(owner, name)
 
 
-def _hook_mark(obj):
-    return getattr(getattr(obj, "__func__", obj), MARK, None)
+def hooks_on_chain(obj) -> list[str]:
+    """The hook names marked on ``obj`` and every original it wraps (``__wrapped__``)."""
+    names, seen = [], 0
+    while obj is not None and seen < 32:
+        func = getattr(obj, "__func__", obj)
+        mark = getattr(func, MARK, None)
+        if mark:
+            names.append(mark)
+        obj = getattr(func, "__wrapped__", None)
+        seen += 1
+    return names
 
 
-def check_anchor(hook: Hook) -> None:
+def check_anchor(hook: Hook, engine: str | None = None) -> None:
     """Raise AnchorMissing unless the hook's anchor exists in the installed engine."""
-    resolve_anchor(hook)
+    resolve_anchor(hook, engine)
 
 
-def apply_runtime_hook(hook: Hook) -> bool:
+def apply_runtime_hook(hook: Hook, engine: str | None = None) -> bool:
     """Patch one runtime hook in; False when it was already in place."""
-    owner, name, original = resolve_anchor(hook)
-    if _hook_mark(original) == hook.name:
+    engine = engine or engine_key()
+    owner, name, original = resolve_anchor(hook, engine)
+    if hook.name in hooks_on_chain(original):
         return False
-    replacement = hook.load()(original)
-    setattr(getattr(replacement, "__func__", replacement), MARK, hook.name)
+    replacement = hook.load(engine)(original)
+    func = getattr(replacement, "__func__", replacement)
+    setattr(func, MARK, hook.name)
+    if getattr(func, "__wrapped__", None) is None:
+        func.__wrapped__ = original
     setattr(owner, name, replacement)
-    logger.debug("volta-qpn: hook %s applied at %s", hook.name, hook.anchor)
+    logger.debug("volta-qpn: hook %s applied at %s", hook.name, hook.anchor_for(engine))
     return True
 
 
+class EngineMismatch(AnchorMissing):
+    """Required hooks cannot apply: this engine is not a build the overlay was written for."""
+
+
+def _fix(engine: str) -> str:
+    from qpn.fork_patches import engine_lock
+
+    profile = engine.partition("@")[0]
+    try:
+        locked = ", ".join(engine_lock.versions(profile))
+    except (engine_lock.LockError, KeyError):
+        locked = "?"
+    return (f"Fix: install a locked {profile} engine ({locked}; scripts/bootstrap-sm70.sh with "
+            f"ENGINE={profile} [ENGINE_VERSION=...]), or port the hook in fork_patches/hooks.py and "
+            "prove it with `python -m qpn.fork_patches.hooks --engine-source <engine source>`")
+
+
 def register() -> None:
-    """Entry point: apply every runtime hook of this engine profile, once per process."""
+    """Entry point: apply every runtime hook of this engine, once per process (see the policy)."""
     global _REGISTERED
     if _REGISTERED:
         return
-    for hook in hooks_for(engine_profile(), kind="runtime"):
-        apply_runtime_hook(hook)
+    engine = engine_key()
+    missing: list[tuple[Hook, AnchorMissing]] = []
+    for hook in hooks_for(engine, kind="runtime"):
+        try:
+            apply_runtime_hook(hook, engine)
+        except AnchorMissing as exc:
+            if hook.needed_for == "always":
+                missing.append((hook, exc))
+                continue
+            details = {"anchor": hook.anchor_for(engine), "engine": engine,
+                       "engine_version": engine_version(), "needed_for": hook.needed_for}
+            if not any(s["hook"] == hook.name for s in _SKIPPED):
+                _SKIPPED.append({"hook": hook.name, "reason": str(exc), **details})
+            from qpn.fork_patches.census import CENSUS  # stdlib only: cheap
+
+            CENSUS.skip_hook(hook.name, str(exc), **details)
+            logger.warning("volta-qpn: hook %s skipped: %s. Checkpoints that need it (%s) will fail "
+                           "the skipped_hooks boot gate", hook.name, exc, hook.needed_for)
+    if missing:
+        lines = [f"volta-qpn cannot run on vLLM {engine_version()} (engine {engine}): "
+                 f"{len(missing)} required hook(s) have no anchor in it:"]
+        lines += [f"  - {exc}" for _, exc in missing]
+        lines.append(_fix(engine))
+        raise EngineMismatch("\n".join(lines))
     _REGISTERED = True

@@ -366,6 +366,33 @@ def gate_decode_attention(census: dict, k: int, env: dict | None = None) -> Gate
     return GateResult(GATE_DECODE_ATTENTION, PASS, expected, observed)
 
 
+# ---- hooks the plugin skipped (issue 11 failure policy; fork_patches/plugin.py) ----------------
+GATE_SKIPPED_HOOKS = "skipped_hooks"
+_EXPERTS = re.compile(r"\.experts(\.|$)")
+
+
+def checkpoint_needs(quantized_layers: dict | None) -> set[str]:
+    """What the checkpoint needs beyond every checkpoint's hooks: ``moe`` when its own
+    ``quantized_layers`` lists routed-expert modules (``...mlp.experts...``)."""
+    return {"moe"} if any(_EXPERTS.search(name) for name in (quantized_layers or {})) else set()
+
+
+def gate_skipped_hooks(census: dict, quantized_layers: dict | None) -> GateResult:
+    """FAIL when a hook the plugin skipped (its anchor was missing) is one this checkpoint needs."""
+    skipped = census.get("hooks_skipped") or []
+    needs = checkpoint_needs(quantized_layers)
+    expected = f"no skipped hook this checkpoint needs (it needs: {', '.join(sorted(needs)) or 'none beyond the always hooks'})"
+    if not skipped:
+        return GateResult(GATE_SKIPPED_HOOKS, PASS, expected, "no hook skipped")
+    names = sorted({f"{s.get('hook')} (needed for {s.get('needed_for')}, engine {s.get('engine')})"
+                    for s in skipped})
+    needed = sorted({s.get("hook") for s in skipped if s.get("needed_for") in needs})
+    if needed:
+        return GateResult(GATE_SKIPPED_HOOKS, FAIL, expected,
+                          f"skipped but needed: {', '.join(needed)}; all skipped: {'; '.join(names)}")
+    return GateResult(GATE_SKIPPED_HOOKS, PASS, expected, f"skipped, not needed here: {'; '.join(names)}")
+
+
 def _fmt(value: object) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items())
@@ -409,7 +436,7 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
             results[name] = gate_lm_head(census, known)
         elif name == GATE_DECODE_ATTENTION:
             results[name] = gate_decode_attention(census, k, env)
-    return [results[name] for name in GATE_ORDER]
+    return [results[name] for name in GATE_ORDER] + [gate_skipped_hooks(census, quantized_layers)]
 
 
 def format_table(results: list[GateResult]) -> str:

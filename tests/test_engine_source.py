@@ -1,0 +1,167 @@
+"""Every hook proven against every locked engine's own source: the cpu engine's installed files and
+the 1Cat-vLLM 1.2.2 and 1.3.0 source archives (../shared/engines, read in place), then our plugin
+registered against the real 1Cat modules in a subprocess on the cpu engine's interpreter."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from qpn.fork_patches import engine_lock, engine_source
+from qpn.fork_patches.hooks import REGISTRY, hooks_for
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINES_DIR = Path(os.environ.get("QPN_ENGINE_SOURCES", REPO.parent / "shared" / "engines"))
+VERSIONS = engine_lock.versions("sm70")
+
+
+def _archive(version: str) -> Path:
+    prof = engine_lock.profile("sm70", version)
+    path = ENGINES_DIR / prof["source_archive"]
+    if not path.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the 1Cat source archive {path} is missing (set QPN_ENGINE_SOURCES)")
+        pytest.skip(f"no 1Cat source archive at {path} (set QPN_ENGINE_SOURCES)")
+    return path
+
+
+def _engine_site_packages() -> Path:
+    py = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
+    out = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return Path(out)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    py = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
+    return subprocess.run([py, "-m", "qpn.fork_patches.hooks", "--engine-source", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_lock_names_three_engines_and_defaults_sm70_to_1_3_0():
+    assert sorted(engine_lock.engine_keys()) == ["cpu@0.32.0", "sm70@1.2.2", "sm70@1.3.0"]
+    assert engine_lock.default_version("sm70") == "1.3.0"
+    prof = engine_lock.profile("sm70")
+    assert prof["sha256"] == "2bdb14a9c44f83ee6a766d88ed0d85b11390d6f5d65747e8dbe80a8e2d5d63e0"
+    assert prof["size"] == 68_764_308 and prof["wheel"] == "1cat_vllm-1.3.0-cp312-cp312-linux_x86_64.whl"
+    old = engine_lock.profile("sm70", "1.2.2")
+    assert old["sha256"] == "8a628983ad9d675559910372643220c418b307ddc7fd52ac65a7f5fbcb104bc6"
+    assert old["companions_conflict_expected"] and not prof["companions_conflict_expected"]
+    with pytest.raises(engine_lock.LockError, match="1.2.9 is not locked.*1.3.0, 1.2.2"):
+        engine_lock.profile("sm70", "1.2.9")
+
+
+@pytest.mark.parametrize("found, ok", [
+    ("1.3.0", True), ("1.3.0+cu128", True), ("1.3.0+precompiled", True),
+    ("1.3.0+", False), ("1.3.0.post1", False), ("1.3.1", False), ("1.2.2+cu128", False), (None, False),
+])
+def test_version_check_accepts_exactly_the_locked_version_with_a_local_suffix(found, ok):
+    prof = engine_lock.profile("sm70", "1.3.0")
+    if ok:
+        assert engine_lock.check_version(found, prof) == found
+    else:
+        with pytest.raises(engine_lock.LockError) as err:
+            engine_lock.check_version(found, prof)
+        assert f"reports 1cat-vllm {found or 'nothing'}" in str(err.value)
+        if found == "1.2.2+cu128":
+            assert "ENGINE_VERSION=1.2.2" in str(err.value)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_hook_is_proven_against_the_1cat_archive(version):
+    src = engine_source.open_source(_archive(version))
+    assert src.key == f"sm70@{version}"
+    rows = engine_source.verify(src)
+    assert [r.hook for r in rows] == [h.name for h in REGISTRY]
+    misses = [f"{r.hook}: {r.detail}" for r in rows if r.miss]
+    assert not misses, misses
+    applied = {r.hook for r in rows if r.status == "ok"}
+    assert applied == {h.name for h in hooks_for(src.key)}
+    for r in rows:
+        if r.status == "n/a":
+            assert r.detail  # says why
+    moe = next(r for r in rows if r.hook == "modelopt-mixed-qpn-moe-method")
+    assert "ModelOptMixedPrecisionConfig.get_quant_method" in moe.anchor
+    assert "called at vllm/model_executor/layers/fused_moe/layer.py:" in moe.detail
+
+
+def test_every_hook_is_proven_against_the_installed_cpu_engine():
+    site = _engine_site_packages()
+    if not (site / "vllm").is_dir():
+        pytest.skip("no engine installed for QPN_ENGINE_PYTHON")
+    src = engine_source.open_source(site)
+    assert src.key == "cpu@0.32.0"
+    rows = engine_source.verify(src)
+    assert not [r for r in rows if r.miss], engine_source.table(rows, src)
+    assert {r.hook for r in rows if r.kind == "disk" and r.status == "ok"} == {
+        h.name for h in hooks_for("cpu", kind="disk")}
+
+
+def _renamed_copy(archive: Path, dest: Path, relpath: str, old: str, new: str) -> Path:
+    """A copy of ``archive`` with one text edit in one member (a renamed anchor)."""
+    out = dest / archive.name.replace("-src", "-renamed-src")
+    with tarfile.open(archive) as src, tarfile.open(out, "w:gz") as dst:
+        for m in src:
+            data = src.extractfile(m).read() if m.isfile() else None
+            if m.isfile() and m.name.endswith(relpath):
+                text = data.decode()
+                assert text.count(old) == 1
+                data = text.replace(old, new).encode()
+                m.size = len(data)
+            dst.addfile(m, io.BytesIO(data) if data is not None else None)
+    return out
+
+
+def test_cli_passes_on_the_archive_and_fails_naming_the_hook_on_a_renamed_anchor(tmp_path):
+    archive = _archive("1.3.0")
+    good = _cli(str(archive))
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "engine sm70@1.3.0" in good.stdout and "0 MISS" in good.stdout
+    bad_archive = _renamed_copy(archive, tmp_path, "vllm/transformers_utils/model_arch_config_convertor.py",
+                                "def _normalize_quantization_config(self",
+                                "def _normalise_quantization_config(self")
+    bad = _cli(str(bad_archive), "--engine", "sm70@1.3.0")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert ("MISS hook modelopt-mixed-precision-file-form on engine sm70@1.3.0: class "
+            "ModelArchConfigConvertorBase" in bad.stdout), bad.stdout
+    assert "defines no _normalize_quantization_config" in bad.stdout
+    assert "1 MISS" in bad.stdout
+
+
+def test_a_moved_call_site_and_changed_parameters_are_misses(tmp_path):
+    archive = _archive("1.3.0")
+    moved = _renamed_copy(archive, tmp_path, "vllm/model_executor/layers/fused_moe/layer.py",
+                          "quant_method = self.quant_config.get_quant_method(self, prefix)",
+                          "quant_method = self.quant_config.quant_method_for(self, prefix)")
+    rows = {r.hook: r for r in engine_source.verify(engine_source.open_source(moved, "1.3.0", "sm70"))}
+    assert rows["modelopt-mixed-qpn-moe-method"].miss
+    assert "FusedMoE.__init__ no longer calls .get_quant_method" in rows["modelopt-mixed-qpn-moe-method"].detail
+    assert not rows["modelopt-mixed-qpn-linear-methods"].miss
+    sub = tmp_path / "p"
+    sub.mkdir()
+    renamed = _renamed_copy(archive, sub, "vllm/transformers_utils/model_arch_config_convertor.py",
+                            "def _normalize_quantization_config(self, config: PretrainedConfig):",
+                            "def _normalize_quantization_config(self, config: PretrainedConfig, strict):")
+    rows = {r.hook: r for r in engine_source.verify(engine_source.open_source(renamed, "1.3.0", "sm70"))}
+    detail = rows["modelopt-mixed-precision-file-form"].detail
+    assert rows["modelopt-mixed-precision-file-form"].miss and "(self, config, strict)" in detail, detail
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plugin_registers_against_the_real_1cat_modules(version, tmp_path):
+    engine_dir = engine_source.extract(_archive(version), tmp_path, version)
+    result = engine_source.import_check(engine_dir, "sm70", version)
+    assert result["vllm_file"].startswith(str(engine_dir)), result["vllm_file"]
+    assert result["version"] == version and result["engine"] == f"sm70@{version}"
+    assert result["register"] == "ok", result["stderr"]
+    assert result["skipped"] == []
+    expected = {h.name for h in hooks_for(f"sm70@{version}", kind="runtime")}
+    assert {h["hook"] for h in result["hooks"]} == expected
+    not_applied = [h for h in result["hooks"] if not h["applied"]]
+    assert not not_applied, not_applied
