@@ -37,29 +37,33 @@ def _spread(values: torch.Tensor, shape, gen: torch.Generator) -> torch.Tensor:
     for s in shape:
         n *= s
     reps = -(-n // values.numel())
-    flat = values.repeat(reps)[:n]
-    perm = torch.randperm(n, generator=gen)
+    flat = values.to(gen.device).repeat(reps)[:n]
+    perm = torch.randperm(n, generator=gen, device=gen.device)
     return flat[perm].reshape(shape)
 
 
 def _realistic(n: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    dev = gen.device
     if kind == "gauss":
-        return torch.randn((n, k), generator=gen) * 0.02
+        return torch.randn((n, k), generator=gen, device=dev) * 0.02
     if kind == "heavy":   # Student-t, 3 degrees of freedom: z / sqrt(chi2_3 / 3)
-        z = torch.randn((n, k), generator=gen)
-        chi = (torch.randn((n, k, 3), generator=gen) ** 2).sum(-1) / 3.0
+        z = torch.randn((n, k), generator=gen, device=dev)
+        chi = (torch.randn((n, k, 3), generator=gen, device=dev) ** 2).sum(-1) / 3.0
         return z / chi.sqrt() * 0.02
     raise ValueError(f"unknown weight kind {kind!r}; expected one of {WEIGHT_KINDS}")
 
 
 def nvfp4_weight(n: int, k: int, kind: str, gen: torch.Generator, negative_scales: float = 0.1):
-    """(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 scalar)."""
+    """(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 scalar),
+    on the generator's device."""
+    dev = gen.device
     if kind != "all_bytes":
-        return formats.quantize_nvfp4(_realistic(n, k, kind, gen))
+        q, s, gs = formats.quantize_nvfp4(_realistic(n, k, kind, gen))
+        return q.to(dev), s.to(dev), gs
     codes = _spread(torch.arange(16, dtype=torch.uint8), (n, k), gen)
     sc = _spread(NVFP4_SCALE_BYTES, (n, k // 16), gen)
     if negative_scales:
-        neg = torch.rand((n, k // 16), generator=gen) < negative_scales
+        neg = torch.rand((n, k // 16), generator=gen, device=dev) < negative_scales
         sc = torch.where(neg, sc | 0x80, sc)
     # a global scale that keeps every output inside FP16 even against 6000-sized outlier channels
     gs = torch.tensor(0.25 / (k ** 0.5) / 64, dtype=torch.float32)
@@ -67,25 +71,30 @@ def nvfp4_weight(n: int, k: int, kind: str, gen: torch.Generator, negative_scale
 
 
 def fp8_weight(n: int, k: int, kind: str, gen: torch.Generator, per_channel: bool):
-    """(weight float8_e4m3fn [N, K], weight_scale float32: 0-d per tensor or [N] per channel)."""
+    """(weight float8_e4m3fn [N, K], weight_scale float32: 0-d per tensor or [N] per channel), on
+    the generator's device."""
+    dev = gen.device
     if kind != "all_bytes":
-        return formats.quantize_fp8(_realistic(n, k, kind, gen), per_channel=per_channel)
+        q, s = formats.quantize_fp8(_realistic(n, k, kind, gen), per_channel=per_channel)
+        return q.to(dev), s.to(dev)
     b = _spread(FP8_FINITE_BYTES, (n, k), gen)
     if per_channel:
-        scale = (torch.rand(n, generator=gen) + 0.5) * 0.002 / (k ** 0.5)
+        scale = (torch.rand(n, generator=gen, device=dev) + 0.5) * 0.002 / (k ** 0.5)
     else:
-        scale = torch.tensor(0.003 / (k ** 0.5))
+        scale = torch.tensor(0.003 / (k ** 0.5), device=dev)
     return b.view(torch.float8_e4m3fn), scale.float()
 
 
 def activations(m: int, k: int, gen: torch.Generator, outliers: bool, lo: float = 2000.0, hi: float = 6000.0):
-    """FP16 [M, K]; with outliers, max(1, K // 512) channels of magnitude lo..hi, random signs."""
-    x = torch.randn((m, k), generator=gen)
+    """FP16 [M, K] on the generator's device; with outliers, max(1, K // 512) channels of
+    magnitude lo..hi, random signs."""
+    dev = gen.device
+    x = torch.randn((m, k), generator=gen, device=dev)
     if outliers:
         n_out = max(1, k // 512)
-        ch = torch.randperm(k, generator=gen)[:n_out]
-        x[:, ch] = (torch.rand((m, n_out), generator=gen) * (hi - lo) + lo) * \
-            torch.where(torch.rand((m, n_out), generator=gen) < 0.5, -1.0, 1.0)
+        ch = torch.randperm(k, generator=gen, device=dev)[:n_out]
+        x[:, ch] = (torch.rand((m, n_out), generator=gen, device=dev) * (hi - lo) + lo) * \
+            torch.where(torch.rand((m, n_out), generator=gen, device=dev) < 0.5, -1.0, 1.0)
     return x.to(torch.float16)
 
 

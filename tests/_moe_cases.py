@@ -14,6 +14,11 @@ import torch
 
 from qpn.kernels import moe
 
+try:
+    from tests import _format_cases as fc     # imported as tests._moe_cases
+except ImportError:
+    import _format_cases as fc                # imported from tests/ on sys.path
+
 ROUTINGS = ("random", "unused_experts", "one_expert", "all_same", "repeat_in_token", "invalid_ids")
 
 
@@ -40,37 +45,55 @@ def routing(case: str, tokens: int, top_k: int, experts: int, gen: torch.Generat
     return ids.to(torch.int32), w.to(torch.float32)
 
 
-def random_nvfp4_stack(experts: int, n: int, k: int, gen: torch.Generator, device="cpu"):
-    """Random codes and positive e4m3 group scales over a wide range (some subnormal), global
-    scale per expert sized so that a row's dot product stays O(1) for O(1) activations."""
+def random_nvfp4_stack(experts: int, n: int, k: int, gen: torch.Generator, device="cpu", kind: str = "all_bytes"):
+    """(codes uint8 [E, N, K/2], scales e4m3 [E, N, K/16], global scales float32 [E]).
+
+    all_bytes: every e2m1 code and group scales from every non-negative finite e4m3 byte (0x00 ..
+    0x7E: zero, subnormals, and the top binade where real ModelOpt scales sit), the global scale
+    per expert sized so that a row's dot product stays O(0.1) for O(1) activations. gauss / heavy:
+    realistic weights quantized per expert with the checkpoint generator's convention
+    (tests/_format_cases.py)."""
     dev = torch.device(device)
+    if kind != "all_bytes":
+        parts = [fc.nvfp4_weight(n, k, kind, gen) for _ in range(experts)]
+        return (torch.stack([p[0] for p in parts]).to(dev), torch.stack([p[1] for p in parts]).to(dev),
+                torch.stack([torch.as_tensor(p[2]).reshape(()) for p in parts]).to(dev))
     codes = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen, device=dev)
-    sc = torch.randint(0x28, 0x58, (experts, n, k // 16), dtype=torch.uint8, generator=gen, device=dev)
-    sub = torch.rand((experts, n, k // 16), generator=gen, device=dev) < 0.05
-    sc = torch.where(sub, torch.randint(1, 8, sc.shape, dtype=torch.uint8, generator=gen, device=dev), sc)
-    gs = (0.25 / (k ** 0.5) / 8) * (0.5 + torch.rand(experts, generator=gen, device=dev))
+    pool = fc.NVFP4_SCALE_BYTES.to(dev)
+    sc = pool[torch.randint(0, pool.numel(), (experts, n, k // 16), generator=gen, device=dev)]
+    gs = (0.25 / (k ** 0.5) / 256) * (0.5 + torch.rand(experts, generator=gen, device=dev))
     return codes, sc.view(torch.float8_e4m3fn), gs.to(torch.float32)
 
 
-def random_fp8_stack(experts: int, n: int, k: int, gen: torch.Generator, per_channel: bool, device="cpu"):
+def random_fp8_stack(experts: int, n: int, k: int, gen: torch.Generator, per_channel: bool, device="cpu",
+                     kind: str = "all_bytes"):
+    """(weights e4m3 [E, N, K], scales float32 [E] or [E, N]); all_bytes draws every finite e4m3
+    byte (both signs, subnormals, +-448; not the NaN bytes 0x7F / 0xFF)."""
     dev = torch.device(device)
-    b = torch.randint(0, 256, (experts, n, k), dtype=torch.uint8, generator=gen, device=dev) & 0xDF
+    if kind != "all_bytes":
+        parts = [fc.fp8_weight(n, k, kind, gen, per_channel) for _ in range(experts)]
+        return (torch.stack([p[0].view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn).to(dev),
+                torch.stack([torch.as_tensor(p[1]).reshape(-1) if per_channel else torch.as_tensor(p[1]).reshape(())
+                             for p in parts]).to(dev))
+    pool = fc.FP8_FINITE_BYTES.to(dev)
+    b = pool[torch.randint(0, pool.numel(), (experts, n, k), generator=gen, device=dev)]
     if per_channel:
-        scale = (torch.rand((experts, n), generator=gen, device=dev) + 0.5) * 0.02 / (k ** 0.5)
+        scale = (torch.rand((experts, n), generator=gen, device=dev) + 0.5) * 0.002 / (k ** 0.5)
     else:
-        scale = (torch.rand(experts, generator=gen, device=dev) + 0.5) * 0.03 / (k ** 0.5)
+        scale = (torch.rand(experts, generator=gen, device=dev) + 0.5) * 0.003 / (k ** 0.5)
     return b.view(torch.float8_e4m3fn), scale
 
 
 def random_moe(fmt: str, experts: int, hidden: int, inter: int, gen: torch.Generator, device="cpu",
-               per_channel: bool = False, down_fmt: str | None = None, atom: str = "m8n8k4") -> moe.PackedMoE:
+               per_channel: bool = False, down_fmt: str | None = None, atom: str = "m8n8k4",
+               kind: str = "all_bytes") -> moe.PackedMoE:
     """A PackedMoE of random expert weights (each expert's prepack inverse verified)."""
     dfmt = down_fmt or fmt
 
     def stack(f, n, k):
         if f == "nvfp4":
-            return moe.prepack_expert_stack("nvfp4", *random_nvfp4_stack(experts, n, k, gen, device), atom=atom)
-        return moe.prepack_expert_stack("fp8", *random_fp8_stack(experts, n, k, gen, per_channel, device),
+            return moe.prepack_expert_stack("nvfp4", *random_nvfp4_stack(experts, n, k, gen, device, kind), atom=atom)
+        return moe.prepack_expert_stack("fp8", *random_fp8_stack(experts, n, k, gen, per_channel, device, kind),
                                         atom=atom)
 
     return moe.PackedMoE(stack(fmt, inter, hidden), stack(fmt, inter, hidden), stack(dfmt, hidden, inter))

@@ -137,12 +137,32 @@ def _struct_body(src: str, name: str) -> str:
     return src[start + 1: _match(src, start, "{", "}") - 1]
 
 
+def _split_top(e: str, sep: str) -> list:
+    parts, depth, last = [], 0, 0
+    for i, ch in enumerate(e):
+        depth += (ch in "([") - (ch in ")]")
+        if ch == sep and depth == 0:
+            parts.append(e[last:i])
+            last = i + 1
+    return parts + [e[last:]]
+
+
 def _ternary(e: str) -> str:
-    """C 'a ? b : c' (one, top level) -> Python '(b) if (a) else (c)'."""
+    """C 'a ? b : c' anywhere in an expression (inner parenthesised groups and call arguments
+    first) -> Python '((b) if (a) else (c))'."""
+    out, i = [], 0
+    while i < len(e):
+        if e[i] == "(":
+            j = _match(e, i, "(", ")")
+            out.append("(" + ", ".join(_ternary(p) for p in _split_top(e[i + 1:j - 1], ",")) + ")")
+            i = j
+        else:
+            out.append(e[i])
+            i += 1
+    e = "".join(out)
     depth, q = 0, -1
     for i, ch in enumerate(e):
-        depth += ch in "([" and 1 or 0
-        depth -= ch in ")]" and 1 or 0
+        depth += (ch in "([") - (ch in ")]")
         if ch == "?" and depth == 0:
             q = i
             break
@@ -151,10 +171,9 @@ def _ternary(e: str) -> str:
     depth = 0
     for i in range(q + 1, len(e)):
         ch = e[i]
-        depth += ch in "([" and 1 or 0
-        depth -= ch in ")]" and 1 or 0
-        if ch == ":" and depth == 0 and e[i - 1] != ":" and (i + 1 >= len(e) or e[i + 1] != ":"):
-            return f"(({_ternary(e[q + 1:i])}) if ({e[:q]}) else ({_ternary(e[i + 1:])}))"
+        depth += (ch in "([") - (ch in ")]")
+        if ch == ":" and depth == 0:
+            return f"(({e[q + 1:i].strip()}) if ({e[:q].strip()}) else ({_ternary(e[i + 1:]).strip()}))"
     raise ReplayParseError(f"unmatched ?: in {e!r}")
 
 
@@ -164,7 +183,7 @@ def c_expr(e: str) -> str:
     e = re.sub(r"\((?:u32|int|size_t|unsigned)\)", "", e)
     e = re.sub(r"(\w+)::", r"\1.", e)
     e = re.sub(r"(?<![/])/(?![/])", "//", e)          # the rules divide ints only
-    e = e.replace("true", "True").replace("false", "False")
+    e = e.replace("true", "True").replace("false", "False").replace("&&", " and ").replace("||", " or ")
     return _ternary(e.strip())
 
 
@@ -380,6 +399,32 @@ class Replay:
         msrc = moe_src if moe_src is not None else kernel_body("qpn_moe.cu", "qpn_moe_gemm_body")
         self.dense_loop = load_loop(ksrc, "qpn_linear_body")
         self.moe_loop = load_loop(msrc, "qpn_moe_gemm_body")
+        m = re.search(r"v \*= ldgf\(a\.chscale \+ ([^;]+)\);", _strip_comments(ksrc))
+        if m is None:
+            raise ReplayParseError("qpn_linear_body: the epilogue no longer applies the FP32 result scale "
+                                   "(v *= ldgf(a.chscale + ...)); update the replay if that is intended")
+        self.dense_scale_index = m.group(1)
+        ms = _strip_comments(msrc)
+        m = re.search(r"const int cidx\s*=\s*([^;]+);", ms)
+        if m is None or "v *= ldgf(a.chscale[0] + cidx)" not in ms or "u *= ldgf(a.chscale[1] + cidx)" not in ms:
+            raise ReplayParseError("qpn_moe_gemm_body: the epilogue no longer scales gate (chscale[0]) and up "
+                                   "(chscale[1]) by the expert's FP32 result scale at cidx")
+        self.moe_scale_index = m.group(1)
+        ds = _strip_comments(ksrc)
+
+        def grab(src, pattern, what):
+            mm = re.search(pattern, src)
+            if mm is None:
+                raise ReplayParseError(f"{what}: no longer matches {pattern!r}; update the replay")
+            return mm.group(1)
+        # which tile a warp streams and which tokens its lanes load (parsed, evaluated per warp / lane)
+        self.dense_tile = grab(ds, r"const int tile\s*=\s*([^;]+);", "qpn_linear_body tile")
+        self.dense_m0 = grab(ds, r"const int m0\s*=\s*([^;]+);", "qpn_linear_body m0")
+        self.dense_tok = grab(ds, r"const int tok\s*=\s*([^;]*b_token\(lane\)[^;]*);", "qpn_linear_body token")
+        self.moe_half = grab(ms, r"const int half\s*=\s*([^;]+);", "qpn_moe_gemm_body half")
+        self.moe_which = grab(ms, r"const int which\s*=\s*([^;]+);", "qpn_moe_gemm_body which")
+        self.moe_tile = grab(ms, r"const int tile\s*=\s*([^;]+);", "qpn_moe_gemm_body tile")
+        self.moe_col = grab(ms, r"const int col\s*=\s*([^;]+);", "qpn_moe_gemm_body col")
         self.recon_pick = re.search(r"hmul2\(h\[idx\],\s*sc2\[([^\]]+)\]\)",
                                     _strip_comments((CSRC / "qpn_kernels.cu").read_text()))
         if self.recon_pick is None:
@@ -491,11 +536,11 @@ class Replay:
         grid = -(-n_tiles // tpb) * m_chunks
         covered = torch.zeros((m_chunks, n_tiles), dtype=torch.int64)
         for chunk in range(m_chunks):
-            m0 = chunk * (mt * at.TOKENS)
+            m0 = self._ev(self.dense_m0, dec, chunk=chunk, MT=mt)
             # acc[t][ks]: the accumulator registers [tiles, 32 lanes, 8] of warp ks, token tile t
             acc = []
             for t in range(mt):
-                toks = torch.tensor([m0 + t * at.TOKENS + bt for bt in self.lane_b_token])
+                toks = torch.tensor([self._ev(self.dense_tok, dec, m0=m0, t=t, lane=lane) for lane in _LANES])
                 valid = toks < m
                 rows = torch.where(valid, toks, 0)
                 acc.append([lane_accumulators(self._warp_sum(regs, pairs, xk, rows, valid, self.dense_loop, dec,
@@ -509,7 +554,8 @@ class Replay:
                     continue
                 nblock = blk // m_chunks
                 for tib in range(tpb):
-                    tile = nblock * tpb + tib
+                    tile = self._ev(self.dense_tile, dec, nblock=nblock, tile_in_block=tib,
+                                    a=SimpleNamespace(tiles_per_block=tpb))
                     if tile >= n_tiles:
                         continue
                     covered[chunk, tile] += 1
@@ -522,9 +568,11 @@ class Replay:
                         writes.index_put_((tok[keep], n[keep]), torch.ones_like(tok[keep]), accumulate=True)
         assert bool((covered == 1).all()), "the block grid must cover every (chunk, tile) once"
         assert bool((writes == 1).all()), "the epilogue must write every output element exactly once"
-        if fmt == "nvfp4":
-            return y * packed.global_scale.double().reshape(())
-        return y * formats.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
+        # v *= ldgf(a.chscale + <parsed index>): NVFP4 passes [global], FP8 [1] or [N] (ops.py)
+        chscale = (packed.global_scale if fmt == "nvfp4" else packed.scale).double().reshape(-1)
+        args = SimpleNamespace(chscale_per_channel=int(chscale.numel() != 1))
+        idx = self._ev(self.dense_scale_index, dec, a=args, n=torch.arange(packed.n))
+        return y * chscale[torch.as_tensor(idx).expand(packed.n)].reshape(1, -1)
 
     def reconstruct(self, packed, x: torch.Tensor) -> torch.Tensor:
         """qpn_reconstruct_body (transcribed): lane's words -> Dec::half2(w, idx) (* sc2[pick]) at
@@ -573,21 +621,22 @@ class Replay:
         xk[:, : min(x.shape[1], xk.shape[1])] = x.double()[:, : xk.shape[1]]
         pairs_total = num_pairs if num_pairs is not None else len(sorted_pairs)
         tpb = 8 // ksplit
-        half = tpb // 2 if gate_up else tpb
-        n_blocks = -(-n_tiles // half)
+        args = SimpleNamespace(tiles_per_block=tpb)
+        half = self._ev(self.moe_half, dec, GATE_UP=gate_up, a=args)
+        n_blocks = -(-n_tiles // (tpb // 2 if gate_up else tpb))       # kernels/moe.py's grid
         outs = [torch.full((pairs_total, s0.n), float("nan"), dtype=torch.float64) for _ in stacks]
         two = stacks if gate_up else [s0, s0]
         cache = {}
         for expert, start, count in groups:
-            cols = torch.tensor(self.lane_b_token)
+            cols = torch.tensor([self._ev(self.moe_col, dec, lane=lane) for lane in _LANES])
             valid = cols < count
             rows = torch.tensor([sorted_pairs[start + int(c)] // x_row_div if bool(v) else 0
                                  for c, v in zip(cols, valid)])
             for nblock in range(n_blocks):
                 for tib in range(tpb):
-                    which = 1 if (gate_up and tib >= half) else 0
-                    tile = nblock * half + tib - which * half
-                    if tile >= n_tiles:
+                    which = self._ev(self.moe_which, dec, GATE_UP=gate_up, tile_in_block=tib, half=half)
+                    tile = self._ev(self.moe_tile, dec, nblock=nblock, half=half, tile_in_block=tib, which=which)
+                    if tile >= n_tiles or tile < 0:
                         continue
                     st = two[which]
                     key = (which, expert)
@@ -601,7 +650,8 @@ class Replay:
                                                                ksplit, tiles=slice(tile, tile + 1)))
                               for ks in range(min(ksplit, kblocks)))[0]           # [32, 8]
                     # epilogue (transcribed): tok = acc_token, row = acc_row; n = tile * TILE_N + row
-                    ch = st.chscale[expert].double()
+                    ch = st.chscale.double().reshape(-1)      # [E * chscale_stride], as the kernel reads it
+                    args = SimpleNamespace(chscale_stride=st.chscale.shape[1], chscale_per_channel=int(st.per_channel))
                     out = outs[which]
                     for lane in range(32):
                         for i in range(at.ACC):
@@ -610,7 +660,7 @@ class Replay:
                             if tok >= count or n >= s0.n:
                                 continue
                             pair = sorted_pairs[start + tok]
-                            scale = float(ch[n] if st.per_channel else ch[0])
+                            scale = float(ch[self._ev(self.moe_scale_index, dec, a=args, n=n, expert=expert)])
                             assert math.isnan(out[pair, n]), "the MoE epilogue writes an element twice"
                             out[pair, n] = float(acc[lane, i]) * scale
         return outs

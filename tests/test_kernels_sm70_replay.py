@@ -28,7 +28,7 @@ import torch
 import _format_cases as fc
 import _moe_cases
 import _sm70_replay as rp
-from qpn.kernels import formats, moe, prepack
+from qpn.kernels import formats, prepack, routes
 
 TIGHT = 1e-12   # float64 summation-order noise, relative to the magnitude sum |x| @ |W|^T
 
@@ -124,6 +124,20 @@ def test_replayed_routes_equal_float64_larger(replay, fmt, kind, outliers):
         for ks in (1, 4):
             y = replay.linear(packed, x[:m], route, ksplit=ks)
             _assert_exact(y, ref[:m], mag[:m], f"{route} M={m} ksplit={ks}")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_the_route_table_choice_covers_every_row(replay, fmt):
+    """Whatever route routes.route_for picks at the band edges, its kernel computes every row
+    (a threshold past what a kernel's token tiles hold leaves rows unwritten and fails here)."""
+    gen = torch.Generator().manual_seed(12)
+    packed, wt = _packed(fmt, 40, 64, "gauss", gen, per_channel=True)
+    x = fc.activations(24, 64, gen, outliers=False)
+    ref, mag = fc.exact_f64(x, fmt, wt)
+    for m in (8, 9, 16, 17, 24):
+        route = routes.route_for(fmt, m, packed.n, packed.k)
+        _assert_exact(replay.linear(packed, x[:m], route), ref[:m], mag[:m], f"{route} (table) M={m}")
 
 
 # ------------------------------------------------------------------------------------ MoE
@@ -246,6 +260,7 @@ LOOP_DRIFTS = {     # (old, new) in qpn_linear_body
     "activation offset": ("kb * Atom::K_BLOCK + p * 2 * Atom::K_STEP", "kb * Atom::K_BLOCK + p * Atom::K_STEP"),
     "a0/a1 order": ("u32 a0 = Dec::front_half2(w, j * Atom::A_REGS);", "u32 a0 = Dec::front_half2(w, j * Atom::A_REGS + 1);"),
     "scale pair bytes": ("sc2[0] = Dec::scale_h2(sp & 0xFFu);", "sc2[0] = Dec::scale_h2(sp >> 8);"),
+    "dropped result scale": ("v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0));", ""),
 }
 
 
