@@ -269,6 +269,45 @@ REGISTRY: list[Hook] = [
         remove_when="the engine exports its route counts through a structured interface",
         apply="qpn.fork_patches.attention_routes:wrap_record_route",
     ),
+    # ---- speculative decoding on the hybrid (GDN) model (runtime; issue 12)
+    Hook(
+        name="gdn-spec-rows-full-width",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_spec_forward",
+        engines=("cpu",),
+        what="the CPU gated-delta-net speculative forward (conv rolling buffer + multi-slot SSM "
+        "state) of vLLM 0.32",
+        why="the CPU platform schedules synchronously, and the synchronous scheduler trims "
+        "grammar-invalid drafts (tool_choice required, JSON schema), so a speculating row verifies "
+        "1+d < K+1 tokens; the conv buffer's roll assumes K+1: a row shorter than the previous "
+        "round's acceptance kills the engine ('The size of tensor a (6) must match ... (5)'; on AMX "
+        "'causal_conv1d_update_cpu: num_accepted_tokens must be in [1, seqlen]'), any short row "
+        "misplaces the accepted history and greedy output drifts from the output without MTP",
+        how="pad every short row to K+1 tokens (zeros after the real ones), run the engine's own "
+        "_spec_forward, return the real tokens' outputs; padding writes only SSM slots and conv "
+        "columns past the last real token, which the next round (num_accepted <= q) never reads "
+        "(qpn.fork_patches.spec_state)",
+        remove_when="vLLM's CPU GDN path handles rows shorter than K+1, or the synchronous "
+        "scheduler pads invalid drafts the way the asynchronous one does",
+        apply="qpn.fork_patches.spec_state:wrap_cpu_spec_forward",
+    ),
+    Hook(
+        name="gdn-spec-accepted-count-floor",
+        kind="runtime",
+        anchor="vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadataBuilder.build",
+        what="the accepted-token counts (and 1Cat's state-slot selectors) the GDN metadata builder "
+        "turns into state-slot indices",
+        why="a speculating row whose previous round committed nothing reaches the kernels as "
+        "num_accepted_tokens 0 and is read at slot num_accepted-1 = -1 (upstream vLLM #50021 on "
+        "the GPU kernels, out of bounds; 1Cat 1.2.2/1.3.0 gdn_attn.py "
+        "build_gdn_spec_decode_state_contract states the [1, K+1] contract but checks it only "
+        "under VLLM_SM70_GDN_STATE_CONTRACT_ASSERT=1)",
+        how="clamp the counts into [1, K+1] in place on their own device before the engine's "
+        "build: the row resumes from the state of its first verified token, which every round "
+        "commits (qpn.fork_patches.spec_state)",
+        remove_when="the engines guarantee num_accepted_tokens >= 1 for every speculating row",
+        apply="qpn.fork_patches.spec_state:wrap_gdn_build",
+    ),
 ]
 
 
