@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from . import metrics as M
 from .results import read_results
 
 
@@ -51,7 +52,61 @@ def _device_note(headers: list[dict]) -> str:
     return hw
 
 
+CONVENTIONS = (("tok_s_round", M.THROUGHPUT_ROUND_LABEL),
+               ("tok_s_one_token", M.THROUGHPUT_ONE_TOKEN_LABEL))
+
+
+def _mean(values):
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _cells_chart(ax, loaded, column: str) -> None:
+    cells = []
+    for _, _, rows in loaded:
+        for r in rows:
+            if r["cell"] not in cells:
+                cells.append(r["cell"])
+    n = len(loaded)
+    width = 0.8 / n
+    for i, (path, header, rows) in enumerate(loaded):
+        per_cell = {}
+        for r in rows:
+            per_cell.setdefault(r["cell"], []).append(_float(r.get(column)))
+        means = [_mean(per_cell.get(c, [])) for c in cells]
+        missing = sum(m is None for m in means)
+        xs = [j + (i - (n - 1) / 2) * width for j in range(len(cells))]
+        note = f", {missing} cell(s) without a figure" if missing else ""
+        bars = ax.bar(xs, [m or 0.0 for m in means], width,
+                      label=f"{_k_label(header)} ({os.path.basename(path)}{note})")
+        ax.bar_label(bars, labels=["-" if m is None else f"{m:.1f}" for m in means], fontsize=7)
+    ax.set_xticks(range(len(cells)), cells)
+
+
+def _reasoning_chart(ax, loaded, column: str) -> None:
+    for path, header, rows in loaded:
+        seeds = [r["seed"] for r in rows]
+        vals = [_float(r.get(column)) for r in rows]
+        bars = ax.bar(seeds, [v or 0.0 for v in vals],
+                      label=f"{_k_label(header)} ({os.path.basename(path)})")
+        ax.bar_label(bars, labels=["-" if v is None else f"{v:.1f}" for v in vals], fontsize=7)
+        if (m := _mean(vals)) is not None:
+            ax.axhline(m, linestyle="--", linewidth=1)
+    ax.set_xlabel("seed")
+
+
 def plot(csv_paths: list[str], out: str | None = None) -> str:
+    """Write the chart of ``csv_paths`` as a PNG; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig = make_figure(csv_paths)
+    out = out or os.path.splitext(csv_paths[0])[0] + ".png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def make_figure(csv_paths: list[str]):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,33 +125,9 @@ def plot(csv_paths: list[str], out: str | None = None) -> str:
                          f"files written by one suite (domain_cells, context_sweep or reasoning_seeds)")
     kind = kinds.pop()
     headers = [h for _, h, _ in loaded]
-    fig, ax = plt.subplots(figsize=(10, 5.5))
 
-    if kind == "cells":
-        cells = []
-        for _, _, rows in loaded:
-            for r in rows:
-                if r["cell"] not in cells:
-                    cells.append(r["cell"])
-        n = len(loaded)
-        width = 0.8 / n
-        for i, (path, header, rows) in enumerate(loaded):
-            per_cell = {}
-            for r in rows:
-                v = _float(r.get("tok_s_round"))
-                if v is None:
-                    v = _float(r.get("tok_s_one_token"))
-                per_cell.setdefault(r["cell"], []).append(v)
-            means = [(sum(x for x in per_cell.get(c, []) if x is not None) /
-                      max(1, len([x for x in per_cell.get(c, []) if x is not None])))
-                     if per_cell.get(c) else 0.0 for c in cells]
-            xs = [j + (i - (n - 1) / 2) * width for j in range(len(cells))]
-            bars = ax.bar(xs, means, width, label=f"{_k_label(header)} ({os.path.basename(path)})")
-            ax.bar_label(bars, fmt="%.1f", fontsize=7)
-        ax.set_xticks(range(len(cells)), cells)
-        ax.set_ylabel("decode tok/s, (generated - (tau+1)) / decode_s")
-        ax.set_title("Decode throughput per cell and depth")
-    elif kind == "context":
+    if kind == "context":
+        fig, ax = plt.subplots(figsize=(10, 5.5))
         for path, header, rows in loaded:
             pts = sorted((int(r["live_context"]), _float(r["tg_tok_s"]), _float(r.get("tg_tok_s_sd")))
                          for r in rows if _float(r.get("tg_tok_s")) is not None)
@@ -104,22 +135,25 @@ def plot(csv_paths: list[str], out: str | None = None) -> str:
             ax.errorbar(xs, [p[1] for p in pts], yerr=[p[2] or 0.0 for p in pts], marker="o",
                         capsize=3, label=f"{_k_label(header)} ({os.path.basename(path)})")
         ax.set_xlabel("live context at decode start (tokens)")
-        ax.set_ylabel("decode tok/s (llama-benchy tg t/s)")
+        ax.set_ylabel("decode tok/s (llama-benchy tg t/s: its one convention)")
         ax.set_title("Decode speed against live context")
-    else:  # reasoning
-        for path, header, rows in loaded:
-            seeds = [r["seed"] for r in rows]
-            vals = [_float(r.get("tok_s_round")) or 0.0 for r in rows]
-            bars = ax.bar(seeds, vals, label=f"{_k_label(header)} ({os.path.basename(path)})")
-            ax.bar_label(bars, fmt="%.1f", fontsize=7)
-            if vals:
-                ax.axhline(sum(vals) / len(vals), linestyle="--", linewidth=1)
-        ax.set_xlabel("seed")
-        ax.set_ylabel("decode tok/s, (generated - (tau+1)) / decode_s")
-        ax.set_title("Five-seed reasoning run")
-
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    else:
+        # Both throughput conventions, side by side on one scale: the seed's (a whole round
+        # subtracted) and one token subtracted. A convention a file has no figure for (no
+        # /metrics: no tau) is drawn empty and says so in its legend.
+        fig, axes = plt.subplots(1, 2, figsize=(15, 5.5), sharey=True)
+        for ax, (column, label) in zip(axes, CONVENTIONS):
+            if kind == "cells":
+                _cells_chart(ax, loaded, column)
+                ax.set_title(f"Decode throughput per cell and depth\n{label}", fontsize=10)
+            else:
+                _reasoning_chart(ax, loaded, column)
+                ax.set_title(f"Five-seed reasoning run\n{label}", fontsize=10)
+            ax.set_ylabel(label)
+            ax.legend(fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
     model = "; ".join(sorted({h.get("model id", "?") for h in headers}))
     commits = "; ".join(sorted({h.get("commit", "?")[:12] for h in headers}))
     dates = "; ".join(sorted({h.get("date", "?")[:10] for h in headers}))
@@ -127,10 +161,7 @@ def plot(csv_paths: list[str], out: str | None = None) -> str:
     fig.text(0.01, 0.01, f"model {model} | engine {headers[0].get('engine version', '?')} | "
              f"commit {commits} | {dates}", fontsize=7, color="gray")
     fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-    out = out or os.path.splitext(csv_paths[0])[0] + ".png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv=None) -> int:

@@ -56,7 +56,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="Prometheus endpoint (default: <server root>/metrics)")
     p.add_argument("--no-metrics", action="store_true",
                    help="run without /metrics: tau, rounds and the round convention stay empty")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", default=None,
+                   help="where the CSV and Markdown results go (default: $QPN_RESULTS_DIR, else "
+                   "$XDG_DATA_HOME/volta-qpn/results, i.e. ~/.local/share/volta-qpn/results); "
+                   "the repository's tracked results/ folder only when named here")
     p.add_argument("--name", default=None, help="results file stem (default: e2e_<suite>_<device>_<date>)")
     p.add_argument("--revision", default=None, help="checkpoint revision, if the server cannot tell")
     p.add_argument("--hardware", default=None,
@@ -199,9 +202,19 @@ def provenance_header(bench: Bench, pre: Preflight, sampling_text: str, extra: d
     return header
 
 
+def default_results_dir(environ=None) -> str:
+    """A user's own folder: a run's figures never land among the project's evidence (the
+    tracked results/) unless ``--results-dir results`` asks for it."""
+    environ = os.environ if environ is None else environ
+    if environ.get("QPN_RESULTS_DIR"):
+        return environ["QPN_RESULTS_DIR"]
+    data_home = environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(data_home, "volta-qpn", "results")
+
+
 def results_prefix(args, suite: str, device: str) -> str:
     stem = args.name or f"e2e_{suite}_{device}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%SZ}"
-    return os.path.join(args.results_dir, stem)
+    return os.path.join(args.results_dir or default_results_dir(), stem)
 
 
 def run_main(body) -> int:
@@ -228,3 +241,38 @@ def run_main(body) -> int:
     if w is not None:
         print(f"wrote {w.csv_path} and {w.md_path} ({len(w.rows)} rows)")
     return 0
+
+
+SUITES = {
+    "domain_cells": "one greedy request per workload cell (doc2json, log2json, json, mergesort, "
+                    "code, math, prose)",
+    "reasoning_seeds": "one reasoning problem, NInfer sampling, five seeds: mean and sd",
+    "context_sweep": "decode speed against live context, measured by llama-benchy",
+    "plot": "PNG charts from results CSVs (both throughput conventions)",
+}
+
+
+def main(argv=None) -> int:
+    """``python -m qpn.benchmarks.suite [SUITE [ARGS...]]``: lists the suites, or runs one."""
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(
+        prog="python -m qpn.benchmarks.suite",
+        description="End-to-end benchmarks of a running OpenAI-compatible server. Each suite is "
+        "also its own command: python -m qpn.benchmarks.<suite> --help.",
+        epilog="suites:\n" + "\n".join(f"  {name:16s} {what}" for name, what in SUITES.items())
+        + f"\n\nresults go to {default_results_dir()} unless --results-dir says otherwise",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=sorted(SUITES), help="the suite to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own arguments")
+    if not argv:
+        p.print_help()
+        return 2
+    ns = p.parse_args(argv[:1])
+    module = importlib.import_module(f"qpn.benchmarks.{ns.suite}")
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
