@@ -1,4 +1,5 @@
-"""What a result was measured on: endpoint, model, engine, hardware, K, MML, commit, command, date.
+"""What a result was measured on: endpoint, model, engine, hardware, K, MML, commit (with a dirty
+flag and the diff's sha256), command, GPU, driver, CUDA, torch, date.
 
 Each field says where it came from (the server, this host, or the command line), so that a
 reader can tell a measured fact from a declared one. Hardware is only read from this host
@@ -153,22 +154,55 @@ def checkpoint_revision(model_entry: dict, given: str | None = None) -> str:
     return f"unknown for {root!r} (pass --revision)"
 
 
-def git_commit() -> str:
+def source_state(root: str = _REPO_ROOT) -> dict:
+    """The source a result came from, read from git: {'commit', 'dirty', 'diff_sha256', 'changed'}.
+
+    dirty: tracked files differ from HEAD (staged or not) or untracked, non-ignored files exist.
+    diff_sha256: sha256 over ``git diff HEAD --binary`` and, per untracked file, its path and
+    content, so two runs with the same commit and the same hash ran the same source; None when
+    clean. commit is None outside a git checkout (then 'error' says why)."""
     git = shutil.which("git")
-    if git and os.path.isdir(os.path.join(_REPO_ROOT, ".git")):
+    if not git or not os.path.exists(os.path.join(root, ".git")):
+        return {"commit": None, "dirty": None, "diff_sha256": None, "changed": [],
+                "error": "not a git checkout (or git not installed)"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([git, "-C", root, *args], capture_output=True, timeout=60)
+    try:
+        head = run("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None, "diff_sha256": None, "changed": [],
+                    "error": head.stderr.decode(errors="replace").strip()}
+        diff = run("diff", "HEAD", "--binary").stdout
+        changed = run("diff", "HEAD", "--name-only").stdout.decode().split()
+        untracked = run("ls-files", "--others", "--exclude-standard", "-z").stdout.decode().split("\0")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"commit": None, "dirty": None, "diff_sha256": None, "changed": [], "error": str(e)}
+    untracked = sorted(u for u in untracked if u)
+    h = hashlib.sha256(diff)
+    for u in untracked:
+        h.update(b"\0untracked\0" + u.encode() + b"\0")
         try:
-            head = subprocess.run([git, "-C", _REPO_ROOT, "rev-parse", "HEAD"],
-                                  capture_output=True, text=True, timeout=10).stdout.strip()
-            dirty = subprocess.run([git, "-C", _REPO_ROOT, "status", "--porcelain", "-uno"],
-                                   capture_output=True, text=True, timeout=10).stdout
-            if head:
-                if not dirty.strip():
-                    return head
-                paths = [line[3:] for line in dirty.splitlines() if line.strip()]
-                shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
-                return f"{head} (+ uncommitted changes to tracked files: {shown})"
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+            with open(os.path.join(root, u), "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+        except OSError:
+            h.update(b"(unreadable)")
+    dirty = bool(diff) or bool(untracked)
+    return {"commit": head.stdout.decode().strip(), "dirty": dirty,
+            "diff_sha256": h.hexdigest() if dirty else None,
+            "changed": changed + [f"{u} (untracked)" for u in untracked]}
+
+
+def git_commit() -> str:
+    """One line: the commit, and when the tree is not clean, the dirty flag, the diff's sha256
+    and the changed files."""
+    st = source_state()
+    if st["commit"]:
+        if not st["dirty"]:
+            return st["commit"]
+        paths = st["changed"]
+        shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+        return f"{st['commit']} (dirty: diff sha256 {st['diff_sha256']}; changed: {shown})"
     try:
         from importlib.metadata import version
 
@@ -186,6 +220,72 @@ def _module_name() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return spec.name if spec is not None and spec.name else (sys.argv[0] or "?")
+
+
+def exact_command() -> str:
+    """The command as it ran: interpreter path, module or script, every argument, the working
+    directory, and the QPN_* / CUDA_VISIBLE_DEVICES settings that change what runs."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = [sys.executable, "-m", spec.name] if spec is not None and spec.name else [sys.executable, sys.argv[0]]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+                   if k.startswith("QPN_") or k == "CUDA_VISIBLE_DEVICES")
+    return (env + " " if env else "") + shlex.join(head + sys.argv[1:]) + f"  (in {os.getcwd()})"
+
+
+def gpu_environment() -> dict:
+    """GPU(s) as torch sees them, the driver (nvidia-smi), the CUDA runtime torch was built for,
+    and torch's version. Fields say 'none' / 'unknown' rather than being left out."""
+    out = {"gpu": "none (torch sees no CUDA device)", "driver": "unknown", "cuda": "unknown", "torch": "unknown"}
+    try:
+        import torch
+    except ImportError:
+        out["torch"] = "not installed"
+        return out
+    out["torch"] = torch.__version__
+    out["cuda"] = f"{torch.version.cuda} (torch build)" if torch.version.cuda else "none (CPU build of torch)"
+    if torch.cuda.is_available():
+        names = []
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            names.append(f"{p.name} (sm_{p.major}{p.minor}, {p.total_memory // 2**20} MiB)")
+        out["gpu"] = "; ".join(names)
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            r = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+            if r.returncode == 0 and r.stdout.strip():
+                out["driver"] = ", ".join(sorted(set(r.stdout.split())))
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    elif out["gpu"].startswith("none"):
+        out["driver"] = "none (no nvidia-smi)"
+    return out
+
+
+def run_record(**extra) -> dict:
+    """Everything a results file must say about how it was made, written by code: commit, dirty
+    flag, diff sha256, changed files, exact command, GPU, driver, CUDA, torch, host CPU, date
+    (UTC), plus ``extra`` fields the caller adds. Benchmarks and numerics reports call this."""
+    st = source_state()
+    rec = {"commit": st["commit"] or git_commit(), "dirty": st["dirty"], "diff_sha256": st["diff_sha256"],
+           "changed": ", ".join(st["changed"]) if st["changed"] else "", "command": exact_command()}
+    rec.update(gpu_environment())
+    rec.update({"host_cpu": f"{cpu_model()}, {os.cpu_count()} logical cores", "date": now_iso()})
+    rec.update(extra)
+    return rec
+
+
+def markdown_block(rec: dict) -> list[str]:
+    """Provenance as Markdown list lines, for the top of a report."""
+    return ["Provenance (written by benchmarks/provenance.py, not by hand):", ""] + \
+        [f"- {k}: {'' if v is None else v}" for k, v in rec.items()] + [""]
+
+
+def comment_lines(rec: dict, prefix: str = "# ") -> list[str]:
+    """Provenance as 'key: value' comment lines (e.g. at the top of a CSV file)."""
+    return [f"{prefix}{k}: {'' if v is None else v}" for k, v in rec.items()]
 
 
 def now_iso() -> str:

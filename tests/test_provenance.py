@@ -1,0 +1,84 @@
+"""Provenance written by code (benchmarks/provenance.py): the dirty flag and diff hash follow the
+working tree exactly, and a run record carries every field a results file must state."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from qpn.benchmarks import provenance as P
+
+pytestmark = pytest.mark.fast
+
+
+def _git(root, *args):
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path):
+    if not shutil.which("git"):
+        pytest.fail("git is needed for provenance (it is part of the CI image)")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@example.invalid")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    _git(tmp_path, "add", "a.py", ".gitignore")
+    _git(tmp_path, "commit", "-q", "-m", "one")
+    return tmp_path
+
+
+def test_clean_tree_has_commit_and_no_diff(repo):
+    st = P.source_state(str(repo))
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert st == {"commit": head, "dirty": False, "diff_sha256": None, "changed": []}
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "junk").write_text("build output")
+    assert P.source_state(str(repo))["dirty"] is False        # ignored files are not source
+
+
+def test_dirty_flag_and_diff_hash_follow_the_tree(repo):
+    (repo / "a.py").write_text("x = 2\n")
+    s1 = P.source_state(str(repo))
+    assert s1["dirty"] is True and len(s1["diff_sha256"]) == 64 and s1["changed"] == ["a.py"]
+    assert P.source_state(str(repo))["diff_sha256"] == s1["diff_sha256"]   # same tree, same hash
+    (repo / "a.py").write_text("x = 3\n")
+    s2 = P.source_state(str(repo))
+    assert s2["diff_sha256"] != s1["diff_sha256"]
+    _git(repo, "add", "a.py")                                  # staged changes count too
+    assert P.source_state(str(repo))["diff_sha256"] == s2["diff_sha256"]
+    _git(repo, "checkout", "-q", "HEAD", "--", "a.py")
+    assert P.source_state(str(repo))["dirty"] is False
+    (repo / "new.py").write_text("y = 1\n")                    # an untracked source file
+    u1 = P.source_state(str(repo))
+    assert u1["dirty"] is True and u1["changed"] == ["new.py (untracked)"]
+    (repo / "new.py").write_text("y = 2\n")
+    assert P.source_state(str(repo))["diff_sha256"] != u1["diff_sha256"]
+
+
+def test_outside_a_checkout_says_so(tmp_path):
+    st = P.source_state(str(tmp_path))
+    assert st["commit"] is None and "git" in st["error"]
+
+
+def test_run_record_states_every_field(monkeypatch):
+    monkeypatch.setenv("QPN_NUMERICS_REPORT", "/tmp/x.md")
+    monkeypatch.setattr(sys, "argv", ["prog", "--flag", "a b"])
+    rec = P.run_record(suite="unit")
+    for key in ("commit", "dirty", "diff_sha256", "changed", "command", "gpu", "driver", "cuda", "torch",
+                "host_cpu", "date", "suite"):
+        assert key in rec, key
+    assert rec["commit"] and rec["date"].endswith("+00:00")
+    assert "QPN_NUMERICS_REPORT=/tmp/x.md" in rec["command"] and "--flag 'a b'" in rec["command"]
+    assert sys.executable in rec["command"]
+    if rec["dirty"]:
+        assert len(rec["diff_sha256"]) == 64
+    else:
+        assert rec["diff_sha256"] is None
+    md = "\n".join(P.markdown_block(rec))
+    csv = P.comment_lines(rec)
+    for key in rec:
+        assert f"- {key}: " in md and any(line.startswith(f"# {key}: ") for line in csv)
