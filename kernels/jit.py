@@ -37,15 +37,26 @@ ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 # sm_80+ (m16n8k16): which configured kernel of csrc/qpn_kernels_sm80.cu serves each packed route,
 # by (format, token tiles per weight pass). Chosen on the H200 among the spill-free configurations
 # (benchmarks/kernel_matched_bench.py --sweep); a change here needs no recompilation.
-# (H200 sweep 2026-11-29, results/kernel_sm80_sweep_h200_20261129.csv: the L2 prefetch variants
-# were slower than p0 everywhere except NVFP4 MT2, where p8 was best by 1.2 points.)
+# (H200 sweep 2026-11-30, results/kernel_sm80_ring_sweep_h200_20261130.csv, adopted by that run:
+# NVFP4 goes to the shared-memory ring kernels (t4s4: lm_head 63% vs 58% of the read ceiling);
+# FP8 stays on the register ring, which the FP8 ring kernels do not yet beat -- see
+# results/kernel_sm80_ring_notes_h200_20261130.md.)
 SM80_ROUTE_KERNELS = {
+    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t4s4",
+    ("nvfp4", 2): "qpn2_mt2_m16n8k16_t2s4x",
+    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p0",
+    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p0",
+}
+# The register-ring kernels (no shared memory) serve a route when the GPU cannot give a block the
+# ring kernel's shared memory (sm_86 / sm_89 allow about 99 KB per block).
+SM80_ROUTE_KERNELS_NO_SMEM = {
     ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p0",
     ("nvfp4", 2): "qpn2_mt2_m16n8k16_t1d4p8",
     ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p0",
     ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p0",
 }
-ENTRY_POINTS["m16n8k16"] = tuple(SM80_ROUTE_KERNELS.values()) + (
+ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_ROUTE_KERNELS.values())
+                                               + list(SM80_ROUTE_KERNELS_NO_SMEM.values()))) + (
     "qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16")
 
 
@@ -59,16 +70,32 @@ class Sm80Kernel:
     depth: int     # weight-load ring depth in k-blocks (D)
     prefetch: int  # L2 prefetch distance in k-blocks beyond the ring (PF)
     variant: int   # 0: the kernel; 1-3: a measured variant with one stage dropped
+    stages: int = 0     # shared-memory ring slots per warp (QPN80R_ENTRY); 0: the register ring
+    min_blocks: int = 2  # blocks of SM80_THREADS per SM its register cap is sized for
+    x_global: bool = False  # ring kernel reading the activations from global memory (QPN80RX_ENTRY)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per block of 256 threads (Qpn80Ring: 8 warps x S slots x STAGE)."""
+        if not self.stages:
+            return 0
+        nvfp4 = self.frag.startswith("Frag16NVFP4")
+        stage = self.tiles * ((16 if nvfp4 else 32) * 32 + (64 if nvfp4 else 0)) + (0 if self.x_global else self.mt * 1024)
+        return 8 * self.stages * stage
 
 
 def sm80_kernels() -> dict[str, Sm80Kernel]:
-    """Every QPN80_ENTRY of the sm_80+ source, parsed from the source itself (one place)."""
+    """Every QPN80_ENTRY / QPN80R_ENTRY / QPN80RX_ENTRY of the sm_80+ source, parsed from the source itself."""
     src = nvrtc.read_sources()[ATOM_SOURCES["m16n8k16"]]
     out = {}
     for m in re.finditer(r"^QPN80_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
                          src, re.M):
         name, frag, mt, t, d, pf, var = m.groups()
         out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var))
+    for m in re.finditer(r"^QPN80R(X?)_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
+                         src, re.M):
+        xg, name, frag, mt, t, st, minb, var = m.groups()
+        out[name] = Sm80Kernel(name, frag, int(mt), int(t), 0, 0, int(var), int(st), int(minb), xg == "X")
     return out
 
 
@@ -253,6 +280,33 @@ def occupancy(module: LoadedModule, name: str, block: int, smem: int = 0) -> int
                 f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
         v = cache[key] = max(1, n.value)
     return v
+
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+
+
+def max_smem_optin(device_index: int) -> int:
+    """Largest dynamic shared memory one block may ask for on the device (after opting in)."""
+    d = driver()
+    v = ctypes.c_int()
+    dev = ctypes.c_int()
+    d.check(d.lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+    d.check(d.lib.cuDeviceGetAttribute(ctypes.byref(v), CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
+            "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")
+    return v.value
+
+
+def allow_dynamic_smem(module: LoadedModule, name: str, nbytes: int) -> None:
+    """Opt kernel ``name`` in to ``nbytes`` of dynamic shared memory (needed above 48 KB); once per
+    (kernel, size)."""
+    done = module.__dict__.setdefault("_smem_optin", {})
+    if done.get(name, -1) >= nbytes:
+        return
+    d = driver()
+    d.check(d.lib.cuFuncSetAttribute(module.function(name), CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     int(nbytes)), f"cuFuncSetAttribute({name}, dynamic shared memory {nbytes})")
+    done[name] = nbytes
 
 
 def launch(module: LoadedModule, name: str, grid: int, block: int, smem: int, stream: int,

@@ -201,20 +201,42 @@ _sm80_plans: dict = {}
 
 
 def _sm80_plan(mod, name: str, fmt: str, n: int, kblocks: int, chunks: int, device) -> tuple:
-    """(grid, nwarps, n_groups, per-warp partial floats) for one kernel and layer shape."""
+    """(kernel name, grid, nwarps, n_groups, per-warp partial floats, dynamic shared memory bytes)
+    for one kernel and layer shape. A shared-memory ring kernel whose ring does not fit a block on
+    this GPU is replaced by the register-ring kernel of the same route (jit.SM80_ROUTE_KERNELS_NO_SMEM)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, name, n, kblocks, chunks, SM80_MIN_ITEMS[fmt])
     plan = _sm80_plans.get(key)
     if plan is None:
-        cfg = jit.sm80_kernels()[name]
+        kernels = jit.sm80_kernels()
+        cfg = kernels[name]
+        if cfg.smem_bytes > _smem_optin(idx):
+            fallback = {v: jit.SM80_ROUTE_KERNELS_NO_SMEM[k] for k, v in jit.SM80_ROUTE_KERNELS.items()}
+            if name not in fallback:
+                raise ValueError(f"kernel {name} needs {cfg.smem_bytes} bytes of shared memory per block; "
+                                 f"cuda:{idx} allows {_smem_optin(idx)}")
+            cfg = kernels[fallback[name]]
+        smem = cfg.smem_bytes
+        if smem > 48 * 1024:
+            jit.allow_dynamic_smem(mod, cfg.name, smem)
         sms = _sm_count.get(idx)
         if sms is None:
             sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        resident_warps = sms * jit.occupancy(mod, name, THREADS) * WARPS
+        resident_warps = sms * jit.occupancy(mod, cfg.name, THREADS, smem) * WARPS
         grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_warps,
                                                 SM80_MIN_ITEMS[fmt])
-        plan = _sm80_plans[key] = (grid, nwarps, n_groups, 2 * 32 * cfg.tiles * cfg.mt * 4)
+        plan = _sm80_plans[key] = (cfg.name, grid, nwarps, n_groups, 2 * 32 * cfg.tiles * cfg.mt * 4, smem)
     return plan
+
+
+_smem_optin_cache: dict = {}
+
+
+def _smem_optin(idx: int) -> int:
+    v = _smem_optin_cache.get(idx)
+    if v is None:
+        v = _smem_optin_cache[idx] = jit.max_smem_optin(idx)
+    return v
 
 
 def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps: int,
@@ -260,14 +282,14 @@ def _launch_sm80(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscale,
         name = kernel
     mod = jit.module_for(xh.device, "m16n8k16")
     kblocks = k_pad // 64
-    grid, nwarps, n_groups, per_warp = _sm80_plan(mod, name, fmt, n, kblocks, chunks, xh.device)
+    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, fmt, n, kblocks, chunks, xh.device)
     stream = torch.cuda.current_stream(xh.device).cuda_stream
     partials, counters = _sm80_buffers(xh.device, stream, chunks * nwarps * per_warp, chunks * n_groups)
     a = Qpn80Args(codes.data_ptr(), scales.data_ptr() if scales is not None else 0, chscale.data_ptr(),
                   xh.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(),
                   partials.data_ptr(), counters.data_ptr(),
                   m, n, kblocks, k_pad, n_groups, nwarps, chunks, int(chscale.numel() != 1))
-    jit.launch(mod, name, grid, THREADS, 0, stream, [a])
+    jit.launch(mod, name, grid, THREADS, smem, stream, [a])
     return y
 
 

@@ -62,6 +62,36 @@ QPN_DEV void ldg64(const void* p, u32& a, u32& b) {
 QPN_DEV void stg64(void* p, u32 a, u32 b) {
   asm volatile("st.global.v2.u32 [%0], {%1,%2};" :: "l"(p), "r"(a), "r"(b) : "memory");
 }
+// cp.async (sm_80+): global -> shared without registers. src_bytes < 16 zero-fills the rest (0:
+// a row past M arrives as zeros). .cg: cached in L2 only (weights are read once).
+QPN_DEV u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+QPN_DEV void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+#endif
+}
+QPN_DEV void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+QPN_DEV void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+QPN_DEV void lds128(u32 p, u32& a, u32& b, u32& c, u32& d) {
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(p) : "memory");
+}
+QPN_DEV void lds64(u32 p, u32& a, u32& b) {
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "r"(p) : "memory");
+}
+
 // f16x2 with both halves = the low (resp. high) half of v. ptxas folds this into the consuming
 // HMUL2 as an operand selector (.H0_H0 / .H1_H1): no extra instruction.
 QPN_DEV u32 dup_lo(u32 v) {

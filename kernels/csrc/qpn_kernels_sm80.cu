@@ -231,67 +231,244 @@ struct Qpn80 {
       const int kb1 = min(hi, gbase + a.kblocks) - gbase;
       item = gbase + kb1;
       float acc[T][MT][4];
-#pragma unroll
-      for (int j = 0; j < T; ++j)
-#pragma unroll
-        for (int t = 0; t < MT; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][t][i] = 0.f;
+      zero(acc);
       segment(a, grp, kb0, kb1, xp, xv, lane, acc);
-      if (kb0 == 0 && kb1 == a.kblocks) {
-        store(a, grp, m0, lane, acc, cs_tensor);
-        continue;
-      }
-      // Partial group: park the sums, count the arrival; the last contributor finishes the group.
-      float* mine = slot_ptr(a, plane, gw, grp == first_grp ? 0 : 1, lane);
-#pragma unroll
-      for (int j = 0; j < T; ++j)
-#pragma unroll
-        for (int t = 0; t < MT; ++t)
-          stg128f(mine + (j * MT + t) * 4, acc[j][t][0], acc[j][t][1], acc[j][t][2], acc[j][t][3]);
-      __threadfence();
-      __syncwarp();
-      int* ctr = a.counters + (size_t)plane * a.n_groups + grp;
-      int old = 0;
-      if (lane == 0) old = atomicAdd(ctr, 1);
-      old = __shfl_sync(0xffffffffu, old, 0);
-      const int fw = warp_of(gbase, q, r);
-      const int lw = warp_of(gbase + a.kblocks - 1, q, r);
-      if (old != lw - fw) continue;
-      __threadfence();
-      float sum[T][MT][4];
-#pragma unroll
-      for (int j = 0; j < T; ++j)
-#pragma unroll
-        for (int t = 0; t < MT; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) sum[j][t][i] = 0.f;
-      for (int wi = fw; wi <= lw; ++wi) {   // fixed order: deterministic sums
-        if (wi == gw) {
-#pragma unroll
-          for (int j = 0; j < T; ++j)
-#pragma unroll
-            for (int t = 0; t < MT; ++t)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) sum[j][t][i] += acc[j][t][i];
-        } else {
-          const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
-#pragma unroll
-          for (int j = 0; j < T; ++j)
-#pragma unroll
-            for (int t = 0; t < MT; ++t) {
-              float v0, v1, v2, v3;
-              ldcg128f(p + (j * MT + t) * 4, v0, v1, v2, v3);
-              sum[j][t][0] += v0;
-              sum[j][t][1] += v1;
-              sum[j][t][2] += v2;
-              sum[j][t][3] += v3;
-            }
-        }
-      }
-      if (lane == 0) atomicExch(ctr, 0);
-      store(a, grp, m0, lane, sum, cs_tensor);
+      finish(a, grp, kb0, kb1, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor);
     }
+  }
+
+  QPN_DEV static void zero(float (&acc)[T][MT][4]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j)
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][t][i] = 0.f;
+  }
+
+  // The end of one segment (k-blocks [kb0, kb1) of group grp) of warp gw's run: a whole group is
+  // stored directly; a partial one is parked and the last contributor to arrive finishes it.
+  QPN_DEV static void finish(const Qpn80Args& a, int grp, int kb0, int kb1, int first_grp, int gw, int q, int r,
+                             int plane, int m0, int lane, const float (&acc)[T][MT][4], float cs_tensor) {
+    if (kb0 == 0 && kb1 == a.kblocks) {
+      store(a, grp, m0, lane, acc, cs_tensor);
+      return;
+    }
+    const int gbase = grp * a.kblocks;
+    // Partial group: park the sums, count the arrival; the last contributor finishes the group.
+    float* mine = slot_ptr(a, plane, gw, grp == first_grp ? 0 : 1, lane);
+#pragma unroll
+    for (int j = 0; j < T; ++j)
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+        stg128f(mine + (j * MT + t) * 4, acc[j][t][0], acc[j][t][1], acc[j][t][2], acc[j][t][3]);
+    __threadfence();
+    __syncwarp();
+    int* ctr = a.counters + (size_t)plane * a.n_groups + grp;
+    int old = 0;
+    if (lane == 0) old = atomicAdd(ctr, 1);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    const int fw = warp_of(gbase, q, r);
+    const int lw = warp_of(gbase + a.kblocks - 1, q, r);
+    if (old != lw - fw) return;
+    __threadfence();
+    float sum[T][MT][4];
+    zero(sum);
+    for (int wi = fw; wi <= lw; ++wi) {   // fixed order: deterministic sums
+      if (wi == gw) {
+#pragma unroll
+        for (int j = 0; j < T; ++j)
+#pragma unroll
+          for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sum[j][t][i] += acc[j][t][i];
+      } else {
+        const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
+#pragma unroll
+        for (int j = 0; j < T; ++j)
+#pragma unroll
+          for (int t = 0; t < MT; ++t) {
+            float v0, v1, v2, v3;
+            ldcg128f(p + (j * MT + t) * 4, v0, v1, v2, v3);
+            sum[j][t][0] += v0;
+            sum[j][t][1] += v1;
+            sum[j][t][2] += v2;
+            sum[j][t][3] += v3;
+          }
+      }
+    }
+    if (lane == 0) atomicExch(ctr, 0);
+    store(a, grp, m0, lane, sum, cs_tensor);
+  }
+};
+
+// The shared-memory ring (issue 14): the same work split, reduction and fragment decoders as
+// Qpn80, but every operand of a k-block (the T tiles' codes, their NVFP4 scales and the MT token
+// tiles' activations) is copied global -> shared by cp.async (no registers held while in flight),
+// S k-blocks deep per warp. Each warp owns its S slots, so no block-wide barrier: a
+// cp.async.wait_group and a __syncwarp make a slot's bytes visible to the warp. The ring runs over
+// the warp's whole run of items, across group boundaries, so a warp never drains and refills it
+// between the groups of its run (the finish of a group overlaps the copies of the next).
+// Registers hold only the current k-block's operands, the decode and the accumulators.
+//
+// Slot layout (bytes; every copy is 16 B; reads are conflict-free):
+//   codes   [T][h][32 lanes][16 B]  h < LANE_BYTES / 16 (lane l's h-th 16 B of the tile-block)
+//   scales  [T][64 B]               NVFP4 only, as packed (lane l reads 8 B at 8 * (l >> 2))
+//   x       [MT][1024 B]            NVFP4: [step s][token g][16 B pair p] (lane (g, t) reads 8 B at
+//                                   256 s + 32 g + 8 t); FP8: [h][lane][16 B] (lane reads 2 x 16 B)
+// Rows past M are zero-filled by the copy itself (src-size 0).
+// XG = 1: the activations stay out of the ring: read from global memory through L1 (where the
+// warps of an SM that work on the same k-range share them) one k-block ahead, into registers.
+// The H200 sweep of the first ring showed the activation copies through L2 (1 KB per token tile
+// and k-block, as many bytes as two weight tiles) costing more at M = 8 than at M = 1.
+template <class F, int MT, int T, int S, int XG, int VAR>
+struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
+  using B = Qpn80<F, MT, T, 1, 0, VAR>;
+  using A = AtomM16N8K16;
+  static constexpr int LANE_BYTES = F::WORDS * 4;
+  static constexpr int H = LANE_BYTES / 16;
+  static constexpr int W_BYTES = LANE_BYTES * 32;
+  static constexpr int SC_BYTES = F::GROUPED ? A::SCALE_BLOCK_BYTES : 0;
+  static constexpr int X_BYTES = A::TOKENS * A::K_BLOCK * 2;
+  static constexpr int SC_OFF = T * W_BYTES;
+  static constexpr int X_OFF = SC_OFF + T * SC_BYTES;
+  static constexpr int STAGE = X_OFF + (XG ? 0 : MT * X_BYTES);
+  static_assert(STAGE % 16 == 0, "slots must stay 16-byte aligned");
+
+  // Copy item (grp, kb) into slot at shared address sl.
+  QPN_DEV static void issue(const Qpn80Args& a, u32 sl, int grp, int kb, int n_tiles, int lane,
+                            const u16* const (&xsrc)[MT][2], const u32 (&xbytes)[MT][2], const u32 (&xdst)[2]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      const int tile = min(grp * T + j, n_tiles - 1);
+      const size_t blk = (size_t)tile * a.kblocks + kb;
+      const u8* c = a.codes + blk * W_BYTES + lane * LANE_BYTES;
+#pragma unroll
+      for (int h = 0; h < H; ++h) cp_async16(sl + j * W_BYTES + h * 512 + lane * 16, c + 16 * h, 16u);
+      if constexpr (F::GROUPED) {
+        if (lane < 4) cp_async16(sl + SC_OFF + j * SC_BYTES + lane * 16,
+                                 a.scales + blk * A::SCALE_BLOCK_BYTES + lane * 16, 16u);
+      }
+    }
+    if constexpr (!XG) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          cp_async16(sl + X_OFF + t * X_BYTES + xdst[i], xsrc[t][i] + (size_t)kb * A::K_BLOCK, xbytes[t][i]);
+    }
+  }
+
+  QPN_DEV static void read(u32 sl, int lane, u32 (&w)[T][F::WORDS], u32 (&sc)[T][2], u32 (&xr)[MT][8]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+#pragma unroll
+      for (int h = 0; h < H; ++h)
+        lds128(sl + j * W_BYTES + h * 512 + lane * 16, w[j][4 * h], w[j][4 * h + 1], w[j][4 * h + 2], w[j][4 * h + 3]);
+      if constexpr (F::GROUPED) lds64(sl + SC_OFF + j * SC_BYTES + 8 * (lane >> 2), sc[j][0], sc[j][1]);
+      else sc[j][0] = sc[j][1] = 0u;
+    }
+    if constexpr (XG) return;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const u32 xb = sl + X_OFF + t * X_BYTES;
+      if constexpr (F::GROUPED) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) lds64(xb + 256 * s + 32 * (lane >> 2) + 8 * (lane & 3), xr[t][2 * s], xr[t][2 * s + 1]);
+      } else {
+        lds128(xb + lane * 16, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
+        lds128(xb + 512 + lane * 16, xr[t][4], xr[t][5], xr[t][6], xr[t][7]);
+      }
+    }
+  }
+
+  QPN_DEV static void run(const Qpn80Args& a, u8* smem) {
+    const int lane = threadIdx.x & 31;
+    const int plane = blockIdx.x % a.chunks;
+    const int gw = (blockIdx.x / a.chunks) * QPN80_WARPS + (threadIdx.x >> 5);
+    if (gw >= a.nwarps) return;
+    const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * (S * STAGE);
+    const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
+    const int items = a.n_groups * a.kblocks;
+    const int q = items / a.nwarps, r = items % a.nwarps;
+    const int lo = B::run_start(gw, q, r), hi = B::run_start(gw + 1, q, r);
+    const int m0 = plane * MT * A::TOKENS;
+    const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
+    // This lane's two 16-byte activation copies per token tile: chunk c = lane + 32 i is token
+    // c >> 3, inputs 8 (c & 7) .. +7 of the k-block.
+    const u16* xsrc[MT][2];
+    u32 xbytes[MT][2], xdst[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int c = lane + 32 * i, g = c >> 3, qc = c & 7;
+      xdst[i] = F::GROUPED ? 256 * (qc >> 1) + 32 * g + 16 * (qc & 1) : 512 * (qc & 1) + 16 * (4 * g + (qc >> 1));
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const int tok = m0 + t * A::TOKENS + g;
+        xbytes[t][i] = tok < a.m ? 16u : 0u;
+        xsrc[t][i] = a.x + (size_t)(tok < a.m ? tok : 0) * a.ldx + 8 * qc;
+      }
+    }
+    const int first_grp = lo / a.kblocks;
+    // Issue cursor (item lo + issued) and consume cursor, both as (group, k-block).
+    int ig = first_grp, ik = lo - first_grp * a.kblocks;
+    int issued = 0;
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (lo + issued < hi) {
+        issue(a, ring + (issued % S) * STAGE, ig, ik, n_tiles, lane, xsrc, xbytes, xdst);
+        if (++ik == a.kblocks) { ik = 0; ++ig; }
+      }
+      cp_async_commit();
+      ++issued;
+    }
+    int cg = first_grp, ck = lo - first_grp * a.kblocks, ck0 = ck;   // consume cursor
+    float acc[T][MT][4];
+    B::zero(acc);
+    u32 sink = 0u;
+    // XG: activations of the item being consumed (xa) and of the next one (xn), from global memory.
+    const u16* xp[MT];
+    bool xv[MT];
+    u32 xn[MT][8];
+    if constexpr (XG) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const int tok = m0 + t * A::TOKENS + A::b_token(lane);
+        xv[t] = tok < a.m;
+        xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
+      }
+      B::load_x(xp, xv, ck, xn);
+    }
+    for (int item = lo; item < hi; ++item) {
+      cp_async_wait<S - 2>();
+      __syncwarp();
+      if (lo + issued < hi) {
+        issue(a, ring + (issued % S) * STAGE, ig, ik, n_tiles, lane, xsrc, xbytes, xdst);
+        if (++ik == a.kblocks) { ik = 0; ++ig; }
+      }
+      cp_async_commit();
+      ++issued;
+      {
+        u32 w[T][F::WORDS], sc[T][2], xr[MT][8];
+        read(ring + ((item - lo) % S) * STAGE, lane, w, sc, xr);
+        if constexpr (XG) {
+#pragma unroll
+          for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xr[t][i] = xn[t][i];
+          if (item + 1 < hi) B::load_x(xp, xv, ck + 1 == a.kblocks ? 0 : ck + 1, xn);
+        }
+        B::compute(w, sc, xr, acc, sink);
+      }
+      if (++ck == a.kblocks || item + 1 == hi) {
+        if constexpr (VAR == 2 || VAR == 3) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+        B::finish(a, cg, ck0, ck, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor);
+        B::zero(acc);
+        ++cg;
+        ck = ck0 = 0;
+      }
+    }
+    cp_async_wait<0>();
   }
 };
 
@@ -331,6 +508,20 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
     Qpn80<F, MT, T, D, PF, VAR>::run(a);                                                     \
   }
 
+// Ring kernels: dynamic shared memory of QPN80_WARPS * S * STAGE bytes (ops computes the same from
+// jit.Sm80Kernel.smem_bytes); MINB = blocks per SM the register cap is sized for.
+#define QPN80R_ENTRY(NAME, F, MT, T, S, MINB, VAR)                                          \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
+    extern __shared__ __align__(16) u8 qpn80_smem[];                                         \
+    Qpn80Ring<F, MT, T, S, 0, VAR>::run(a, qpn80_smem);                                       \
+  }
+// The same with the activations read from global memory (XG = 1): only codes and scales in the ring.
+#define QPN80RX_ENTRY(NAME, F, MT, T, S, MINB, VAR)                                         \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
+    extern __shared__ __align__(16) u8 qpn80_smem[];                                         \
+    Qpn80Ring<F, MT, T, S, 1, VAR>::run(a, qpn80_smem);                                       \
+  }
+
 #define QPN80_RECONSTRUCT_ENTRY(NAME, F)                                                    \
   extern "C" __global__ void __launch_bounds__(QPN80_THREADS) NAME(                          \
       const u8* codes, const u8* scales, u16* ws, int n_tiles, int kblocks) {                 \
@@ -359,6 +550,22 @@ QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4p0, Frag16FP8, 2, 1, 4, 0, 0)
 QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4p8, Frag16FP8, 2, 1, 4, 8, 0)
 QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1p8, Frag16FP8, 2, 2, 1, 8, 0)
 QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1p16, Frag16FP8, 2, 2, 1, 16, 0)
+// Shared-memory ring kernels (Qpn80Ring): <format>_mt<MT>_m16n8k16_t<T>s<S>[_variant], S = ring
+// slots per warp (S - 1 k-blocks in flight while one is consumed); MINB = blocks per SM the
+// register cap is sized for (the shared memory per block is 8 x S x STAGE bytes).
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4, Frag16NVFP4, 1, 2, 4, 3, 0)
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4, Frag16NVFP4, 1, 4, 4, 2, 0)
+QPN80R_ENTRY(qpn2_mt2_m16n8k16_t2s4, Frag16NVFP4, 2, 2, 4, 2, 0)
+QPN80R_ENTRY(qpn8_mt1_m16n8k16_t2s4, Frag16FP8, 1, 2, 4, 2, 0)
+QPN80R_ENTRY(qpn8_mt2_m16n8k16_t1s4, Frag16FP8, 2, 1, 4, 2, 0)
+// ..x: activations from global memory (XG = 1).
+QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t2s6x, Frag16NVFP4, 1, 2, 6, 3, 0)
+QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s4x, Frag16NVFP4, 1, 4, 4, 2, 0)
+QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s6x, Frag16NVFP4, 1, 4, 6, 2, 0)
+QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x, Frag16NVFP4, 2, 2, 4, 2, 0)
+QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x, Frag16FP8, 1, 2, 4, 3, 0)
+QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t4s3x, Frag16FP8, 1, 4, 3, 2, 0)
+QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 
@@ -373,3 +580,8 @@ QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_loadonly, Frag16NVFP4, 1, 2, 4, 0, 3)
 QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p8_nomma, Frag16NVFP4, 2, 1, 4, 8, 2)
 QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p8_loadonly, Frag16FP8, 1, 2, 2, 8, 3)
 QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_loadonly, Frag16FP8, 1, 2, 2, 0, 3)
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4_nodecode, Frag16NVFP4, 1, 2, 4, 3, 1)
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4_loadonly, Frag16NVFP4, 1, 2, 4, 3, 3)
+QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s4x_loadonly, Frag16NVFP4, 1, 4, 4, 2, 3)
+QPN80R_ENTRY(qpn8_mt1_m16n8k16_t2s4_loadonly, Frag16FP8, 1, 2, 4, 2, 3)
+QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x_loadonly, Frag16FP8, 1, 2, 4, 3, 3)
