@@ -1,0 +1,233 @@
+"""Write a small compressed-tensors checkpoint (the llm-compressor layout) of the same tiny
+Qwen3.5 hybrid the ModelOpt generator writes: NVFP4 MLP and lm_head, FP8 attention projections.
+
+    python -m qpn.scripts.make_ct_checkpoint OUT_DIR [--seed S]
+
+Same float model, tokenizer and calibration pass as qpn.scripts.make_checkpoint (imported, not
+copied); only the encoding and the declaration follow compressed-tensors
+(qpn.fork_patches.conventions.COMPRESSED_TENSORS):
+
+* NVFP4 (``nvfp4-pack-quantized``, the library's NVFP4 preset: W4A4, group 16):
+  ``mlp.gate_proj/up_proj/down_proj`` and ``lm_head``. ``weight_global_scale`` = 448 * 6 / amax
+  (the divisor; gate and up share one, as llm-compressor unifies the global scales of fused
+  linears), per group scale = e4m3(group amax / 6 * global) (0 -> 0.125, the library's e4m3
+  epsilon), codes = e2m1(w / (scale / global)), packed two per byte (even element low nibble);
+  ``input_global_scale`` = 448 * 6 / input amax.
+* FP8 (``float-quantized``) in two layouts, so both are served:
+  ``self_attn.q_proj/k_proj/v_proj/o_proj`` per tensor (the library's FP8 preset: ``weight_scale``
+  [1] = amax / 448, static ``input_scale``; q, k and v keep their own scales);
+  ``linear_attn.in_proj_qkv/in_proj_z/out_proj`` per output channel (FP8_DYNAMIC: ``weight_scale``
+  [N, 1], dynamic per-token activations, so no input scale).
+* BF16: embeddings, norms, the GDN convolution, ``in_proj_b/in_proj_a``, the MTP head.
+* ``kv_cache_scheme`` FP8 per tensor with ``self_attn.k_scale`` / ``v_scale`` (amax / 448) on the
+  attention module, as llm-compressor writes them.
+
+Every code and scale is byte-identical to what compressed-tensors 0.17's own quantizer
+(calculate_qparams, generate_gparam) and compressors (NVFP4PackedCompressor,
+FloatQuantizationCompressor) make from the same float32 weights (tests/test_ct_checkpoint.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qpn.fork_patches.conventions import COMPRESSED_TENSORS, E2M1_MAX, E4M3_MAX, GROUP_SIZE
+from qpn.kernels import formats
+from qpn.scripts import make_checkpoint, tiny_hybrid, tiny_tokenizer
+
+CT_VERSION_FORM = "0.17.0"  # the compressed-tensors release whose layout this mirrors
+E4M3_EPS = 0.125  # what the library puts in place of a zero e4m3 scale
+
+# Module name patterns of each config group, written as regexes that match the checkpoint's hub
+# names (model.language_model.layers.N...) and vLLM's names (model.layers.N...) alike; anchored
+# at the trunk so that the MTP head (mtp.layers.N...) stays BF16.
+_TRUNK = r"re:^model\.(language_model\.)?layers\.\d+\."
+NVFP4_TARGETS = [_TRUNK + r"mlp\.(gate|up|down)_proj$", "lm_head"]
+FP8_TENSOR_TARGETS = [_TRUNK + r"self_attn\.(q|k|v|o)_proj$"]
+FP8_CHANNEL_TARGETS = [_TRUNK + r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$"]
+
+
+def fp8_layout(module: str) -> str:
+    return "channel" if ".linear_attn." in f".{module}" else "tensor"
+
+
+# ---------------------------------------------------------------------------------- encoding
+def nvfp4_global_scale(amax: float) -> torch.Tensor:
+    """weight_global_scale (the divisor) for a tensor whose largest |value| is ``amax``."""
+    a = torch.tensor(amax, dtype=torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+    g = (E4M3_MAX * E2M1_MAX) / a
+    return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+
+
+def encode_nvfp4(w: torch.Tensor, global_amax: float | None = None) -> dict[str, torch.Tensor]:
+    """float [N, K] -> {weight_packed, weight_scale, weight_global_scale} in the library's order of
+    operations (scale = group amax / 6 * global, cast to e4m3; value = w / (scale / global))."""
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"NVFP4 needs K to be a multiple of {GROUP_SIZE}, got K={k}")
+    wf = w.detach().float()
+    g = nvfp4_global_scale(float(wf.abs().max()) if global_amax is None else global_amax)
+    groups = wf.view(n, k // GROUP_SIZE, GROUP_SIZE)
+    gmax = torch.maximum(groups.amax(-1).clamp(min=0), (-groups.amin(-1)).clamp(min=0))
+    scale = (g * (gmax / E2M1_MAX)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    scale = torch.where(scale == 0, torch.tensor(E4M3_EPS), scale)
+    x = (groups / (scale / g).unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX).view(n, k)
+    # round half to even with the sign bit set for x < 0: a negative value that rounds to 0 keeps
+    # it (code 8), -0.0 does not (code 0), exactly as the library's cast_to_fp4 + pack does
+    codes = formats.round_to_e2m1_codes(x)
+    names = COMPRESSED_TENSORS.nvfp4
+    return {names.codes: formats.pack_nvfp4_codes(codes), names.group_scales: scale.to(torch.float8_e4m3fn),
+            names.global_scale: g}
+
+
+def encode_fp8(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """float [N, K] -> {weight (e4m3), weight_scale ([1] per tensor, [N, 1] per channel)}."""
+    wf = w.detach().float()
+    if layout == "channel":
+        amax = torch.maximum(wf.amax(1, keepdim=True).clamp(min=0), (-wf.amin(1, keepdim=True)).clamp(min=0))
+    else:
+        amax = torch.maximum(wf.max().clamp(min=0), (-wf.min()).clamp(min=0)).reshape(1)
+    scale = amax / E4M3_MAX
+    # the library's epsilon for a float32 scale replaces a zero scale
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(torch.float32).eps), scale)
+    q = (wf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return {COMPRESSED_TENSORS.fp8.codes: q, COMPRESSED_TENSORS.fp8.scale: scale}
+
+
+# ------------------------------------------------------------------------------ declaration
+def _args(bits: int, strategy: str, dynamic, group_size=None, observer="minmax", fp4: bool = False) -> dict:
+    d = {"num_bits": bits, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+         "group_size": group_size, "block_structure": None, "actorder": None, "observer": observer,
+         "observer_kwargs": {}}
+    if fp4:
+        d.update(scale_dtype="torch.float8_e4m3fn", zp_dtype="torch.float8_e4m3fn")
+    return d
+
+
+def quantization_config() -> dict:
+    """config.json ``quantization_config`` as llm-compressor writes it for this recipe."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "quantization_status": "compressed",
+        "version": CT_VERSION_FORM,
+        "global_compression_ratio": None,
+        "config_groups": {
+            "group_0": {"targets": NVFP4_TARGETS, "format": "nvfp4-pack-quantized",
+                        "weights": _args(4, "tensor_group", False, GROUP_SIZE, fp4=True),
+                        "input_activations": _args(4, "tensor_group", "local", GROUP_SIZE,
+                                                   observer="static_minmax", fp4=True),
+                        "output_activations": None},
+            "group_1": {"targets": FP8_TENSOR_TARGETS, "format": "float-quantized",
+                        "weights": _args(8, "tensor", False),
+                        "input_activations": _args(8, "tensor", False, observer="static_minmax"),
+                        "output_activations": None},
+            "group_2": {"targets": FP8_CHANNEL_TARGETS, "format": "float-quantized",
+                        "weights": _args(8, "channel", False),
+                        "input_activations": _args(8, "token", True, observer=None),
+                        "output_activations": None},
+        },
+        "ignore": [],
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                            "dynamic": False, "group_size": None, "block_structure": None,
+                            "actorder": None, "observer": "minmax", "observer_kwargs": {}},
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
+                   input_amax: dict[str, float], kv_amax: dict[str, float]) -> dict[str, torch.Tensor]:
+    shared = make_checkpoint._shared_global_amax(weights)
+    out: dict[str, torch.Tensor] = {}
+    for key, w in weights.items():
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        region = quantized.get(module) if module else None
+        if region is None:
+            out[make_checkpoint.hub_name(key)] = w.to(torch.bfloat16).contiguous()
+            continue
+        m = make_checkpoint.hub_name(module)
+        if region == "fp8":
+            layout = fp8_layout(module)
+            for name, t in encode_fp8(w, layout).items():
+                out[f"{m}.{name}"] = t.contiguous()
+            if layout == "tensor":  # static activations; per-channel FP8 runs dynamic ones
+                out[f"{m}.{COMPRESSED_TENSORS.fp8.input_scale}"] = torch.tensor(
+                    [input_amax[module] / E4M3_MAX], dtype=torch.float32)
+        else:
+            for name, t in encode_nvfp4(w, shared.get(module)).items():
+                out[f"{m}.{name}"] = t.contiguous()
+            out[f"{m}.{COMPRESSED_TENSORS.nvfp4.input_scale}"] = nvfp4_global_scale(input_amax[module])
+    for key, a in kv_amax.items():  # 'model.layers.N.self_attn.k' -> ...self_attn.k_scale
+        attn, which = key.rsplit(".", 1)
+        out[make_checkpoint.hub_name(f"{attn}.{which}_scale")] = torch.tensor([a / E4M3_MAX], dtype=torch.float32)
+    return out
+
+
+def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
+                       spec: tiny_hybrid.TinyHybridSpec | None = None) -> dict:
+    """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; pass a new folder (the generator never overwrites)")
+    spec = spec or tiny_hybrid.TinyHybridSpec()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
+        weights = tiny_hybrid.float_weights(spec, seed)
+        quantized = tiny_hybrid.quantized_modules(weights)
+        calib_ids = Tokenizer.from_file(str(tmp / "tokenizer.json")).encode(
+            " ".join(tiny_tokenizer._CORPUS)).ids[:256]
+        input_amax, kv_amax = make_checkpoint.calibrate(spec, weights, sorted(quantized), calib_ids)
+        tensors = export_tensors(weights, quantized, input_amax, kv_amax)
+        config = spec.config_dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+        config["quantization_config"] = quantization_config()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps({
+            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+            "pad_token_id": ids["<|endoftext|>"], "do_sample": False}, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        summary = {
+            "out_dir": str(out), "seed": seed, "convention": COMPRESSED_TENSORS.name,
+            "architecture": "Qwen3_5ForCausalLM", "layer_types": spec.layer_types(),
+            "quantized_modules": {r: sum(1 for v in quantized.values() if v == r) for r in ("fp8", "nvfp4")},
+            "tensors": len(tensors), "bytes": (tmp / "model.safetensors").stat().st_size,
+        }
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.make_ct_checkpoint",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", help="folder to create (must not exist)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
+    args = p.parse_args(argv)
+    try:
+        summary = make_ct_checkpoint(args.out_dir, seed=args.seed)
+    except (FileExistsError, ValueError) as e:
+        print(f"make_ct_checkpoint: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
