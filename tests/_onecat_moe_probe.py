@@ -1,0 +1,85 @@
+"""Run inside a 1Cat-vLLM source tree (first on sys.path, QPN_ENGINE=sm70): a real FusedMoE layer
+of 1Cat, built under a ModelOpt mixed config with our plugin registered, must get the QPN MoE
+method through 1Cat's own closure; its checkpoint tensors go through 1Cat's FusedMoE.weight_loader;
+the output matches a float64 SwiGLU MoE computed from the checkpoint tensors directly. A layer
+whose experts the checkpoint does not list keeps 1Cat's own (unquantized) method. Prints one JSON
+line (tests/test_moe_1cat.py).
+"""
+import json
+import socket
+
+import torch
+
+from qpn.fork_patches import plugin
+from qpn.kernels import formats
+
+plugin.register()
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.model_executor.layers.fused_moe import FusedMoE  # noqa: E402
+from vllm.model_executor.layers.quantization.modelopt import ModelOptMixedPrecisionConfig  # noqa: E402
+
+E, H, I, TOP_K, T = 4, 64, 32, 2, 6
+PREFIX = "model.layers.0.mlp.experts"
+
+
+def mixed_config(with_experts: bool):
+    layers = {"model.layers.0.self_attn.q_proj": {"quant_algo": "FP8"}, "model.layers.1.self_attn.q_proj": {"quant_algo": "FP8"}}
+    if with_experts:
+        layers.update({f"{PREFIX}.{e}.{p}": {"quant_algo": "NVFP4", "group_size": 16}
+                       for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")})
+    return ModelOptMixedPrecisionConfig(kv_cache_quant_method=None, exclude_modules=[], quantized_layers=layers,
+                                        fp8_config=None, nvfp4_config=None, w4a16_nvfp4_config=None)
+
+
+out = {}
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+port = s.getsockname()[1]
+s.close()
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    initialize_model_parallel(1, 1)
+    dense = FusedMoE(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
+                     quant_config=mixed_config(False), prefix="model.layers.1.mlp.experts")
+    out["dense_method"] = type(dense.quant_method).__name__
+    layer = FusedMoE(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
+                     quant_config=mixed_config(True), prefix=PREFIX)
+    method = layer.quant_method
+    out["method"] = type(method).__name__
+    out["algo"] = getattr(method, "algo", None)
+    gen = torch.Generator().manual_seed(7)
+    weights = {}
+    for e in range(E):
+        for shard, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            q, sc, s2 = formats.quantize_nvfp4(torch.randn((n, k), generator=gen) * 0.1)
+            weights[(e, shard)] = (q, sc, s2)
+            stem = "w2" if shard == "w2" else "w13"
+            for name, t in ((f"{stem}_weight", q), (f"{stem}_weight_scale", sc), (f"{stem}_weight_scale_2", s2),
+                            (f"{stem}_input_scale", torch.tensor(0.01))):
+                param = getattr(layer, name)
+                # 1Cat's own loader (FusedMoE.weight_loader), reached through the parameter
+                param.weight_loader(param, t, weight_name=f"{PREFIX}.{e}.{name}", shard_id=shard, expert_id=e,
+                                    return_success=True)
+    method.process_weights_after_loading(layer)
+    x = (torch.randn((T, H), generator=gen) * 0.5).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(T)]).to(torch.int32)
+    w = torch.softmax(torch.randn((T, TOP_K), generator=gen), dim=1)
+    y = method.apply(layer, x, w, ids).double()
+    ref = torch.zeros((T, H), dtype=torch.float64)
+    deq = {key: formats.dequantize_nvfp4_f64(*v) for key, v in weights.items()}
+    for t in range(T):
+        for j in range(TOP_K):
+            e = int(ids[t, j])
+            xi = x[t].double()
+            h = torch.nn.functional.silu(deq[(e, "w1")] @ xi) * (deq[(e, "w3")] @ xi)
+            ref[t] += float(w[t, j]) * (deq[(e, "w2")] @ h)
+    out["max_abs_err"] = float((y - ref).abs().max())
+    out["ref_max"] = float(ref.abs().max())
+    # a permuted expert must change the answer (the test can fail): swap experts 0 and 1 in ids
+    swapped = ids.clone()
+    swapped[ids == 0], swapped[ids == 1] = 1, 0
+    out["swapped_err"] = float((method.apply(layer, x, w, swapped).double() - ref).abs().max())
+print("QPN_MOE_1CAT " + json.dumps(out))

@@ -1,0 +1,43 @@
+"""MoE on 1Cat-vLLM: the QPN MoE method is chosen where 1Cat chooses it, on each locked version.
+
+1Cat has no ``RoutedExperts._get_quant_method`` (``RoutedExperts`` is an alias of ``FusedMoE``);
+``FusedMoE.__init__`` asks ``quant_config.get_quant_method(layer, prefix)``. In a subprocess on the
+cpu engine's interpreter with the 1Cat archive's sources first on the path, a real 1Cat
+``FusedMoE`` is built under a ModelOpt mixed config (tests/_onecat_moe_probe.py): it must get the
+QPN method, load the checkpoint's tensors through 1Cat's own ``FusedMoE.weight_loader``, and compute
+the SwiGLU MoE of those tensors (float64 reference from the checkpoint tensors; swapping two
+experts' routing must break the match, so the comparison can fail)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qpn.fork_patches import engine_source
+from tests.test_engine_source import VERSIONS, _archive
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("version", VERSIONS)
+def test_1cat_fused_moe_gets_the_qpn_method_and_serves_the_checkpoint(version, tmp_path):
+    engine_dir = engine_source.extract(_archive(version), tmp_path / "engine", version)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(engine_dir), str(REPO)]), QPN_ENGINE="sm70",
+               QPN_ENGINE_VERSION=version, VLLM_CACHE_ROOT=str(tmp_path / "cache"),
+               QPN_CENSUS_DIR=str(tmp_path / "census"))
+    proc = subprocess.run([os.environ.get("QPN_ENGINE_PYTHON", sys.executable),
+                           str(REPO / "tests" / "_onecat_moe_probe.py")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("QPN_MOE_1CAT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-4000:]
+    out = json.loads(line[0][len("QPN_MOE_1CAT "):])
+    assert out["method"] == "QPNModelOptMoEMethod" and out["algo"] == "NVFP4"
+    assert out["dense_method"] == "UnquantizedFusedMoEMethod"  # experts not listed: 1Cat's own choice
+    tolerance = 0.01 * out["ref_max"]
+    assert out["max_abs_err"] <= tolerance, out
+    assert out["swapped_err"] > 10 * tolerance, out
