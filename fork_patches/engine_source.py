@@ -481,3 +481,121 @@ def main(argv: list[str]) -> int:
         print(f"note: {src.key} is not a locked build ({', '.join(locked)}); anchors of the profile's "
               "default version were checked")
     return 1 if any(r.miss for r in rows) else 0
+
+
+# ------------------------------------------------------------------------------ serving profile
+# Where each checked value of the launcher's command lives in a vLLM source tree: (file inside
+# vllm/, the kind of definition that holds the allowed values).
+_VALUE_SOURCES = {
+    "--dtype": ("config/model.py", "literal", "ModelDType"),
+    "--kv-cache-dtype": ("config/cache.py", "literal", "CacheDType"),
+    "--attention-backend": ("v1/attention/backends/registry.py", "class_attr", "AttentionBackendEnum"),
+    "--tool-call-parser": ("tool_parsers/__init__.py", "dict_key", None),
+    "--reasoning-parser": ("reasoning/__init__.py", "dict_key", None),
+}
+# JSON-valued flags: their keys are fields of this config class.
+_JSON_SOURCES = {
+    "--speculative-config": ("config/speculative.py", "SpeculativeConfig"),
+    "--compilation-config": ("config/compilation.py", "CompilationConfig"),
+}
+_FRONTEND_CLASSES = ("BaseFrontendArgs", "FrontendArgs")
+
+
+def _constants(tree: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def _class_fields(tree: ast.Module, name: str) -> set[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            out = set()
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    out.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    out.update(t.id for t in item.targets if isinstance(t, ast.Name))
+            return out
+    return set()
+
+
+def _allowed_values(tree: ast.Module, kind: str, name: str | None) -> set[str]:
+    if kind == "literal":
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                return _constants(node.value)
+        return set()
+    if kind == "class_attr":
+        return _class_fields(tree, name)
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return keys
+
+
+def engine_flags(src: EngineSource) -> set[str]:
+    """Every ``--flag`` the engine's OpenAI server accepts: literal flags of its argument parsers
+    and the frontend dataclass fields vLLM turns into flags."""
+    flags: set[str] = set()
+    # The parsers live in engine/arg_utils.py and under entrypoints/ (vLLM 0.32 moved the frontend
+    # arguments to entrypoints/launchers/cli_args.py; 1Cat keeps them in entrypoints/openai/).
+    for rel in sorted(r for r in src.files if r == "engine/arg_utils.py" or r.startswith("entrypoints/")):
+        text = src.text(rel)
+        if "--" not in text and "FrontendArgs" not in text:
+            continue
+        tree = ast.parse(text)
+        flags |= {c for c in _constants(tree) if c.startswith("--")}
+        for cls in _FRONTEND_CLASSES:
+            flags |= {"--" + f.replace("_", "-") for f in _class_fields(tree, cls)}
+    return flags
+
+
+def verify_profile(src: EngineSource, cmd: list[str], env: dict[str, str],
+                   env_prefixes: tuple[str, ...] = ("VLLM_",)) -> list[Row]:
+    """Every flag of the launcher's command ``cmd`` (``--x`` after the module), every value the
+    engine checks against a fixed list, every key of its JSON-valued flags and every engine
+    environment variable in ``env`` exists in the engine source ``src``."""
+    rows: list[Row] = []
+    engine = src.key
+    flags = engine_flags(src)
+    all_constants: set[str] | None = None
+    args = cmd[cmd.index("-m") + 2:] if "-m" in cmd else cmd
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        base = "--" + flag[5:] if flag.startswith("--no-") else flag
+        status = "ok" if flag in flags or base in flags else "MISS"
+        detail = "accepted by the engine's argument parser" if status == "ok" else \
+            f"the engine's argument parser has no {flag}"
+        value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        if status == "ok" and flag in _VALUE_SOURCES:
+            rel, kind, name = _VALUE_SOURCES[flag]
+            text = src.text(rel)
+            allowed = _allowed_values(ast.parse(text), kind, name) if text else set()
+            if value not in allowed:
+                status, detail = "MISS", f"value {value!r} is not one the engine defines in vllm/{rel}"
+            else:
+                detail = f"value {value!r} defined in vllm/{rel}"
+        if status == "ok" and flag in _JSON_SOURCES:
+            rel, cls = _JSON_SOURCES[flag]
+            text = src.text(rel)
+            fields = _class_fields(ast.parse(text), cls) if text else set()
+            unknown = sorted(set(json.loads(value)) - fields)
+            if unknown:
+                status, detail = "MISS", f"{cls} (vllm/{rel}) has no field(s) {', '.join(unknown)}"
+            else:
+                detail = f"keys {', '.join(sorted(json.loads(value)))} are {cls} fields (vllm/{rel})"
+        rows.append(Row(f"flag {flag}", "profile", engine, flag, status, detail))
+    for name in sorted(env):
+        if not name.startswith(env_prefixes):
+            continue
+        if all_constants is None:
+            all_constants = set()
+            for text in src.files.values():
+                if "VLLM_" in text:
+                    all_constants |= {c for c in _constants(ast.parse(text)) if c.startswith("VLLM_")}
+        status = "ok" if name in all_constants else "MISS"
+        detail = "read by the engine" if status == "ok" else "the engine never reads this variable"
+        rows.append(Row(f"env {name}", "profile", engine, name, status, detail))
+    return rows

@@ -11,6 +11,16 @@ is MNS*(K+1), so every width the scheduler can produce (N = 1..MNS) has a captur
 above it. Between 1 and MNS the rungs follow 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... sequences:
 dense where a padded step would waste most of its width, geometric above, so that a large MNS
 does not capture hundreds of graphs.
+
+The SM70 engine's own rule. 1Cat-vLLM (1.2.2 and 1.3.0, ``EngineArgs._maybe_apply_sm70_mtp_defaults``
+in ``engine/arg_utils.py``) sets capture sizes for an MTP server on a capability-7 GPU only when
+none are given: a base list ([1, 2, 4, 8, 9, 18] at TP >= 4, else [1, 2, 4, 8, 9]) plus every
+verification width N*(K+1) for N = 1..MNS (no verification step padded), which
+``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode`` then rounds up to multiples of K+1
+(dropping those above the largest size). Passing our list replaces that rule, so on the sm70
+engine the ladder is the union of ours and the engine's (``engine_sm70_capture_sizes``): nothing
+the engine would capture is lost. The constants are checked against both archives in CI
+(tests/test_engine_profile_source.py).
 """
 from __future__ import annotations
 
@@ -43,18 +53,40 @@ def derive_capture_sizes(max_num_seqs: int, k: int) -> list[int]:
     return [n * width for n in _sequence_rungs(max_num_seqs)]
 
 
+# 1Cat-vLLM 1.2.2 / 1.3.0 engine/arg_utils.py _maybe_apply_sm70_mtp_defaults: base capture sizes.
+SM70_ENGINE_BASE_TP4 = (1, 2, 4, 8, 9, 18)
+SM70_ENGINE_BASE = (1, 2, 4, 8, 9)
+
+
+def engine_sm70_capture_sizes(max_num_seqs: int, k: int, tp: int) -> list[int]:
+    """What 1Cat's SM70 MTP defaults would capture for (MNS, K, TP), after its own rounding."""
+    base = set(SM70_ENGINE_BASE_TP4 if tp >= 4 else SM70_ENGINE_BASE)
+    width = k + 1
+    sizes = base | ({width * n for n in range(1, max(max_num_seqs, 1) + 1)} if k > 0 else set())
+    top = max(sizes)
+    if width <= 1:
+        return sorted(sizes)
+    rounded = sorted({-(-s // width) * width for s in sizes if -(-s // width) * width <= top})
+    return rounded or ([width] if width <= top else [])
+
+
 def uncovered_widths(sizes: list[int], max_num_seqs: int, k: int) -> list[int]:
     """Decode widths N*(K+1), N in 1..MNS, with no captured size at or above them."""
     top = max(sizes) if sizes else 0
     return [n * (k + 1) for n in range(1, max_num_seqs + 1) if n * (k + 1) > top]
 
 
-def resolve_capture(spec: str | None, max_num_seqs: int, k: int) -> list[int] | None:
-    """The capture list for a CAPTURE value: unset/empty -> derived ladder; 'none' -> None
-    (the engine's own default); otherwise a comma-separated list, checked to cover every width
-    and to hold only multiples of K+1 (vLLM would round the others up silently)."""
+def resolve_capture(spec: str | None, max_num_seqs: int, k: int, engine_rules: bool = False,
+                    tp: int = 1) -> list[int] | None:
+    """The capture list for a CAPTURE value: unset/empty -> derived ladder (with ``engine_rules``,
+    the sm70 engine's: joined with ``engine_sm70_capture_sizes``); 'none' -> None (the engine's
+    own default); otherwise a comma-separated list, checked to cover every width and to hold only
+    multiples of K+1 (vLLM would round the others up silently)."""
     if spec is None or not spec.strip():
-        return derive_capture_sizes(max_num_seqs, k)
+        derived = derive_capture_sizes(max_num_seqs, k)
+        if engine_rules and k > 0:
+            derived = sorted(set(derived) | set(engine_sm70_capture_sizes(max_num_seqs, k, tp)))
+        return derived
     if spec.strip().lower() == "none":
         return None
     try:

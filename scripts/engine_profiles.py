@@ -39,6 +39,9 @@ class EngineProfile:
     default_gpu_memory_utilization: float | None
     default_tensor_parallel: int | None  # None: not passed (the engine's single-device default)
     gates: dict[str, GateExpectation] = field(default_factory=dict)
+    # The derived capture ladder also holds every size the engine's own SM70 MTP rule would
+    # capture (capture_ladder.engine_sm70_capture_sizes): passing a list replaces that rule.
+    engine_capture_rules: bool = False
 
 
 # Gate names, in the order the table prints them.
@@ -91,7 +94,7 @@ CPU = EngineProfile(
 
 SM70 = EngineProfile(
     name="sm70",
-    description="1Cat-vLLM 1.2.2 on Tesla V100 (SM70): production engine",
+    description="1Cat-vLLM 1.3.0 (or 1.2.2, ENGINE_VERSION) on Tesla V100 (SM70): production engine",
     distribution="1cat-vllm",
     vllm_args=(
         "--dtype", "float16",  # Volta has no bfloat16
@@ -107,6 +110,11 @@ SM70 = EngineProfile(
         "VLLM_FLASH_V100_DECODE_PARTITION_SIZE": "256",
     },
     uses_cuda_graphs=True,
+    # Greedy drafting is our choice, stated: 1Cat's SM70 MTP defaults pick "probabilistic" when
+    # the key is absent (arg_utils.py _maybe_apply_sm70_mtp_defaults: its validated path for
+    # Qwen's official non-greedy sampling). Greedy drafts are what the seed's depth figures and
+    # our acceptance tests measure; passing the key keeps the engine's default out of it.
+    # use_local_argmax_reduction=True is the engine's own SM70 MTP default, passed explicitly.
     speculative_extra={"draft_sample_method": "greedy", "use_local_argmax_reduction": True},
     checks_gpus=True,
     default_max_model_len=32768,
@@ -126,6 +134,7 @@ SM70 = EngineProfile(
         # (qpn.fork_patches.attention_routes.xqa_verdicts), applied to the served layers.
         GATE_DECODE_ATTENTION: GateExpectation(True, "engine XQA conditions"),
     },
+    engine_capture_rules=True,
 )
 
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (CPU, SM70)}

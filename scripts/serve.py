@@ -81,7 +81,10 @@ def engine_python(environ: dict[str, str]) -> str:
 
 def tool_parser_for(ckpt: str) -> str | None:
     """The vLLM tool parser matching the tool-call format the checkpoint's chat template asks
-    the model to write: XML function blocks (Qwen3.5 family) or JSON inside <tool_call>."""
+    the model to write: XML function blocks (Qwen3.5 family) or JSON inside <tool_call>.
+    XML blocks get ``qwen3_coder``: the parser 1Cat-vLLM recommends for Qwen3.x (its README's
+    serve commands); 1Cat's ``qwen3_xml`` is a different implementation, and in vLLM 0.32 both
+    names load the same parser class."""
     texts = []
     jinja = os.path.join(ckpt, "chat_template.jinja")
     if os.path.isfile(jinja):
@@ -94,7 +97,7 @@ def tool_parser_for(ckpt: str) -> str | None:
         texts.append(template if isinstance(template, str) else json.dumps(template))
     text = "\n".join(texts)
     if "<function=" in text:
-        return "qwen3_xml"
+        return "qwen3_coder"
     if "<tool_call>" in text:
         return "hermes"
     return None
@@ -186,7 +189,8 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
                           f" ({profile.distribution} {version}); point ENV_PREFIX at the right "
                           "engine or drop ENGINE")
     try:
-        capture = resolve_capture(environ.get("CAPTURE"), mns, k)
+        capture = resolve_capture(environ.get("CAPTURE"), mns, k, profile.engine_capture_rules,
+                                  _int_setting(environ, "TP", profile.default_tensor_parallel) or 1)
     except CaptureSpecError as exc:
         raise Refusal(str(exc)) from None
     if profile.checks_gpus:

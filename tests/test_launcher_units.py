@@ -401,6 +401,6 @@ def test_tool_parser_follows_the_chat_template(tmp_path):
     (tmp_path / "chat_template.jinja").write_text('<tool_call>\n{"name": ...}\n</tool_call>')
     assert tool_parser_for(str(tmp_path)) == "hermes"
     (tmp_path / "chat_template.jinja").write_text("<tool_call>\n<function=NAME>\n</tool_call>")
-    assert tool_parser_for(str(tmp_path)) == "qwen3_xml"
+    assert tool_parser_for(str(tmp_path)) == "qwen3_coder"  # 1Cat's recommendation for Qwen3.x
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     assert tool_parser_for(str(tmp_path)) is None
