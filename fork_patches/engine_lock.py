@@ -26,7 +26,12 @@ class LockError(RuntimeError):
     pass
 
 
+LOCK_ENV = "QPN_ENGINES_LOCK"  # a lock file read instead of the shipped one (tests: stand-in engines)
+
+
 def load_lock() -> dict:
+    if os.environ.get(LOCK_ENV):
+        return tomllib.loads(Path(os.environ[LOCK_ENV]).read_text())
     lock_path = Path(__file__).resolve().parent.parent / "scripts" / "engines.lock.toml"
     if not lock_path.exists():  # installed wheel: the lock travels as package data
         from importlib.resources import files
