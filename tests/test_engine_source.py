@@ -165,3 +165,26 @@ def test_plugin_registers_against_the_real_1cat_modules(version, tmp_path):
     assert {h["hook"] for h in result["hooks"]} == expected
     not_applied = [h for h in result["hooks"] if not h["applied"]]
     assert not not_applied, not_applied
+
+
+def test_registry_per_engine_fields_name_real_engines_and_load():
+    keys = set(engine_lock.engine_keys())
+    profiles = {k.partition("@")[0] for k in keys}
+    from qpn.fork_patches.hooks import NEEDED_FOR
+
+    for hook in REGISTRY:
+        assert hook.needed_for in NEEDED_FOR, hook.name
+        for table in (hook.anchors, hook.apply_on, hook.not_on):
+            unknown = set(table) - keys - profiles
+            assert not unknown, f"{hook.name}: {unknown} is neither a locked engine nor a profile"
+        for reason in hook.not_on.values():
+            assert len(reason) > 10, f"{hook.name}: say why it does not apply"
+        if hook.kind == "disk":
+            assert hook.targets, f"{hook.name}: a disk hook declares the text it rewrites"
+        for key in keys:
+            if hook.applies_to(key):
+                assert callable(hook.load(key)), (hook.name, key)
+    # every locked engine has its hooks decided: applies, or says why not
+    for key in keys:
+        for hook in REGISTRY:
+            assert hook.applies_to(key) or hook.skip_reason(key)
