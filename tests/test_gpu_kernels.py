@@ -1,12 +1,37 @@
 """GPU numerics of every QPN route against the exact float64 reference (run on the H200 through
-the device tool; CI has no GPU and skips). Bound per output matrix:
-||y - fp16(y_ref)|| / ||fp16(y_ref)|| <= 2.75e-4, and no inf/NaN in y where fp16(y_ref) is finite.
+the device tool; CI has no GPU and skips).
+
+Weights cover the whole of both formats (tests/_format_cases.py): every finite e4m3 byte for FP8
+(both signs, subnormals, 448) and every e2m1 code with group scales from every e4m3 byte up to
+0x7E for NVFP4 ("all_bytes"), and realistic Gaussian / heavy-tailed weights quantized with the
+checkpoint generator's functions ("gauss", "heavy"). Every shape runs with and without outlier
+channels in the activations.
+
+Two bounds per output matrix, both required:
+* norm-wise: ||y - fp16(y_ref)|| / ||fp16(y_ref)|| <= 2.75e-4 (BOUND), and no inf/NaN in y where
+  fp16(y_ref) is finite. The kernels' FP32 result is within ~1e-6 of exact, so this error is
+  almost all the FP16 output rounding: y and fp16(y_ref) differ by one FP16 ulp (2^-11 .. 2^-10
+  relative) where the FP32 result and the exact one straddle a rounding boundary, and agree
+  elsewhere; 2.75e-4 leaves room for that on every element and fails a wrong weight that moves
+  the norm. It cannot see a wrong group under outlier channels (they own the norm): the per-group
+  probe below and tests/test_kernels_per_group.py do.
+* per element (derived, not tuned): |y - fp16(y_ref)| <= ulp16(y_ref) + (K + 2) 2^-23 S, S = sum_k
+  |x_k w_k| (all scales included). The products of exact FP16 operands are exact; a chain of K
+  FP32 additions errs by at most K u S with u = 2^-23 even if the tensor core truncates instead of
+  rounding; the FP32 result scale adds 2^-24 |y|, and two FP16 roundings of values that far apart
+  differ by at most that plus one ulp.
+* per position: test_every_position_and_group_scale_exact_on_gpu feeds one-hot activations so
+  that every output is one weight value, exact in FP16: every code position of every tile and
+  every (row, group) scale must come out bit-exact, on every route and both atoms, and a
+  corrupted scale byte must be named by its (row, group).
 
 Every test runs once per tensor-core atom the GPU executes: m8n8k4 (the SM70 kernels; emulated on
 sm_80+) and, on sm_80 and later, m16n8k16 (the native kernels there), on weights prepacked for
 that atom.
 
-Set QPN_NUMERICS_REPORT=<path> to write every measured (shape, route, M, error) to a Markdown file.
+Set QPN_NUMERICS_REPORT=<path> to write every measured case to a Markdown file whose header
+(commit, dirty flag and diff hash, command, GPU, driver, CUDA, torch, date) is written by
+benchmarks/provenance.py.
 """
 from __future__ import annotations
 
@@ -17,6 +42,8 @@ import pytest
 import torch
 
 from qpn.kernels import formats, jit, ops, prepack, reference, routes
+from tests import _format_cases as fc
+from tests import _per_group as pg
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (numerics run on an H200 via the device tool; CI has none)")
@@ -37,6 +64,15 @@ NVFP4_SHAPES = [("odd_1x16", 1, 16), ("odd_33x48", 33, 48), ("odd_100x80", 100, 
                 ("tp4_lm_head", 62080, 5120)]
 FP8_SHAPES = [("odd_1x1", 1, 1), ("odd_7x3", 7, 3), ("odd_33x50", 33, 50), ("odd_129x1001", 129, 1001),
               ("odd_64x96", 64, 96), ("tp4_gdn_in_proj_qkvz", 4096, 5120), ("tp4_gdn_out_proj", 5120, 1536)]
+# weight kinds per shape: the whole format everywhere, realistic weights wherever K allows groups of
+# real statistics (all but the lm_head, whose heavy-tailed case would only repeat the MLP's)
+KINDS = {"all_bytes": None, "gauss": None, "heavy": {"tp4_lm_head"}}
+
+
+def _kinds_for(shapes):
+    return [(name, n, k, kind) for name, n, k in shapes for kind, skip in KINDS.items()
+            if not (skip and name in skip)]
+
 
 RESULTS: list[dict] = []
 
@@ -47,51 +83,63 @@ def _report():
     path = os.environ.get("QPN_NUMERICS_REPORT")
     if not path or not RESULTS:
         return
-    worst = max(RESULTS, key=lambda r: r["rel"])
-    lines = [f"# QPN kernel numerics on {torch.cuda.get_device_name(0)}", "",
-             f"{len(RESULTS)} (shape, route, M) cases; bound {BOUND:g}; worst {worst['rel']:.3e} "
-             f"({worst['shape']}, {worst['route']}, M={worst['m']}); failures: "
-             f"{sum(1 for r in RESULTS if not r['ok'])}", "",
-             "| atom | shape | N | K | route | M | rel. error | nonfinite where ref finite | ok |",
-             "|---|---|---:|---:|---|---:|---:|---:|---|"]
-    for atom in sorted({r["atom"] for r in RESULTS}):
-        mine = [r for r in RESULTS if r["atom"] == atom]
+    write_report(path, RESULTS)
+
+
+def write_report(path, results):
+    """The Markdown numerics report; every line written here (provenance by benchmarks/provenance.py)."""
+    from qpn.benchmarks import provenance
+    worst = max(results, key=lambda r: r["rel"])
+    rec = provenance.run_record(report="tests/test_gpu_kernels.py numerics", bound_norm=f"{BOUND:g}",
+                                bound_element="ulp16(ref) + (K + 2) 2^-23 sum|x w| (ratio <= 1)")
+    lines = [f"# QPN kernel numerics on {torch.cuda.get_device_name(0)}", ""] + provenance.markdown_block(rec) + [
+             f"{len(results)} cases; norm bound {BOUND:g}; worst {worst['rel']:.3e} "
+             f"({worst['shape']}, {worst['route']}, M={worst['m']}); worst per-element ratio "
+             f"{max(r.get('elem', 0.0) for r in results):.3f}; failures: {sum(1 for r in results if not r['ok'])}", ""]
+    for atom in sorted({r["atom"] for r in results}):
+        mine = [r for r in results if r["atom"] == atom]
         w = max(mine, key=lambda r: r["rel"])
-        lines.insert(3, f"- {atom}: {len(mine)} cases, worst {w['rel']:.3e} ({w['shape']}, {w['route']}, M={w['m']}), "
-                        f"failures {sum(1 for r in mine if not r['ok'])}")
-    for r in RESULTS:
-        lines.append(f"| {r['atom']} | {r['shape']} | {r['n']} | {r['k']} | {r['route']} | {r['m']} | {r['rel']:.3e} | "
-                     f"{r['bad']} | {'yes' if r['ok'] else 'NO'} |")
+        lines.append(f"- {atom}: {len(mine)} cases, worst {w['rel']:.3e} ({w['shape']}, {w['route']}, M={w['m']}), "
+                     f"failures {sum(1 for r in mine if not r['ok'])}")
+    lines += ["", "Probe rows (weights 'probe'): the error column counts wrong (row, input) positions.", "",
+              "| atom | shape | weights | activations | N | K | route | M | rel. error | per-element ratio | "
+              "nonfinite where ref finite | ok |",
+              "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in results:
+        lines.append(f"| {r['atom']} | {r['shape']} | {r.get('weights', '')} | {r.get('acts', '')} | {r['n']} | {r['k']} | "
+                     f"{r['route']} | {r['m']} | {r['rel']:.3e} | {r.get('elem', 0.0):.3f} | {r['bad']} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
-def _activations(m, k, dev, gen):
-    x = torch.randn((m, k), generator=gen, device=dev)
-    # outlier channels of several thousand, as real activations carry
-    n_out = max(1, k // 512)
-    ch = torch.randperm(k, generator=gen, device=dev)[:n_out]
-    x[:, ch] = (torch.rand((m, n_out), generator=gen, device=dev) * 4000 + 2000) * \
-        torch.where(torch.rand((m, n_out), generator=gen, device=dev) < 0.5, -1.0, 1.0)
-    return x.to(torch.float16)
+def _activations(m, k, dev, gen, outliers=True):
+    """FP16 activations; with outliers, channels of 2000-6000 as real activations carry."""
+    return fc.activations(m, k, gen, outliers=outliers)
 
 
-def _nvfp4_weight(n, k, dev, gen):
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device=dev)
-    # positive scales over a wide range, with some e4m3 subnormals
-    sc = torch.randint(0x28, 0x58, (n, k // 16), dtype=torch.uint8, generator=gen, device=dev)
-    sub = torch.rand((n, k // 16), generator=gen, device=dev) < 0.05
-    sc = torch.where(sub, torch.randint(1, 8, (n, k // 16), dtype=torch.uint8, generator=gen, device=dev), sc)
-    gs = torch.tensor(0.25 / (k ** 0.5) / 8, dtype=torch.float32)
-    return codes, sc.view(torch.float8_e4m3fn), gs
+def _nvfp4_weight(n, k, dev, gen, kind="all_bytes"):
+    return fc.nvfp4_weight(n, k, kind, gen)
 
 
-def _fp8_weight(n, k, dev, gen, per_channel):
-    b = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen, device=dev)
-    b = b & 0xDF  # exponent bit 2 cleared: |e4m3| <= 30 and no NaN encoding (0x7F / 0xFF)
-    scale = (torch.rand(n, generator=gen, device=dev) + 0.5) * 0.02 / (k ** 0.5) if per_channel else \
-        torch.tensor(0.03 / (k ** 0.5), device=dev)
-    return b.view(torch.float8_e4m3fn), scale
+def _fp8_weight(n, k, dev, gen, per_channel, kind="all_bytes"):
+    return fc.fp8_weight(n, k, kind, gen, per_channel)
+
+
+def _magnitude(x, packed):
+    """S = |x| @ |W|^T with every scale folded into W (float64), for the per-element bound."""
+    if packed.fmt == "nvfp4":
+        vals, scales = reference.decode_packed_nvfp4(packed)
+        w = (vals.double().view(packed.n, -1, 16) * scales.double().unsqueeze(-1)).view(packed.n, packed.k)
+        return x.double().abs() @ w.abs().t()
+    vals, scale = reference.decode_packed_fp8(packed)
+    return (x.double().abs() @ vals.double().abs().t()) * scale.double().abs().reshape(1, -1)
+
+
+def _ulp16(v):
+    """FP16 ulp at |v| (subnormal spacing 2^-24 below 2^-14)."""
+    e = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -14)))
+    return torch.pow(2.0, e - 10)
 
 
 def _poison(shape):
@@ -99,7 +147,7 @@ def _poison(shape):
     del t
 
 
-def _check(shape_name, packed, x, y64, route, m, bias=None):
+def _check(shape_name, packed, x, y64, route, m, bias=None, mag=None, weights="", acts=""):
     _poison((m, packed.n))
     y = ops.qpn_linear(x[:m], packed, route=route, bias=bias)
     torch.cuda.synchronize()
@@ -108,56 +156,110 @@ def _check(shape_name, packed, x, y64, route, m, bias=None):
     fin = torch.isfinite(ref16)
     bad = int((~torch.isfinite(y) & fin).sum())
     rel = reference.relative_error(y, ref)
-    ok = rel <= BOUND and bad == 0 and y.shape == (m, packed.n) and y.dtype == torch.float16
+    elem = 0.0
+    if mag is not None and bool(fin.any()):
+        r16 = ref16.double()
+        tol = _ulp16(torch.maximum(r16.abs(), y.double().abs())) + (packed.k + 2) * 2.0 ** -23 * mag[:m]
+        ratio = ((y.double() - r16).abs() / tol)[fin & torch.isfinite(y)]
+        elem = float(ratio.max()) if ratio.numel() else 0.0
+    ok = rel <= BOUND and elem <= 1.0 and bad == 0 and y.shape == (m, packed.n) and y.dtype == torch.float16
     RESULTS.append(dict(atom=packed.atom, shape=shape_name, n=packed.n, k=packed.k, route=route or "table", m=m,
-                        rel=rel, bad=bad, ok=ok))
+                        rel=rel, elem=elem, bad=bad, ok=ok, weights=weights, acts=acts))
     return ok, rel, bad
 
 
-def _run_shape(name, packed, fmt, dev, gen, bias=None):
+def _run_shape(name, packed, fmt, dev, gen, bias=None, weights=""):
     k = packed.k
-    x = _activations(M_MAX, k, dev, gen)
-    y64 = reference.linear_f64(x, packed, bias)
     fails = []
-    for m in M_LIST:
-        route = routes.route_for(fmt, m, packed.n, k, arch=ops.arch_for_atom(packed.atom))
-        ok, rel, bad = _check(name, packed, x, y64, route, m, bias)
-        if not ok:
-            fails.append((route, m, rel, bad))
-    prefix = routes.ROUTE_PREFIX[fmt]
-    for suffix, ms in EXPLICIT_M.items():
-        for m in ms:
-            ok, rel, bad = _check(name, packed, x, y64, prefix + suffix, m, bias)
+    for outliers in (True, False):
+        acts = "outliers" if outliers else "plain"
+        x = _activations(M_MAX, k, dev, gen, outliers=outliers)
+        y64 = reference.linear_f64(x, packed, bias)
+        mag = _magnitude(x, packed)
+        for m in M_LIST:
+            route = routes.route_for(fmt, m, packed.n, k, arch=ops.arch_for_atom(packed.atom))
+            ok, rel, bad = _check(name, packed, x, y64, route, m, bias, mag, weights, acts)
             if not ok:
-                fails.append((prefix + suffix, m, rel, bad))
-    assert not fails, f"{name}: (route, M, rel, nonfinite) failing: {fails}"
+                fails.append((acts, route, m, rel, bad))
+        prefix = routes.ROUTE_PREFIX[fmt]
+        for suffix, ms in EXPLICIT_M.items():
+            for m in ms:
+                ok, rel, bad = _check(name, packed, x, y64, prefix + suffix, m, bias, mag, weights, acts)
+                if not ok:
+                    fails.append((acts, prefix + suffix, m, rel, bad))
+        del y64, mag
+    assert not fails, f"{name} ({weights}): (activations, route, M, rel, nonfinite) failing: {fails}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("atom", ATOMS)
-@pytest.mark.parametrize("name,n,k", NVFP4_SHAPES, ids=[s[0] for s in NVFP4_SHAPES])
-def test_nvfp4_routes_vs_float64(name, n, k, atom):
+@pytest.mark.parametrize("name,n,k,kind", _kinds_for(NVFP4_SHAPES), ids=[f"{s[0]}-{s[3]}" for s in _kinds_for(NVFP4_SHAPES)])
+def test_nvfp4_routes_vs_float64(name, n, k, kind, atom):
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(n * 7 + k)
-    w, s, gs = _nvfp4_weight(n, k, dev, gen)
+    gen = torch.Generator(device=dev).manual_seed(n * 7 + k + len(kind))
+    w, s, gs = _nvfp4_weight(n, k, dev, gen, kind)
     packed = prepack.prepack_nvfp4(w, s, gs, atom=atom)
     prepack.verify_nvfp4_roundtrip(packed, w, s)
     bias = (torch.randn(n, generator=gen, device=dev) * 0.5).half() if n % 2 else None
-    _run_shape(name, packed, "nvfp4", dev, gen, bias)
+    _run_shape(name, packed, "nvfp4", dev, gen, bias, weights=kind)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("atom", ATOMS)
-@pytest.mark.parametrize("name,n,k", FP8_SHAPES, ids=[s[0] for s in FP8_SHAPES])
+@pytest.mark.parametrize("name,n,k,kind", _kinds_for(FP8_SHAPES), ids=[f"{s[0]}-{s[3]}" for s in _kinds_for(FP8_SHAPES)])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per_tensor", "per_channel"])
-def test_fp8_routes_vs_float64(name, n, k, per_channel, atom):
+def test_fp8_routes_vs_float64(name, n, k, kind, per_channel, atom):
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(n * 13 + k)
-    w, scale = _fp8_weight(n, k, dev, gen, per_channel)
+    gen = torch.Generator(device=dev).manual_seed(n * 13 + k + len(kind))
+    w, scale = _fp8_weight(n, k, dev, gen, per_channel, kind)
+    if kind == "all_bytes" and n * k >= fc.FP8_FINITE_BYTES.numel():
+        assert fc.covers_every_fp8_byte(w)
     packed = prepack.prepack_fp8(w, scale.to(dev), atom=atom)
     prepack.verify_fp8_roundtrip(packed, w, scale.to(dev))
     bias = (torch.randn(n, generator=gen, device=dev) * 0.5).half() if n % 2 else None
-    _run_shape(f"{name}_{'pc' if per_channel else 'pt'}", packed, "fp8", dev, gen, bias)
+    _run_shape(f"{name}_{'pc' if per_channel else 'pt'}", packed, "fp8", dev, gen, bias, weights=kind)
+
+
+PROBE_SHAPES = [("odd_100x80", 100, 80), ("odd_257x1008", 257, 1008), ("tp4_mlp_down", 5120, 4352)]
+PROBE_ROUTES = (("", 8), ("_mt2", 16), ("_chunked", 96), ("_reconstruct", 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("atom", ATOMS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("name,n,k", PROBE_SHAPES, ids=[s[0] for s in PROBE_SHAPES])
+def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom):
+    """One-hot activations (tests/_per_group.py): every output is one weight value, exact in FP16,
+    so every code position and every (row, group) scale must come out bit-exact on every route;
+    then one corrupted packed scale byte (NVFP4) / channel scale (FP8) must be named exactly."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(n + k)
+    wt = pg.nvfp4_probe_weight(n, k, gen) if fmt == "nvfp4" else pg.fp8_probe_weight(n, k, gen, per_channel=True)
+    packed = (prepack.prepack_nvfp4(*wt, atom=atom) if fmt == "nvfp4" else prepack.prepack_fp8(*wt, atom=atom)).to(dev)
+    w64 = pg.exact_weight(fmt, wt)
+    prefix = routes.ROUTE_PREFIX[fmt]
+    for suffix, per_call in PROBE_ROUTES:
+        run = lambda x, r=prefix + suffix: ops.qpn_linear(x.to(dev), packed, route=r)  # noqa: E731
+        bad = pg.probe(run, w64, per_call)
+        RESULTS.append(dict(atom=atom, shape=f"probe_{name}_{fmt}", n=n, k=k, route=prefix + suffix, m=per_call,
+                            rel=float(len(bad)), elem=0.0, bad=0, ok=not bad, weights="probe", acts="one-hot"))
+        assert not bad, f"{atom} {prefix + suffix}: wrong at (row, input) {bad[:8]} ({len(bad)} in all)"
+    # negative control: the probe names what was corrupted, through the chunked route
+    run = lambda x: ops.qpn_linear(x.to(dev), packed, route=prefix + "_chunked")  # noqa: E731
+    if fmt == "nvfp4":
+        found_any = False
+        for i in torch.randint(0, packed.scales.numel(), (4,), generator=gen).tolist():
+            packed.scales[i] ^= 0x08
+            want = pg.groups_of(pg.probe(lambda x: reference.linear_f64(x.to(dev), packed), w64, k))
+            got = pg.groups_of(pg.probe(run, w64, 96))
+            packed.scales[i] ^= 0x08
+            assert got == want and len(want) <= 1, (i, sorted(got), sorted(want))
+            found_any |= bool(want)
+        assert found_any, "no corrupted byte belonged to a real row: the control tested nothing"
+    else:
+        packed.scale[n // 2] *= 2.0
+        bad = pg.probe(run, w64, 96, positions=range(0, k, max(1, k // 64)))
+        assert bad and {r for r, _ in bad} == {n // 2}, sorted({r for r, _ in bad})[:8]
 
 
 @pytest.mark.gpu

@@ -9,7 +9,14 @@ expert, every slot on one expert, the same expert twice for one token, ids of ex
 this rank) and decode-sized batches of 1 to 16 tokens, on the expert shapes of 35B-A3B models
 and on small odd shapes that pad both GEMMs.
 
-Set QPN_MOE_NUMERICS_REPORT=<path> to write every measured case to a Markdown file.
+Weights cover the whole formats (tests/_moe_cases.py: every e2m1 code, every finite e4m3 byte,
+group scales up to 0x7E) and, on the odd shapes and one real one, realistic Gaussian / heavy-tailed
+weights quantized with the checkpoint generator's functions; every case runs with and without
+outlier channels in the activations.
+
+Set QPN_MOE_NUMERICS_REPORT=<path> to write every measured case to a Markdown file; its header
+(commit, dirty flag and diff hash, command, GPU, driver, CUDA, torch, date) is written by
+benchmarks/provenance.py.
 """
 from __future__ import annotations
 
@@ -70,19 +77,22 @@ def _report():
     path = os.environ.get("QPN_MOE_NUMERICS_REPORT")
     if not path or not RESULTS:
         return
+    from qpn.benchmarks import provenance
     worst_y = max(RESULTS, key=lambda r: r["rel_y"])
     worst_h = max(RESULTS, key=lambda r: r["rel_h"])
-    lines = [f"# QPN grouped MoE numerics on {torch.cuda.get_device_name(0)}", "",
+    rec = provenance.run_record(report="tests/test_gpu_moe.py numerics", bound_norm=f"{BOUND:g}")
+    lines = [f"# QPN grouped MoE numerics on {torch.cuda.get_device_name(0)}", ""] + provenance.markdown_block(rec) + [
              f"{len(RESULTS)} (shape, format, routing, tokens) cases; bound {BOUND:g} on the layer output y and "
              f"on the SwiGLU stage h; worst y {worst_y['rel_y']:.3e} ({worst_y['shape']}, {worst_y['fmt']}, "
              f"{worst_y['routing']}, T={worst_y['t']}); worst h {worst_h['rel_h']:.3e} ({worst_h['shape']}, "
              f"{worst_h['fmt']}, {worst_h['routing']}, T={worst_h['t']}); failures: "
              f"{sum(1 for r in RESULTS if not r['ok'])}", "",
-             "| shape | E | H | I | top_k | atom | format | routing | T | groups | rel. error y | rel. error h | "
-             "nonfinite where ref finite | ok |",
-             "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+             "| shape | E | H | I | top_k | atom | format | weights | activations | routing | T | groups | "
+             "rel. error y | rel. error h | nonfinite where ref finite | ok |",
+             "|---|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in RESULTS:
         lines.append(f"| {r['shape']} | {r['e']} | {r['h']} | {r['i']} | {r['top_k']} | {r['atom']} | {r['fmt']} | "
+                     f"{r.get('weights', 'all_bytes')} | {r.get('acts', 'outliers')} | "
                      f"{r['routing']} | "
                      f"{r['t']} | {r['groups']} | {r['rel_y']:.3e} | {r['rel_h']:.3e} | {r['bad']} | "
                      f"{'yes' if r['ok'] else 'NO'} |")
@@ -90,7 +100,8 @@ def _report():
         f.write("\n".join(lines) + "\n")
 
 
-def _check_case(fmt_label, routing_label, shape, packed, x, ids, w, cache, shared=None, sw=None):
+def _check_case(fmt_label, routing_label, shape, packed, x, ids, w, cache, shared=None, sw=None, weights="all_bytes",
+                acts="outliers"):
     """Kernel stages vs the float64 reference for one routing; records the case; returns
     (ok, rel y, rel h, nonfinite count)."""
     st = moe.moe_stages_cuda(x, ids, w, packed, shared, sw)
@@ -108,31 +119,49 @@ def _check_case(fmt_label, routing_label, shape, packed, x, ids, w, cache, share
     ok = rel_y <= BOUND and rel_h <= BOUND and bad == 0 and y.shape == x.shape and y.dtype == torch.float16
     RESULTS.append(dict(shape=shape, e=packed.num_experts, h=packed.hidden, i=packed.intermediate,
                         top_k=ids.shape[1], atom=packed.atom, fmt=fmt_label, routing=routing_label, t=x.shape[0],
-                        groups=sum(-(-c // 8) for c in counts), rel_y=rel_y, rel_h=rel_h, bad=bad, ok=ok))
+                        groups=sum(-(-c // 8) for c in counts), rel_y=rel_y, rel_h=rel_h, bad=bad, ok=ok,
+                        weights=weights, acts=acts))
     return ok, rel_y, rel_h, bad
 
 
+# realistic weights (quantized Gaussian / Student-t) on the odd shapes and one real shape; the
+# whole-format data (all_bytes) on every case
+KIND_CASES = [(*c, "all_bytes") for c in CASES] + [
+    ("odd_e8_h80_i48", "nvfp4", False, None, "m8n8k4", "gauss"),
+    ("odd_e8_h80_i48", "fp8", True, None, "m8n8k4", "heavy"),
+    ("odd_e5_h272_i112", "nvfp4", False, None, "m8n8k4", "heavy"),
+    ("odd_e5_h272_i112", "fp8", False, None, "m8n8k4", "gauss"),
+    ("qwen35_35b_a3b_tp2", "nvfp4", False, None, "m8n8k4", "gauss"),
+    ("odd_e8_h80_i48", "nvfp4", False, None, "m16n8k16", "heavy"),
+    ("odd_e5_h272_i112", "fp8", True, None, "m16n8k16", "gauss"),
+    ("qwen35_35b_a3b_tp2", "nvfp4", False, None, "m16n8k16", "gauss"),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,fmt,pc,dfmt,atom", CASES,
-                         ids=[f"{s}-{f}{'_pc' if pc else ''}{'-' + d + 'down' if d else ''}-{a}"
-                              for s, f, pc, d, a in CASES])
-def test_grouped_moe_vs_float64(shape, fmt, pc, dfmt, atom):
+@pytest.mark.parametrize("shape,fmt,pc,dfmt,atom,kind", KIND_CASES,
+                         ids=[f"{s}-{f}{'_pc' if pc else ''}{'-' + d + 'down' if d else ''}-{a}-{k}"
+                              for s, f, pc, d, a, k in KIND_CASES])
+def test_grouped_moe_vs_float64(shape, fmt, pc, dfmt, atom, kind):
     _need_atom(atom)
     dev = torch.device("cuda")
     e, hdim, inter, top_k = SHAPES[shape]
-    gen = torch.Generator(device=dev).manual_seed(e * 31 + hdim + inter)
-    packed = random_moe(fmt, e, hdim, inter, gen, device=dev, per_channel=pc, down_fmt=dfmt, atom=atom)
+    gen = torch.Generator(device=dev).manual_seed(e * 31 + hdim + inter + len(kind))
+    packed = random_moe(fmt, e, hdim, inter, gen, device=dev, per_channel=pc, down_fmt=dfmt, atom=atom, kind=kind)
     cache: dict = {}
     fmt_label = f"{fmt}{'_pc' if pc else ''}{'+' + dfmt + '_down' if dfmt else ''}"
     fails = []
     for case in ROUTINGS:
         for t in (TOKENS if case == "random" else EDGE_TOKENS):
             ids, w = routing(case, t, top_k, e, gen, device=dev)
-            x = activations(t, hdim, gen, device=dev)
-            ok, rel_y, rel_h, bad = _check_case(fmt_label, case, shape, packed, x, ids, w, cache)
-            if not ok:
-                fails.append((case, t, rel_y, rel_h, bad))
-    assert not fails, f"{shape} {fmt_label}: (routing, T, rel y, rel h, nonfinite) failing: {fails}"
+            for outliers in (True, False):
+                x = activations(t, hdim, gen, device=dev, outliers=outliers)
+                acts = "outliers" if outliers else "plain"
+                ok, rel_y, rel_h, bad = _check_case(fmt_label, case, shape, packed, x, ids, w, cache,
+                                                    weights=kind, acts=acts)
+                if not ok:
+                    fails.append((case, t, acts, rel_y, rel_h, bad))
+    assert not fails, f"{shape} {fmt_label} {kind}: (routing, T, activations, rel y, rel h, nonfinite) failing: {fails}"
 
 
 @pytest.mark.gpu
