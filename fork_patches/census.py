@@ -196,6 +196,7 @@ class Census:
         self.attention_routes: dict[str, dict[str, int]] = {}
         self.hooks_skipped: dict[str, dict] = {}
         self._engine_config = None  # the engine's VllmConfig, read at snapshot time
+        self.engine_quantized_layers: list[str] | None = None
         self._dirty = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -276,6 +277,12 @@ class Census:
                 self._engine_config = vllm_config
                 self._mark_dirty()
 
+    def set_quantized_layers(self, names) -> None:
+        """The quant config's quantized_layers names as the engine holds them (in order)."""
+        with self._lock:
+            self.engine_quantized_layers = [str(n) for n in names]
+            self._mark_dirty()
+
     def set_kv_cache(self, checkpoint_requested: str | None, resolved: str, policy: str) -> None:
         with self._lock:
             self.kv_cache = {"checkpoint_requested": checkpoint_requested, "resolved": resolved,
@@ -300,6 +307,8 @@ class Census:
                 "attention_routes": json.loads(json.dumps(self.attention_routes)),
                 "modules": json.loads(json.dumps(self.modules)),
                 "lm_head": dict(self.lm_head) if self.lm_head else None,
+                "engine_quantized_layers": (list(self.engine_quantized_layers)
+                                            if self.engine_quantized_layers is not None else None),
                 "fallbacks": [{"module": m, "reason": r, "count": c}
                               for (m, r), c in sorted(self.fallbacks.items())],
                 "hooks_skipped": [dict(v) for _, v in sorted(self.hooks_skipped.items())],

@@ -11,7 +11,8 @@ Version history:
      ``attention_layers`` (what each attention layer actually uses: impl, KV dtype string the
      kernel receives, cache tensor dtype, heads, head size, window), ``attention_routes``
      (the engine's own attention route decisions, eager and graph-capture counts apart),
-     ``declared`` per module (the checkpoint's ``quantized_layers`` names the module serves),
+     ``declared`` per module (the ``quantized_layers`` names the module serves, as the engine
+     names them) and ``engine_quantized_layers`` (the engine's copy of the whole map's names),
      ``lm_head.loaded`` (what the loader received for the head) and ``hooks_skipped``.
 """
 from __future__ import annotations
@@ -118,6 +119,9 @@ class RankCensus:
     attention_routes: dict[str, RouteCount] = field(default_factory=dict)
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
     lm_head: LmHeadRecord | None = None
+    # the config's quantized_layers names as the engine holds them (vLLM renames the
+    # checkpoint's keys with the model's hf_to_vllm_mapper, keeping their order and count)
+    engine_quantized_layers: list[str] | None = None
     fallbacks: list[dict] = field(default_factory=list)  # {module, reason, count}
     hooks_skipped: list[HookSkipped] = field(default_factory=list)
 
@@ -223,4 +227,5 @@ RANK_SUMMARY_KEYS = (
     "rank", "pid", "engine_version", "platform", "device_capability", "backend", "updated",
     "tensor_parallel_size", "serving", "kv_cache", "attention_layers", "attention_routes",
     "hooks_skipped", "declared_on_qpn", "declared_off_qpn", "modules_total", "modules_on_qpn",
+    "engine_quantized_layers",
 )

@@ -77,7 +77,7 @@ def wrap_get_min_capability(original):
 _KV_RECORDED = False
 
 
-def _record_kv_once() -> None:
+def _record_kv_once(config=None) -> None:
     global _KV_RECORDED
     if _KV_RECORDED:
         return
@@ -91,6 +91,8 @@ def _record_kv_once() -> None:
 
     CENSUS.set_kv_cache(*describe(vllm_config))
     CENSUS.watch_engine(vllm_config)
+    if config is not None and getattr(config, "quantized_layers", None) is not None:
+        CENSUS.set_quantized_layers(config.quantized_layers)  # renamed by the model's mapper
     _KV_RECORDED = True
 
 
@@ -150,7 +152,7 @@ def wrap_get_quant_method(original):
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-        _record_kv_once()
+        _record_kv_once(self)
         if isinstance(layer, (LinearBase, ParallelLMHead)) and not self.is_layer_excluded(prefix):
             method = qpn_method_for(self, layer, prefix, target)
             if method is not None:

@@ -189,22 +189,29 @@ def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResu
     return GateResult(GATE_PLATFORM, FAIL if problems else PASS, expected, observed)
 
 
-def _needed_modules(quantized_layers: dict, rank: dict) -> list[str]:
-    serving = rank.get("serving") or {}
-    drafting = int(serving.get("num_speculative_tokens") or 0) > 0
-    return sorted(name for name in quantized_layers
-                  if drafting or not name.startswith(DRAFTER_PREFIXES))
-
-
 def _coverage_problems(census: dict, quantized_layers: dict) -> list[str]:
-    """Checkpoint modules (quantized_layers) not served on QPN, per rank."""
+    """Checkpoint modules (its quantized_layers) not served on QPN, per rank. The engine renames
+    the map's keys with the model's hf_to_vllm_mapper (``apply_dict``: same order, one name per
+    name), so the checkpoint's n-th name is the engine's n-th name; a changed count is reported."""
     problems = []
+    names = list(quantized_layers)
     for rank in _rank_dicts(census):
+        engine = rank.get("engine_quantized_layers")
+        if engine is None:
+            problems.append(f"rank {rank['rank']}: the census has no engine_quantized_layers (the "
+                            "quant config never reached the QPN hook)")
+            continue
+        if len(engine) != len(names):
+            problems.append(f"rank {rank['rank']}: the engine holds {len(engine)} quantized_layers "
+                            f"names, the checkpoint lists {len(names)}")
+            continue
+        drafting = int((rank.get("serving") or {}).get("num_speculative_tokens") or 0) > 0
         on = set(rank.get("declared_on_qpn") or [])
         off = set(rank.get("declared_off_qpn") or [])
-        needed = _needed_modules(quantized_layers, rank)
-        not_on = [n for n in needed if n in off]
-        absent = [n for n in needed if n not in on and n not in off]
+        needed = [(c, e) for c, e in zip(names, engine)
+                  if drafting or not (c.startswith(DRAFTER_PREFIXES) or e.startswith(DRAFTER_PREFIXES))]
+        not_on = [c for c, e in needed if e in off]
+        absent = [c if c == e else f"{c} (engine: {e})" for c, e in needed if e not in on and e not in off]
         if not_on:
             problems.append(f"rank {rank['rank']}: {len(not_on)} checkpoint module(s) admitted but "
                             f"not on a QPN route, e.g. {not_on[:3]}")

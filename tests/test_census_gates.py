@@ -29,7 +29,15 @@ LAYERS = {  # a checkpoint's quantized_layers: fused q/k/v shards, an MLP, the h
 QKV = [k for k in LAYERS if "self_attn" in k]
 
 
-def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True):
+def _same(name):
+    return name
+
+
+def _hub_to_vllm(name):  # what Qwen3.5's hf_to_vllm_mapper does to these names
+    return name.replace("model.language_model.", "model.")
+
+
+def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True, rename=_same, lost=None):
     c = Census()
     c.platform = _PLATFORM
     c.rank = rank
@@ -49,8 +57,10 @@ def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True):
         if name in skip:
             continue
         n = c.register_module(layer, name, region, 64, 128, prepack_verified=True,
-                              declared=declared)
+                              declared=[rename(d) for d in declared])
         c.count(n, "marlin" if name in off_qpn else ("qpn8" if region == "fp8" else "qpn2"))
+    c.set_quantized_layers([rename(n) for n in LAYERS] if lost is None else
+                           [rename(n) for n in LAYERS if n != lost])
     if head:
         c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
     c.set_kv_cache("fp8_e4m3", "fp8_e4m3", "engine")
@@ -144,6 +154,18 @@ def test_qpn_routes_checks_every_listed_module_on_every_rank(tmp_path, change, n
     _write_rank(tmp_path, 1, **change)
     g = _gates(tmp_path)["qpn_routes"]
     assert g.failed and "rank 1" in g.observed and needle in g.observed, g.observed
+
+
+def test_engine_renamed_keys_pair_with_the_checkpoints_and_a_lost_key_fails(tmp_path):
+    for rank in (0, 1):
+        _write_rank(tmp_path, rank, rename=_hub_to_vllm)
+    assert not _gates(tmp_path)["qpn_routes"].failed, _gates(tmp_path)["qpn_routes"].observed
+    _write_rank(tmp_path, 1, rename=_hub_to_vllm, skip=("model.layers.0.mlp.down_proj",))
+    g = _gates(tmp_path)["qpn_routes"]
+    assert g.failed and "model.language_model.layers.0.mlp.down_proj (engine: model.layers.0.mlp.down_proj)" in g.observed
+    _write_rank(tmp_path, 1, lost="lm_head")
+    g = _gates(tmp_path)["qpn_routes"]
+    assert g.failed and "the engine holds 5 quantized_layers names, the checkpoint lists 6" in g.observed
 
 
 def test_drafter_modules_are_not_needed_without_speculation(tmp_path):
