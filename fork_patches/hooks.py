@@ -10,8 +10,9 @@ Two kinds:
   (``qpn.fork_patches.plugin``). ``anchor`` is ``module:Attr.path`` in the engine and ``apply``
   names a function ``wrap(original) -> replacement``; the replacement is marked with the hook's
   name so that loading the plugin twice changes nothing. Before patching, the plugin checks the
-  anchor exists and fails loudly, naming the engine version, when it does not; the overlay's
-  ``--check`` verifies every anchor too.
+  anchor exists; when it does not, the engine stops at start with one message naming hook, anchor,
+  engine version and the fix, except for hooks only some checkpoints need (``needed_for``), which
+  are skipped and recorded (see ``plugin``); the overlay's ``--check`` verifies every anchor too.
 - ``disk``: a text edit of one engine file, made by the bootstrap's overlay step
   (``qpn.fork_patches.overlay``). ``anchor`` is the file path inside the ``vllm`` package;
   ``apply`` names a function ``str -> str`` that returns the patched text and raises
