@@ -286,13 +286,56 @@ def make_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, expert_format
 
 # Negative controls of the MoE end-to-end test: what a wrong expert path would compute.
 MOE_PERTURBATIONS = ("none", "swap-gate-up", "shift-experts", "drop-shared-expert")
+# One expert of one layer served wrongly (what a per-expert loading or indexing bug does):
+# expert e given expert e+1's weights; its gate and up exchanged; its codes decoded with expert
+# e+1's scales; its NVFP4 nibbles exchanged (NVFP4 experts only).
+EXPERT_CORRUPTIONS = ("neighbour-weights", "swap-gate-up", "neighbour-scales", "swap-nibbles")
 
 
-def load_reference_model(ckpt_dir: str | os.PathLike, perturb: str = "none", moe_perturb: str = "none"):
+def _corrupt_one_expert(state: dict[str, torch.Tensor], ckpt_dir: str | os.PathLike, layer: int, expert: int,
+                        kind: str, num_experts: int) -> None:
+    """Replace expert ``expert`` of layer ``layer`` in the float32 state (checkpoint names, model.*)
+    by what ``kind`` of bug would serve; decoded from the checkpoint's own codes and scales."""
+    from safetensors.torch import load_file
+
+    from qpn.scripts import checkpoint_reference
+
+    if kind not in EXPERT_CORRUPTIONS:
+        raise ValueError(f"unknown expert corruption {kind!r}; choose from {EXPERT_CORRUPTIONS}")
+    here, there = (f"model.layers.{layer}.mlp.experts.{e}" for e in (expert, (expert + 1) % num_experts))
+    if kind == "neighbour-weights":
+        for proj in EXPERT_PROJS:
+            state[f"{here}.{proj}.weight"] = state[f"{there}.{proj}.weight"].clone()
+        return
+    if kind == "swap-gate-up":
+        g, u = f"{here}.gate_proj.weight", f"{here}.up_proj.weight"
+        state[g], state[u] = state[u], state[g]
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    hub = make_checkpoint.hub_name
+    for proj in EXPERT_PROJS:
+        mine, theirs = hub(f"{here}.{proj}"), hub(f"{there}.{proj}")
+        scales_of = theirs if kind == "neighbour-scales" else mine
+        if f"{mine}.weight_scale_2" in tensors:  # NVFP4
+            w = checkpoint_reference.decode_nvfp4(tensors[f"{mine}.weight"], tensors[f"{scales_of}.weight_scale"],
+                                                  tensors[f"{scales_of}.weight_scale_2"],
+                                                  swap_nibbles=(kind == "swap-nibbles"))
+        elif kind == "swap-nibbles":
+            raise ValueError("swap-nibbles corrupts NVFP4 codes; these experts are FP8")
+        else:
+            w = checkpoint_reference.decode_fp8(tensors[f"{mine}.weight"], tensors[f"{scales_of}.weight_scale"])
+        state[f"{here}.{proj}.weight"] = w
+
+
+def load_reference_model(ckpt_dir: str | os.PathLike, perturb: str = "none", moe_perturb: str = "none",
+                         corrupt_expert: tuple[int, int, str] | None = None):
     """The checkpoint dequantized in float32 (qpn.scripts.checkpoint_reference's decoders) in
     transformers' Qwen3_5MoeForCausalLM. ``perturb``: checkpoint_reference's perturbations;
     ``moe_perturb``: gate and up exchanged in every expert, expert e given expert e+1's weights,
-    or the shared expert removed (negative controls a tolerance must reject)."""
+    or the shared expert removed; ``corrupt_expert=(layer, expert, kind)``: one expert of one
+    layer served wrongly (EXPERT_CORRUPTIONS). All are negative controls a tolerance must reject."""
     from qpn.scripts import checkpoint_reference
 
     if moe_perturb not in MOE_PERTURBATIONS:
@@ -315,7 +358,24 @@ def load_reference_model(ckpt_dir: str | os.PathLike, perturb: str = "none", moe
     elif moe_perturb == "drop-shared-expert":
         for k in [k for k in state if k.endswith("shared_expert.down_proj.weight")]:
             state[k] = torch.zeros_like(state[k])
+    if corrupt_expert is not None:
+        layer, expert, kind = corrupt_expert
+        _corrupt_one_expert(state, ckpt_dir, layer, expert, kind, e_count)
     return _transformers_model(config, transformers_state(state, spec_like))
+
+
+def expert_use(model, token_ids: list[int], layer: int) -> list[int]:
+    """How many of the (position, slot) picks of ``layer``'s router go to each expert when the
+    model reads ``token_ids`` (every position but the last: the teacher-forced ones)."""
+    picks = []
+    hook = model.model.layers[layer].mlp.gate.register_forward_hook(
+        lambda mod, args, out: picks.append(out[2][:-1].reshape(-1).clone()))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]))
+    finally:
+        hook.remove()
+    return torch.bincount(picks[0], minlength=model.config.num_experts).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

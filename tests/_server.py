@@ -1,13 +1,23 @@
-"""Start a real vLLM OpenAI server on the CPU engine for tests, and stop it without leftovers.
+"""The tests' one harness for a real vLLM OpenAI server on the CPU engine, stopped without leftovers.
 
-The server runs ``$QPN_ENGINE_PYTHON -m vllm.entrypoints.openai.api_server`` (default: the
-python running the tests) on a random free loopback port, in its own session so that its
-engine-core children can be signalled as one group. Caches (vLLM, torch inductor, ZMQ
-sockets via TMPDIR) go to a temporary folder removed on stop. ``stop()`` sends SIGTERM to
-the group, waits, and escalates to SIGKILL only if something is still alive.
+    server = VllmServer(model_dir, extra_args, served_model_name=..., census_dir=...)
+    server.start()              # launch() + wait_ready(); or ``with VllmServer(...) as server:``
+    server.post("/v1/completions", {...}); server.url("/v1/models"); server.log_text()
+    server.stop()
+
+The server runs ``$QPN_ENGINE_PYTHON -m vllm.entrypoints.openai.api_server`` (default: the python
+running the tests) on a free loopback port, in its own session so that its engine-core children
+can be signalled as one group. Every process it starts carries a unique environment tag
+(``QPN_E2E_TAG``), so ``stop()`` can prove that nothing of this server is left, whatever its
+parentage. Caches (vLLM, torch inductor, ZMQ sockets via TMPDIR) go to a temporary folder removed
+on stop; the log is kept in memory so that ``log_text()`` still works after it.
+``census_dir`` sets QPN_CENSUS_DIR for the route census; ``plugins`` sets VLLM_PLUGINS ("" loads
+none: raw vLLM; None loads every installed plugin, ours included). Boot failures raise with the
+log tail.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,7 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
+import uuid
+
+from qpn.scripts.launched import group_alive
+
+TAG_ENV = "QPN_E2E_TAG"
 
 
 def engine_python() -> str:
@@ -29,22 +45,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tagged_pids(tag: str) -> list[int]:
+    """Processes (of any parentage) whose environment carries ``QPN_E2E_TAG=tag``."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
 class VllmServer:
-    def __init__(self, model_dir: str, extra_args: list[str] | None = None,
-                 served_model_name: str | None = None, boot_timeout_s: float = 240.0,
-                 plugins: str | None = None):
-        """``plugins``: None loads every installed vLLM plugin (ours included); a string sets
-        VLLM_PLUGINS to that comma-separated list ("" loads none: raw vLLM)."""
-        self.model_dir = model_dir
+    def __init__(self, model_dir, extra_args: list[str] | tuple = (), served_model_name: str | None = None,
+                 boot_timeout_s: float = 420.0, plugins: str | None = None, census_dir=None,
+                 max_model_len: int = 2048, max_num_seqs: int | None = 1, env: dict[str, str] | None = None):
+        self.model_dir = os.path.abspath(str(model_dir))
         self.extra_args = list(extra_args or [])
         self.served_model_name = served_model_name
         self.boot_timeout_s = boot_timeout_s
         self.plugins = plugins
+        self.census_dir = None if census_dir is None else str(census_dir)
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.extra_env = dict(env or {})
         self.port = free_port()
+        self.tag = uuid.uuid4().hex
         self.proc: subprocess.Popen | None = None
         self.tmp = tempfile.mkdtemp(prefix="qpn_vllm_")
         self.log_path = os.path.join(self.tmp, "server.log")
+        self._final_log: str | None = None
 
+    # ---- addresses ------------------------------------------------------------------------
     @property
     def root_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -53,37 +89,44 @@ class VllmServer:
     def base_url(self) -> str:
         return self.root_url + "/v1"
 
-    def start(self) -> "VllmServer":
+    def url(self, path: str = "") -> str:
+        return self.root_url + path
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def launch(self) -> "VllmServer":
+        """Start the process and return at once (``wait_ready()`` or ``wait_exit()`` next)."""
         env = dict(os.environ)
         env.update(
             VLLM_CACHE_ROOT=os.path.join(self.tmp, "vllm_cache"),
             TORCHINDUCTOR_CACHE_DIR=os.path.join(self.tmp, "inductor"),
             TMPDIR=self.tmp,
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            VLLM_NO_USAGE_STATS="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
         )
+        env[TAG_ENV] = self.tag
+        if self.census_dir is not None:
+            env["QPN_CENSUS_DIR"] = self.census_dir
         if self.plugins is not None:
             env["VLLM_PLUGINS"] = self.plugins
-        cmd = [
-            engine_python(), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "1",
-            *(["--served-model-name", self.served_model_name] if self.served_model_name else []),
-            *self.extra_args,
-        ]
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=self.tmp)
-        log.close()
+        env.update(self.extra_env)
+        cmd = [engine_python(), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+               "--enforce-eager", "--max-model-len", str(self.max_model_len),
+               *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
+               *(["--served-model-name", self.served_model_name] if self.served_model_name else []),
+               *self.extra_args]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=self.tmp)
+        return self
+
+    def wait_ready(self) -> "VllmServer":
+        """Until /v1/models answers; raises (server left running: call stop()) with the log tail."""
         deadline = time.monotonic() + self.boot_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = self.log_tail()
-                self.stop()
-                raise RuntimeError(f"vLLM server exited during boot (rc {self.proc.returncode});"
-                                   f" log tail:\n{tail}")
+                raise RuntimeError(f"vLLM server exited during boot (rc {self.proc.returncode}); "
+                                   f"log tail:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/models", timeout=2) as r:
                     if r.status == 200:
@@ -91,16 +134,19 @@ class VllmServer:
             except OSError:
                 pass
             time.sleep(1.0)
-        tail = self.log_tail()
-        self.stop()
-        raise RuntimeError(f"vLLM server not ready after {self.boot_timeout_s:.0f} s; log tail:\n{tail}")
+        raise TimeoutError(f"vLLM server not ready after {self.boot_timeout_s:.0f} s; log tail:\n{self.log_tail()}")
 
-    def log_tail(self, n: int = 40) -> str:
+    def start(self) -> "VllmServer":
+        """launch() + wait_ready(); on a failed boot the server is stopped before the error rises."""
+        self.launch()
         try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return "(no log)"
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_exit(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout=self.boot_timeout_s if timeout is None else timeout)
 
     def kill_hard(self) -> None:
         """SIGKILL the whole server group: simulates a crash mid-run."""
@@ -108,28 +154,36 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
 
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+    def leftover(self) -> list[int]:
+        """Processes of this server still alive (by tag, any parentage)."""
+        return tagged_pids(self.tag)
 
     def stop(self) -> None:
+        """SIGTERM the group, wait, SIGKILL only what is still alive; then nothing tagged remains."""
         if self.proc is not None:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 try:
-                    self.proc.wait(timeout=30)
+                    self.proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait(timeout=30)
-            # children of the group (engine core) may outlive the API process briefly
-            deadline = time.monotonic() + 15
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if self._group_alive():
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            # children (engine core) may outlive the API process briefly, in the group or not
+            deadline = time.monotonic() + 30
+            while (group_alive(self.proc.pid) or tagged_pids(self.tag)) and time.monotonic() < deadline:
+                time.sleep(0.3)
+            if group_alive(self.proc.pid):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in tagged_pids(self.tag):  # stragglers of this server only
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self._final_log is None and os.path.exists(self.log_path):
+            self._final_log = self.log_text()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "VllmServer":
@@ -137,3 +191,25 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    # ---- talking to it --------------------------------------------------------------------
+    def post(self, path: str, body: dict, timeout: float = 600) -> dict:
+        """POST JSON to ``path`` ("/v1/completions"); an HTTP error fails with the server's answer."""
+        req = urllib.request.Request(self.url(path), json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"{path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from e
+
+    def log_text(self) -> str:
+        if self._final_log is not None:
+            return self._final_log
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return "(no log)"
+
+    def log_tail(self, n: int = 60) -> str:
+        return "".join(self.log_text().splitlines(keepends=True)[-n:])

@@ -244,11 +244,10 @@ def test_unreachable_server_is_named_with_the_fix(tmp_path):
 
 
 @pytest.fixture(scope="class")
-def mixed_server(tmp_path_factory):
-    """The project's small mixed NVFP4/FP8 checkpoint, served through our plugin with MTP K=3."""
-    out = str(tmp_path_factory.mktemp("mixed") / "ckpt")
-    subprocess.run([engine_python(), "-m", "qpn.scripts.make_checkpoint", out], check=True,
-                   env=_env(), capture_output=True, timeout=600, cwd=REPO)
+def mixed_server(mixed_checkpoint):
+    """The project's small mixed NVFP4/FP8 checkpoint (the session's, tests/conftest.py), served
+    through our plugin with MTP K=3."""
+    out = str(mixed_checkpoint)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     with VllmServer(out, ["--reasoning-parser", "qwen3", "--no-enable-prefix-caching",
                           "--speculative-config", json.dumps(spec)],

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
+
+from tests._server import VllmServer
+from tests._server import tagged_pids as _tagged_pids  # the name tests/test_e2e_tp.py imports
 
 pytestmark = pytest.mark.slow
 
@@ -40,99 +38,11 @@ PROMPT_TEXT = (
     "{\"city\": \"Paris\"}}\n</tool_call><|im_end|>")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tagged_pids(tag: str) -> list[int]:
-    """Processes (of any parentage) whose environment carries our tag."""
-    needle = f"QPN_E2E_TAG={tag}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
-class Server:
-    def __init__(self, model_dir: Path, census_dir: Path, extra_args=()):
-        self.model_dir, self.census_dir = model_dir, census_dir
-        self.port = _free_port()
-        self.tmp = Path(tempfile.mkdtemp(prefix="qpn_e2e_"))
-        self.log_path = self.tmp / "server.log"
-        self.tag = uuid.uuid4().hex
-        env = {**os.environ,
-               "QPN_E2E_TAG": self.tag, "QPN_CENSUS_DIR": str(census_dir),
-               "VLLM_CACHE_ROOT": str(self.tmp / "vllm_cache"),
-               "TORCHINDUCTOR_CACHE_DIR": str(self.tmp / "inductor"),
-               "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(self.tmp),
-               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-        cmd = [ENGINE_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--max-model-len", "1024", *extra_args]
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def log_text(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + BOOT_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-6000:]}")
-            try:
-                with urllib.request.urlopen(self.url("/v1/models"), timeout=2):
-                    return
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        raise TimeoutError(f"server not ready in {BOOT_TIMEOUT_S}s:\n{self.log_text()[-6000:]}")
-
-    def wait_exit(self, timeout: float = BOOT_TIMEOUT_S) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(self.url(path), json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                return json.load(r)
-        except urllib.error.HTTPError as e:
-            raise AssertionError(f"{path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from e
-
-    def stop(self) -> None:
-        """SIGTERM the group, wait, SIGKILL only what is still alive; then nothing tagged remains."""
-        try:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait(timeout=30)
-            deadline = time.monotonic() + 30
-            while _tagged_pids(self.tag) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            for pid in _tagged_pids(self.tag):  # stragglers of this server only
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        finally:
-            self.log.close()
+def Server(model_dir: Path, census_dir: Path, extra_args=()) -> VllmServer:
+    """The end-to-end configuration of the tests' one server harness (tests/_server.py), launched:
+    ``wait_ready()`` or ``wait_exit()`` next. Tagged processes, census folder, log tail on failure."""
+    return VllmServer(model_dir, extra_args, served_model_name=SERVED_NAME, census_dir=census_dir,
+                      max_model_len=1024, max_num_seqs=None, boot_timeout_s=BOOT_TIMEOUT_S).launch()
 
 
 def _run_engine_python(args: list[str], timeout: float = 600) -> str:
@@ -164,10 +74,7 @@ def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str], kv_c
 KV_SETTING = os.environ.get("QPN_TEST_KV_CACHE", "checkpoint")
 
 
-def _serve(root: Path, kv_setting: str):
-    ckpt = root / "ckpt"
-    if not ckpt.exists():
-        _make_checkpoint(ckpt)
+def _serve(root: Path, kv_setting: str, ckpt: Path):
     census_dir = root / f"census-{kv_setting}"
     kv_args = [] if kv_setting == "checkpoint" else ["--kv-cache-dtype", kv_setting]
     # Served the way the launcher serves the real model: tool calls and reasoning parsed.
@@ -187,19 +94,20 @@ def e2e_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(e2e_root):
-    """One server on the good checkpoint for the agreement, census and chat tests."""
-    yield from _serve(e2e_root, KV_SETTING)
+def served(e2e_root, mixed_checkpoint):
+    """One server on the good checkpoint (the session's, tests/conftest.py) for the agreement, census
+    and chat tests."""
+    yield from _serve(e2e_root, KV_SETTING, mixed_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def served_bf16_kv(e2e_root, served):
+def served_bf16_kv(e2e_root, served, mixed_checkpoint):
     """A second server forced onto the bf16 KV path, where the main one keeps an FP8 cache, so
     both KV paths are proven on a host that has both."""
     if _kv_resolved(served["census_dir"]) == "bfloat16":
         pytest.skip("the main server already runs the bf16 KV path on this host "
                     f"(QPN_TEST_KV_CACHE={KV_SETTING}); nothing more to prove here")
-    yield from _serve(e2e_root, "bfloat16")
+    yield from _serve(e2e_root, "bfloat16", mixed_checkpoint)
 
 
 def _served_prompt_logprobs(server: Server, ids: list[int]) -> tuple[list[float], list[int]]:

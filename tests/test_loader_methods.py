@@ -42,7 +42,9 @@ _CKPTS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tmp_path_factory, mixed_checkpoint):
+    _CKPTS.setdefault(None, mixed_checkpoint)  # the good one: the session's (tests/conftest.py)
+
     def get(malformed=None):
         if malformed not in _CKPTS:
             out = tmp_path_factory.mktemp("ckpt") / (malformed or "good")
