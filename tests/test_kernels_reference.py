@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qpn.kernels import formats, jit, nvrtc, ops, prepack, reference, routes
+from tests import _format_cases as fc
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
 pytestmark = pytest.mark.fast
@@ -20,30 +21,37 @@ def _outlier_x(m, k, seed):
     return x.to(torch.float16)
 
 
+@pytest.mark.parametrize("outliers", [True, False], ids=["outliers", "plain"])
+@pytest.mark.parametrize("kind", fc.WEIGHT_KINDS)
 @pytest.mark.parametrize("n,k,m", [(33, 48, 1), (100, 160, 9), (70, 1008, 17), (257, 512, 3)])
-def test_reference_nvfp4_within_bound_of_float64(n, k, m):
+def test_reference_nvfp4_within_bound_of_float64(n, k, m, kind, outliers):
+    """Whole-format weights (every e2m1 code, scales up to 0x7E and negative ones) and quantized
+    Gaussian / heavy-tailed weights (the checkpoint generator's convention), activations with and
+    without outlier channels."""
     g = torch.Generator().manual_seed(n + k)
-    w = torch.randn((n, k), generator=g) * 0.02
-    p = prepack.prepack_nvfp4(*formats.quantize_nvfp4(w))
-    x = _outlier_x(m, k, n)
+    q, s, gs = fc.nvfp4_weight(n, k, kind, g)
+    p = prepack.prepack_nvfp4(q, s, gs)
+    x = fc.activations(m, k, g, outliers=outliers)
     y = reference.linear_nvfp4(x, p)
     y64 = reference.linear_nvfp4_f64(x, p)
     assert y.dtype == torch.float16 and y.shape == (m, n)
     assert reference.relative_error(y, y64) <= BOUND
     # the reference decodes the PACKED buffers: the same values as the checkpoint tensors
-    q, s, gs = formats.quantize_nvfp4(w)
     direct = x.double() @ formats.dequantize_nvfp4_f64(q, s, gs).t()
     assert torch.equal(y64, direct)
 
 
+@pytest.mark.parametrize("outliers", [True, False], ids=["outliers", "plain"])
+@pytest.mark.parametrize("kind", fc.WEIGHT_KINDS)
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_reference_fp8_within_bound_of_float64(per_channel):
+def test_reference_fp8_within_bound_of_float64(per_channel, kind, outliers):
     g = torch.Generator().manual_seed(7)
-    w = torch.randn((45, 99), generator=g)
-    q, s = formats.quantize_fp8(w, per_channel=per_channel)
+    q, s = fc.fp8_weight(45, 99, kind, g, per_channel)
+    if kind == "all_bytes":
+        assert fc.covers_every_fp8_byte(q)
     p = prepack.prepack_fp8(q, s)
-    x = _outlier_x(5, 99, 3)
-    bias = torch.randn(45, generator=g).half()
+    x = fc.activations(5, 99, g, outliers=outliers)
+    bias = (torch.randn(45, generator=g) * 0.01).half()
     y = reference.linear_fp8(x, p, bias)
     y64 = reference.linear_fp8_f64(x, p, bias)
     assert reference.relative_error(y, y64) <= BOUND
