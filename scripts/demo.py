@@ -135,6 +135,11 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(
         [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     demo_dir = env.get("DEMO_DIR") or os.path.join(REPO_ROOT, ".cache", "demo")
+    say("serves a small generated checkpoint (random weights) on the cpu engine through the "
+        "launcher a V100 user runs, sends two requests, prints the route census and the gates")
+    say("expected below: the launcher's WARNING 'unknown revision ... not the pinned "
+        "RadixArk/Qwen3.8-27B-NVFP4': this checkpoint is generated here, not downloaded, so it "
+        "has no revision and its figures are not comparable with the published ones")
     python = engine_python(env)
     ckpt = checkpoint(python, demo_dir, env)
 

@@ -7,18 +7,22 @@ Settings come from the environment (see docs/serving.md): K (speculative depth, 
 0 = off), MML, MNS (default 1), GMU, TP, PORT (8000), HOST (127.0.0.1), CAPTURE (capture sizes;
 default derived from MNS and K, ``none`` = engine default), ENV_PREFIX / QPN_ENGINE_PYTHON
 (the engine), ENGINE (cpu|sm70, default read from the engine), VLLM_API_KEY, THINKING
-(default true), TOOL_PARSER, SERVED_NAME, RUN_DIR, BOOT_TIMEOUT.
+(default true), TOOL_PARSER, SERVED_NAME, RUN_DIR, BOOT_TIMEOUT, MAX_N (most choices per request,
+default 4; scripts/request_limits.py).
 
 Order of events: every refusal check (before any engine process exists); the server in its own
 process group with a fresh census directory; /v1/models; one warm greedy chat; the gates
 (census + /metrics + the warm reply); on any failure the server and all its children are
 stopped and the exit status is 1; on success the gate table is printed and written as JSON and
-the launcher stays in the foreground until interrupted, then stops the server.
+the launcher stays in the foreground, watching the engine core's /health, until interrupted (then
+it stops the server and exits 0) or until the engine dies (then it reports the error lines of the
+server log and exits 1). During the boot a progress line every 5 s names the phase.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +32,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from qpn.scripts import boot_gates, serve_preflight
+from qpn.scripts import boot_gates, request_limits, serve_preflight
 from qpn.scripts.capture_ladder import CaptureSpecError, resolve_capture
 from qpn.scripts.engine_profiles import (
     PROFILES, EngineNotFound, EngineProfile, detect_engine, tp_env,
@@ -124,6 +128,7 @@ class Launch:
     api_key: str | None
     run_dir: str
     boot_timeout: float
+    max_n: int = 4
     regions: set[str] = field(default_factory=set)
     environ: dict[str, str] = field(default_factory=dict)
 
@@ -218,6 +223,9 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
                       "new RUN_DIR (or leave it unset for a fresh one)")
     os.makedirs(run_dir, exist_ok=True)
     tool_parser = environ.get("TOOL_PARSER") or tool_parser_for(ckpt)
+    max_n = _int_setting(environ, "MAX_N", request_limits.DEFAULT_MAX_N)
+    if max_n < 1:
+        raise Refusal(f"MAX_N={max_n}: a request must be allowed at least one choice")
     return Launch(
         ckpt=ckpt, extra_args=extra, k=k, mns=mns, mml=mml, gmu=gmu, tp=tp, host=host, port=port,
         capture=capture, python=python, profile=profile, engine_version=version,
@@ -225,7 +233,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
         tool_parser=None if tool_parser == "none" else tool_parser,
         thinking=environ.get("THINKING", "true").lower() not in ("0", "false", "no", "off"),
         api_key=environ.get("VLLM_API_KEY") or None, run_dir=run_dir,
-        boot_timeout=_int_setting(environ, "BOOT_TIMEOUT", 900),
+        boot_timeout=_int_setting(environ, "BOOT_TIMEOUT", 900), max_n=max_n,
         regions=boot_gates.declared_regions(_quant_config(ckpt, config)), environ=environ)
 
 
@@ -250,6 +258,8 @@ def server_command(launch: Launch) -> list[str]:
             "--default-chat-template-kwargs", json.dumps({"enable_thinking": launch.thinking})]
     if launch.tool_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", launch.tool_parser]
+    # n / best_of / max_tokens limits (scripts/request_limits.py): vLLM's middleware flag
+    cmd += ["--middleware", "qpn.scripts.request_limits.RequestLimits"]
     return cmd + launch.extra_args
 
 
@@ -260,6 +270,9 @@ def server_env(launch: Launch) -> dict[str, str]:
     for key, value in tp_env(launch.profile, launch.tp or 1).items():
         env.setdefault(key, value)
     env["QPN_CENSUS_DIR"] = launch.census_dir
+    env["QPN_MAX_N"] = env["VLLM_MAX_N_SEQUENCES"] = str(launch.max_n)
+    if launch.mml:
+        env["QPN_MAX_MODEL_LEN"] = str(launch.mml)
     # vLLM leaves its ZMQ socket files here; inside the run directory they go with it.
     env.setdefault("VLLM_RPC_BASE_PATH", launch.run_dir)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -344,10 +357,85 @@ def _request(launch: Launch, path: str, body: dict | None = None, timeout: float
         return exc.code, exc.read()
 
 
-def wait_for_models(server: Server) -> str:
+# What the server log says about the boot, in order; the last phase seen is the one reported.
+BOOT_PHASES = (
+    ("non-default args", "API server reading its configuration"),
+    ("Resolved architecture", "resolving the model's architecture"),
+    ("Initializing a V1 LLM engine", "engine core starting"),
+    ("Starting to load model", "loading weights"),
+    ("Loading weights took", "weights loaded; prepacking (QPN layers, inverse check)"),
+    ("Loading drafter model", "loading the MTP drafter"),
+    ("KV cache size", "KV cache allocated"),
+    ("init engine (profile, create kv cache, warmup model)", "engine warm-up done"),
+    ("Capturing CUDA graph", "CUDA graph capture"),
+    ("Graph capturing finished", "CUDA graphs captured"),
+    ("Starting vLLM server on", "API server starting"),
+)
+PROGRESS_PERIOD_S = 5.0
+
+
+class BootProgress:
+    """A line every PROGRESS_PERIOD_S during the boot: elapsed time, the phase the server log
+    shows, and the prepack count the overlay's census holds (modules prepacked, how many passed
+    the byte-identical inverse check)."""
+
+    def __init__(self, launch: Launch, period_s: float = PROGRESS_PERIOD_S):
+        self.launch = launch
+        self.period_s = period_s
+        self.start = time.monotonic()
+        self.last_print = self.start
+        self.offset = 0
+        self.phase = "starting the server process"
+
+    def _read_log(self) -> None:
+        try:
+            with open(self.launch.server_log, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        cut = chunk.rfind(b"\n") + 1
+        self.offset += cut
+        for line in chunk[:cut].decode(errors="replace").splitlines():
+            for needle, phase in BOOT_PHASES:
+                if needle in line:
+                    self.phase = phase
+
+    def prepack(self) -> str | None:
+        try:
+            from qpn.fork_patches.census import aggregate
+
+            census = aggregate(self.launch.census_dir)
+        except Exception:  # noqa: BLE001 - progress is best effort; the gates judge the census
+            return None
+        modules = (census or {}).get("modules") or {}
+        if not modules:
+            return None
+        verified = sum(1 for m in modules.values() if isinstance(m, dict) and m.get("prepack_verified"))
+        return f"prepack: {len(modules)} modules, {verified} verified by the inverse check"
+
+    def line(self, phase: str | None = None) -> str:
+        """The progress line; ``phase`` names a step of the launcher's own (the warm request),
+        which the server log does not show."""
+        self._read_log()
+        parts = [f"boot {time.monotonic() - self.start:.0f} s: {phase or self.phase}"]
+        if (pp := self.prepack()) is not None:
+            parts.append(pp)
+        return "; ".join(parts)
+
+    def tick(self, force: bool = False, phase: str | None = None) -> None:
+        now = time.monotonic()
+        if force or now - self.last_print >= self.period_s:
+            self.last_print = now
+            log(self.line(phase))
+
+
+def wait_for_models(server: Server, progress: BootProgress | None = None) -> str:
     launch = server.launch
     deadline = time.monotonic() + launch.boot_timeout
     while time.monotonic() < deadline:
+        if progress is not None:
+            progress.tick()
         if not server.alive():
             raise BootFailure(f"server exited during boot (exit {server.proc.returncode}); "
                               f"last lines of {launch.server_log}:\n{server.log_tail()}")
@@ -420,8 +508,9 @@ def read_census(launch: Launch, settle_s: float = 15.0) -> dict | None:
 
 def run_gates(server: Server) -> list[boot_gates.GateResult]:
     launch = server.launch
-    model = wait_for_models(server)
-    log(f"/v1/models answers ({model}); sending one warm greedy chat")
+    progress = BootProgress(launch)
+    model = wait_for_models(server, progress)
+    progress.tick(force=True, phase="warm request (one greedy chat, 8 tokens)")
     warm = warm_request(launch, model)
     census = read_census(launch)
     metrics = read_metrics(launch)
@@ -430,6 +519,77 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
                                env=server_env(launch))
+
+
+# ---- after READY: the engine's health ---------------------------------------------------------
+
+HEALTH_PERIOD_S = 2.0
+HEALTH_SILENCE_S = 60.0  # no answer from /health for this long counts as a dead server
+_EXCEPTION_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception))(?::|$)")
+_ENGINE_PROCS = ("(EngineCore", "(Worker", "(VllmWorker")
+
+
+def watch_engine(server: Server, period_s: float = HEALTH_PERIOD_S,
+                 silence_s: float = HEALTH_SILENCE_S) -> str:
+    """Poll the engine core's health until it fails; return why. ``/health`` is vLLM's engine
+    health (entrypoints/serve/instrumentator/health.py answers 503 once the engine core is dead,
+    EngineDeadError); ``/v1/models`` is not: the API process answers it from its own state for as
+    long as it lives, also with a dead engine."""
+    launch = server.launch
+    last_answer = time.monotonic()
+    while True:
+        if not server.alive():
+            return (f"the server process exited on its own (exit {server.proc.returncode}); "
+                    "nobody asked it to stop")
+        try:
+            status, _ = _request(launch, "/health", timeout=5)
+        except OSError:
+            status = None
+        now = time.monotonic()
+        if status == 200:
+            last_answer = now
+        elif status is not None and status >= 500:
+            return f"the engine core is dead: /health answered {status}"
+        elif now - last_answer > silence_s:
+            return f"/health has not answered for {now - last_answer:.0f} s"
+        time.sleep(period_s)
+
+
+def failure_summary(log_text: str, max_lines: int = 12) -> tuple[str | None, str]:
+    """(the root error line, the last error lines) of a server log. The root error is the first
+    exception an engine process (EngineCore, Worker) logged; the API process's EngineDeadError
+    only repeats that the engine is gone."""
+    lines = log_text.splitlines()
+    cause = None
+    for line in lines:
+        if line.lstrip().startswith(_ENGINE_PROCS) and _EXCEPTION_LINE.search(line):
+            cause = line.strip()
+            break
+    if cause is None:
+        exc_lines = [ln.strip() for ln in lines if _EXCEPTION_LINE.search(ln)
+                     and "EngineDeadError" not in ln]
+        cause = exc_lines[-1] if exc_lines else None
+    errors: list[str] = []
+    for line in lines:
+        if re.search(r"\bERROR\b|Error|Exception|Traceback|died", line):
+            text = line.strip()[:300]
+            if not errors or errors[-1] != text:
+                errors.append(text)
+    return cause, "\n".join(errors[-max_lines:])
+
+
+def report_engine_failure(server: Server, reason: str) -> None:
+    try:
+        with open(server.launch.server_log, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    cause, errors = failure_summary(text)
+    print(f"[serve] ENGINE FAILED after READY: {reason}", file=sys.stderr, flush=True)
+    if cause:
+        print(f"[serve] root error: {cause}", file=sys.stderr, flush=True)
+    print(f"[serve] last error lines of {server.launch.server_log}:\n"
+          f"{errors or server.log_tail(20)}", file=sys.stderr, flush=True)
 
 
 def announce(launch: Launch) -> None:
@@ -500,11 +660,9 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             return 1
         ready = True
         log(f"READY url={launch.root_url}/v1 model={launch.served_name} pid={server.proc.pid} "
-            f"gates={launch.gates_json}")
-        while server.alive():
-            time.sleep(0.5)
-        warn(f"server exited on its own (exit {server.proc.returncode}); last lines:\n"
-             f"{server.log_tail()}")
+            f"gates={launch.gates_json} -- stop with Ctrl-C here, or kill -TERM {os.getpid()}; "
+            f"server log {launch.server_log}")
+        report_engine_failure(server, watch_engine(server))
         return 1
     except BootFailure as exc:
         print(f"[serve] BOOT FAILED: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,107 @@
+"""Request limits (issue 12 item 3) at the ASGI layer: what is refused, with which message, and
+that an accepted request reaches vLLM byte for byte. The same middleware against a real server:
+tests/test_launcher_api.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from qpn.scripts.request_limits import DEFAULT_MAX_N, Limits, RequestLimits
+
+pytestmark = pytest.mark.fast
+
+
+def _call(mw_limits: Limits, body: bytes, path="/v1/chat/completions"):
+    seen = {}
+
+    async def app(scope, receive, send):
+        got, more = [], True
+        while more:
+            m = await receive()
+            got.append(m.get("body", b""))
+            more = m.get("more_body", False)
+        seen["body"] = b"".join(got)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    parts = [body[: len(body) // 2], body[len(body) // 2:]]  # the body arrives in two reads
+    queue = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+             for i, p in enumerate(parts)]
+
+    async def receive():
+        return queue.pop(0)
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path}
+    asyncio.run(RequestLimits(app, mw_limits)(scope, receive, send))
+    status = sent[0]["status"]
+    payload = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, payload, seen.get("body")
+
+
+@pytest.mark.parametrize("field,value", [("n", 50), ("n", 1000), ("best_of", 5)])
+def test_n_and_best_of_capped(field, value):
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
+                                       json.dumps({"model": "m", field: value}).encode())
+    assert status == 400 and forwarded is None
+    err = json.loads(payload)["error"]
+    assert err["param"] == field and f"{field}={value}" in err["message"]
+    assert "at most 4" in err["message"] and "MAX_N" in err["message"]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
+def test_max_tokens_bounded_by_model_length(field):
+    status, payload, _ = _call(Limits(max_n=4, max_model_len=4096),
+                               json.dumps({field: 4097}).encode())
+    assert status == 400
+    err = json.loads(payload)["error"]
+    assert err["param"] == field and "4096" in err["message"] and "MML" in err["message"]
+
+
+def test_within_limits_passes_unchanged():
+    body = json.dumps({"model": "m", "n": 4, "best_of": 4, "max_tokens": 4096,
+                       "messages": [{"role": "user", "content": "x" * 1000}]}).encode()
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096), body)
+    assert (status, payload, forwarded) == (200, b"ok", body)
+
+
+def test_other_paths_and_non_json_untouched():
+    status, _, forwarded = _call(Limits(max_n=1), b'{"n": 9}', path="/tokenize")
+    assert status == 200 and forwarded == b'{"n": 9}'
+    status, _, forwarded = _call(Limits(max_n=1), b"not json{")
+    assert status == 200 and forwarded == b"not json{"
+    # booleans are not counts; a missing model length leaves max_tokens to vLLM
+    assert Limits(max_n=1).problem({"n": True, "max_tokens": 10 ** 9}) is None
+
+
+def test_defaults_from_env(monkeypatch):
+    monkeypatch.delenv("QPN_MAX_N", raising=False)
+    monkeypatch.delenv("QPN_MAX_MODEL_LEN", raising=False)
+    lim = Limits.from_env()
+    assert (lim.max_n, lim.max_model_len) == (DEFAULT_MAX_N, None)
+    monkeypatch.setenv("QPN_MAX_N", "2")
+    monkeypatch.setenv("QPN_MAX_MODEL_LEN", "1024")
+    lim = Limits.from_env()
+    assert (lim.max_n, lim.max_model_len) == (2, 1024)
+
+
+def test_launcher_passes_the_middleware_and_limits(tmp_path):
+    from qpn.scripts import serve
+
+    launch = serve.Launch(
+        ckpt=str(tmp_path), extra_args=[], k=0, mns=1, mml=2048, gmu=None, tp=None,
+        host="127.0.0.1", port=1, capture=None, python="python",
+        profile=serve.PROFILES["cpu"], engine_version="0.32.0", served_name="m",
+        tool_parser=None, thinking=True, api_key=None, run_dir=str(tmp_path), boot_timeout=1,
+        max_n=3)
+    cmd = serve.server_command(launch)
+    assert cmd[cmd.index("--middleware") + 1] == "qpn.scripts.request_limits.RequestLimits"
+    env = serve.server_env(launch)
+    assert env["QPN_MAX_N"] == env["VLLM_MAX_N_SEQUENCES"] == "3"
+    assert env["QPN_MAX_MODEL_LEN"] == "2048"
