@@ -340,6 +340,8 @@ class Census:
                     self.flush()
                 except OSError:
                     pass  # a full or vanished disk must not take the engine down; retried next tick
+                except ValueError as e:  # CensusSchemaError: a writer bug; no file, gates fail
+                    _report_schema_error(e)
 
     def _flush_at_exit(self) -> None:
         self._stop.set()
@@ -348,6 +350,23 @@ class Census:
                 self.flush()
             except OSError:
                 pass
+            except ValueError as e:
+                _report_schema_error(e)
+
+
+_SCHEMA_ERRORS: set[str] = set()
+
+
+def _report_schema_error(error: Exception) -> None:
+    """Say once per message that this rank's census cannot be written (the gates then report
+    no census from this rank)."""
+    import logging
+
+    if str(error) not in _SCHEMA_ERRORS:
+        _SCHEMA_ERRORS.add(str(error))
+        logging.getLogger("vllm.qpn.census").error(
+            "volta-qpn: this rank's census is not written, it does not follow the census schema: "
+            "%s", error)
 
 
 CENSUS = Census()

@@ -209,3 +209,16 @@ def test_lm_head_source_comes_from_the_loader():
 @pytest.fixture(autouse=True)
 def _no_background_flush(monkeypatch):
     monkeypatch.setattr(census_mod, "FLUSH_INTERVAL_S", 3600)
+
+
+def test_a_record_off_schema_is_not_written_and_is_reported(tmp_path, caplog):
+    c = Census()
+    c.platform = _PLATFORM
+    c.rank, c.directory = 0, str(tmp_path)
+    c.register_module(object(), "m", "fp8", 8, 16, prepack_verified=True)
+    c.modules["m"]["n"] = "eight"  # a writer bug
+    with caplog.at_level("ERROR", logger="vllm.qpn.census"):
+        c._dirty = True
+        c._flush_at_exit()
+    assert not list(tmp_path.iterdir())
+    assert "does not follow the census schema" in caplog.text and "modules['m'].n" in caplog.text
