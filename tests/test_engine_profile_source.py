@@ -46,7 +46,7 @@ def test_every_flag_value_and_variable_of_the_sm70_command_exists_in_1cat(versio
     rows = engine_source.verify_profile(_source(version), cmd, env)
     checked = {r.hook for r in rows}
     for must in ("flag --attention-backend", "flag --kv-cache-dtype", "flag --speculative-config",
-                 "flag --compilation-config", "flag --tool-call-parser", "flag --middleware",
+                 "flag --compilation-config", "flag --tool-call-parser",
                  "env VLLM_FLASH_V100_DECODE_PARTITION_SIZE"):
         assert must in checked, (must, sorted(checked))
     misses = [f"{r.hook}: {r.detail}" for r in rows if r.miss]
