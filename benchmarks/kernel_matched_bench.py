@@ -428,6 +428,7 @@ def provenance(args, atom) -> list[str]:
         f"# date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         f"# qpn atom: {atom}; sm_80+ route kernels: "
         + ", ".join(f"{f}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
+        + "".join(f"; {f}/mt{mt} with N >= {jit.SM80_LARGE_N}={k}" for (f, mt), k in jit.SM80_LARGE_N_KERNELS.items())
         + f"; split-K min items {ops.SM80_MIN_ITEMS}",
     ]
     if cap >= (8, 0) and atom == "m8n8k4":
@@ -647,6 +648,7 @@ def main(argv=None) -> int:
         if args.adopt_sweep:
             win = sweep_winners(srows)
             jit.SM80_ROUTE_KERNELS.update(win)
+            jit.SM80_LARGE_N_KERNELS.clear()   # the sweep's winners serve every layer size
             ops._sm80_plans.clear()
             print("adopted from the sweep: " + ", ".join(f"{f}/mt{mt}={k}" for (f, mt), k in sorted(win.items())))
             prov = provenance(args, atom) + extra

@@ -37,16 +37,21 @@ ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 # sm_80+ (m16n8k16): which configured kernel of csrc/qpn_kernels_sm80.cu serves each packed route,
 # by (format, token tiles per weight pass). Chosen on the H200 among the spill-free configurations
 # (benchmarks/kernel_matched_bench.py --sweep); a change here needs no recompilation.
-# (H200 sweep 2026-11-30, results/kernel_sm80_ring_sweep_h200_20261130.csv, adopted by that run:
-# NVFP4 goes to the shared-memory ring kernels (t4s4: lm_head 63% vs 58% of the read ceiling);
-# FP8 stays on the register ring, which the FP8 ring kernels do not yet beat -- see
-# results/kernel_sm80_ring_notes_h200_20261130.md.)
+# (H200 sweeps 2026-11-30, results/kernel_sm80_ring_sweep_h200_20261130.csv (TP1 shapes) and
+# results/kernel_sm80_ring3_sweep_h200_20261130.csv (FP8, down, TP4 down, after the batched split-K
+# finish): the register ring t2d4p0 is best for NVFP4 M <= 8 on every measured shape except the
+# largest, lm_head (248320 rows), where the shared-memory ring t4s4 reads at 63% of the ceiling
+# against 58% (SM80_LARGE_N_KERNELS); NVFP4 M 9-16 goes to the ring t2s4x; FP8 stays on the
+# register ring, which the FP8 ring kernels do not beat -- results/kernel_sm80_ring_notes_h200_20261130.md.)
 SM80_ROUTE_KERNELS = {
-    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t4s4",
+    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p0",
     ("nvfp4", 2): "qpn2_mt2_m16n8k16_t2s4x",
     ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p0",
     ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p0",
 }
+# Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
+SM80_LARGE_N = 100_000
+SM80_LARGE_N_KERNELS = {("nvfp4", 1): "qpn2_mt1_m16n8k16_t4s4"}
 # The register-ring kernels (no shared memory) serve a route when the GPU cannot give a block the
 # ring kernel's shared memory (sm_86 / sm_89 allow about 99 KB per block).
 SM80_ROUTE_KERNELS_NO_SMEM = {
@@ -56,6 +61,7 @@ SM80_ROUTE_KERNELS_NO_SMEM = {
     ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p0",
 }
 ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_ROUTE_KERNELS.values())
+                                               + list(SM80_LARGE_N_KERNELS.values())
                                                + list(SM80_ROUTE_KERNELS_NO_SMEM.values()))) + (
     "qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16")
 

@@ -211,7 +211,8 @@ def _sm80_plan(mod, name: str, fmt: str, n: int, kblocks: int, chunks: int, devi
         kernels = jit.sm80_kernels()
         cfg = kernels[name]
         if cfg.smem_bytes > _smem_optin(idx):
-            fallback = {v: jit.SM80_ROUTE_KERNELS_NO_SMEM[k] for k, v in jit.SM80_ROUTE_KERNELS.items()}
+            fallback = {v: jit.SM80_ROUTE_KERNELS_NO_SMEM[k] for table in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS)
+                        for k, v in table.items()}
             if name not in fallback:
                 raise ValueError(f"kernel {name} needs {cfg.smem_bytes} bytes of shared memory per block; "
                                  f"cuda:{idx} allows {_smem_optin(idx)}")
@@ -253,13 +254,15 @@ def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps
     return -(-nwarps // WARPS) * chunks, nwarps, n_groups
 
 
-def _sm80_kernel_for(route: str, fmt: str, m: int) -> tuple[str, int]:
-    """(kernel name, chunks) serving a packed route on the m16n8k16 atom."""
+def _sm80_kernel_for(route: str, fmt: str, m: int, n: int = 0) -> tuple[str, int]:
+    """(kernel name, chunks) serving a packed route on the m16n8k16 atom for a layer of n rows."""
     prefix = routes.ROUTE_PREFIX[fmt]
     max_m = routes.route_max_m(route)
     if max_m is not None and m > max_m:
         raise ValueError(f"route {route} serves M <= {max_m}, got M={m}; use routes.route_for() to pick one")
     if route == prefix:
+        if n >= jit.SM80_LARGE_N and (fmt, 1) in jit.SM80_LARGE_N_KERNELS:
+            return jit.SM80_LARGE_N_KERNELS[(fmt, 1)], 1
         return jit.SM80_ROUTE_KERNELS[(fmt, 1)], 1
     if route == prefix + "_mt2":
         return jit.SM80_ROUTE_KERNELS[(fmt, 2)], 1
@@ -274,7 +277,7 @@ def _launch_sm80(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscale,
     y = torch.empty((m, n), dtype=torch.float16, device=xh.device)
     if m == 0:
         return y
-    name, chunks = _sm80_kernel_for(route, fmt, m)
+    name, chunks = _sm80_kernel_for(route, fmt, m, n)
     if kernel is not None:  # a measured variant of the same token tiling (benchmarks only)
         cfg = jit.sm80_kernels().get(kernel)
         if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or not kernel.startswith(routes.ROUTE_PREFIX[fmt]):

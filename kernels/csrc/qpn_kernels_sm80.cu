@@ -274,27 +274,41 @@ struct Qpn80 {
     __threadfence();
     float sum[T][MT][4];
     zero(sum);
-    for (int wi = fw; wi <= lw; ++wi) {   // fixed order: deterministic sums
-      if (wi == gw) {
+    // Fixed order fw..lw: deterministic sums. The partials are read RB warps at a time (all loads
+    // of a batch in flight before the first add), so a group split over many warps (small layers)
+    // does not pay one L2 round trip per contributor; the order of the additions is unchanged.
+    constexpr int RB = 2;
+    for (int w0 = fw; w0 <= lw; w0 += RB) {
+      float v[RB][T][MT][4];
 #pragma unroll
-        for (int j = 0; j < T; ++j)
+      for (int b = 0; b < RB; ++b) {
+        const int wi = w0 + b;
+        if (wi <= lw && wi != gw) {
+          const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
 #pragma unroll
-          for (int t = 0; t < MT; ++t)
+          for (int j = 0; j < T; ++j)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) sum[j][t][i] += acc[j][t][i];
-      } else {
-        const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
+            for (int t = 0; t < MT; ++t)
+              ldcg128f(p + (j * MT + t) * 4, v[b][j][t][0], v[b][j][t][1], v[b][j][t][2], v[b][j][t][3]);
+        } else {
 #pragma unroll
-        for (int j = 0; j < T; ++j)
+          for (int j = 0; j < T; ++j)
 #pragma unroll
-          for (int t = 0; t < MT; ++t) {
-            float v0, v1, v2, v3;
-            ldcg128f(p + (j * MT + t) * 4, v0, v1, v2, v3);
-            sum[j][t][0] += v0;
-            sum[j][t][1] += v1;
-            sum[j][t][2] += v2;
-            sum[j][t][3] += v3;
-          }
+            for (int t = 0; t < MT; ++t)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) v[b][j][t][i] = acc[j][t][i];
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        if (w0 + b <= lw) {
+#pragma unroll
+          for (int j = 0; j < T; ++j)
+#pragma unroll
+            for (int t = 0; t < MT; ++t)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) sum[j][t][i] += v[b][j][t][i];
+        }
       }
     }
     if (lane == 0) atomicExch(ctr, 0);
@@ -342,9 +356,15 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
     for (int j = 0; j < T; ++j) {
       const int tile = min(grp * T + j, n_tiles - 1);
       const size_t blk = (size_t)tile * a.kblocks + kb;
-      const u8* c = a.codes + blk * W_BYTES + lane * LANE_BYTES;
+      // Copy h moves the tile-block's 16-byte chunk lane + 32 h, so each copy instruction reads
+      // 512 contiguous bytes (FP8, two chunks per lane: a lane-strided copy read every other 16
+      // bytes and ran at half the NVFP4 ring's rate on the H200); chunk c belongs to lane c / H.
+      const u8* c = a.codes + blk * W_BYTES;
 #pragma unroll
-      for (int h = 0; h < H; ++h) cp_async16(sl + j * W_BYTES + h * 512 + lane * 16, c + 16 * h, 16u);
+      for (int h = 0; h < H; ++h) {
+        const int ch = lane + 32 * h;
+        cp_async16(sl + j * W_BYTES + (ch % H) * 512 + (ch / H) * 16, c + 16 * ch, 16u);
+      }
       if constexpr (F::GROUPED) {
         if (lane < 4) cp_async16(sl + SC_OFF + j * SC_BYTES + lane * 16,
                                  a.scales + blk * A::SCALE_BLOCK_BYTES + lane * 16, 16u);

@@ -1,0 +1,467 @@
+"""A performance model of the QPN kernels, read off the compiled code, calibrated on a GPU we can
+time (the H200) and applied to one we cannot (the V100). Its V100 figures are ESTIMATES from a
+calibrated model, never measurements.
+
+Per kernel, from the compiler's output (no GPU needed):
+  * registers (ptxas -v) and shared memory per block -> resident warps per SM;
+  * weight bytes in flight per warp (its load ring: register ring depth D, or S - 1 shared slots,
+    or one k-block for the SM70 kernels);
+  * issue slots per weight byte in the main loop: SASS instructions of the loop nest that holds the
+    MMAs (inner loops weighted by their trip count), per weight byte that loop consumes.
+Per GPU: SMs, SM clock, register file, shared memory, 4 issue slots per SM per clock, the measured
+read ceiling.
+
+Time of one call, bytes B of packed weights:
+    t = t0 + B / min(read ceiling, latency-bound rate, issue-bound rate)
+    latency-bound rate = SMs x active warps per SM x bytes in flight per warp / L
+    issue-bound rate   = SMs x clock x IPC / issue slots per byte
+with three constants fitted on the H200 run (L: loaded memory latency in us, IPC: achieved issue
+slots per SM-clock, t0: fixed cost per call in us) against every m16n8k16 kernel and shape timed
+in that run. The V100 column takes the same L, IPC and t0 (an assumption, stated in the output).
+
+    python -m qpn.kernels.perf_model --csv results/kernel_matched_sm80_ring_h200_20261130.csv \\
+        --sweep results/kernel_sm80_ring_sweep_h200_20261130.csv --out-dir results
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from . import jit, nvrtc, ops
+
+ESTIMATE_LABEL = "calibrated estimate from the H200-calibrated model, NOT a V100 measurement"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    sms: int
+    clock_ghz: float
+    regs_per_sm: int
+    smem_per_sm: int          # bytes usable by blocks
+    max_warps_per_sm: int
+    read_ceiling_gbps: float
+    ceiling_source: str
+    issue_per_clk: int = 4
+
+
+def h200(read_ceiling_gbps: float) -> Gpu:
+    # 1980 MHz: the SM clock nvidia-smi read under load on these machines (device KINDS.md).
+    return Gpu("NVIDIA H200", 132, 1.98, 65536, 228 * 1024, 64, read_ceiling_gbps, "measured in the same run")
+
+
+V100_SXM2 = Gpu("Tesla V100-SXM2", 80, 1.53, 65536, 96 * 1024, 64, 879.0,
+                "seed 000's measured read ceiling (the seed's figure, not ours)")
+
+
+@dataclass
+class KernelStats:
+    name: str
+    atom: str
+    fmt: str
+    mt: int
+    tiles: int               # 16-row (m16n8k16) or 32-row (m8n8k4) weight tiles per warp
+    registers: int
+    smem_block: int          # bytes per block of 256 threads
+    inflight_warp: int       # weight (+ scale) bytes in flight per warp
+    bytes_kblock: float      # weight (+ scale) bytes one warp consumes per k-block
+    instr_kblock: float      # SASS issue slots per k-block of that warp in the main loop
+    loop_kind: str = ""
+
+    @property
+    def issue_per_byte(self) -> float:
+        return self.instr_kblock / self.bytes_kblock
+
+
+def bytes_per_weight(fmt: str) -> float:
+    return 0.5 + 1 / 16 if fmt == "nvfp4" else 1.0
+
+
+def resident_warps(k: KernelStats, gpu: Gpu) -> int:
+    regs = max(8, -(-k.registers // 8) * 8)
+    by_regs = gpu.regs_per_sm // (regs * 256)
+    by_smem = gpu.smem_per_sm // (k.smem_block + 1024) if k.smem_block else 32
+    by_warps = gpu.max_warps_per_sm // 8
+    return 8 * max(0, min(by_regs, by_smem, by_warps, 32))
+
+
+# ------------------------------------------------------------------------ compiled code
+def _sass_functions(text: str) -> dict[str, list[tuple[int, str]]]:
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = re.search(r"Function : (\w+)", line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def main_loop_instructions(insts: list[tuple[int, str]], hmma_per_kblock: float) -> tuple[float, str]:
+    """Issue slots per k-block of the loop nest holding the MMAs: the loops are the backward
+    branches; the innermost loop with MMAs runs hmma_per_kblock / (its MMAs) times per k-block
+    when an outer loop holds it, else one iteration covers (its MMAs) / hmma_per_kblock k-blocks."""
+    loops = []
+    for addr, text in insts:
+        m = re.search(r"\bBRA\b(?:\.\w+)*\s+(?:\S+,\s*)?0x([0-9a-f]+)", text)
+        if m and "BRA.DIV" not in text:
+            tgt = int(m.group(1), 16)
+            if tgt < addr:
+                body = [t for a, t in insts if tgt <= a <= addr]
+                loops.append((tgt, addr, len(body), sum("HMMA" in t for t in body)))
+    loops = [lp for lp in loops if lp[3] > 0]
+    if not loops:
+        raise ValueError("no loop with MMAs in the SASS")
+    inner = min(loops, key=lambda lp: lp[2])
+    if inner[3] >= hmma_per_kblock:
+        # The loop covers whole k-blocks; code it skips on most iterations (the end of a group:
+        # stores, the split-K fence, atomics and reduction) is not counted.
+        lo, hi = inner[0], inner[1]
+        rare = set()
+        for addr, text in insts:
+            m = re.search(r"\bBRA\b(?:\.\w+)*\s+(?:\S+,\s*)?0x([0-9a-f]+)", text)
+            if m and lo <= addr < hi:
+                tgt = int(m.group(1), 16)
+                if addr < tgt <= hi:
+                    region = [(a, t) for a, t in insts if addr < a < tgt]
+                    if any(mark in t for _, t in region for mark in ("MEMBAR", "ATOM", "RED.", "STG")):
+                        rare.update(a for a, _ in region)
+        count = sum(1 for a, _ in insts if lo <= a <= hi and a not in rare)
+        kblocks_per_iter = inner[3] / hmma_per_kblock
+        return count / kblocks_per_iter, "loop over k-blocks (group-end code excluded)"
+    outer = max((lp for lp in loops if lp[0] <= inner[0] and lp[1] >= inner[1]), key=lambda lp: lp[2])
+    trips = hmma_per_kblock / inner[3]
+    per_outer_iter = outer[2] - inner[2] + trips * inner[2]
+    kblocks_per_outer = (outer[3] - inner[3] + trips * inner[3]) / hmma_per_kblock
+    return per_outer_iter / kblocks_per_outer, f"nested loops (inner x{trips:g})"
+
+
+def _ptxas_regs(ptx: str, arch: int) -> dict:
+    from . import sm70_check
+    with tempfile.TemporaryDirectory() as tmp:
+        p = os.path.join(tmp, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([sm70_check.find_ptxas(), f"-arch=sm_{arch}", "-v", p, "-o", os.path.join(tmp, "k.cubin")],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr)
+        return sm70_check._parse_ptxas(r.stdout + r.stderr)
+
+
+def _sass(cubin: bytes) -> str:
+    from . import sm70_check
+    cuobjdump = sm70_check.find_disassembler(download=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = os.path.join(tmp, "k.cubin")
+        with open(p, "wb") as f:
+            f.write(cubin)
+        env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
+        r = subprocess.run([cuobjdump, "-sass", p], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr)
+        return r.stdout
+
+
+def _ptx_mma_counts(ptx: str) -> dict[str, int]:
+    out, cur = {}, None
+    for line in ptx.splitlines():
+        m = re.search(r"\.entry (\w+)\(", line)
+        if m:
+            cur = m.group(1)
+            out[cur] = 0
+        elif cur and "mma.sync" in line:
+            out[cur] += 1
+    return out
+
+
+def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
+    """Every GEMM kernel of ``atom``'s source compiled for sm_<arch> (NVRTC 12 + ptxas + cuobjdump)."""
+    nv = nvrtc.load_nvrtc(12, arch)
+    source = jit.ATOM_SOURCES[atom]
+    res = nv.compile(nvrtc.read_sources()[source], source, arch, list(jit.COMPILE_FLAGS), want_cubin=True)
+    regs = _ptxas_regs(res.ptx, arch)
+    funcs = _sass_functions(_sass(res.cubin))
+    mma_ptx = _ptx_mma_counts(res.ptx)
+    out = {}
+    if atom == "m16n8k16":
+        for name, c in jit.sm80_kernels().items():
+            if c.variant != 0 or name not in funcs:
+                continue
+            fmt = "nvfp4" if c.frag.startswith("Frag16NVFP4") else "fp8"
+            lane = 16 if fmt == "nvfp4" else 32
+            tile_kb = lane * 32 + (64 if fmt == "nvfp4" else 0)
+            depth = c.depth if not c.stages else c.stages - 1
+            hmma = 4 * c.tiles * c.mt
+            instr, kind = main_loop_instructions(funcs[name], hmma)
+            out[name] = KernelStats(name, atom, fmt, c.mt, c.tiles, regs[name].registers, c.smem_bytes,
+                                    depth * c.tiles * tile_kb, c.tiles * 16 * 64 * bytes_per_weight(fmt), instr, kind)
+    else:
+        for name in jit.ENTRY_POINTS["m8n8k4"]:
+            if "reconstruct" in name or name not in funcs:
+                continue
+            fmt = "nvfp4" if name.startswith("qpn2") else "fp8"
+            mt = 2 if "_mt2_" in name else 1
+            hmma_total = sum("HMMA" in t for _, t in funcs[name])
+            sass_per_mma = hmma_total / max(1, mma_ptx.get(name, 0))
+            hmma = 8 * mt * sass_per_mma          # 8 mma.m8n8k4 per k-block of 32 per token tile
+            instr, kind = main_loop_instructions(funcs[name], hmma)
+            lane = 16 if fmt == "nvfp4" else 32
+            tile_kb = lane * 32 + (64 if fmt == "nvfp4" else 0)
+            out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
+                                    tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
+    return out
+
+
+# ------------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class Constants:
+    latency_us: float
+    ipc: float
+    t0_us: float
+
+
+def _active_warps(k: KernelStats, gpu: Gpu, n: int, kdim: int) -> tuple[float, float]:
+    """(active warps per SM, wave factor >= 1) for one layer."""
+    w = resident_warps(k, gpu)
+    if k.atom == "m16n8k16":
+        kblocks = -(-kdim // 64)
+        _, nwarps, _ = ops.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w, ops.SM80_MIN_ITEMS[k.fmt])
+        return min(w, nwarps / gpu.sms), 1.0
+    n_tiles, kblocks = -(-n // 32), -(-kdim // 32)
+    ksplit = 1
+    while ksplit < 8 and n_tiles * ksplit < 32 * gpu.sms and ksplit * 2 <= max(1, kblocks):
+        ksplit *= 2
+    blocks = -(-n_tiles // (8 // ksplit))
+    per_wave = gpu.sms * (w // 8)
+    waves = blocks / per_wave
+    return min(w, blocks * 8 / gpu.sms), (math.ceil(waves) / waves if waves > 1 else 1.0)
+
+
+def predict(k: KernelStats, gpu: Gpu, n: int, kdim: int, c: Constants) -> dict:
+    nbytes = n * kdim * bytes_per_weight(k.fmt)
+    act, wave = _active_warps(k, gpu, n, kdim)
+    lat = gpu.sms * act * k.inflight_warp / c.latency_us / 1e3            # GB/s
+    issue = gpu.sms * gpu.clock_ghz * c.ipc / k.issue_per_byte             # GB/s
+    rates = {"read ceiling": gpu.read_ceiling_gbps, "latency": lat, "issue": issue}
+    bound = min(rates, key=rates.get)
+    t = c.t0_us + nbytes / rates[bound] / 1e3 * wave
+    return dict(us=t, bound=bound, pct=100 * nbytes / (t * 1e3) / gpu.read_ceiling_gbps, active_warps=act,
+                lat_gbps=lat, issue_gbps=issue)
+
+
+def _read_csv(path):
+    head, body = {}, []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#"):
+                if ":" in line:
+                    kk, v = line[1:].split(":", 1)
+                    head[kk.strip()] = v.strip()
+            else:
+                body.append(line)
+    return head, list(csv.DictReader(body))
+
+
+def observations(csv_path: str, sweep_path: str | None) -> tuple[float, list[dict]]:
+    """(read ceiling, rows of kernel, n, k, m, measured us) from one run's CSV files."""
+    head, rows = _read_csv(csv_path)
+    read = float(head["read_ceiling_gbps"])
+    route_k = dict(re.findall(r"(\w+/mt\d)=(\w+)", head.get("qpn atom", "")))
+    obs = []
+    for r in rows:
+        if r["arm"] != "qpn" or int(r["m"]) > 16:
+            continue
+        mt = 1 if int(r["m"]) <= 8 else 2
+        kname = route_k.get(f"{r['fmt']}/mt{mt}")
+        if kname:
+            obs.append(dict(kernel=kname, shape=r["shape"], n=int(r["n"]), k=int(r["k"]), m=int(r["m"]),
+                            route=r["route"], us=float(r["graph_us"]), src="bench"))
+    if sweep_path:
+        _, srows = _read_csv(sweep_path)
+        for r in srows:
+            if int(r["variant"]) == 0 and int(r["min_items"]) == ops.SM80_MIN_ITEMS[r["fmt"]]:
+                mt = 1 if int(r["m"]) <= 8 else 2
+                obs.append(dict(kernel=r["kernel"], shape=r["shape"], n=int(r["n"]), k=int(r["k"]), m=int(r["m"]),
+                                route=("qpn2" if r["fmt"] == "nvfp4" else "qpn8") + ("" if mt == 1 else "_mt2"),
+                                us=float(r["graph_us"]), src="sweep"))
+    return read, obs
+
+
+def calibrate(stats: dict[str, KernelStats], gpu: Gpu, obs: list[dict]) -> Constants:
+    """Grid search of (L, IPC, t0) minimising the mean |log(predicted / measured)|."""
+    best, best_c = float("inf"), None
+    use = [o for o in obs if o["kernel"] in stats]
+    for lat in [0.1 + 0.1 * i for i in range(50)]:
+        for ipc in [0.5 + 0.25 * i for i in range(15)]:
+            for t0 in [0.5 * i for i in range(31)]:
+                c = Constants(lat, ipc, t0)
+                err = sum(abs(math.log(predict(stats[o["kernel"]], gpu, o["n"], o["k"], c)["us"] / o["us"]))
+                          for o in use) / len(use)
+                if err < best:
+                    best, best_c = err, c
+    return best_c
+
+
+# The shapes the V100 table covers: TP4 per-rank (seed 000's deployment) and 1Cat's TP2 shapes.
+TP4_SHAPES = {"tp4_mlp_gate_up": ("nvfp4", 8704, 5120), "tp4_mlp_down": ("nvfp4", 5120, 4352),
+              "tp4_lm_head": ("nvfp4", 62080, 5120), "tp4_gdn_in_proj_qkvz": ("fp8", 4096, 5120),
+              "tp4_gdn_out_proj": ("fp8", 5120, 1536)}
+# 1Cat-vLLM 1.3.0, docs/design/sm70_nvfp4_turbomind_operator_optimization.md: TurboMind NVFP4 GEMM on
+# Qwen3.5-27B TP2 shapes at M = 1 under CUDA-graph replay on a V100 (the engine's published figures).
+ONECAT_TP2_M1_US = {"gate_up 17408x5120": (17408, 5120, 90.6), "down 5120x8704": (5120, 8704, 57.5),
+                    "in_proj_qkvz 8192x5120": (8192, 5120, 93.1), "out_proj 5120x3072": (5120, 3072, 30.1),
+                    "qkv 7168x5120": (7168, 5120, 47.7)}
+# Seed 000's V100 levels (its figures, % of 879 GB/s) the m8n8k4 kernels must not fall below.
+SEED_LEVELS = {("nvfp4", 1): 77.0, ("nvfp4", 8): 71.0, ("fp8", 1): 82.0, ("fp8", 8): 82.0, ("lm_head", 1): 96.0}
+
+
+def _kernel_for(fmt: str, m: int) -> str:
+    return f"{'qpn2' if fmt == 'nvfp4' else 'qpn8'}_mt{1 if m <= 8 else 2}_m8n8k4"
+
+
+def _provenance() -> list[str]:
+    from ..benchmarks import provenance
+    return [f"# commit: {provenance.git_commit()}", f"# command: {provenance.command_line()}",
+            f"# date: {provenance.now_iso()}"]
+
+
+def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tuple[str, str]:
+    read, obs = observations(csv_path, sweep_path)
+    gpu = h200(read)
+    s80 = kernel_stats("m16n8k16", 90)
+    c = calibrate(s80, gpu, obs)
+    prov = _provenance() + [f"# calibration data: {csv_path}" + (f" + {sweep_path}" if sweep_path else ""),
+                            f"# fitted: loaded latency L = {c.latency_us:.2f} us, IPC = {c.ipc:.2f} issue slots "
+                            f"per SM-clock, t0 = {c.t0_us:.1f} us per call"]
+    cal_rows = []
+    for o in obs:
+        if o["kernel"] not in s80:
+            continue
+        p = predict(s80[o["kernel"]], gpu, o["n"], o["k"], c)
+        cal_rows.append(dict(o, pred_us=p["us"], err_pct=100 * (p["us"] / o["us"] - 1), bound=p["bound"]))
+    cal_csv = os.path.join(out_dir, f"perf_model_h200_calibration_{stamp}.csv")
+    cols = ["src", "route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound"]
+    with open(cal_csv, "w", newline="") as f:
+        f.write("\n".join(prov) + "\n")
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in cal_rows:
+            w.writerow({kk: (f"{v:.2f}" if isinstance(v, float) else v) for kk, v in r.items()})
+    lines = [f"# Performance model: H200 calibration ({stamp})", ""] + [p[2:] for p in prov] + [
+        "", f"GPU description: {gpu}", "", "Per kernel (sm_90 build): registers, shared memory per block, resident "
+        "warps per SM, weight bytes in flight per warp, SASS issue slots per weight byte in the main loop", "",
+        "| kernel | regs | smem/block | warps/SM | in flight/warp (B) | issue slots/B | loop |", "|---|---:|---:|---:|---:|---:|---|"]
+    for kname, k in sorted(s80.items()):
+        lines.append(f"| {kname} | {k.registers} | {k.smem_block} | {resident_warps(k, gpu)} | {k.inflight_warp} | "
+                     f"{k.issue_per_byte:.3f} | {k.loop_kind} |")
+    lines += ["", "Error per route (predicted vs measured graph-replay time, same run):", "",
+              "| route | points | mean abs error | worst error | bound (most common) |", "|---|---:|---:|---:|---|"]
+    for route in sorted({r["route"] for r in cal_rows}):
+        sub = [r for r in cal_rows if r["route"] == route]
+        bounds = [r["bound"] for r in sub]
+        lines.append(f"| {route} | {len(sub)} | {sum(abs(r['err_pct']) for r in sub) / len(sub):.1f}% | "
+                     f"{max(sub, key=lambda r: abs(r['err_pct']))['err_pct']:+.1f}% | "
+                     f"{max(set(bounds), key=bounds.count)} |")
+    cal_md = os.path.join(out_dir, f"perf_model_h200_calibration_{stamp}.md")
+    with open(cal_md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+    s70 = kernel_stats("m8n8k4", 70)
+    v = V100_SXM2
+    vrows = []
+    for shape, (fmt, n, kdim) in TP4_SHAPES.items():
+        for m in (1, 8, 16):
+            kname = _kernel_for(fmt, m)
+            p = predict(s70[kname], v, n, kdim, c)
+            seed = SEED_LEVELS.get(("lm_head", 1) if shape == "tp4_lm_head" and m == 1 else (fmt, min(m, 8)))
+            vrows.append(dict(table="tp4", shape=shape, n=n, k=kdim, m=m, kernel=kname, est_us=p["us"],
+                              est_pct=p["pct"], bound=p["bound"], seed_pct=seed if m <= 8 else None,
+                              onecat_us=None))
+    for shape, (n, kdim, us) in ONECAT_TP2_M1_US.items():
+        p = predict(s70["qpn2_mt1_m8n8k4"], v, n, kdim, c)
+        vrows.append(dict(table="1cat_tp2", shape=shape, n=n, k=kdim, m=1, kernel="qpn2_mt1_m8n8k4", est_us=p["us"],
+                          est_pct=p["pct"], bound=p["bound"], seed_pct=None, onecat_us=us))
+    vprov = prov + [f"# V100 description: {v}", f"# LABEL: every est_* figure is a {ESTIMATE_LABEL}; the same L, "
+                    "IPC and t0 as fitted on the H200 are assumed", "# onecat_us: 1Cat-vLLM 1.3.0's published TurboMind "
+                    "NVFP4 GEMM time (docs/design/sm70_nvfp4_turbomind_operator_optimization.md), the engine's figure",
+                    "# seed_pct: seed 000's measured V100 level (% of 879 GB/s), the seed's figure"]
+    v_csv = os.path.join(out_dir, f"perf_model_v100_estimate_{stamp}.csv")
+    vcols = ["table", "shape", "n", "k", "m", "kernel", "est_us", "est_pct", "bound", "seed_pct", "onecat_us"]
+    with open(v_csv, "w", newline="") as f:
+        f.write("\n".join(vprov) + "\n")
+        w = csv.DictWriter(f, fieldnames=vcols)
+        w.writeheader()
+        for r in vrows:
+            w.writerow({kk: ("" if r[kk] is None else f"{r[kk]:.2f}" if isinstance(r[kk], float) else r[kk]) for kk in vcols})
+    vl = [f"# V100 estimates of the m8n8k4 kernels ({stamp}): {ESTIMATE_LABEL}", ""] + [p[2:] for p in vprov] + [
+        "", "| kernel | regs | warps/SM | in flight/warp (B) | issue slots/B | loop |", "|---|---:|---:|---:|---:|---|"]
+    for kname, k in sorted(s70.items()):
+        vl.append(f"| {kname} | {k.registers} | {resident_warps(k, v)} | {k.inflight_warp} | {k.issue_per_byte:.3f} | "
+                  f"{k.loop_kind} |")
+    vl += ["", "TP4 per-rank shapes (estimate; seed level = seed 000's measured figure):", "",
+           "| shape | M | kernel | est. us | est. % of 879 GB/s | bound | seed level | below seed? |",
+           "|---|---:|---|---:|---:|---|---:|---|"]
+    for r in vrows:
+        if r["table"] == "tp4":
+            below = "" if r["seed_pct"] is None else ("YES" if r["est_pct"] < r["seed_pct"] else "no")
+            seed = "" if r["seed_pct"] is None else f"{r['seed_pct']:.0f}%"
+            vl.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['est_us']:.1f} | {r['est_pct']:.0f}% | {r['bound']} | "
+                      f"{seed} | {below} |")
+    vl += ["", "1Cat's TP2 shapes at M = 1 (1Cat = the engine's published TurboMind NVFP4 figure; QPN = estimate):", "",
+           "| shape | 1Cat TurboMind (us) | QPN est. (us) | est. speed-up | goal 1.5x |", "|---|---:|---:|---:|---|"]
+    for r in vrows:
+        if r["table"] == "1cat_tp2":
+            sp = r["onecat_us"] / r["est_us"]
+            vl.append(f"| {r['shape']} | {r['onecat_us']:.1f} | {r['est_us']:.1f} | {sp:.2f}x | {'met' if sp >= 1.5 else 'missed'} |")
+    v_md = os.path.join(out_dir, f"perf_model_v100_estimate_{stamp}.md")
+    with open(v_md, "w") as f:
+        f.write("\n".join(vl) + "\n")
+    print("\n".join(lines))
+    print()
+    print("\n".join(vl))
+    return cal_md, v_md
+
+
+def v100_column_lines(results_dir: str | None = None) -> list[str]:
+    """Lines for ``python -m qpn.kernels build --arch sm70``: the newest committed V100 estimate
+    table (results/perf_model_v100_estimate_*.csv), labelled as an estimate."""
+    d = results_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+    files = sorted(glob.glob(os.path.join(d, "perf_model_v100_estimate_*.csv")))
+    if not files:
+        return ["[kernels] V100 estimate: no results/perf_model_v100_estimate_*.csv here "
+                "(run python -m qpn.kernels.perf_model on a checkout with an H200 run's CSV)"]
+    _, rows = _read_csv(files[-1])
+    out = [f"[kernels] V100 column ({ESTIMATE_LABEL}; {os.path.basename(files[-1])}):"]
+    for r in rows:
+        extra = f", 1Cat TurboMind {float(r['onecat_us']):.1f} us (engine's figure)" if r["onecat_us"] else ""
+        out.append(f"[kernels]   {r['kernel']:18s} {r['shape']:24s} M={int(r['m']):2d}  est {float(r['est_us']):7.1f} us "
+                   f"{float(r['est_pct']):4.0f}% of 879 GB/s (seed 000's ceiling), {r['bound']}-bound{extra}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qpn.kernels.perf_model", description=__doc__.split("\n")[0])
+    ap.add_argument("--csv", required=True, help="kernel_matched_bench CSV of an sm_80+ run")
+    ap.add_argument("--sweep", default="", help="its --sweep CSV (more kernels to calibrate on)")
+    ap.add_argument("--out-dir", default="results")
+    ap.add_argument("--stamp", default="", help="file name stamp (default: the run's date)")
+    args = ap.parse_args(argv)
+    head, _ = _read_csv(args.csv)
+    stamp = args.stamp or head.get("date", "undated")[:10].replace("-", "")
+    run(args.csv, args.sweep or None, args.out_dir, stamp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The performance model's pieces that need no GPU and no compiler: the SASS loop reader, the
+occupancy arithmetic, the bound it reports, and the labelled V100 column of the build command."""
+import pytest
+
+from qpn.kernels import perf_model as pm
+
+
+def _sass(lines):
+    return [(0x10 * i, t) for i, t in enumerate(lines)]
+
+
+def test_single_loop_counts_one_kblock_and_skips_the_group_end_code():
+    # 0x00 setup; loop 0x10..0x90: 4 HMMA (one k-block of T=1, MT=1), a guarded group-end block
+    # (STG + MEMBAR, skipped by a forward branch), backward branch.
+    insts = _sass(["MOV R1, R2", "LDS.128 R4, [R0]", "HMMA.16816.F32 R8, R4, R6, R8", "HMMA.16816.F32 R8, R4, R6, R8",
+                   "HMMA.16816.F32 R8, R4, R6, R8", "HMMA.16816.F32 R8, R4, R6, R8", "@P0 BRA 0x90",
+                   "STG.E.U16 [R2], R3", "MEMBAR.GPU", "@P1 BRA 0x10"])
+    instr, kind = pm.main_loop_instructions(insts, hmma_per_kblock=4)
+    # loop body 0x10..0x90 = 9 instructions, minus the 2 of the skipped group-end region
+    assert instr == 7 and "excluded" in kind
+
+
+def test_nested_loop_weights_the_inner_loop_by_its_trip_count():
+    # outer loop 0x00..0x60 holds an inner loop 0x20..0x40 with one HMMA; 4 HMMA per k-block.
+    insts = _sass(["LDG.E.128 R4, [R2]", "IADD R1, R1, 1", "HMMA.884.F32 R8, R4, R6, R8", "IADD R5, R5, 1",
+                   "@P0 BRA 0x20", "IADD R2, R2, 16", "@P1 BRA 0x0"])
+    instr, kind = pm.main_loop_instructions(insts, hmma_per_kblock=4)
+    # outer 7 instructions, inner 3 (0x20..0x40) run 4 times: 7 - 3 + 4 * 3 = 16 per k-block
+    assert instr == 16 and "x4" in kind
+
+
+def test_no_mma_loop_is_an_error():
+    with pytest.raises(ValueError, match="no loop"):
+        pm.main_loop_instructions(_sass(["IADD R1, R1, 1", "@P0 BRA 0x0"]), 4)
+
+
+def _k(regs, smem, inflight=4096, ipb=0.2, atom="m16n8k16", fmt="nvfp4"):
+    return pm.KernelStats("k", atom, fmt, 1, 2, regs, smem, inflight, 2 * 16 * 64 * pm.bytes_per_weight(fmt),
+                          ipb * 2 * 16 * 64 * pm.bytes_per_weight(fmt))
+
+
+def test_resident_warps_from_registers_and_shared_memory():
+    h = pm.h200(4400.0)
+    assert pm.resident_warps(_k(128, 0), h) == 16          # 64K regs / (128 x 256)
+    assert pm.resident_warps(_k(64, 0), h) == 32
+    assert pm.resident_warps(_k(40, 0), h) == 48           # 40 regs: 6 blocks of 256 threads
+    assert pm.resident_warps(_k(64, 106496), h) == 16      # 2 blocks of 104 KB fit 228 KB
+    assert pm.resident_warps(_k(64, 106496), pm.V100_SXM2) == 0   # a 104 KB block does not fit 96 KB
+
+
+def test_predict_names_the_binding_limit():
+    h = pm.h200(4400.0)
+    c = pm.Constants(latency_us=1.0, ipc=4.0, t0_us=0.0)
+    n, k = 34816, 5120
+    # tiny issue cost and a deep ring: the read ceiling binds and the share is 100%
+    p = pm.predict(_k(64, 0, inflight=1 << 20, ipb=0.001), h, n, k, c)
+    assert p["bound"] == "read ceiling" and p["pct"] == pytest.approx(100.0)
+    # many issue slots per byte: issue-bound, slower than the ceiling
+    p = pm.predict(_k(64, 0, inflight=1 << 20, ipb=2.0), h, n, k, c)
+    assert p["bound"] == "issue" and p["pct"] < 100
+    # a shallow ring: latency-bound
+    p = pm.predict(_k(64, 0, inflight=256, ipb=0.001), h, n, k, c)
+    assert p["bound"] == "latency"
+
+
+def test_v100_column_is_labelled_an_estimate(tmp_path):
+    (tmp_path / "perf_model_v100_estimate_20990101.csv").write_text(
+        "# commit: x\ntable,shape,n,k,m,kernel,est_us,est_pct,bound,seed_pct,onecat_us\n"
+        "tp4,tp4_mlp_down,5120,4352,1,qpn2_mt1_m8n8k4,20.00,70.00,latency,77.00,\n"
+        "1cat_tp2,gate_up 17408x5120,17408,5120,1,qpn2_mt1_m8n8k4,60.00,90.00,issue,,90.60\n")
+    lines = pm.v100_column_lines(str(tmp_path))
+    assert "NOT a V100 measurement" in lines[0]
+    assert "seed 000" in lines[1] and "est    20.0 us" in lines[1]
+    assert "1Cat TurboMind 90.6 us (engine's figure)" in lines[2]
+    assert "no results" in pm.v100_column_lines(str(tmp_path / "empty"))[0]
