@@ -457,31 +457,3 @@ def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fal
         fb = kernels[jit.SM80_ROUTE_KERNELS_NO_SMEM[key]]
         assert fb.smem_bytes == 0 and fb.mt == kernels[name].mt and fb.variant == 0
         assert name in jit.ENTRY_POINTS[ATOM] and fb.name in jit.ENTRY_POINTS[ATOM]
-
-
-def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
-    """Each shared-memory ring kernel's ring (jit.Sm80Kernel.smem_bytes, what ops launches with)
-    fits one block's opt-in limit on sm_90 (227 KB) and its MINB blocks fit an SM (228 KB); a
-    kernel whose launch bound promised more blocks than the ring allows would waste registers."""
-    rings = {n: c for n, c in jit.sm80_kernels().items() if c.stages}
-    assert len(rings) >= 10
-    for name, c in rings.items():
-        assert c.smem_bytes % 16 == 0 and 0 < c.smem_bytes <= 227 * 1024, name
-        assert c.min_blocks * (c.smem_bytes + 1024) <= 228 * 1024, (name, c.min_blocks, c.smem_bytes)
-        # the slot layout: codes (+ NVFP4 scales) per tile, plus 1 KB of activations per token tile
-        nvfp4 = c.frag.startswith("Frag16NVFP4")
-        per_tile = 16 * 32 + 64 if nvfp4 else 32 * 32
-        assert c.smem_bytes == 8 * c.stages * (c.tiles * per_tile + (0 if c.x_global else 1024 * c.mt)), name
-
-
-def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fallback():
-    small = ops._sm80_kernel_for("qpn2", "nvfp4", 1, 5120)
-    large = ops._sm80_kernel_for("qpn2", "nvfp4", 1, jit.SM80_LARGE_N)
-    assert small == (jit.SM80_ROUTE_KERNELS[("nvfp4", 1)], 1)
-    assert large == (jit.SM80_LARGE_N_KERNELS[("nvfp4", 1)], 1)
-    assert ops._sm80_kernel_for("qpn8", "fp8", 1, 10 ** 6) == (jit.SM80_ROUTE_KERNELS[("fp8", 1)], 1)
-    kernels = jit.sm80_kernels()
-    for key, name in list(jit.SM80_ROUTE_KERNELS.items()) + list(jit.SM80_LARGE_N_KERNELS.items()):
-        fb = kernels[jit.SM80_ROUTE_KERNELS_NO_SMEM[key]]
-        assert fb.smem_bytes == 0 and fb.mt == kernels[name].mt and fb.variant == 0
-        assert name in jit.ENTRY_POINTS[ATOM] and fb.name in jit.ENTRY_POINTS[ATOM]
