@@ -114,7 +114,7 @@ def wrap_cpu_spec_forward(original):
         STATS["rounds_padded"] += 1
         out = original(layer, md, padded(mixed_qkv_spec), padded(b_spec), padded(a_spec),
                        conv_buf, ssm_state, width, state_len)
-        real = torch.empty((mixed_qkv_spec.shape[0],) + tuple(out.shape[1:]), dtype=out.dtype)
+        real = out.new_zeros((mixed_qkv_spec.shape[0],) + tuple(out.shape[1:]))
         real.index_copy_(0, src, out.index_select(0, dest))
         return real
 
