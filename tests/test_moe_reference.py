@@ -44,6 +44,21 @@ def test_reference_within_bound_of_float64_over_edge_routings(case, fmt):
         assert rel <= BOUND, (case, fmt, tokens, top_k, rel)
 
 
+@pytest.mark.parametrize("fmt,kind,outliers", [("nvfp4", "gauss", True), ("fp8_pc", "heavy", False),
+                                               ("nvfp4_fp8down", "heavy", True), ("fp8_pt", "gauss", False)])
+def test_reference_within_bound_on_quantized_realistic_weights(fmt, kind, outliers):
+    """Experts quantized from Gaussian / heavy-tailed weights with the checkpoint generator's own
+    functions (the edge-routing test above draws every code and byte of the formats)."""
+    f, pc, dfmt = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(7 + list(FORMATS).index(fmt) + 10 * (kind == "heavy"))
+    packed = random_moe(f, E, H, I, gen, per_channel=pc, down_fmt=dfmt, kind=kind)
+    for tokens, top_k in ((1, 2), (16, 4)):
+        ids, w = routing("random", tokens, top_k, E, gen)
+        x = activations(tokens, H, gen, outliers=outliers)
+        rel = _rel(moe_reference.moe_reference(x, ids, w, packed), moe_reference.moe_reference_f64(x, ids, w, packed))
+        assert rel <= BOUND, (fmt, kind, tokens, top_k, rel)
+
+
 def _poison_expert(packed: moe.PackedMoE, e: int) -> None:
     """Make expert e's weights NaN everywhere they could enter a result."""
     for st in (packed.gate, packed.up, packed.down):
