@@ -185,6 +185,11 @@ def _ptx_mma_counts(ptx: str) -> dict[str, int]:
     return out
 
 
+# k-blocks of weights a warp of the SM70 kernels (csrc/qpn_kernels.cu) has in flight: the current
+# one and the next, loaded before the current one is decoded.
+SM70_KBLOCKS_IN_FLIGHT = 2
+
+
 def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
     """Every GEMM kernel of ``atom``'s source compiled for sm_<arch> (NVRTC 12 + ptxas + cuobjdump)."""
     nv = nvrtc.load_nvrtc(12, arch)
@@ -219,7 +224,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             lane = 16 if fmt == "nvfp4" else 32
             tile_kb = lane * 32 + (64 if fmt == "nvfp4" else 0)
             out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
-                                    tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
+                                    SM70_KBLOCKS_IN_FLIGHT * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
     return out
 
 

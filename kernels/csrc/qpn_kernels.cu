@@ -61,16 +61,32 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
       xrow[t] = a.x + (size_t)(xvalid[t] ? tok : 0) * a.ldx;
     }
 
+    // Two k-blocks of weights in flight per warp: the next k-block's codes and scales are loaded
+    // before this one is decoded (issue 14: the calibrated model put these kernels latency-bound
+    // on the V100 with one k-block, 512-1024 B, in flight per warp).
+    u32 wn[Dec::WORDS];
+    u32 sp = 0u;   // the 16-bit scale pair of the k-block in hand (NVFP4)
+    if (ks < a.kblocks) {
+#pragma unroll
+      for (int j = 0; j < Dec::WORDS; j += 4)
+        ldg128(cptr + (size_t)ks * BLOCK_BYTES + 4 * j, wn[j], wn[j + 1], wn[j + 2], wn[j + 3]);
+      if constexpr (Dec::GROUPED) sp = ldg16(sptr + (size_t)ks * Atom::SCALE_BLOCK_BYTES);
+    }
     for (int kb = ks; kb < a.kblocks; kb += a.ksplit) {
       u32 w[Dec::WORDS];
 #pragma unroll
-      for (int j = 0; j < Dec::WORDS; j += 4)
-        ldg128(cptr + (size_t)kb * BLOCK_BYTES + 4 * j, w[j], w[j + 1], w[j + 2], w[j + 3]);
+      for (int j = 0; j < Dec::WORDS; ++j) w[j] = wn[j];
       u32 sc2[2] = {0x3C003C00u, 0x3C003C00u};  // FP16 1.0 (FP8 has no group scale)
       if constexpr (Dec::GROUPED) {
-        const u32 sp = ldg16(sptr + (size_t)kb * Atom::SCALE_BLOCK_BYTES);
         sc2[0] = Dec::scale_h2(sp & 0xFFu);
         sc2[1] = Dec::scale_h2(sp >> 8);
+      }
+      const int kn = kb + a.ksplit;
+      if (kn < a.kblocks) {
+#pragma unroll
+        for (int j = 0; j < Dec::WORDS; j += 4)
+          ldg128(cptr + (size_t)kn * BLOCK_BYTES + 4 * j, wn[j], wn[j + 1], wn[j + 2], wn[j + 3]);
+        if constexpr (Dec::GROUPED) sp = ldg16(sptr + (size_t)kn * Atom::SCALE_BLOCK_BYTES);
       }
       // Rolled on purpose: one pair of MMAs per iteration keeps the live activation registers
       // at X_REGS per tile (an unrolled loop hoists every load of the k-block and spills at MT=2).
