@@ -1,0 +1,41 @@
+"""kernel_matched_bench's issue-14 target table and its gemlite arm's skip reason (no GPU needed)."""
+from qpn.benchmarks import kernel_matched_bench as kb
+
+
+def _row(shape, arm, m, pct, us):
+    return dict(shape=shape, arm=arm, m=m, graph_pct_read=pct, eager_pct_read=pct, graph_us=us, eager_us=us)
+
+
+def test_issue14_targets_use_the_issue14_goals():
+    rows = [_row("tp1_lm_head", "qpn", 1, 91.0, 100.0), _row("tp1_lm_head", "qpn", 8, 89.0, 101.0),
+            _row("tp1_lm_head", "torch_fp16", 1, 95.0, 310.0),
+            _row("tp1_gdn_out_proj", "qpn", 1, 86.0, 8.0), _row("tp1_gdn_out_proj", "qpn", 16, 80.0, 9.0),
+            _row("tp1_gdn_out_proj", "scaled_mm", 1, 70.0, 8.0), _row("tp1_gdn_out_proj", "scaled_mm", 16, 70.0, 8.9),
+            _row("tp4_mlp_down", "qpn", 4, 76.0, 3.0), _row("tp4_mlp_down", "qpn", 16, 10.0, 30.0)]
+    got = {(t["column"], t["shape"], t["target"]): t for t in kb.targets(rows)}
+    lm = got[("graph", "tp1_lm_head", "% read ceiling, M 1-8 (min)")]
+    assert lm["goal"] == 90.0 and lm["measured"] == 89.0 and not lm["met"]     # the minimum over M 1-8
+    assert ("graph", "tp1_lm_head", "% read ceiling, M 9-16 (min)") not in got     # no M 9-16 goal for lm_head
+    fp16 = got[("graph", "tp1_lm_head", "x faster than torch FP16 GEMM, M=1")]
+    assert fp16["goal"] == 3.0 and fp16["measured"] == 3.1 and fp16["met"]
+    sm = got[("graph", "tp1_gdn_out_proj", "x faster than torch._scaled_mm, M<=16 (min)")]
+    assert sm["goal"] == 1.0 and abs(sm["measured"] - 8.9 / 9.0) < 1e-9 and not sm["met"]   # slower at M=16
+    tp4 = got[("graph", "tp4_mlp_down", "% read ceiling, M 1-8 (min)")]
+    assert tp4["goal"] == 75.0 and tp4["met"]                                    # M=16 is outside M 1-8
+    md = kb.targets_markdown(kb.targets(rows), {"gpu": "X", "host_us_per_call (256x256)": "qpn=40.0, torch=15.0"})
+    assert "Issue 14 targets on X" in md and "Host time per eager call" in md and "qpn=40.0" in md
+
+
+def test_gemlite_arm_is_skipped_with_the_reason_when_not_importable(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_gemlite(name, *a, **k):
+        if name.startswith("gemlite"):
+            raise ImportError("No module named 'gemlite'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_gemlite)
+    monkeypatch.setattr(kb, "GEMLITE_STATE", {"reason": None, "mode": None})
+    layer, nbytes, why = kb.gemlite_layer(None, 16, 64, None)
+    assert layer is None and nbytes == 0 and why.startswith("gemlite not importable") and "gemlite" in why
