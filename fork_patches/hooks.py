@@ -221,6 +221,28 @@ REGISTRY: list[Hook] = [
         "NVFP4 MoE checkpoints natively",
     ),
     Hook(
+        name="ct-qpn-linear-methods",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+        "CompressedTensorsConfig.get_quant_method",
+        what="the per-layer quant method of a compressed-tensors config (the same function in vLLM "
+        "0.32 and 1Cat-vLLM 1.2.2 / 1.3.0: get_scheme picks CompressedTensorsW4A4Fp4 for NVFP4, "
+        "W8A16Fp8 / W8A8Fp8 for FP8, wrapped in CompressedTensorsLinearMethod)",
+        why="vLLM 0.32 has no NVFP4 linear kernel on CPU or SM70 and keeps only the largest NVFP4 "
+        "global scale of fused shards; 1Cat routes compressed-tensors NVFP4 to its TurboMind kernel "
+        "on SM70 (compressed_tensors_w4a4_nvfp4.py / w4a16_nvfp4.py through sm70_turbomind), which "
+        "is not the QPN path this overlay serves and measures",
+        how="where the QPN path serves (CPU: reference; SM70: built kernels) give each linear and "
+        "ParallelLMHead whose config group declares NVFP4 (nvfp4-pack-quantized) a QPN2 method and "
+        "FP8 (float-quantized, per tensor or per channel) a QPN8 method, fed through the "
+        "compressed-tensors convention (weight_packed, 1 / weight_global_scale per shard; "
+        "qpn.fork_patches.ct_config, conventions); every fused shard must declare the same scheme; "
+        "a scheme QPN does not serve fails the load naming the module and its config group",
+        remove_when="never on SM70 (the QPN kernels are the point); on CPU, when vLLM serves NVFP4 "
+        "compressed-tensors checkpoints natively",
+        apply="qpn.fork_patches.ct_config:wrap_get_quant_method",
+    ),
+    Hook(
         name="kv-cache-fp16-on-sm70",
         kind="runtime",
         anchor="vllm.engine.arg_utils:resolve_kv_cache_dtype_string",

@@ -24,6 +24,12 @@ Life of one quantized module (vLLM's LinearMethodBase contract):
 The same method serves ``lm_head`` (vLLM's LogitsProcessor calls ``lm_head.quant_method.apply``),
 so the head runs from the checkpoint's own NVFP4 codes.
 
+Tensor names and the global-scale rule come from the checkpoint's convention
+(qpn.fork_patches.conventions; ModelOpt by default): compressed-tensors names the NVFP4 tensors
+``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` (a divisor: QPN multiplies by its
+float32 reciprocal, per shard) / ``input_global_scale``, and may store FP8 scales per output
+channel ([N, 1], ``fp8_scale="channel"``).
+
 The activation scales (``input_scale``) are loaded, checked, and dropped: QPN computes with FP16
 activations (W4A16 / W8A16), so they have no use.
 """
@@ -38,9 +44,14 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
+from vllm.model_executor.parameter import (
+    ChannelQuantScaleParameter,
+    ModelWeightParameter,
+    PerTensorScaleParameter,
+)
 
 from qpn.fork_patches.census import CENSUS
+from qpn.fork_patches.conventions import MODELOPT, Convention
 from qpn.kernels import formats
 
 logger = logging.getLogger("vllm.qpn.linear_method")
@@ -63,8 +74,13 @@ class _QPNLinearMethod(LinearMethodBase):
 
     def __init__(self, prefix: str, algo: str, backend: str, arch: str = "sm70",
                  atom: str = "m8n8k4", shard_names: list[str] | None = None,
-                 declared: list[str] | None = None) -> None:
+                 declared: list[str] | None = None, convention: Convention | None = None,
+                 fp8_scale: str = "tensor") -> None:
         self.prefix = prefix
+        # The checkpoint convention names the tensors (= our parameter names) and says how a
+        # stored global scale becomes the multiplier QPN uses (qpn.fork_patches.conventions).
+        self.convention = convention or MODELOPT
+        self.fp8_scale = fp8_scale  # FP8 only: "tensor" (one per shard) or "channel" ([N, 1])
         self.declared = declared  # the checkpoint's quantized_layers names this module serves
         self.algo = algo
         self.backend = backend
@@ -144,7 +160,7 @@ class _QPNLinearMethod(LinearMethodBase):
                 self._fail(f"{what} has shape {tuple(t.shape)}, expected ({rows}, {cols}) for "
                            f"K={k_full} input features" +
                            (f" (one e4m3 scale per {GROUP_SIZE} inputs)" if name == "weight_scale" else ""))
-        if name in SCALE_PARAMS:
+        if name in self._scale_names():
             v = t.float()
             n_nan = int(torch.isnan(v).sum())
             n_inf = int(torch.isinf(v).sum())
@@ -179,6 +195,9 @@ class _QPNLinearMethod(LinearMethodBase):
     def _required(self) -> tuple[str, ...]:
         raise NotImplementedError
 
+    def _scale_names(self) -> tuple[str, ...]:
+        return self.convention.param_names(self.fmt)[1:]
+
     # ---------------------------------------------------------------------------- weights
     def _register(self, layer, name, shape, dtype, cls, loader, **dims):
         param = cls(data=torch.empty(shape, dtype=dtype), weight_loader=self._checked_loader(layer, name, loader),
@@ -202,7 +221,7 @@ class _QPNLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         self._check_complete()
         self._prepack(layer)
-        for name in ("weight",) + SCALE_PARAMS:
+        for name in self.convention.param_names(self.fmt):
             if name in layer._parameters:
                 delattr(layer, name)
         self.census_name = CENSUS.register_module(layer, self.prefix, self.fmt, self.n, self.k,
@@ -288,14 +307,17 @@ class QPN2LinearMethod(_QPNLinearMethod):
     fmt = "nvfp4"
 
     def _expected_dtype(self, name):
-        return {"weight": (torch.uint8,), "weight_scale": (torch.float8_e4m3fn,)}.get(
+        n = self.convention.nvfp4
+        return {n.codes: (torch.uint8,), n.group_scales: (torch.float8_e4m3fn,)}.get(
             name, (torch.float32, torch.bfloat16, torch.float16))
 
     def _expected_cols(self, name, k_full):
-        return {"weight": k_full // 2, "weight_scale": k_full // GROUP_SIZE}.get(name)
+        n = self.convention.nvfp4
+        return {n.codes: k_full // 2, n.group_scales: k_full // GROUP_SIZE}.get(name)
 
     def _required(self):
-        return ("weight", "weight_scale", "weight_scale_2")
+        n = self.convention.nvfp4
+        return (n.codes, n.group_scales, n.global_scale)
 
     def _create(self, layer, loader) -> None:
         if self.k % GROUP_SIZE:
@@ -303,21 +325,24 @@ class QPN2LinearMethod(_QPNLinearMethod):
                        f"group size: one e4m3 scale per {GROUP_SIZE} inputs); this checkpoint cannot "
                        "be NVFP4 as declared")
         p = len(self.partition_sizes)
-        self._register(layer, "weight", (self.n, self.k // 2), torch.uint8, ModelWeightParameter, loader,
+        n = self.convention.nvfp4
+        self._register(layer, n.codes, (self.n, self.k // 2), torch.uint8, ModelWeightParameter, loader,
                        input_dim=1, output_dim=0)
-        self._register(layer, "weight_scale", (self.n, self.k // GROUP_SIZE), torch.float8_e4m3fn,
+        self._register(layer, n.group_scales, (self.n, self.k // GROUP_SIZE), torch.float8_e4m3fn,
                        ModelWeightParameter, loader, input_dim=1, output_dim=0)
-        self._register(layer, "weight_scale_2", (p,), torch.float32, PerTensorScaleParameter, loader)
-        self._register(layer, "input_scale", (p,), torch.float32, PerTensorScaleParameter, loader)
+        self._register(layer, n.global_scale, (p,), torch.float32, PerTensorScaleParameter, loader)
+        self._register(layer, n.input_scale, (p,), torch.float32, PerTensorScaleParameter, loader)
 
     def _prepack(self, layer) -> None:
         from qpn.kernels import prepack
 
-        w = layer.weight.data
-        s = layer.weight_scale.data
-        s2 = layer.weight_scale_2.data.float()
-        if bool((s2 == 0).any()):
-            self._fail("weight_scale_2 (global scale) is 0 for a shard; re-export the checkpoint")
+        n = self.convention.nvfp4
+        w = getattr(layer, n.codes).data
+        s = getattr(layer, n.group_scales).data
+        stored = getattr(layer, n.global_scale).data
+        if bool((stored == 0).any()):
+            self._fail(f"{n.global_scale} (global scale) is 0 for a shard; re-export the checkpoint")
+        s2 = self.convention.global_scale_f32(stored)  # one float32 multiplier per shard
         # Runs of shards that share one global scale become one packed piece.
         runs: list[list[int]] = []
         for i in range(len(self.partition_sizes)):
@@ -351,27 +376,40 @@ class QPN8LinearMethod(_QPNLinearMethod):
     fmt = "fp8"
 
     def _expected_dtype(self, name):
-        return {"weight": (torch.float8_e4m3fn,)}.get(name, (torch.float32, torch.bfloat16, torch.float16))
+        return {self.convention.fp8.codes: (torch.float8_e4m3fn,)}.get(
+            name, (torch.float32, torch.bfloat16, torch.float16))
 
     def _expected_cols(self, name, k_full):
-        return {"weight": k_full}.get(name)
+        n = self.convention.fp8
+        if name == n.scale and self.fp8_scale == "channel":
+            return 1  # one scale per output row, stored [N, 1]
+        return {n.codes: k_full}.get(name)
 
     def _required(self):
-        return ("weight", "weight_scale")
+        n = self.convention.fp8
+        return (n.codes, n.scale)
 
     def _create(self, layer, loader) -> None:
         p = len(self.partition_sizes)
-        self._register(layer, "weight", (self.n, self.k), torch.float8_e4m3fn, ModelWeightParameter, loader,
+        n = self.convention.fp8
+        self._register(layer, n.codes, (self.n, self.k), torch.float8_e4m3fn, ModelWeightParameter, loader,
                        input_dim=1, output_dim=0)
-        self._register(layer, "weight_scale", (p,), torch.float32, PerTensorScaleParameter, loader)
-        self._register(layer, "input_scale", (p,), torch.float32, PerTensorScaleParameter, loader)
+        if self.fp8_scale == "channel":
+            self._register(layer, n.scale, (self.n, 1), torch.float32, ChannelQuantScaleParameter, loader,
+                           output_dim=0)
+        else:
+            self._register(layer, n.scale, (p,), torch.float32, PerTensorScaleParameter, loader)
+        self._register(layer, n.input_scale, (p,), torch.float32, PerTensorScaleParameter, loader)
 
     def _prepack(self, layer) -> None:
         from qpn.kernels import prepack
 
-        w = layer.weight.data
-        ws = layer.weight_scale.data.float()
-        if bool((ws == ws[0]).all()):
+        n = self.convention.fp8
+        w = getattr(layer, n.codes).data
+        ws = getattr(layer, n.scale).data.float()
+        if self.fp8_scale == "channel":
+            scale = ws.reshape(-1).contiguous()  # already one scale per output row
+        elif bool((ws == ws[0]).all()):
             scale = ws[:1].clone()
         else:
             # Each shard keeps its own scale: repeat it over the shard's rows (no requantization).

@@ -168,6 +168,11 @@ def fp8_kv_emulation(model, ckpt_dir: str | Path):
 
 
 def load_reference_model(ckpt_dir: str | Path, perturb: str = "none"):
+    return float_model(ckpt_dir, dequantized_state_dict(ckpt_dir, perturb))
+
+
+def float_model(ckpt_dir: str | Path, state: dict[str, torch.Tensor]):
+    """transformers' Qwen3_5ForCausalLM of the checkpoint's config, in float32, holding ``state``."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
@@ -175,7 +180,7 @@ def load_reference_model(ckpt_dir: str | Path, perturb: str = "none"):
         cfg.pop(key, None)
     config = Qwen3_5TextConfig(**cfg)
     model = Qwen3_5ForCausalLM(config).float().eval()
-    missing, unexpected = model.load_state_dict(dequantized_state_dict(ckpt_dir, perturb), strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RuntimeError(f"reference model and checkpoint disagree: missing {missing}, unexpected {unexpected}")
     return model
@@ -197,16 +202,19 @@ def teacher_forced_logprobs(model, token_ids: list[int]) -> dict:
 
 
 def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: list[str],
-                       kv_cache: str = "auto") -> dict[str, dict]:
+                       kv_cache: str = "auto", load_model=None,
+                       perturbations: tuple[str, ...] = PERTURBATIONS) -> dict[str, dict]:
     """Several references in one process. A variant is 'float32', 'bfloat16' or a perturbation
-    name (computed in float32)."""
+    name (computed in float32). ``load_model(ckpt_dir, perturb)`` (default: this ModelOpt
+    reader) and its ``perturbations`` let another checkpoint convention reuse the runner."""
     import contextlib
 
+    load_model = load_model or load_reference_model
     out = {}
     for variant in variants:
-        perturb = variant if variant in PERTURBATIONS else "none"
+        perturb = variant if variant in perturbations else "none"
         dtype = variant if variant in ("float32", "bfloat16") else "float32"
-        model = load_reference_model(ckpt_dir, perturb).to(getattr(torch, dtype))
+        model = load_model(ckpt_dir, perturb).to(getattr(torch, dtype))
         ctx = fp8_kv_emulation(model, ckpt_dir) if kv_cache == "fp8_e4m3" else contextlib.nullcontext()
         with ctx:
             out[variant] = teacher_forced_logprobs(model, token_ids)

@@ -1,0 +1,112 @@
+"""Quant-config step of the data path for compressed-tensors checkpoints (llm-compressor's
+layout): hand each NVFP4 / FP8 linear module, and ``lm_head`` when the config quantizes it, to
+the QPN method of its region, fed through the compressed-tensors convention
+(qpn.fork_patches.conventions.COMPRESSED_TENSORS). One runtime hook (registered in hooks.py):
+
+* ``ct-qpn-linear-methods``: ``CompressedTensorsConfig.get_quant_method`` (the same function in
+  vLLM 0.32 and in 1Cat-vLLM 1.2.2 / 1.3.0, where it builds ``CompressedTensorsLinearMethod``
+  around the scheme ``get_scheme`` picks: NVFP4 -> ``CompressedTensorsW4A4Fp4``, which 1Cat
+  routes to its TurboMind kernel on SM70; FP8 -> ``CompressedTensorsW8A16Fp8`` /
+  ``W8A8Fp8``). Where the QPN path serves (CPU: reference; SM70: built kernels), a linear or
+  ``ParallelLMHead`` whose config group declares NVFP4 (``nvfp4-pack-quantized``: float, 4 bits,
+  tensor_group, group 16, symmetric) gets a QPN2 method and one declaring FP8
+  (``float-quantized``: float, 8 bits, static symmetric, tensor or channel) a QPN8 method. Each
+  shard of a fused module is matched on its own and must declare the same scheme; a scheme the
+  QPN path does not serve (INT4, MXFP4, block FP8, output-activation quantization, transforms)
+  fails the load naming the module and the config group. Everything else (unquantized layers,
+  attention KV scales, experts) stays with vLLM.
+
+The config's ``get_min_capability`` is already 70 in all three engines, and the scheme's own
+capability check (75 for NVFP4 and W8A16 FP8) runs inside ``get_scheme``, which QPN modules skip.
+"""
+from __future__ import annotations
+
+import logging
+
+from qpn.fork_patches.conventions import COMPRESSED_TENSORS, ConventionError, ct_scheme_of
+from qpn.fork_patches.linear_method import QPN2LinearMethod, QPN8LinearMethod, QPNCheckpointError
+
+logger = logging.getLogger("vllm.qpn.ct_config")
+
+FORMAT_METHOD = {"nvfp4": QPN2LinearMethod, "fp8": QPN8LinearMethod}
+
+
+def _shard_scheme(config, layer, name: str, prefix: str):
+    """(ModuleScheme, target) a checkpoint (shard) module name resolves to; None if unmatched."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import find_matched_target
+
+    target = find_matched_target(layer_name=name, module=layer, targets=config.target_scheme_map.keys())
+    if target is None:
+        return None
+    entry = config.target_scheme_map[target]
+    if entry.get("weights") is None:
+        return None
+    if entry.get("output_activations") is not None:
+        raise QPNCheckpointError(
+            f"{prefix}: config target {target!r} quantizes output activations; the QPN path "
+            "computes W4A16 / W8A16 and applies no output fake-quant (serve it on hardware vLLM "
+            "supports natively)")
+    try:
+        scheme = ct_scheme_of(entry["weights"], entry.get("format") or config.quant_format,
+                              f"{name}: config target {target!r}")
+    except ConventionError as e:
+        raise QPNCheckpointError(f"{prefix}: {e}; the QPN path serves NVFP4 (nvfp4-pack-quantized) and "
+                                 "FP8 (float-quantized, per tensor or per channel)") from e
+    return scheme, target
+
+
+def qpn_method_for(config, layer, prefix: str, target: dict):
+    """The QPN method for a linear / lm_head layer of a compressed-tensors config; None if the
+    config leaves the layer unquantized."""
+    if config.get_scheme_dict(layer, prefix) is None:  # ignored, or no target matches
+        return None
+    if getattr(config, "transform_config", None):
+        raise QPNCheckpointError(f"{prefix}: the compressed-tensors config carries transforms "
+                                 "(transform_config); the QPN path does not apply them")
+    proj = prefix.rsplit(".", 1)[-1]
+    shard_names = list((config.packed_modules_mapping or {}).get(proj, []))
+    base = prefix.rsplit(".", 1)[0]
+    names = [f"{base}.{s}" for s in shard_names] if shard_names else [prefix]
+    found = {n: _shard_scheme(config, layer, n, prefix) for n in names}
+    if len(names) > 1 and all(v is None for v in found.values()):
+        # a target naming the fused module itself (vLLM's name) stands for all its shards
+        whole = _shard_scheme(config, layer, prefix, prefix)
+        found = {n: whole for n in names}
+    missing = [n for n, v in found.items() if v is None]
+    if missing:
+        raise QPNCheckpointError(f"{prefix}: shard module(s) {', '.join(missing)} match no config group "
+                                 "while the fused module is quantized; every shard of a fused module "
+                                 "needs the same scheme")
+    schemes = {(s.fmt, s.fp8_scale if s.fmt == "fp8" else None) for s, _ in found.values()}
+    if len(schemes) != 1:
+        detail = "; ".join(f"{n}: {s.fmt} ({t})" for n, (s, t) in found.items())
+        raise QPNCheckpointError(f"{prefix}: the shards of this fused module declare different schemes "
+                                 f"({detail}); vLLM fuses them into one layer, so they must agree")
+    scheme = next(iter(found.values()))[0]
+    return FORMAT_METHOD[scheme.fmt](
+        prefix=prefix, algo="NVFP4" if scheme.fmt == "nvfp4" else f"FP8 per {scheme.fp8_scale}",
+        backend=target["backend"], arch=target["arch"], atom=target["atom"], shard_names=shard_names,
+        declared=names, convention=COMPRESSED_TENSORS, fp8_scale=scheme.fp8_scale)
+
+
+def wrap_get_quant_method(original):
+    def get_quant_method(self, layer, prefix: str):
+        from qpn.fork_patches.platform_gate import serving_target
+
+        target = serving_target()
+        if target is None:
+            return original(self, layer, prefix)
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        from qpn.fork_patches.quant_config import _record_kv_once
+
+        _record_kv_once()
+        if isinstance(layer, (LinearBase, ParallelLMHead)):
+            method = qpn_method_for(self, layer, prefix, target)
+            if method is not None:
+                return method
+        return original(self, layer, prefix)
+
+    get_quant_method.__wrapped__ = original
+    return get_quant_method

@@ -1,0 +1,125 @@
+"""End to end on the real vLLM 0.32 CPU engine, through the overlay: a compressed-tensors
+checkpoint (qpn.scripts.make_ct_checkpoint: NVFP4 MLP + lm_head, FP8 attention per tensor and
+per channel) serves through the QPN methods (hook ct-qpn-linear-methods), agrees with an
+independent float32 reference decoded by compressed-tensors' own code, and the census accounts
+for every quantized module on a QPN route with zero fallbacks.
+
+The server harness, prompt and census helpers are tests/test_e2e_loader.py's (imported)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from test_e2e_loader import (  # noqa: F401  (the harness of the ModelOpt end-to-end test)
+    PROMPT_TEXT,
+    SERVED_NAME,
+    Server,
+    _kv_resolved,
+    _run_engine_python,
+    _served_prompt_logprobs,
+    _tagged_pids,
+)
+
+pytestmark = pytest.mark.slow
+
+GROSS_CONTROLS = ("swap-nibbles", "global-scale-as-multiplier")
+CONTROLS = (*GROSS_CONTROLS, "collapse-fp8-shards")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e_ct")
+    ckpt = root / "ckpt"
+    _run_engine_python(["-m", "qpn.scripts.make_ct_checkpoint", str(ckpt), "--seed", "0"])
+    census_dir = root / "census"
+    server = Server(ckpt, census_dir)
+    try:
+        server.wait_ready()
+        yield {"server": server, "ckpt": ckpt, "census_dir": census_dir, "tmp": root}
+    finally:
+        server.stop()
+        assert not _tagged_pids(server.tag), "server processes left behind"
+
+
+def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str]) -> dict:
+    out = tmp / "ct-references.json"
+    _run_engine_python(["-m", "qpn.scripts.ct_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
+                        "--variants", ",".join(variants), "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_served_logprobs_agree_with_float32_reference(served):
+    """Same bound as the ModelOpt test: twice the bf16 floor (the reference run in bfloat16 on the
+    same positions), mean and max of |delta log-prob|; three decoding mistakes must land outside
+    (the two gross ones beyond 5x the mean bound, as in the ModelOpt test).
+    KV path: vLLM 0.32 does not read a compressed-tensors kv_cache_scheme, so --kv-cache-dtype auto
+    keeps the model dtype; the test asserts that, and the reference has no FP8 KV emulation."""
+    server, ckpt, tmp = served["server"], served["ckpt"], served["tmp"]
+    ids = server.post("/tokenize", {"model": SERVED_NAME, "prompt": PROMPT_TEXT, "add_special_tokens": False})["tokens"]
+    assert len(ids) >= 65, "need at least 64 teacher-forced positions"
+    got, top1 = _served_prompt_logprobs(server, ids)
+    # 'auto' = the model dtype (bfloat16 on the cpu engine): the KV cache is not quantized
+    assert _kv_resolved(served["census_dir"]) == "auto"
+    refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *CONTROLS])
+    ref = refs["float32"]
+
+    def deltas(a, b):
+        d = [abs(x - y) for x, y in zip(a, b)]
+        return sum(d) / len(d), max(d)
+
+    floor_mean, floor_max = deltas(refs["bfloat16"]["token_logprobs"], ref["token_logprobs"])
+    tol_mean, tol_max = 2 * floor_mean, 2 * floor_max
+    mean, worst = deltas(got, ref["token_logprobs"])
+    report = (f"compressed-tensors, KV auto (bf16), {len(got)} positions: served vs float32 mean {mean:.4f} "
+              f"max {worst:.4f}; bf16 floor mean {floor_mean:.4f} max {floor_max:.4f}")
+    controls = {p: deltas(got, refs[p]["token_logprobs"]) for p in CONTROLS}
+    print(report, {p: f"mean {a:.3f} max {b:.3f}" for p, (a, b) in controls.items()})
+    assert mean <= tol_mean and worst <= tol_max, report
+    decisive = [i for i, m in enumerate(ref["top2_margin"]) if m > tol_max]
+    assert len(decisive) >= 16
+    assert all(top1[i] == ref["argmax"][i] for i in decisive), report
+    for perturb in GROSS_CONTROLS:
+        bad_mean, bad_max = controls[perturb]
+        assert bad_mean > 5 * tol_mean and bad_max > tol_max, f"{perturb}: mean {bad_mean:.3f} max {bad_max:.3f}; {report}"
+    # The subtle one (only the two full-attention q/k/v triples carry per-tensor FP8 scales here;
+    # the GDN projections are per channel): the tolerance itself must reject it on both measures.
+    # Measured 2026-11-30: mean 0.408 / max 1.915 against a bound of 0.207 / 0.963.
+    bad_mean, bad_max = controls["collapse-fp8-shards"]
+    assert bad_mean > tol_mean and bad_max > tol_max, f"collapse-fp8-shards: mean {bad_mean:.3f} max {bad_max:.3f}; {report}"
+
+
+def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
+    from qpn.fork_patches.census import aggregate
+    from qpn.kernels.routes import QPN_ROUTES
+
+    server, ckpt, census_dir = served["server"], served["ckpt"], served["census_dir"]
+    words = "north south east west river stone cloud field light music paper window".split()
+    for n in (5, 12, 40, 130):  # one prompt per route band, then a decode step
+        ids = server.post("/tokenize", {"model": SERVED_NAME, "prompt": " ".join(words * 20),
+                                        "add_special_tokens": False})["tokens"][:n]
+        ids[0] = (ids[0] + n) % 400
+        server.post("/v1/completions", {"model": SERVED_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0})
+    time.sleep(2.5)
+    agg = aggregate(str(census_dir))
+    config = json.loads((ckpt / "config.json").read_text())
+    n_gdn = config["layer_types"].count("linear_attention")
+    n_attn = config["layer_types"].count("full_attention")
+    expected = {"fp8": 2 * n_gdn + 2 * n_attn, "nvfp4": 2 * config["num_hidden_layers"] + 1}
+    print(json.dumps({k: agg[k] for k in ("modules_by_region", "modules_on_qpn", "modules_total",
+                                          "route_counts", "fallback_calls", "lm_head", "kv_resolved")}, indent=1))
+    (rank,) = agg["ranks"]
+    assert rank["platform"] == "cpu" and rank["backend"] == "reference"
+    assert agg["modules_by_region"] == expected
+    assert agg["modules_on_qpn"] == agg["modules_total"] == sum(expected.values())
+    assert agg["fallback_calls"] == 0 and agg["fallbacks"] == [] and agg["non_qpn_routes"] == []
+    assert set(agg["route_counts"]) <= QPN_ROUTES
+    for family in ("qpn2", "qpn8"):
+        for band in ("", "_mt2", "_chunked", "_reconstruct"):
+            assert agg["route_counts"].get(family + band, {}).get("eager", 0) > 0, family + band
+    assert agg["lm_head"] == [{"module": "lm_head", "region": "nvfp4", "source": "checkpoint_codes",
+                               "route_family": "qpn2", "repack_fallback": False}]
+    (kv,) = agg["kv_resolved"]
+    assert kv["checkpoint_requested"] is None and kv["resolved"] == "auto"
