@@ -154,6 +154,23 @@ def checkpoint_revision(model_entry: dict, given: str | None = None) -> str:
     return f"unknown for {root!r} (pass --revision)"
 
 
+SOURCE_STATE_FILE = ".qpn_source_state.json"
+
+
+def export_source_state(root: str = _REPO_ROOT) -> str:
+    """Write this checkout's source_state to <root>/.qpn_source_state.json, for a copy of the
+    tree that travels without .git (the GPU host): source_state() there reads it back."""
+    import json
+    st = source_state(root)
+    if st["commit"] is None:
+        raise RuntimeError(f"cannot export the source state: {st.get('error')}")
+    st.update(exported_at=now_iso(), exported_from=socket.gethostname())
+    path = os.path.join(root, SOURCE_STATE_FILE)
+    with open(path, "w") as f:
+        json.dump(st, f, indent=1)
+    return path
+
+
 def source_state(root: str = _REPO_ROOT) -> dict:
     """The source a result came from, read from git: {'commit', 'dirty', 'diff_sha256', 'changed'}.
 
@@ -163,6 +180,15 @@ def source_state(root: str = _REPO_ROOT) -> dict:
     clean. commit is None outside a git checkout (then 'error' says why)."""
     git = shutil.which("git")
     if not git or not os.path.exists(os.path.join(root, ".git")):
+        exported = os.path.join(root, SOURCE_STATE_FILE)
+        if os.path.isfile(exported):   # a copy of a checkout (e.g. on a GPU host): its exported state
+            import json
+            with open(exported) as f:
+                st = json.load(f)
+            st["changed"] = list(st.get("changed", [])) + [
+                f"(state exported by provenance.py at {st.pop('exported_at', '?')} from {st.pop('exported_from', '?')};"
+                f" this copy has no .git)"]
+            return st
         return {"commit": None, "dirty": None, "diff_sha256": None, "changed": [],
                 "error": "not a git checkout (or git not installed)"}
 
@@ -178,7 +204,7 @@ def source_state(root: str = _REPO_ROOT) -> dict:
         untracked = run("ls-files", "--others", "--exclude-standard", "-z").stdout.decode().split("\0")
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"commit": None, "dirty": None, "diff_sha256": None, "changed": [], "error": str(e)}
-    untracked = sorted(u for u in untracked if u)
+    untracked = sorted(u for u in untracked if u and u != SOURCE_STATE_FILE)
     h = hashlib.sha256(diff)
     for u in untracked:
         h.update(b"\0untracked\0" + u.encode() + b"\0")
@@ -302,3 +328,17 @@ def depth_label(counters, metrics_known: bool, given: int | None) -> str:
     if metrics_known:
         return "0: speculation off (the server exposes no spec-decode counters)"
     return f"{given} (given; /metrics not read)" if given is not None else "unknown (/metrics not read)"
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="Provenance of this checkout.")
+    ap.add_argument("--export-source-state", action="store_true",
+                    help=f"write {SOURCE_STATE_FILE} (commit, dirty flag, diff sha256) at the repository root, "
+                         "for a copy of the tree that runs where there is no .git")
+    args = ap.parse_args()
+    if args.export_source_state:
+        print(export_source_state())
+    else:
+        import json
+        print(json.dumps(run_record(), indent=1))

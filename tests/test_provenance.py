@@ -82,3 +82,15 @@ def test_run_record_states_every_field(monkeypatch):
     csv = P.comment_lines(rec)
     for key in rec:
         assert f"- {key}: " in md and any(line.startswith(f"# {key}: ") for line in csv)
+
+
+def test_exported_state_is_read_back_in_a_copy_without_git(repo, tmp_path_factory, monkeypatch):
+    (repo / "a.py").write_text("x = 5\n")
+    live = P.source_state(str(repo))
+    path = P.export_source_state(str(repo))
+    assert P.source_state(str(repo)) == live                     # the export file itself is not source
+    copy = tmp_path_factory.mktemp("copy")
+    shutil.copy(path, copy / P.SOURCE_STATE_FILE)
+    got = P.source_state(str(copy))
+    assert (got["commit"], got["dirty"], got["diff_sha256"]) == (live["commit"], True, live["diff_sha256"])
+    assert "no .git" in got["changed"][-1]
