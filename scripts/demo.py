@@ -2,8 +2,9 @@
 
 1. the ``cpu`` engine: reused from ENV_PREFIX (default <repo>/.venv-cpu), created with the
    bootstrap when it is not there;
-2. a small mixed NVFP4/FP8 checkpoint of the Qwen3.8 family (``qpn.scripts.make_checkpoint``),
-   reused from DEMO_DIR (default <repo>/.cache/demo) when already written;
+2. a small mixed NVFP4/FP8 checkpoint of the Qwen3.8 family (``qpn.scripts.make_checkpoint``;
+   ``CONVENTION=compressed-tensors``: ``qpn.scripts.make_ct_checkpoint``), reused from DEMO_DIR
+   (default <repo>/.cache/demo) when already written;
 3. the same launcher a V100 user runs (``serve-qwen38-native.sh``), with MTP speculation at
    K (default 3) and its boot gates;
 4. one chat request and one streaming request through the official ``openai`` client;
@@ -57,15 +58,23 @@ def engine_python(env: dict[str, str]) -> str:
     return python
 
 
+# CONVENTION picks the checkpoint family the demo writes and serves (qpn.fork_patches.conventions).
+CHECKPOINT_MAKERS = {"modelopt": ("qwen38-mini-mixed", "qpn.scripts.make_checkpoint"),
+                     "compressed-tensors": ("qwen38-mini-ct", "qpn.scripts.make_ct_checkpoint")}
+
+
 def checkpoint(python: str, demo_dir: str, env: dict[str, str]) -> str:
-    ckpt = os.path.join(demo_dir, "qwen38-mini-mixed")
+    convention = env.get("CONVENTION") or "modelopt"
+    if convention not in CHECKPOINT_MAKERS:
+        raise SystemExit(f"[demo] CONVENTION={convention!r} is not one of {', '.join(CHECKPOINT_MAKERS)}")
+    name, maker = CHECKPOINT_MAKERS[convention]
+    ckpt = os.path.join(demo_dir, name)
     if os.path.isfile(os.path.join(ckpt, "config.json")):
         say(f"checkpoint: reusing {ckpt}")
         return ckpt
-    say(f"checkpoint: writing a small mixed NVFP4/FP8 checkpoint to {ckpt}")
+    say(f"checkpoint: writing a small mixed NVFP4/FP8 {convention} checkpoint to {ckpt}")
     os.makedirs(demo_dir, exist_ok=True)
-    subprocess.run([python, "-m", "qpn.scripts.make_checkpoint", ckpt], env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([python, "-m", maker, ckpt], env=env, check=True, stdout=subprocess.DEVNULL)
     return ckpt
 
 
