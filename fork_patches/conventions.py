@@ -56,9 +56,10 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are handled: the launcher's gates read configs only
+    import torch
 
 NVFP4 = "nvfp4"
 FP8 = "fp8"
@@ -137,16 +138,22 @@ class Convention:
     def global_scale_f32(self, stored: torch.Tensor) -> torch.Tensor:
         """The float32 multiplier QPN uses, from the stored global scale (elementwise: one value
         per fused shard)."""
+        import torch
+
         s = stored.detach().to(torch.float32)
         return s if self.global_scale_stored_as == "multiplier" else 1.0 / s
 
     def stored_global_scale(self, multiplier: torch.Tensor) -> torch.Tensor:
         """The inverse of ``global_scale_f32`` (for generators writing this convention)."""
+        import torch
+
         m = multiplier.detach().to(torch.float32)
         return m if self.global_scale_stored_as == "multiplier" else 1.0 / m
 
     def nvfp4_inputs(self, tensors: Mapping[str, torch.Tensor], module: str = "") -> NVFP4Inputs:
         """QPN inputs from one module's tensors (keys: local names, or ``module.``-prefixed)."""
+        import torch
+
         t = _local(tensors, module)
         n = self.nvfp4
         for key in (n.codes, n.group_scales, n.global_scale):
@@ -168,6 +175,8 @@ class Convention:
         return NVFP4Inputs(codes, scales, self.global_scale_f32(gf).reshape(()))
 
     def fp8_inputs(self, tensors: Mapping[str, torch.Tensor], module: str = "") -> FP8Inputs:
+        import torch
+
         t = _local(tensors, module)
         n = self.fp8
         for key in (n.codes, n.scale):
@@ -301,6 +310,16 @@ def ct_scheme_of(weights: Mapping, fmt_name: str | None, src: str) -> ModuleSche
                               f"dynamic {dynamic}); QPN serves static symmetric per-tensor or "
                               "per-channel FP8")
     raise ConventionError(f"{src}: weights of type {typ!r} with {bits} bits are neither NVFP4 nor FP8")
+
+
+def ct_declared_formats(quant_cfg: Mapping) -> set[str]:
+    """Formats ('nvfp4', 'fp8') the config groups of a compressed-tensors config declare."""
+    out = set()
+    for gname, g in (quant_cfg.get("config_groups") or {}).items():
+        if g.get("weights"):
+            out.add(ct_scheme_of(g["weights"], g.get("format") or quant_cfg.get("format"),
+                                 f"config_groups[{gname!r}]").fmt)
+    return out
 
 
 def _ct_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, ModuleScheme | None]:

@@ -105,7 +105,12 @@ def declared_layers(quant_config: dict | None) -> dict:
 
 
 def declared_regions(quant_config: dict | None) -> set[str]:
-    """Regions ('nvfp4', 'fp8') the checkpoint's quantization map declares."""
+    """Regions ('nvfp4', 'fp8') the checkpoint's quantization map declares (ModelOpt
+    ``quantized_layers``, or compressed-tensors ``config_groups``: qpn.fork_patches.conventions)."""
+    if isinstance(quant_config, dict) and quant_config.get("quant_method") == "compressed-tensors":
+        from qpn.fork_patches.conventions import ct_declared_formats
+
+        return ct_declared_formats(quant_config)
     regions = set()
     for entry in declared_layers(quant_config).values():
         algo = str(entry.get("quant_algo", "") if isinstance(entry, dict) else entry).lower()

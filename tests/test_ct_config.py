@@ -97,3 +97,15 @@ def test_output_activation_quantization_is_refused():
                                                            "symmetric": True, "dynamic": False}
     with pytest.raises(QPNCheckpointError, match="output activations"):
         qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.3.self_attn.o_proj", TARGET)
+
+
+def test_the_launcher_reads_the_regions_a_ct_checkpoint_declares():
+    """The qpn_routes gate checks every declared region has modules on QPN: for a compressed-tensors
+    checkpoint the regions come from its config groups (there is no quantized_layers map)."""
+    from qpn.scripts import boot_gates
+
+    q = quantization_config()
+    assert boot_gates.declared_regions(q) == {"nvfp4", "fp8"}
+    del q["config_groups"]["group_0"]
+    assert boot_gates.declared_regions(q) == {"fp8"}
+    assert boot_gates.declared_layers(q) == {}  # per-module coverage stays ModelOpt-only (issue 15)
