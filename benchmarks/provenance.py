@@ -179,16 +179,22 @@ def source_state(root: str = _REPO_ROOT) -> dict:
     content, so two runs with the same commit and the same hash ran the same source; None when
     clean. commit is None outside a git checkout (then 'error' says why)."""
     git = shutil.which("git")
-    if not git or not os.path.exists(os.path.join(root, ".git")):
-        exported = os.path.join(root, SOURCE_STATE_FILE)
-        if os.path.isfile(exported):   # a copy of a checkout (e.g. on a GPU host): its exported state
-            import json
-            with open(exported) as f:
-                st = json.load(f)
+    exported = os.path.join(root, SOURCE_STATE_FILE)
+    has_git = bool(git) and os.path.exists(os.path.join(root, ".git"))
+    if os.path.isfile(exported):
+        import json
+        with open(exported) as f:
+            st = json.load(f)
+        # A copy of a checkout sent to another machine (a GPU host) may carry no .git, or a .git
+        # whose HEAD is not the checkout's (seen on the device copies: the session's first
+        # commit with today's tree as a diff); the state exported on the source machine is the
+        # truth there. On the machine that exported it, git itself is asked.
+        if not has_git or st.get("exported_from") != socket.gethostname():
             st["changed"] = list(st.get("changed", [])) + [
-                f"(state exported by provenance.py at {st.pop('exported_at', '?')} from {st.pop('exported_from', '?')};"
-                f" this copy has no .git)"]
+                f"(state exported by provenance.py at {st.pop('exported_at', '?')} from "
+                f"{st.pop('exported_from', '?')}; this copy's own git state is not used)"]
             return st
+    if not has_git:
         return {"commit": None, "dirty": None, "diff_sha256": None, "changed": [],
                 "error": "not a git checkout (or git not installed)"}
 

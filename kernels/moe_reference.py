@@ -134,6 +134,24 @@ def moe_reference_f64(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     return (out, h) if return_h else out
 
 
+def down_f64_from_h(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,
+                    cache: Optional[dict] = None) -> torch.Tensor:
+    """float64 [T, H]: sum over slots of weight * down_e(h[pair]) for given FP16 SwiGLU activations
+    per pair [P, I] (the kernel's own, say), so the down GEMM is checked on the input it really
+    had: an FP16 h that lands one step away from the reference's own rounding (a legitimate
+    difference, measured by the h check) then costs nothing in the y check."""
+    tokens, top_k = topk_ids.shape
+    ids, valid = _pairs(topk_ids, packed.num_experts)
+    w = topk_weights.reshape(-1).double()
+    tok_of_pair = torch.arange(ids.numel(), device=h.device) // max(top_k, 1)
+    out = torch.zeros((tokens, packed.hidden), dtype=torch.float64, device=h.device)
+    for e in torch.unique(ids[valid]).tolist():
+        sel = torch.nonzero(valid & (ids == e)).reshape(-1)
+        d = h.index_select(0, sel).double() @ _weight_f64(packed.down, e, cache).t()
+        out.index_add_(0, tok_of_pair[sel], d * w[sel].unsqueeze(1))
+    return out
+
+
 def swiglu_f64(x: torch.Tensor, packed: PackedMoE, e: int) -> torch.Tensor:
     """Exact float64 silu(gate_e(x)) * up_e(x) for one expert, [rows, I] (no rounding)."""
     xd = x.double()

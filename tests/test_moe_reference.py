@@ -287,3 +287,23 @@ def test_reference_reads_stacks_of_the_sm80_atom(fmt):
     b = moe.PackedMoE(restack(a.gate), restack(a.up), restack(a.down))
     assert b.atom == "m8n8k4" and not torch.equal(b.gate.codes, a.gate.codes)
     assert torch.equal(moe_reference.moe_reference_f64(x, ids, w, a), moe_reference.moe_reference_f64(x, ids, w, b))
+
+
+def test_down_from_h_reproduces_the_float64_chain():
+    """down_f64_from_h fed the reference's own FP16 h gives back the float64 layer output exactly
+    (the GPU test feeds it the kernel's h to check the down GEMM on its real input); a wrong
+    expert or pair order would not."""
+    import torch
+
+    from qpn.kernels import moe_reference
+
+    gen = torch.Generator().manual_seed(11)
+    packed = random_moe("nvfp4", 4, 64, 32, gen)
+    x = (torch.randn(5, 64, generator=gen) * 0.5).half()
+    ids = torch.tensor([[0, 3], [1, 1], [2, -1], [3, 0], [1, 2]])
+    w = torch.rand(5, 2, generator=gen)
+    y64, h64 = moe_reference.moe_reference_f64(x, ids, w, packed, return_h=True)
+    got = moe_reference.down_f64_from_h(h64.nan_to_num(), ids, w, packed)
+    assert torch.equal(got, y64)
+    swapped = moe_reference.down_f64_from_h(h64.nan_to_num().flip(0), ids, w, packed)
+    assert not torch.allclose(swapped, y64)

@@ -93,4 +93,23 @@ def test_exported_state_is_read_back_in_a_copy_without_git(repo, tmp_path_factor
     shutil.copy(path, copy / P.SOURCE_STATE_FILE)
     got = P.source_state(str(copy))
     assert (got["commit"], got["dirty"], got["diff_sha256"]) == (live["commit"], True, live["diff_sha256"])
-    assert "no .git" in got["changed"][-1]
+    assert "own git state is not used" in got["changed"][-1]
+
+
+def test_state_exported_elsewhere_wins_over_a_copied_git(repo):
+    """A copy sent to a GPU host can carry a .git whose HEAD is not the checkout's; the state
+    exported on the source machine must be reported there, not that stale HEAD."""
+    import json
+
+    live = P.source_state(str(repo))
+    exported = dict(live, commit="f" * 40, exported_at="then", exported_from="the-source-machine")
+    (repo / P.SOURCE_STATE_FILE).write_text(json.dumps(exported))
+    try:
+        got = P.source_state(str(repo))
+        assert got["commit"] == "f" * 40 and "the-source-machine" in got["changed"][-1]
+        # Exported on this very machine: git itself is asked.
+        exported["exported_from"] = __import__("socket").gethostname()
+        (repo / P.SOURCE_STATE_FILE).write_text(json.dumps(exported))
+        assert P.source_state(str(repo))["commit"] == live["commit"]
+    finally:
+        (repo / P.SOURCE_STATE_FILE).unlink()
