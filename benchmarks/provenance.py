@@ -157,6 +157,17 @@ def checkpoint_revision(model_entry: dict, given: str | None = None) -> str:
 SOURCE_STATE_FILE = ".qpn_source_state.json"
 
 
+def _machine_boot() -> str:
+    """This machine and boot: host name plus the kernel's boot id (host names alone can repeat:
+    the GPU host's container answered the same name as ours)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
 def export_source_state(root: str = _REPO_ROOT) -> str:
     """Write this checkout's source_state to <root>/.qpn_source_state.json, for a copy of the
     tree that travels without .git (the GPU host): source_state() there reads it back."""
@@ -164,7 +175,7 @@ def export_source_state(root: str = _REPO_ROOT) -> str:
     st = source_state(root)
     if st["commit"] is None:
         raise RuntimeError(f"cannot export the source state: {st.get('error')}")
-    st.update(exported_at=now_iso(), exported_from=socket.gethostname())
+    st.update(exported_at=now_iso(), exported_from=_machine_boot())
     path = os.path.join(root, SOURCE_STATE_FILE)
     with open(path, "w") as f:
         json.dump(st, f, indent=1)
@@ -189,7 +200,7 @@ def source_state(root: str = _REPO_ROOT) -> dict:
         # whose HEAD is not the checkout's (seen on the device copies: the session's first
         # commit with today's tree as a diff); the state exported on the source machine is the
         # truth there. On the machine that exported it, git itself is asked.
-        if not has_git or st.get("exported_from") != socket.gethostname():
+        if not has_git or st.get("exported_from") != _machine_boot():
             st["changed"] = list(st.get("changed", [])) + [
                 f"(state exported by provenance.py at {st.pop('exported_at', '?')} from "
                 f"{st.pop('exported_from', '?')}; this copy's own git state is not used)"]

@@ -108,7 +108,7 @@ def test_state_exported_elsewhere_wins_over_a_copied_git(repo):
         got = P.source_state(str(repo))
         assert got["commit"] == "f" * 40 and "the-source-machine" in got["changed"][-1]
         # Exported on this very machine: git itself is asked.
-        exported["exported_from"] = __import__("socket").gethostname()
+        exported["exported_from"] = P._machine_boot()
         (repo / P.SOURCE_STATE_FILE).write_text(json.dumps(exported))
         assert P.source_state(str(repo))["commit"] == live["commit"]
     finally:
