@@ -140,8 +140,12 @@ def fp8_kv_emulation(model, ckpt_dir: str | Path):
     layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
 
     def scale_of(i, which):
-        key = f"model.language_model.layers.{i}.self_attn.{which}_proj.{which}_scale"
-        return float(tensors[key]) if key in tensors else 1.0
+        attn = f"model.language_model.layers.{i}.self_attn"
+        # ModelOpt writes k_proj.k_scale; compressed-tensors writes k_scale on the attention module
+        for key in (f"{attn}.{which}_proj.{which}_scale", f"{attn}.{which}_scale"):
+            if key in tensors:
+                return float(tensors[key])
+        return 1.0
 
     @contextlib.contextmanager
     def active():

@@ -95,10 +95,9 @@ def load_reference_model(ckpt_dir: str | Path, perturb: str = "none"):
 
 def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: list[str],
                        kv_cache: str = "auto") -> dict[str, dict]:
-    if kv_cache != "auto":
-        # checkpoint_reference's FP8 KV emulation reads ModelOpt's k_proj.k_scale names
-        raise ValueError("the compressed-tensors reference models the model-dtype KV cache only "
-                         "(vLLM 0.32 resolves --kv-cache-dtype auto to it for these checkpoints)")
+    """``kv_cache``: 'auto' (the model dtype: what vLLM 0.32 resolves for these checkpoints) or
+    'fp8_e4m3' (K and V through e4m3 with the checkpoint's self_attn.k_scale / v_scale, as the cpu
+    engine stores them when FP8 KV is asked for explicitly)."""
     return checkpoint_reference.reference_variants(ckpt_dir, token_ids, variants, kv_cache,
                                                    load_model=load_reference_model, perturbations=PERTURBATIONS)
 
@@ -109,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-ids", required=True, help="comma-separated prompt token ids")
     p.add_argument("--variants", default="float32",
                    help=f"comma-separated list of float32, bfloat16 and {', '.join(PERTURBATIONS[1:])}")
+    p.add_argument("--kv-cache", choices=("auto", "fp8_e4m3"), default="auto")
     p.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
     ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ct_reference: need at least two token ids", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    result = reference_variants(args.ckpt_dir, ids, [v for v in args.variants.split(",") if v])
+    result = reference_variants(args.ckpt_dir, ids, [v for v in args.variants.split(",") if v], args.kv_cache)
     text = json.dumps(result)
     if args.out:
         Path(args.out).write_text(text)

@@ -30,40 +30,67 @@ CONTROLS = (*GROSS_CONTROLS, "collapse-fp8-shards")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def ct_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e_ct")
+    _run_engine_python(["-m", "qpn.scripts.make_ct_checkpoint", str(root / "ckpt"), "--seed", "0"])
+    return root
+
+
+def _serve(root: Path, kv: str):
     ckpt = root / "ckpt"
-    _run_engine_python(["-m", "qpn.scripts.make_ct_checkpoint", str(ckpt), "--seed", "0"])
-    census_dir = root / "census"
-    server = Server(ckpt, census_dir)
+    census_dir = root / f"census-{kv}"
+    server = Server(ckpt, census_dir, extra_args=[] if kv == "auto" else ["--kv-cache-dtype", kv])
     try:
         server.wait_ready()
-        yield {"server": server, "ckpt": ckpt, "census_dir": census_dir, "tmp": root}
+        yield {"server": server, "ckpt": ckpt, "census_dir": census_dir, "tmp": root, "kv": kv}
     finally:
         server.stop()
         assert not _tagged_pids(server.tag), "server processes left behind"
 
 
-def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str]) -> dict:
-    out = tmp / "ct-references.json"
+@pytest.fixture(scope="module")
+def served(ct_root):
+    """The checkpoint as it asks to be served (--kv-cache-dtype auto)."""
+    yield from _serve(ct_root, "auto")
+
+
+@pytest.fixture(scope="module")
+def served_fp8_kv(ct_root, served):
+    """FP8 KV asked for explicitly, where the cpu engine has it (x86 with AVX-512/AMX): the
+    checkpoint's self_attn.k_scale / v_scale must reach the cache."""
+    from qpn.fork_patches.kv_policy import cpu_lacks_fp8_kv
+
+    if cpu_lacks_fp8_kv():
+        pytest.skip("this CPU has no FP8 KV cache in vLLM 0.32 (needs AVX-512 or AMX)")
+    yield from _serve(ct_root, "fp8_e4m3")
+
+
+def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str], kv: str) -> dict:
+    out = tmp / f"ct-references-{kv}.json"
     _run_engine_python(["-m", "qpn.scripts.ct_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
-                        "--variants", ",".join(variants), "--out", str(out)])
+                        "--variants", ",".join(variants), "--kv-cache", kv, "--out", str(out)])
     return json.loads(out.read_text())
 
 
-def test_served_logprobs_agree_with_float32_reference(served):
+@pytest.mark.parametrize("kv_path", ["auto", "fp8_e4m3-forced"])
+def test_served_logprobs_agree_with_float32_reference(kv_path, request):
     """Same bound as the ModelOpt test: twice the bf16 floor (the reference run in bfloat16 on the
     same positions), mean and max of |delta log-prob|; three decoding mistakes must land outside
     (the two gross ones beyond 5x the mean bound, as in the ModelOpt test).
     KV path: vLLM 0.32 does not read a compressed-tensors kv_cache_scheme, so --kv-cache-dtype auto
     keeps the model dtype; the test asserts that, and the reference has no FP8 KV emulation."""
+    served = request.getfixturevalue("served" if kv_path == "auto" else "served_fp8_kv")
     server, ckpt, tmp = served["server"], served["ckpt"], served["tmp"]
     ids = server.post("/tokenize", {"model": SERVED_NAME, "prompt": PROMPT_TEXT, "add_special_tokens": False})["tokens"]
     assert len(ids) >= 65, "need at least 64 teacher-forced positions"
     got, top1 = _served_prompt_logprobs(server, ids)
     # 'auto' = the model dtype (bfloat16 on the cpu engine): the KV cache is not quantized
-    assert _kv_resolved(served["census_dir"]) == "auto"
-    refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *CONTROLS])
+    assert _kv_resolved(served["census_dir"]) == served["kv"]
+    if served["kv"] != "auto":  # vLLM warns and skips a checkpoint KV scale it cannot place
+        skipped = [ln for ln in server.log_text().splitlines() if "_scale in the checkpoint" in ln]
+        assert not skipped, skipped[:2]
+    # every reference variant, the bf16 floor included, stores K/V the way the served run does
+    refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *CONTROLS], served["kv"])
     ref = refs["float32"]
 
     def deltas(a, b):
@@ -73,7 +100,7 @@ def test_served_logprobs_agree_with_float32_reference(served):
     floor_mean, floor_max = deltas(refs["bfloat16"]["token_logprobs"], ref["token_logprobs"])
     tol_mean, tol_max = 2 * floor_mean, 2 * floor_max
     mean, worst = deltas(got, ref["token_logprobs"])
-    report = (f"compressed-tensors, KV auto (bf16), {len(got)} positions: served vs float32 mean {mean:.4f} "
+    report = (f"compressed-tensors, KV {served['kv']}, {len(got)} positions: served vs float32 mean {mean:.4f} "
               f"max {worst:.4f}; bf16 floor mean {floor_mean:.4f} max {floor_max:.4f}")
     controls = {p: deltas(got, refs[p]["token_logprobs"]) for p in CONTROLS}
     print(report, {p: f"mean {a:.3f} max {b:.3f}" for p, (a, b) in controls.items()})
