@@ -403,16 +403,17 @@ class BootProgress:
 
     def prepack(self) -> str | None:
         try:
-            from qpn.fork_patches.census import aggregate
+            from qpn.fork_patches.census import read_rank_files
 
-            census = aggregate(self.launch.census_dir)
+            ranks = read_rank_files(self.launch.census_dir)
         except Exception:  # noqa: BLE001 - progress is best effort; the gates judge the census
             return None
-        modules = (census or {}).get("modules") or {}
+        modules = [m for r in ranks for m in r.get("modules", {}).values()]
         if not modules:
             return None
-        verified = sum(1 for m in modules.values() if isinstance(m, dict) and m.get("prepack_verified"))
-        return f"prepack: {len(modules)} modules, {verified} verified by the inverse check"
+        verified = sum(1 for m in modules if m.get("prepack_verified"))
+        return (f"prepack: {len(modules)} modules over {len(ranks)} rank(s), {verified} verified by the "
+                "inverse check")
 
     def line(self, phase: str | None = None) -> str:
         """The progress line; ``phase`` names a step of the launcher's own (the warm request),

@@ -112,3 +112,22 @@ def test_boot_progress_launcher_phase_is_not_overwritten_by_the_log(tmp_path):
     progress = serve.BootProgress(launch, period_s=0.0)
     assert progress.line("warm request (one greedy chat, 8 tokens)").endswith("warm request (one greedy chat, 8 tokens)")
     assert progress.line().endswith("API server starting")
+
+
+def test_boot_progress_counts_prepacked_modules_from_the_census(tmp_path):
+    """The progress line's prepack count comes from the census files the overlay writes (read with
+    the census reader, so a schema change shows up here), and only proven modules count as verified."""
+    from qpn.fork_patches.census import Census
+
+    census_dir = tmp_path / "census"
+    launch = types.SimpleNamespace(server_log=str(tmp_path / "server.log"), census_dir=str(census_dir))
+    progress = serve.BootProgress(launch, period_s=0.0)
+    assert progress.prepack() is None  # nothing written yet
+    c = Census()
+    c.rank, c.directory = 0, str(census_dir)
+    layers = [object(), object(), object()]
+    for i, layer in enumerate(layers):
+        c.register_module(layer, f"model.layers.{i}.mlp.down_proj", "nvfp4", 64, 128,
+                          prepack_verified=(i != 1))
+    c.flush()
+    assert progress.prepack() == "prepack: 3 modules over 1 rank(s), 2 verified by the inverse check"
