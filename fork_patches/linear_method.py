@@ -58,7 +58,6 @@ logger = logging.getLogger("vllm.qpn.linear_method")
 
 GROUP_SIZE = formats.GROUP_SIZE
 ROUTE_FAMILY = {"nvfp4": "qpn2", "fp8": "qpn8"}
-SCALE_PARAMS = ("weight_scale", "weight_scale_2", "input_scale")
 
 
 class QPNCheckpointError(ValueError):
