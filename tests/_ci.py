@@ -3,6 +3,7 @@ tests ran, so a skip there would be a silent pass. Elsewhere the test skips and 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +19,20 @@ def unavailable(what: str, why: str, fix: str):
     if in_ci():
         pytest.fail(f"CI=true, and {message}", pytrace=False)
     pytest.skip(message)
+
+
+# The 1Cat-vLLM source archives (shared/engines beside the checkout, as CI lays it out).
+ENGINE_SOURCES = Path(os.environ.get("QPN_ENGINE_SOURCES",
+                                     Path(__file__).resolve().parent.parent.parent / "shared" / "engines"))
+
+
+def onecat_archive(version: str) -> Path:
+    """The source archive the lock names for 1Cat-vLLM ``version``; its absence fails under CI=true
+    (CI promises every hook and flag was proven against both archives) and skips elsewhere."""
+    from qpn.fork_patches import engine_lock
+
+    path = ENGINE_SOURCES / engine_lock.profile("sm70", version)["source_archive"]
+    if not path.is_file():
+        unavailable(f"the 1Cat {version} source archive", f"{path} does not exist",
+                    "put the archives in shared/engines beside the checkout or set QPN_ENGINE_SOURCES")
+    return path

@@ -18,6 +18,8 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+from tests._ci import onecat_archive
+
 import pytest
 
 from qpn.fork_patches import attention_routes as ar
@@ -25,7 +27,6 @@ from qpn.fork_patches import kv_policy
 from qpn.scripts import boot_gates
 
 REPO = Path(__file__).resolve().parent.parent
-ARCHIVES = Path(os.environ.get("QPN_1CAT_ARCHIVES", REPO.parent / "shared" / "engines"))
 VERSIONS = ("1.2.2", "1.3.0")
 ENGINE_PYTHON = os.environ.get("QPN_ENGINE_PYTHON")
 
@@ -35,12 +36,7 @@ QWEN38 = {"head_size": 256, "num_heads": 24, "num_kv_heads": 4, "sliding_window"
 
 
 def _archive(version: str) -> Path:
-    path = ARCHIVES / f"1cat-vllm-{version}-src.tar.xz"
-    if not path.is_file():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{path} missing: CI must check the hooks against the 1Cat sources")
-        pytest.skip(f"{path} not here (set QPN_1CAT_ARCHIVES)")
-    return path
+    return onecat_archive(version)
 
 
 @pytest.fixture(scope="module")

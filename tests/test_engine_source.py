@@ -14,20 +14,11 @@ import pytest
 
 from qpn.fork_patches import engine_lock, engine_source
 from qpn.fork_patches.hooks import REGISTRY, hooks_for
+from tests._ci import onecat_archive
 
 REPO = Path(__file__).resolve().parent.parent
-ENGINES_DIR = Path(os.environ.get("QPN_ENGINE_SOURCES", REPO.parent / "shared" / "engines"))
 VERSIONS = engine_lock.versions("sm70")
-
-
-def _archive(version: str) -> Path:
-    prof = engine_lock.profile("sm70", version)
-    path = ENGINES_DIR / prof["source_archive"]
-    if not path.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the 1Cat source archive {path} is missing (set QPN_ENGINE_SOURCES)")
-        pytest.skip(f"no 1Cat source archive at {path} (set QPN_ENGINE_SOURCES)")
-    return path
+_archive = onecat_archive  # other test modules import it under this name
 
 
 def _engine_site_packages() -> Path:

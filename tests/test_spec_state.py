@@ -16,12 +16,13 @@ import os
 import types
 from pathlib import Path
 
+from tests._ci import onecat_archive
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parent.parent
-ARCHIVES = Path(os.environ.get("QPN_1CAT_ARCHIVES", REPO.parent / "shared" / "engines"))
 
 WIDTH, K = 4, 3
 STATE_LEN = WIDTH - 1 + K
@@ -223,11 +224,7 @@ def test_1cat_zero_count_meets_the_engines_contract(version, tmp_path):
     import subprocess
     import sys
 
-    archive = ARCHIVES / f"1cat-vllm-{version}-src.tar.xz"
-    if not archive.is_file():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{archive} missing: CI checks the hooks against the 1Cat sources")
-        pytest.skip(f"{archive} not here (set QPN_1CAT_ARCHIVES)")
+    archive = onecat_archive(version)
     src = _extract_vllm(archive, tmp_path / "src", version)
     python = os.environ.get("QPN_ENGINE_PYTHON") or sys.executable
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO)]),

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from tests._ci import onecat_archive
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,6 @@ from qpn.benchmarks import v100_evidence as ev
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
-ARCHIVES = Path(os.environ.get("QPN_1CAT_ARCHIVES", REPO.parent / "shared" / "engines"))
 
 
 def test_refuses_without_a_gpu_naming_the_problem(tmp_path):
@@ -107,11 +108,7 @@ def _detect(pythonpath: list[str]) -> dict:
 
 @pytest.mark.parametrize("version", ["1.2.2", "1.3.0"])
 def test_engine_arm_detection_against_the_1cat_archive(version, tmp_path):
-    archive = ARCHIVES / f"1cat-vllm-{version}-src.tar.xz"
-    if not archive.is_file():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{archive} missing")
-        pytest.skip(f"{archive} not here")
+    archive = onecat_archive(version)
     with tarfile.open(archive) as tar:
         members = []
         for m in tar:
