@@ -23,6 +23,7 @@ from tests._ci import onecat_archive
 import pytest
 
 from qpn.fork_patches import attention_routes as ar
+from qpn.fork_patches import engine_source
 from qpn.fork_patches import kv_policy
 from qpn.scripts import boot_gates
 
@@ -44,19 +45,13 @@ def engine_src(tmp_path_factory):
     """{version: folder holding the archive's vllm/ package and its decode kernel source}."""
     out = {}
     for version in VERSIONS:
-        dest = tmp_path_factory.mktemp(f"1cat-{version}")
-        with tarfile.open(_archive(version)) as tar:
-            members = []
-            for m in tar:
+        dest = engine_source.extract(_archive(version), tmp_path_factory.mktemp(f"1cat-{version}"), version)
+        with tarfile.open(_archive(version)) as tar:  # the decode kernel, whose accepted KV strings we parse
+            kernel = [m for m in tar if m.isfile() and m.name.endswith("kernel/flash_decode_paged.cu")]
+            for m in kernel:
                 parts = m.name.split("/")
-                if m.isfile() and ("vllm" in parts[:2] or m.name.endswith("kernel/flash_decode_paged.cu")):
-                    i = parts.index("vllm") if "vllm" in parts[:2] else parts.index("flash-attention-v100")
-                    m.name = "/".join(parts[i:])
-                    members.append(m)
-            tar.extractall(dest, members=members, filter="data")
-        (dest / "vllm" / "_version.py").write_text(
-            f"__version__ = version = {version!r}\n__version_tuple__ = version_tuple = "
-            f"{tuple(int(x) for x in version.split('.'))!r}\n")
+                m.name = "/".join(parts[parts.index("flash-attention-v100"):])
+            tar.extractall(dest, members=kernel, filter="data")
         out[version] = dest
     return out
 

@@ -201,23 +201,6 @@ print("QPN_ONECAT " + json.dumps({"raw_error": raw_error, "seen": seen, "picked"
 """
 
 
-def _extract_vllm(archive: Path, dest: Path, version: str) -> Path:
-    import tarfile
-
-    with tarfile.open(archive) as tar:
-        members = []
-        for m in tar:
-            parts = m.name.split("/")
-            if m.isfile() and "vllm" in parts[:2]:
-                m.name = "/".join(parts[parts.index("vllm"):])
-                members.append(m)
-        tar.extractall(dest, members=members, filter="data")
-    (dest / "vllm" / "_version.py").write_text(
-        f"__version__ = version = {version!r}\n__version_tuple__ = version_tuple = "
-        f"{tuple(int(x) for x in version.split('.'))!r}\n")
-    return dest
-
-
 @pytest.mark.parametrize("version", ["1.2.2", "1.3.0"])
 def test_1cat_zero_count_meets_the_engines_contract(version, tmp_path):
     import json
@@ -225,7 +208,9 @@ def test_1cat_zero_count_meets_the_engines_contract(version, tmp_path):
     import sys
 
     archive = onecat_archive(version)
-    src = _extract_vllm(archive, tmp_path / "src", version)
+    from qpn.fork_patches.engine_source import extract
+
+    src = extract(archive, tmp_path / "src", version)
     python = os.environ.get("QPN_ENGINE_PYTHON") or sys.executable
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO)]),
            "ONECAT_SRC": str(src), "VLLM_NO_USAGE_STATS": "1",

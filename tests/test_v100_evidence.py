@@ -108,17 +108,9 @@ def _detect(pythonpath: list[str]) -> dict:
 
 @pytest.mark.parametrize("version", ["1.2.2", "1.3.0"])
 def test_engine_arm_detection_against_the_1cat_archive(version, tmp_path):
-    archive = onecat_archive(version)
-    with tarfile.open(archive) as tar:
-        members = []
-        for m in tar:
-            parts = m.name.split("/")
-            if m.isfile() and "vllm" in parts[:2] and m.name.endswith(".py"):
-                m.name = "/".join(parts[parts.index("vllm"):])
-                members.append(m)
-        tar.extractall(tmp_path, members=members, filter="data")
-    (tmp_path / "vllm" / "_version.py").write_text(f"__version__ = version = {version!r}\n"
-                                                   f"__version_tuple__ = version_tuple = (0,)\n")
+    from qpn.fork_patches.engine_source import extract
+
+    extract(onecat_archive(version), tmp_path, version)
     found = _detect([str(tmp_path)])
     for name in ("turbomind_nvfp4", "marlin_nvfp4"):
         assert found[name]["py"] is True, found[name]  # the engine's Python entry points exist
