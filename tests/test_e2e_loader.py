@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._agreement import check_agreement
+
 from tests._server import VllmServer
 from tests._server import tagged_pids as _tagged_pids  # the name tests/test_e2e_tp.py imports
 
@@ -155,28 +157,7 @@ def test_served_logprobs_agree_with_float32_reference(kv_path, request):
     assert resolved in ("fp8_e4m3", "bfloat16"), f"KV path {resolved!r} has no reference model"
     controls = ("swap-nibbles", "collapse-fp8-shards")
     refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *controls], kv)
-    ref, floor_ref = refs["float32"], refs["bfloat16"]
-
-    def deltas(a, b):
-        d = [abs(x - y) for x, y in zip(a, b)]
-        return sum(d) / len(d), max(d)
-
-    floor_mean, floor_max = deltas(floor_ref["token_logprobs"], ref["token_logprobs"])
-    tol_mean, tol_max = 2 * floor_mean, 2 * floor_max
-    mean, worst = deltas(got, ref["token_logprobs"])
-    report = (f"KV path {resolved} ({served['kv_setting']}), {len(got)} positions: "
-              f"served vs float32 mean {mean:.4f} max {worst:.4f}; "
-              f"bf16 floor mean {floor_mean:.4f} max {floor_max:.4f}")
-    print(report)
-    assert mean <= tol_mean and worst <= tol_max, report
-    # Where the float32 reference is decisive (top-2 gap above the tolerance), the engine's
-    # greedy choice must be the same token.
-    decisive = [i for i, m in enumerate(ref["top2_margin"]) if m > tol_max]
-    assert len(decisive) >= 16
-    assert all(top1[i] == ref["argmax"][i] for i in decisive), report
-    for perturb in controls:
-        bad_mean, bad_max = deltas(got, refs[perturb]["token_logprobs"])
-        assert bad_mean > 5 * tol_mean and bad_max > tol_max, f"{perturb}: mean {bad_mean:.3f} max {bad_max:.3f}; {report}"
+    check_agreement(got, top1, refs, f"KV path {resolved} ({served['kv_setting']})", gross=controls)
 
 
 def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):

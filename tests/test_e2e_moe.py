@@ -34,11 +34,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import time
 import urllib.request
 
 import pytest
+
+from tests._agreement import deltas
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -127,13 +128,11 @@ def reference(checkpoint, token_ids, served):
     return out
 
 
-def _deltas(a, b):
-    d = [abs(x - y) for x, y in zip(a, b)]
-    return statistics.mean(d), max(d)
+
 
 
 def _bound(reference):
-    floor_mean, floor_max = _deltas(reference["bfloat16"], reference["float32"])
+    floor_mean, floor_max = deltas(reference["bfloat16"], reference["float32"])
     return FLOOR_FACTOR * floor_mean, FLOOR_FACTOR * floor_max, floor_mean, floor_max
 
 
@@ -155,7 +154,7 @@ def test_served_logprobs_match_the_float32_reference(served, reference, checkpoi
     ref, got = reference["float32"], served["logprobs"]
     assert len(got) == len(ref) == POSITIONS
     tol_mean, tol_max, floor_mean, floor_max = _bound(reference)
-    mean, worst = _deltas(got, ref)
+    mean, worst = deltas(got, ref)
     report = (f"MoE e2e ({checkpoint[1]['expert_format']} experts, KV cache {served['kv_resolved']}, reference KV "
               f"path {reference['kv']}): served vs float32 over {POSITIONS} positions: mean {mean:.4f} worst "
               f"{worst:.4f} nat; bf16 floor mean {floor_mean:.4f} worst {floor_max:.4f}; bound {FLOOR_FACTOR:g}x")
@@ -173,12 +172,12 @@ def test_one_wrong_expert_in_one_layer_fails_the_bound(served, reference, checkp
     expert = max(range(len(use)), key=use.__getitem__)
     assert use[expert] >= MIN_CONTROL_PICKS, f"layer {CONTROL_LAYER} router picks {use}: control would prove nothing"
     tol_mean, tol_max, _, _ = _bound(reference)
-    mean, worst = _deltas(served["logprobs"], reference["float32"])
+    mean, worst = deltas(served["logprobs"], reference["float32"])
     kinds = [k for k in make_moe_checkpoint.EXPERT_CORRUPTIONS if fmt == "nvfp4" or k != "swap-nibbles"]
     lines, weak = [], []
     for kind in kinds:
         model = make_moe_checkpoint.load_reference_model(ckpt, corrupt_expert=(CONTROL_LAYER, expert, kind))
-        c_mean, c_max = _deltas(_run(model, ckpt, token_ids, reference["kv"]), reference["float32"])
+        c_mean, c_max = deltas(_run(model, ckpt, token_ids, reference["kv"]), reference["float32"])
         lines.append(f"{kind}: mean {c_mean:.3f} worst {c_max:.3f}")
         if not (c_mean > tol_mean + mean or c_max > tol_max + worst):
             weak.append(kind)

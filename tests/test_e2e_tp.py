@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._agreement import check_agreement
+
 from qpn.scripts import boot_gates
 from qpn.scripts.engine_profiles import CPU, tp_env
 from tests.test_e2e_loader import (
@@ -61,10 +63,6 @@ def served_tp2(tmp_path_factory):
         assert not _tagged_pids(server.tag), "server processes left behind"
 
 
-def _deltas(a, b):
-    d = [abs(x - y) for x, y in zip(a, b)]
-    return sum(d) / len(d), max(d)
-
 
 def test_tp2_logprobs_agree_with_float32_reference(served_tp2):
     """Same tolerance rule as TP=1 (test_e2e_loader): twice the bfloat16 floor of the reference
@@ -77,21 +75,7 @@ def test_tp2_logprobs_agree_with_float32_reference(served_tp2):
     got, top1 = _served_prompt_logprobs(server, ids)
     controls = ("swap-nibbles", "collapse-fp8-shards")
     refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *controls], "auto")
-    ref = refs["float32"]
-    floor_mean, floor_max = _deltas(refs["bfloat16"]["token_logprobs"], ref["token_logprobs"])
-    tol_mean, tol_max = 2 * floor_mean, 2 * floor_max
-    mean, worst = _deltas(got, ref["token_logprobs"])
-    report = (f"TP={TP}: {len(got)} positions: served vs float32 mean {mean:.4f} max {worst:.4f}; "
-              f"bf16 floor mean {floor_mean:.4f} max {floor_max:.4f}; tolerance mean {tol_mean:.4f} "
-              f"max {tol_max:.4f}")
-    print(report)
-    assert mean <= tol_mean and worst <= tol_max, report
-    decisive = [i for i, m in enumerate(ref["top2_margin"]) if m > tol_max]
-    assert len(decisive) >= 16
-    assert all(top1[i] == ref["argmax"][i] for i in decisive), report
-    for perturb in controls:
-        bad_mean, bad_max = _deltas(got, refs[perturb]["token_logprobs"])
-        assert bad_mean > 5 * tol_mean and bad_max > tol_max, f"{perturb}: {bad_mean:.3f} {bad_max:.3f}"
+    check_agreement(got, top1, refs, f"TP={TP}", gross=controls)
 
 
 def test_tp2_census_per_rank_and_gates_over_both_ranks(served_tp2):
