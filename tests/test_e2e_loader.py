@@ -221,7 +221,13 @@ def test_chat_template_with_tools_and_thinking_switch(served):
     assert usage[False] > usage[True]
 
 
-MALFORMED_KINDS = ["missing-scale", "wrong-scale-shape", "nan-scale", "inf-scale", "unknown-algo", "k-not-multiple"]
+# Every kind is checked in-process, naming module and problem, by
+# tests/test_loader_methods.py::test_malformed_checkpoint_fails_naming_module_and_problem. A real
+# server boot (exit code, no process, port or partial file left) is paid once per stage at which
+# the loader refuses: the quant-method choice (unknown-algo), create_weights (k-not-multiple),
+# the per-shard completeness check (missing-scale) and the per-tensor dtype/shape/value check
+# before prepack (nan-scale); wrong-scale-shape and inf-scale fail in that same per-tensor check.
+MALFORMED_KINDS = ["missing-scale", "nan-scale", "unknown-algo", "k-not-multiple"]
 
 
 @pytest.mark.parametrize("kind", MALFORMED_KINDS)
