@@ -29,4 +29,4 @@ if "$MODELOPT_PREFIX/bin/python" -c "import modelopt" 2>/dev/null; then
 fi
 cd "$REPO"
 export QPN_ENGINE_PYTHON="$ENV_PREFIX/bin/python"
-exec "$ENV_PREFIX/bin/python" -m pytest -ra "$@"
+exec "$ENV_PREFIX/bin/python" -m pytest -ra --durations=30 "$@"
