@@ -16,7 +16,8 @@ from qpn.scripts.engine_profiles import CPU, SM70
 from qpn.scripts.serve import Launch, server_command, server_env
 from tests.test_engine_source import VERSIONS, _archive, _engine_site_packages
 
-pytestmark = pytest.mark.fast
+# The flag checks parse whole engine sources (about 4 s each): full tier. The capture-ladder
+# checks are quick and belong to the one-minute tier.
 
 
 def _launch(profile, k=7, mns=4):
@@ -90,6 +91,7 @@ def _engine_rule_constants(src):
     return lists, dense, tp4
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("version", VERSIONS)
 def test_capture_rule_constants_are_the_engines(version):
     lists, dense, tp4 = _engine_rule_constants(_source(version))
@@ -101,6 +103,7 @@ def test_capture_rule_constants_are_the_engines(version):
     assert "round_up(size, multiple_of) <= self.max_cudagraph_capture_size" in rounding
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mns,k,tp", [(1, 7, 4), (4, 7, 4), (16, 7, 4), (5, 3, 1), (1, 1, 1), (33, 4, 4)])
 def test_sm70_ladder_keeps_every_size_the_engine_rule_would_capture(mns, k, tp):
     ours = capture_ladder.resolve_capture(None, mns, k, engine_rules=True, tp=tp)
@@ -111,6 +114,7 @@ def test_sm70_ladder_keeps_every_size_the_engine_rule_would_capture(mns, k, tp):
     assert capture_ladder.uncovered_widths(ours, mns, k) == []
 
 
+@pytest.mark.fast
 def test_engine_rule_replica_matches_a_hand_computed_case():
     # MNS=1, K=7, TP=4: base {1,2,4,8,9,18} + {8}; max 18; rounded to 8s: 8, 16 (24 > 18 dropped)
     assert capture_ladder.engine_sm70_capture_sizes(1, 7, 4) == [8, 16]
