@@ -38,6 +38,7 @@ when complete, so a failure never leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -290,6 +291,24 @@ def _break(kind: str, tensors: dict[str, torch.Tensor], hf_quant: dict) -> None:
         raise ValueError(f"unknown malformed kind {kind!r}; choose from {sorted(MALFORMED)}")
 
 
+
+@contextlib.contextmanager
+def checkpoint_folder(out: Path):
+    """Yield a private sibling folder to write a checkpoint into; when the block succeeds it becomes
+    ``out`` in one rename (readers never see half a checkpoint), and on any failure it is removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        # mkdtemp makes the folder private; a checkpoint is ordinary readable data.
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
 def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | None = None,
                     embed_config: bool = False, spec: tiny_hybrid.TinyHybridSpec | None = None) -> dict:
     """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict."""
@@ -303,9 +322,7 @@ def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | 
     spec = spec or tiny_hybrid.TinyHybridSpec()
     if malformed == "k-not-multiple":
         spec = replace(spec, intermediate_size=200)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with checkpoint_folder(out) as tmp:
         ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
         weights = tiny_hybrid.float_weights(spec, seed)
         quantized = tiny_hybrid.quantized_modules(weights)
@@ -341,14 +358,6 @@ def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | 
             "tensors": len(tensors),
             "bytes": (tmp / "model.safetensors").stat().st_size,
         }
-        # mkdtemp makes the folder private; a checkpoint is ordinary readable data.
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return summary
 
 

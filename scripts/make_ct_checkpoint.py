@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -181,9 +179,7 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a new folder (the generator never overwrites)")
     spec = spec or tiny_hybrid.TinyHybridSpec()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with make_checkpoint.checkpoint_folder(out) as tmp:
         ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
         weights = tiny_hybrid.float_weights(spec, seed)
         quantized = tiny_hybrid.quantized_modules(weights)
@@ -204,13 +200,6 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
             "quantized_modules": {r: sum(1 for v in quantized.values() if v == r) for r in ("fp8", "nvfp4")},
             "tensors": len(tensors), "bytes": (tmp / "model.safetensors").stat().st_size,
         }
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return summary
 
 

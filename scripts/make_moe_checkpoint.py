@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,9 +238,7 @@ def make_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, expert_format
     if expert_format not in ("nvfp4", "fp8"):
         raise ValueError(f"--expert-format must be nvfp4 or fp8, got {expert_format!r}")
     spec = spec or TinyMoeSpec()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with make_checkpoint.checkpoint_folder(out) as tmp:
         ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
         weights = float_weights(spec, seed)
         quantized = quantized_modules(weights, expert_format)
@@ -274,13 +270,6 @@ def make_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, expert_format
             "quantized_modules": counts, "tensors": len(tensors),
             "bytes": (tmp / "model.safetensors").stat().st_size,
         }
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return summary
 
 
