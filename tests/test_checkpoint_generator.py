@@ -178,3 +178,25 @@ def test_cli_refuses_an_existing_folder_and_an_unknown_kind(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         mc.main([str(tmp_path / "x"), "--malformed", "no-such-kind"])
+
+
+@pytest.mark.fast
+def test_checkpoint_folder_publishes_whole_or_nothing(tmp_path):
+    """Every generator writes through checkpoint_folder: a failure leaves neither the checkpoint
+    nor a partial folder; success renames one readable folder into place."""
+    import os
+
+    from qpn.scripts.make_checkpoint import checkpoint_folder
+
+    out = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with checkpoint_folder(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("generator failed half way")
+    assert list(tmp_path.iterdir()) == []
+    with checkpoint_folder(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+        assert not out.exists()  # nothing visible before the block ends
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert oct(os.stat(out).st_mode & 0o777) == "0o755"
+    assert oct(os.stat(out / "config.json").st_mode & 0o777) == "0o644"
