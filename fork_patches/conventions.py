@@ -58,14 +58,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+from qpn.kernels import formats
+from qpn.kernels.formats import E2M1_MAX, E4M3_MAX, GROUP_SIZE  # noqa: F401 (re-exported)
+
 if TYPE_CHECKING:  # torch is imported where tensors are handled: the launcher's gates read configs only
     import torch
 
-NVFP4 = "nvfp4"
-FP8 = "fp8"
-GROUP_SIZE = 16
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
+NVFP4 = formats.NVFP4.family
+FP8 = formats.FP8_TENSOR.family
 
 
 class ConventionError(ValueError):
@@ -107,6 +107,11 @@ class ModuleScheme:
     fmt: str                      # NVFP4 | FP8
     fp8_scale: str = "tensor"     # "tensor" | "channel" (FP8 only)
     source: str = ""              # where the config says so (for error messages)
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        """The numeric format (qpn.kernels.formats) the module's weights are stored in."""
+        return formats.weight_format(self.fmt, fp8_scale=self.fp8_scale)
 
 
 @dataclass(frozen=True)
@@ -262,15 +267,14 @@ def _modelopt_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, Modul
             continue
         algo = str(entry.get("quant_algo", "")).upper()
         src = f"quantized_layers[{m!r}]"
-        if algo in ("NVFP4", "W4A16_NVFP4"):
-            if int(entry.get("group_size", GROUP_SIZE)) != GROUP_SIZE:
-                raise ConventionError(f"{src}: NVFP4 group_size {entry.get('group_size')}; NVFP4 has "
-                                      f"one e4m3 scale per {GROUP_SIZE} inputs")
-            out[m] = ModuleScheme(NVFP4, source=src)
-        elif algo == "FP8":
-            out[m] = ModuleScheme(FP8, "tensor", source=src)
-        else:
-            raise ConventionError(f"{src}: quant_algo {entry.get('quant_algo')!r} is not NVFP4 or FP8")
+        fmt = formats.MODELOPT_ALGOS.get(algo)
+        if fmt is None:
+            raise ConventionError(f"{src}: quant_algo {entry.get('quant_algo')!r} is not "
+                                  f"{' or '.join(sorted(formats.MODELOPT_ALGOS))}")
+        if fmt.group_size is not None and int(entry.get("group_size", fmt.group_size)) != fmt.group_size:
+            raise ConventionError(f"{src}: {fmt.title} group_size {entry.get('group_size')}; {fmt.title} has "
+                                  f"one e4m3 scale per {fmt.group_size} inputs")
+        out[m] = ModuleScheme(fmt.family, fmt.output_scale if fmt.family == FP8 else "tensor", source=src)
     return out
 
 

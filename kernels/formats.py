@@ -1,241 +1,453 @@
-"""NVFP4 and FP8-e4m3 weight formats, in one place.
+"""The numeric weight formats QPN serves, one description each: NVFP4, FP8 per tensor, FP8 per
+output channel. Everything that depends on a weight's format asks its ``WeightFormat`` here
+instead of comparing format strings.
 
-Everything here runs on CPU tensors in torch and is exact: decoding goes through tables built
-from the bit layouts (not through a lossy cast), so these functions are the reference every
-kernel, the prepack and the checkpoint generator are checked against.
+A description says what a checkpoint stores (code and scale dtypes, codes per byte, group size,
+how the output scale applies) and which route family and kernels serve it, and it is the one
+entry point to the format's numerics: ``decode_f64`` (exact), ``quantize`` (for the checkpoint
+generators), ``prepack`` / ``unprepack`` / ``verify_roundtrip`` (the fragment-order buffers and
+their proven inverse), ``reference_linear`` (the CPU reference over the packed bytes) and
+``kernel_tensors`` / ``packed_from_tensors`` (a packed weight as the three buffers a kernel
+reads, and back).
 
-Layouts follow the ModelOpt checkpoints that vLLM's ``modelopt`` loader reads:
+A weight's *source* is the tuple of checkpoint tensors in the format's ``roles`` order:
+NVFP4 (codes uint8 [N, K/2], group_scales float8_e4m3fn [N, K/16], global_scale float32, the
+multiplier); FP8 (codes float8_e4m3fn [N, K], scale float32 [1] per tensor or [N] per channel).
+Checkpoint conventions (fork_patches/conventions.py) map their tensor names onto these roles.
 
-* NVFP4: ``weight`` uint8 [N, K/2], two e2m1 codes per byte, the element of even index in the
-  LOW nibble; ``weight_scale`` float8_e4m3fn [N, K/16], one scale per 16 inputs;
-  ``weight_scale_2`` float32 global scale. value = e2m1(code) * e4m3(group scale) * global.
-* FP8: ``weight`` float8_e4m3fn [N, K]; ``weight_scale`` float32, per tensor (one element) or
-  per output channel ([N] or [N, 1]). value = e4m3(byte) * scale.
+Lookup: ``weight_format(x)`` takes a format key ("nvfp4", "fp8_tensor", "fp8_channel"), a
+kernel family name ("nvfp4", "fp8": the family's per-tensor member), a ModelOpt ``quant_algo``
+("NVFP4", "W4A16_NVFP4", "FP8"), or a WeightFormat; ``format_of(packed)`` answers for a packed
+weight; ``format_for_route(route)`` for a QPN route name.
 
-e2m1: bit 3 is the sign, bits 2..1 the exponent (bias 1), bit 0 the mantissa; magnitudes
-0, 0.5, 1, 1.5, 2, 3, 4, 6. e4m3fn: bit 7 sign, bits 6..3 exponent (bias 7), bits 2..0 mantissa,
-no infinities, 0x7F / 0xFF are NaN, largest finite 448.
+This module imports no torch (the launcher's gates and the convention readers use it on configs
+alone); the bit-level codecs live in kernels/codecs.py and are imported when a tensor is handled.
+``formats.<codec>`` (``formats.dequantize_nvfp4`` ...) forwards to codecs.
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 GROUP_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-
-E2M1_VALUES: tuple[float, ...] = (
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-)
-
-# Round-to-nearest-even decision points between consecutive e2m1 magnitudes; a magnitude equal
-# to a point goes to the neighbour with an even mantissa bit (ModelOpt's _cast_fp4 does the same:
-# ties at 0.25, 1.25, 2.5, 5 round down, ties at 0.75, 1.75, 3.5 round up).
-_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_E2M1_TIES_UP = (0.75, 1.75, 3.5)
+ATOMS = ("m8n8k4", "m16n8k16")
 
 
 class FormatError(ValueError):
     """A tensor does not have the shape or dtype its format requires."""
 
 
-def _e4m3_table() -> torch.Tensor:
-    """float32 value of every e4m3fn byte, computed from the bit layout."""
-    vals = []
-    for b in range(256):
-        sign = -1.0 if b & 0x80 else 1.0
-        exp = (b >> 3) & 0xF
-        man = b & 0x7
-        if exp == 0xF and man == 0x7:
-            vals.append(float("nan"))
-        elif exp == 0:
-            vals.append(sign * (man / 8.0) * 2.0 ** -6)
-        else:
-            vals.append(sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7))
-    return torch.tensor(vals, dtype=torch.float32)
+class UnknownFormat(FormatError):
+    """A format name, quant algo or route that names no QPN weight format."""
 
 
-_E2M1_TABLE_F32 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-_E4M3_TABLE_F32 = _e4m3_table()
+@dataclass(frozen=True)
+class WeightFormat:
+    key: str               # unique name of this description
+    family: str            # kernel family: packed layout, census region, route family ("nvfp4" | "fp8")
+    route_prefix: str      # QPN route names of the family start with it ("qpn2" | "qpn8")
+    algos: tuple[str, ...]  # ModelOpt quant_algo values that declare it
+    roles: tuple[str, ...]  # the source tensors, in order
+    code_dtype: str        # torch dtype name of the checkpoint codes
+    codes_per_byte: int    # 2: two e2m1 codes per uint8; 1: one e4m3 byte per code
+    group_size: int | None  # inputs per e4m3 group scale (None: no group scales)
+    output_scale: str      # how the float32 output scale applies: "global" | "tensor" | "channel"
+    title: str             # for messages: "NVFP4", "FP8 per tensor", ...
+
+    # ------------------------------------------------------------------------- shapes
+    @property
+    def has_group_scales(self) -> bool:
+        return self.group_size is not None
+
+    @property
+    def moe_route(self) -> str:
+        return self.route_prefix + "_moe"
+
+    @property
+    def method_family(self) -> str:
+        """The route family's name in messages ("QPN2")."""
+        return self.route_prefix.upper()
+
+    def torch_code_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.code_dtype)
+
+    def code_cols(self, k: int) -> int:
+        """Columns of the checkpoint codes tensor for K inputs."""
+        return k // self.codes_per_byte
+
+    def group_scale_cols(self, k: int) -> int | None:
+        return None if self.group_size is None else k // self.group_size
+
+    def check_k(self, k: int) -> None:
+        """Raise FormatError unless K inputs can be stored in this format."""
+        if self.group_size is not None and k % self.group_size:
+            raise FormatError(f"{self.title} needs K to be a multiple of {self.group_size} (one e4m3 "
+                              f"scale per {self.group_size} inputs); got K={k}")
+
+    # ----------------------------------------------------------------- kernel entry points
+    def dense_entry_points(self, atom: str) -> tuple[str, ...]:
+        """The dense kernels of the family on the m8n8k4 atom (one-tile, two-tile, workspace
+        reconstruction); on m16n8k16 the configured kernels are listed in kernels/jit.py."""
+        p = self.route_prefix
+        if atom == "m8n8k4":
+            return (f"{p}_mt1_{atom}", f"{p}_mt2_{atom}", f"{p}_reconstruct_ws_{atom}")
+        return (f"{p}_reconstruct_ws_{atom}",)
+
+    def moe_entry_points(self, atom: str) -> tuple[str, ...]:
+        p = self.route_prefix
+        return (f"{p}_moe_gate_up_{atom}", f"{p}_moe_down_{atom}")
+
+    # ---------------------------------------------------------------- numerics (subclasses)
+    def decode_f64(self, *src) -> torch.Tensor:
+        """Exact float64 [N, K] of a source."""
+        raise NotImplementedError
+
+    def decode_f32(self, *src) -> torch.Tensor:
+        """float32 [N, K] with the kernels' scale rounding."""
+        raise NotImplementedError
+
+    def quantize(self, w: torch.Tensor) -> tuple:
+        """float [N, K] -> a source tuple (the generators' encoder)."""
+        raise NotImplementedError
+
+    def prepack(self, *src, atom: str = "m8n8k4", rows_per_chunk: int | None = None):
+        raise NotImplementedError
+
+    def unprepack(self, packed) -> tuple:
+        """The exact inverse of ``prepack``: the source tuple back (scales as packed)."""
+        raise NotImplementedError
+
+    def verify_roundtrip(self, packed, *src, rows_per_chunk: int | None = None) -> None:
+        """Raise prepack.PrepackMismatch naming the first differing byte unless ``packed`` gives
+        ``src`` back byte for byte (the scalar global scale is not compared for NVFP4)."""
+        raise NotImplementedError
+
+    def packed_type(self) -> type:
+        raise NotImplementedError
+
+    def reference_linear(self, x: torch.Tensor, packed, bias=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reference_linear_f64(self, x: torch.Tensor, packed, bias=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_packed(self, packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight values float32 [N, K] with group scales applied, float32 output scale per row
+        [N]) from the packed bytes: y = (x @ values^T) * row_scale."""
+        raise NotImplementedError
+
+    def kernel_tensors(self, packed) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(codes, group scales or None, float32 output scale: [1] or [N]) a kernel reads."""
+        raise NotImplementedError
+
+    def packed_from_tensors(self, codes, scales, chscale, n: int, k: int, atom: str):
+        """The inverse of ``kernel_tensors``: a packed weight (views, no copy)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------- MoE source layout
+    def expert_source(self, e: int, weight, weight_scale, weight_scale_2=None) -> tuple:
+        """Source of expert ``e`` from stacked expert tensors [E, ...] (see kernels/moe.py)."""
+        raise NotImplementedError
+
+    def moe_gate_up_sources(self, wg, wu, w13_scale, w13_scale_2, inter: int) -> tuple[tuple, tuple]:
+        """Stacked (gate, up) sources from vLLM's fused w13 scales (see kernels/moe.prepack_moe)."""
+        raise NotImplementedError
+
+    def moe_down_source(self, w2, w2_scale, w2_scale_2=None) -> tuple:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.key
 
 
-def e2m1_table(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 16 e2m1 values indexed by code (a copy in ``dtype``)."""
-    return _E2M1_TABLE_F32.to(dtype)
+def _rows(rows_per_chunk):
+    from . import prepack
+
+    return prepack.DEFAULT_ROWS_PER_CHUNK if rows_per_chunk is None else rows_per_chunk
 
 
-def e4m3_table(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 256 e4m3fn values indexed by byte (a copy in ``dtype``; float64 keeps them exact too)."""
-    return _E4M3_TABLE_F32.to(dtype)
+def _expert_scalars(t, e_count: int, what: str):
+    import torch
+
+    s = torch.as_tensor(t, dtype=torch.float32).reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(e_count)
+    if s.numel() != e_count:
+        from .moe import MoeShapeError
+
+        raise MoeShapeError(f"{what} must hold one float32 value per expert ({e_count}), got {s.numel()} values")
+    return s
 
 
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise FormatError(msg)
+@dataclass(frozen=True)
+class NVFP4Format(WeightFormat):
+    """e2m1 codes, two per byte (even element in the low nibble), one e4m3 scale per 16 inputs
+    and one float32 global multiplier: value = e2m1(code) * e4m3(group scale) * global."""
+
+    def decode_f64(self, *src):
+        from . import codecs
+
+        return codecs.dequantize_nvfp4_f64(*src)
+
+    def decode_f32(self, *src):
+        from . import codecs
+
+        return codecs.dequantize_nvfp4(*src)
+
+    def quantize(self, w):
+        from . import codecs
+
+        return codecs.quantize_nvfp4(w)
+
+    def prepack(self, *src, atom="m8n8k4", rows_per_chunk=None):
+        from . import prepack
+
+        return prepack.prepack_nvfp4(*src, atom=atom, rows_per_chunk=_rows(rows_per_chunk))
+
+    def unprepack(self, packed):
+        from . import prepack
+
+        w, s = prepack.unprepack_nvfp4(packed)
+        return w, s, packed.global_scale.reshape(())
+
+    def verify_roundtrip(self, packed, *src, rows_per_chunk=None):
+        from . import prepack
+
+        prepack.verify_nvfp4_roundtrip(packed, src[0], src[1], rows_per_chunk=_rows(rows_per_chunk))
+
+    def packed_type(self):
+        from .prepack import PackedNVFP4
+
+        return PackedNVFP4
+
+    def reference_linear(self, x, packed, bias=None):
+        from . import reference
+
+        return reference.linear_nvfp4(x, packed, bias)
+
+    def reference_linear_f64(self, x, packed, bias=None):
+        from . import reference
+
+        return reference.linear_nvfp4_f64(x, packed, bias)
+
+    def decode_packed(self, packed):
+        import torch
+
+        from . import reference
+
+        vals, gscales = reference.decode_packed_nvfp4(packed)
+        w = (vals.view(packed.n, -1, self.group_size) * gscales.unsqueeze(-1)).view(packed.n, packed.k)
+        return w, torch.ones(packed.n, dtype=torch.float32, device=w.device)
+
+    def kernel_tensors(self, packed):
+        import torch
+
+        return packed.codes, packed.scales, packed.global_scale.to(torch.float32).reshape(1)
+
+    def packed_from_tensors(self, codes, scales, chscale, n, k, atom):
+        from .prepack import PackedNVFP4
+
+        return PackedNVFP4(codes, scales, chscale.reshape(1), n, k, atom)
+
+    def expert_source(self, e, weight, weight_scale, weight_scale_2=None):
+        gs = _expert_scalars(weight_scale_2, weight.shape[0], "weight_scale_2")
+        return weight[e], weight_scale[e], gs[e]
+
+    def moe_gate_up_sources(self, wg, wu, w13_scale, w13_scale_2, inter):
+        import torch
+
+        from .moe import split_gate_up
+
+        sg, su = split_gate_up(w13_scale, inter)
+        s2 = torch.as_tensor(w13_scale_2, dtype=torch.float32).reshape(wg.shape[0], -1)
+        return (wg, sg, s2[:, 0]), (wu, su, s2[:, -1])
+
+    def moe_down_source(self, w2, w2_scale, w2_scale_2=None):
+        return w2, w2_scale, w2_scale_2
 
 
-def as_e4m3_bytes(t: torch.Tensor) -> torch.Tensor:
-    """View float8_e4m3fn (or pass uint8) as its raw bytes, without any arithmetic."""
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8)
-    _require(t.dtype == torch.uint8,
-             f"expected float8_e4m3fn or its uint8 bytes, got {t.dtype}; "
-             "load the checkpoint tensor unchanged (no .to(float)) before passing it")
-    return t
+@dataclass(frozen=True)
+class FP8Format(WeightFormat):
+    """e4m3 codes, one byte each, times a float32 scale per tensor or per output channel."""
+
+    def decode_f64(self, *src):
+        from . import codecs
+
+        return codecs.dequantize_fp8_f64(*src)
+
+    def decode_f32(self, *src):
+        from . import codecs
+
+        return codecs.dequantize_fp8(*src)
+
+    def quantize(self, w):
+        from . import codecs
+
+        return codecs.quantize_fp8(w, per_channel=self.output_scale == "channel")
+
+    def prepack(self, *src, atom="m8n8k4", rows_per_chunk=None):
+        from . import prepack
+
+        return prepack.prepack_fp8(*src, atom=atom, rows_per_chunk=_rows(rows_per_chunk))
+
+    def unprepack(self, packed):
+        from . import prepack
+
+        return prepack.unprepack_fp8(packed)
+
+    def verify_roundtrip(self, packed, *src, rows_per_chunk=None):
+        from . import prepack
+
+        prepack.verify_fp8_roundtrip(packed, *src, rows_per_chunk=_rows(rows_per_chunk))
+
+    def packed_type(self):
+        from .prepack import PackedFP8
+
+        return PackedFP8
+
+    def reference_linear(self, x, packed, bias=None):
+        from . import reference
+
+        return reference.linear_fp8(x, packed, bias)
+
+    def reference_linear_f64(self, x, packed, bias=None):
+        from . import reference
+
+        return reference.linear_fp8_f64(x, packed, bias)
+
+    def decode_packed(self, packed):
+        from . import reference
+
+        return reference.decode_packed_fp8(packed)
+
+    def kernel_tensors(self, packed):
+        import torch
+
+        return packed.codes, None, packed.scale.to(torch.float32).reshape(-1)
+
+    def packed_from_tensors(self, codes, scales, chscale, n, k, atom):
+        from .prepack import PackedFP8
+
+        return PackedFP8(codes, chscale.reshape(-1), n, k, atom)
+
+    def expert_source(self, e, weight, weight_scale, weight_scale_2=None):
+        import torch
+
+        from .moe import MoeShapeError
+
+        e_count, n = weight.shape[0], weight.shape[1]
+        ws = torch.as_tensor(weight_scale, dtype=torch.float32)
+        if ws.numel() == 1:
+            return weight[e], ws.reshape(())
+        if ws.dim() >= 1 and ws.shape[0] == e_count:
+            per = ws[e].reshape(-1)
+            if per.numel() == 1:
+                return weight[e], per.reshape(())
+            if per.numel() == n:
+                return weight[e], per
+        raise MoeShapeError(f"FP8 expert weight_scale must be one value, [E={e_count}] (per tensor) or "
+                            f"[E={e_count}, N={n}] (per channel); got shape {tuple(ws.shape)}")
+
+    def moe_gate_up_sources(self, wg, wu, w13_scale, w13_scale_2, inter):
+        import torch
+
+        e_count = wg.shape[0]
+        s = torch.as_tensor(w13_scale, dtype=torch.float32)
+        if s.dim() >= 2 and s.shape[1] == 2 * inter:     # per channel
+            sg, su = s[:, :inter].reshape(e_count, inter), s[:, inter:].reshape(e_count, inter)
+        else:                                            # per tensor: one per shard, or one per expert
+            s = s.reshape(e_count, -1)
+            sg, su = s[:, 0], s[:, -1]
+        return (wg, sg), (wu, su)
+
+    def moe_down_source(self, w2, w2_scale, w2_scale_2=None):
+        import torch
+
+        ws = torch.as_tensor(w2_scale, dtype=torch.float32)
+        return w2, (ws.reshape(w2.shape[0], -1) if ws.dim() >= 2 and ws.shape[1] != 1 else ws.reshape(-1))
 
 
-# ---------------------------------------------------------------------------------- e2m1 codes
-def unpack_nvfp4_codes(weight_u8: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> uint8 codes [N, K]; code 2j is the low nibble of byte j."""
-    _require(weight_u8.dtype == torch.uint8, f"NVFP4 weight must be uint8, got {weight_u8.dtype}")
-    _require(weight_u8.dim() == 2, f"NVFP4 weight must be 2-D [N, K/2], got {tuple(weight_u8.shape)}")
-    n, kh = weight_u8.shape
-    out = torch.empty((n, kh * 2), dtype=torch.uint8, device=weight_u8.device)
-    out[:, 0::2] = weight_u8 & 0x0F
-    out[:, 1::2] = weight_u8 >> 4
-    return out
+NVFP4 = NVFP4Format(
+    key="nvfp4", family="nvfp4", route_prefix="qpn2", algos=("NVFP4", "W4A16_NVFP4"),
+    roles=("codes", "group_scales", "global_scale"), code_dtype="uint8", codes_per_byte=2,
+    group_size=GROUP_SIZE, output_scale="global", title="NVFP4")
+FP8_TENSOR = FP8Format(
+    key="fp8_tensor", family="fp8", route_prefix="qpn8", algos=("FP8",),
+    roles=("codes", "scale"), code_dtype="float8_e4m3fn", codes_per_byte=1,
+    group_size=None, output_scale="tensor", title="FP8 per tensor")
+# Not declared by any ModelOpt algo QPN serves (ModelOpt's per-channel FP8 is per-token dynamic in
+# its activations); compressed-tensors declares it with weights strategy "channel".
+FP8_CHANNEL = FP8Format(
+    key="fp8_channel", family="fp8", route_prefix="qpn8", algos=(),
+    roles=("codes", "scale"), code_dtype="float8_e4m3fn", codes_per_byte=1,
+    group_size=None, output_scale="channel", title="FP8 per channel")
+
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL)
+# One member per kernel family: the formats that differ only in how the output scale is stored
+# share the family's packed layout, routes and kernels.
+FAMILIES: dict[str, WeightFormat] = {"nvfp4": NVFP4, "fp8": FP8_TENSOR}
+MODELOPT_ALGOS: dict[str, WeightFormat] = {a: f for f in WEIGHT_FORMATS for a in f.algos}
 
 
-def pack_nvfp4_codes(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] (each < 16) -> uint8 [N, K/2], even element in the low nibble."""
-    _require(codes.dtype == torch.uint8, f"codes must be uint8, got {codes.dtype}")
-    _require(codes.dim() == 2 and codes.shape[1] % 2 == 0,
-             f"codes must be 2-D with an even number of columns, got {tuple(codes.shape)}")
-    _require(int(codes.max()) < 16 if codes.numel() else True, "codes must be 4-bit values (< 16)")
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+def _names() -> str:
+    return ", ".join([f.key for f in WEIGHT_FORMATS] + sorted(FAMILIES) + sorted(MODELOPT_ALGOS))
 
 
-def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 e2m1 codes -> float32 values (exact)."""
-    _require(codes.dtype == torch.uint8, f"codes must be uint8, got {codes.dtype}")
-    return _E2M1_TABLE_F32.to(codes.device)[(codes & 0x0F).long()]
+def find_format(name_or_algo: Any) -> WeightFormat | None:
+    """The WeightFormat a key, family name or ModelOpt algo (any case) names; None if none."""
+    if isinstance(name_or_algo, WeightFormat):
+        return name_or_algo
+    s = str(name_or_algo)
+    for f in WEIGHT_FORMATS:
+        if s.lower() == f.key:
+            return f
+    return FAMILIES.get(s.lower()) or MODELOPT_ALGOS.get(s.upper())
 
 
-def decode_e4m3(t: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn tensor (or its uint8 bytes) -> float32 values (exact, NaN for 0x7F/0xFF)."""
-    return _E4M3_TABLE_F32.to(t.device)[as_e4m3_bytes(t).long()]
+def weight_format(name_or_algo: Any, fp8_scale: str | None = None) -> WeightFormat:
+    """The WeightFormat named; ``fp8_scale`` ("tensor" | "channel") picks the FP8 member."""
+    f = find_format(name_or_algo)
+    if f is None:
+        raise UnknownFormat(f"unknown weight format or quant algo {name_or_algo!r}; QPN serves {_names()}")
+    if fp8_scale is not None and f.family == "fp8":
+        f = {"tensor": FP8_TENSOR, "channel": FP8_CHANNEL}.get(fp8_scale)
+        if f is None:
+            raise UnknownFormat(f"unknown FP8 scale layout {fp8_scale!r}; expected 'tensor' or 'channel'")
+    return f
 
 
-def _global_scale_f32(weight_scale_2) -> torch.Tensor:
-    gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1)
-    _require(gs.numel() == 1, f"weight_scale_2 must be one float32 value, got {gs.numel()} elements")
-    return gs.reshape(())
+def format_of(packed) -> WeightFormat:
+    """The WeightFormat of a packed weight or expert stack (by its ``fmt`` and scale layout)."""
+    f = weight_format(packed.fmt)
+    if f.family == "fp8" and getattr(packed, "per_channel", False):
+        return FP8_CHANNEL
+    return f
 
 
-def nvfp4_group_scales_f32(weight_scale: torch.Tensor, weight_scale_2) -> torch.Tensor:
-    """Per-group float32 scale e4m3(group) * global, rounded once to float32 (what kernels use)."""
-    return decode_e4m3(weight_scale) * _global_scale_f32(weight_scale_2).to(weight_scale.device)
+def format_for_route(route: str) -> WeightFormat:
+    """The family member (``FAMILIES``) whose routes include ``route`` (by its prefix)."""
+    for f in FAMILIES.values():
+        if route == f.route_prefix or route.startswith(f.route_prefix + "_"):
+            return f
+    raise UnknownFormat(f"route {route!r} belongs to no QPN format (route prefixes: "
+                        f"{', '.join(f.route_prefix for f in FAMILIES.values())})")
 
 
-def check_nvfp4(weight_u8: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2=None) -> tuple[int, int]:
-    """Validate an NVFP4 triple; returns (N, K)."""
-    _require(weight_u8.dtype == torch.uint8, f"NVFP4 weight must be uint8, got {weight_u8.dtype}")
-    _require(weight_u8.dim() == 2, f"NVFP4 weight must be [N, K/2], got {tuple(weight_u8.shape)}")
-    n, k = weight_u8.shape[0], weight_u8.shape[1] * 2
-    _require(k % GROUP_SIZE == 0,
-             f"NVFP4 needs K to be a multiple of {GROUP_SIZE} (one e4m3 scale per 16 inputs); got K={k}")
-    ws = as_e4m3_bytes(weight_scale)
-    _require(tuple(ws.shape) == (n, k // GROUP_SIZE),
-             f"NVFP4 weight_scale must be [N, K/16] = {(n, k // GROUP_SIZE)}, got {tuple(ws.shape)}")
-    if weight_scale_2 is not None:
-        _global_scale_f32(weight_scale_2)
-    return n, k
+def __getattr__(name: str):
+    # formats.<codec> (decode_e4m3, dequantize_nvfp4, quantize_fp8, ...): the torch codecs,
+    # imported on first use so that reading a format description needs no torch.
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from . import codecs
 
-
-def dequantize_nvfp4(weight_u8: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2) -> torch.Tensor:
-    """NVFP4 checkpoint triple -> float32 [N, K] = e2m1 * fl32(e4m3 * global)."""
-    n, k = check_nvfp4(weight_u8, weight_scale, weight_scale_2)
-    vals = decode_e2m1(unpack_nvfp4_codes(weight_u8)).view(n, k // GROUP_SIZE, GROUP_SIZE)
-    scales = nvfp4_group_scales_f32(weight_scale, weight_scale_2)
-    return (vals * scales.unsqueeze(-1)).view(n, k)
-
-
-def dequantize_nvfp4_f64(weight_u8: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2) -> torch.Tensor:
-    """Exact float64 dequantization (every product of an e2m1, an e4m3 and a float32 is exact in f64)."""
-    n, k = check_nvfp4(weight_u8, weight_scale, weight_scale_2)
-    vals = decode_e2m1(unpack_nvfp4_codes(weight_u8)).double().view(n, k // GROUP_SIZE, GROUP_SIZE)
-    scales = decode_e4m3(weight_scale).double() * _global_scale_f32(weight_scale_2).double()
-    return (vals * scales.unsqueeze(-1)).view(n, k)
-
-
-def fp8_channel_scales(weight_scale, n: int) -> torch.Tensor:
-    """float32 [N] scale vector from a per-tensor ([], [1]) or per-channel ([N], [N, 1]) scale."""
-    s = torch.as_tensor(weight_scale, dtype=torch.float32)
-    _require(s.numel() in (1, n),
-             f"FP8 weight_scale must have 1 element (per tensor) or N={n} (per channel), got shape {tuple(s.shape)}")
-    return s.reshape(-1).expand(n) if s.numel() == 1 else s.reshape(n)
-
-
-def dequantize_fp8(weight_e4m3: torch.Tensor, weight_scale) -> torch.Tensor:
-    """FP8 checkpoint pair -> float32 [N, K] = e4m3 * scale (scale per tensor or per row)."""
-    w = as_e4m3_bytes(weight_e4m3)
-    _require(w.dim() == 2, f"FP8 weight must be 2-D [N, K], got {tuple(w.shape)}")
-    s = fp8_channel_scales(weight_scale, w.shape[0]).to(w.device)
-    return decode_e4m3(w) * s.unsqueeze(1)
-
-
-def dequantize_fp8_f64(weight_e4m3: torch.Tensor, weight_scale) -> torch.Tensor:
-    w = as_e4m3_bytes(weight_e4m3)
-    s = fp8_channel_scales(weight_scale, w.shape[0]).to(w.device).double()
-    return decode_e4m3(w).double() * s.unsqueeze(1)
-
-
-# ---------------------------------------------------------------------------------- encoders
-def round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """float tensor (already divided by its scale) -> uint8 e2m1 codes, round half to even,
-    magnitudes above 6 saturate to 6; the sign bit is set for x < 0 (so -0.0 encodes as +0)."""
-    xf = x.float()
-    sign = (xf < 0).to(torch.uint8)
-    mag = xf.abs()
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=x.device)
-    idx = torch.searchsorted(bounds, mag.contiguous(), right=False).to(torch.uint8)
-    ties_up = torch.zeros_like(idx)
-    for b in _E2M1_TIES_UP:
-        ties_up |= (mag == b).to(torch.uint8)
-    idx = torch.clamp(idx + ties_up, max=7)
-    return (sign << 3) | idx
-
-
-def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 f32).
-
-    ModelOpt's convention: weight_scale_2 = amax / (6 * 448); per group, scale = group_amax /
-    (6 * weight_scale_2), a zero scale set to 1, clamped to [2^-9, 448] and cast to e4m3 (round to
-    nearest even); codes = e2m1_round(w / (e4m3(scale) * weight_scale_2)). An all-zero tensor
-    (ModelOpt would divide by zero) gets weight_scale_2 = 1 / (6 * 448) and all-zero codes.
-    """
-    _require(w.dim() == 2, f"weight must be 2-D [N, K], got {tuple(w.shape)}")
-    n, k = w.shape
-    _require(k % GROUP_SIZE == 0, f"NVFP4 needs K to be a multiple of {GROUP_SIZE}, got K={k}")
-    wf = w.detach().float().cpu()
-    amax = wf.abs().max() if wf.numel() else torch.tensor(0.0)
-    gs = (amax / (E2M1_MAX * E4M3_MAX)).float()
-    if float(gs) == 0.0:
-        gs = torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32)
-    groups = wf.view(n, k // GROUP_SIZE, GROUP_SIZE)
-    block_scale = groups.abs().amax(dim=-1) / (E2M1_MAX * gs)
-    block_scale[block_scale == 0] = 1.0
-    scale_e4m3 = block_scale.clamp(min=2.0 ** -9, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    denom = (scale_e4m3.float() * gs).unsqueeze(-1)
-    codes = round_to_e2m1_codes((groups / denom).view(n, k))
-    return pack_nvfp4_codes(codes), scale_e4m3, gs.reshape(())
-
-
-def quantize_fp8(w: torch.Tensor, per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (weight float8_e4m3fn [N, K], weight_scale float32).
-
-    scale = amax / 448 per tensor (a 0-d tensor) or per output row ([N], when per_channel);
-    the weight is w / scale cast to e4m3 (round to nearest even, saturating at 448).
-    """
-    _require(w.dim() == 2, f"weight must be 2-D [N, K], got {tuple(w.shape)}")
-    wf = w.detach().float().cpu()
-    if per_channel:
-        amax = wf.abs().amax(dim=1)
-    else:
-        amax = wf.abs().max() if wf.numel() else torch.tensor(0.0)
-    scale = (amax / E4M3_MAX).float()
-    scale = torch.where(scale == 0, torch.full_like(scale, 1.0 / E4M3_MAX), scale)
-    div = scale.unsqueeze(1) if per_channel else scale
-    q = (wf / div).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale.reshape(-1) if per_channel else scale.reshape(())
+    try:
+        return getattr(codecs, name)
+    except AttributeError:
+        raise AttributeError(f"module 'qpn.kernels.formats' has no attribute {name!r}") from None

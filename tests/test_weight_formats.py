@@ -1,0 +1,208 @@
+"""The format descriptions (qpn.kernels.formats): one WeightFormat per numeric format, asked by
+the rest of the code. Round trips over every code and scale byte a quantizer can write, the
+prepack inverse of every format on both atoms, and the registry: every algo a convention knows
+and every route name maps to exactly one format."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpn.kernels import formats, prepack
+from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, NVFP4, WEIGHT_FORMATS
+
+pytestmark = pytest.mark.fast
+
+E2M1 = torch.tensor(formats.E2M1_VALUES, dtype=torch.float64)
+
+
+def _e4m3_f64(b: torch.Tensor) -> torch.Tensor:
+    """Independent oracle: torch's own float8 cast."""
+    return b.view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def _nvfp4_every_byte():
+    """A source holding every nonzero positive e4m3 scale byte a quantizer writes (0x01..0x7E,
+    one group each) and every e2m1 code but -0 (which encodes as +0), with code 7 (6.0) in each
+    group so the group amax pins the scale; global scale 2^-4."""
+    scale_bytes = torch.arange(1, 0x7F, dtype=torch.int32).to(torch.uint8)   # 126 groups
+    base = [c for c in range(16) if c != 8] + [7]                            # 16 codes
+    rows = [base[r % 16:] + base[:r % 16] for r in range(scale_bytes.numel())]
+    codes = torch.tensor(rows, dtype=torch.uint8)                            # [126, 16]
+    return (formats.pack_nvfp4_codes(codes), scale_bytes.view(torch.float8_e4m3fn).reshape(-1, 1),
+            torch.tensor(2.0 ** -4, dtype=torch.float32)), codes
+
+
+def _fp8_every_byte(per_channel: bool):
+    """Every finite e4m3 byte (254 of them, -0 included), each row holding +-448 so that its
+    amax pins the scale: per tensor scale 1, per channel 2^-3 * (row % 3 + 1) / 2^k exact."""
+    finite = [b for b in range(256) if b not in (0x7F, 0xFF)]
+    k = 32
+    rows = []
+    for r in range(-(-len(finite) // (k - 1))):
+        part = finite[r * (k - 1):(r + 1) * (k - 1)]
+        part = part + [0x00] * (k - 1 - len(part)) + [0x7E if r % 2 else 0xFE]
+        rows.append(part)
+    codes = torch.tensor(rows, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    n = codes.shape[0]
+    if per_channel:
+        scale = torch.tensor([2.0 ** -(3 + r % 5) for r in range(n)], dtype=torch.float32)
+    else:
+        scale = torch.tensor(1.0, dtype=torch.float32)
+    return codes, scale
+
+
+def test_nvfp4_decode_and_quantize_round_trip_every_byte():
+    src, codes = _nvfp4_every_byte()
+    w64 = NVFP4.decode_f64(*src)
+    want = (E2M1[codes.long()] * _e4m3_f64(src[1].view(torch.uint8)) * 2.0 ** -4)
+    assert torch.equal(w64, want)
+    q = NVFP4.quantize(w64.float())
+    assert torch.equal(q[0], src[0])
+    assert torch.equal(q[1].view(torch.uint8), src[1].view(torch.uint8))
+    assert float(q[2]) == float(src[2])
+    assert torch.equal(NVFP4.decode_f32(*src).double(), w64)  # every value exact in float32 here
+
+
+@pytest.mark.parametrize("fmt", [FP8_TENSOR, FP8_CHANNEL], ids=lambda f: f.key)
+def test_fp8_decode_and_quantize_round_trip_every_byte(fmt):
+    codes, scale = _fp8_every_byte(fmt.output_scale == "channel")
+    w64 = fmt.decode_f64(codes, scale)
+    want = _e4m3_f64(codes.view(torch.uint8)) * scale.double().reshape(-1, 1)
+    assert torch.equal(w64, want)
+    q_codes, q_scale = fmt.quantize(w64.float())
+    assert torch.equal(q_codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(q_scale.reshape(-1), scale.reshape(-1))
+    assert q_scale.numel() == (codes.shape[0] if fmt is FP8_CHANNEL else 1)
+
+
+def _random_source(fmt, n=45, k=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return fmt.quantize(torch.randn(n, k, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("atom", formats.ATOMS)
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
+def test_prepack_inverse_per_format(fmt, atom):
+    src = _random_source(fmt)
+    packed = fmt.prepack(*src, atom=atom)
+    assert isinstance(packed, fmt.packed_type())
+    assert formats.format_of(packed) is fmt
+    back = fmt.unprepack(packed)
+    assert len(back) == len(fmt.roles) == len(src)
+    for a, b in zip(back, src):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        if a.dtype in (torch.float8_e4m3fn, torch.uint8):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        else:
+            assert torch.equal(a.reshape(-1), b.float().reshape(-1))
+    fmt.verify_roundtrip(packed, *src)
+    bad = packed.codes.clone()
+    bad[7] ^= 0x11
+    broken = fmt.packed_from_tensors(bad, *fmt.kernel_tensors(packed)[1:], packed.n, packed.k, atom)
+    with pytest.raises(prepack.PrepackMismatch):
+        fmt.verify_roundtrip(broken, *src)
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
+def test_kernel_tensors_and_reference_agree_with_decode(fmt):
+    src = _random_source(fmt, n=40, k=64, seed=1)
+    packed = fmt.prepack(*src)
+    again = fmt.packed_from_tensors(*fmt.kernel_tensors(packed), packed.n, packed.k, packed.atom)
+    assert formats.format_of(again) is fmt
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).half()
+    y64 = fmt.reference_linear_f64(x, again)
+    assert torch.allclose(y64, x.double() @ fmt.decode_f64(*src).t(), rtol=1e-12, atol=1e-12)
+    vals, row_scale = fmt.decode_packed(packed)
+    assert torch.equal((vals.double() * row_scale.double().reshape(-1, 1)), fmt.decode_f32(*src).double()) \
+        or torch.allclose(vals.double() * row_scale.double().reshape(-1, 1), fmt.decode_f64(*src), rtol=2 ** -23)
+    y = fmt.reference_linear(x, packed)
+    assert y.dtype == torch.float16 and y.shape == (5, 40)
+
+
+def test_lookup_by_key_family_and_algo():
+    assert formats.weight_format("nvfp4") is NVFP4
+    assert formats.weight_format("NVFP4") is NVFP4 and formats.weight_format("w4a16_nvfp4") is NVFP4
+    assert formats.weight_format("FP8") is FP8_TENSOR and formats.weight_format("fp8") is FP8_TENSOR
+    assert formats.weight_format("fp8", fp8_scale="channel") is FP8_CHANNEL
+    assert formats.weight_format("fp8_channel") is FP8_CHANNEL
+    assert formats.weight_format(FP8_CHANNEL) is FP8_CHANNEL
+    for bad in ("int4", "nvfp", "FP8_PB_WO", "", "qpn2"):
+        with pytest.raises(formats.UnknownFormat, match="QPN serves"):
+            formats.weight_format(bad)
+        assert formats.find_format(bad) is None
+    with pytest.raises(formats.UnknownFormat):
+        formats.weight_format("fp8", fp8_scale="block")
+
+
+def test_every_modelopt_algo_maps_to_one_format():
+    from qpn.fork_patches.conventions import MODELOPT
+
+    seen = {}
+    for f in WEIGHT_FORMATS:
+        for a in f.algos:
+            assert a not in seen, f"{a} declared by {seen.get(a)} and {f.key}"
+            seen[a] = f.key
+    assert set(seen) == {"NVFP4", "W4A16_NVFP4", "FP8"}
+    modules = [f"m{i}" for i in range(len(seen))]
+    cfg = {"quantized_layers": {m: {"quant_algo": a} for m, a in zip(modules, seen)}}
+    schemes = MODELOPT.module_schemes(cfg, modules)
+    for m, a in zip(modules, seen):
+        assert schemes[m].format is formats.weight_format(a)
+
+
+def test_every_compressed_tensors_scheme_maps_to_one_format():
+    from qpn.fork_patches.conventions import ct_scheme_of
+
+    cases = {
+        NVFP4: {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True},
+        FP8_TENSOR: {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+        FP8_CHANNEL: {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+    }
+    for want, w in cases.items():
+        assert ct_scheme_of(w, None, "test").format is want
+    assert {f for f in cases} == set(WEIGHT_FORMATS)
+
+
+def test_every_route_maps_to_one_format():
+    from qpn.kernels import routes
+
+    prefixes = [f.route_prefix for f in formats.FAMILIES.values()]
+    assert len(set(prefixes)) == len(prefixes)
+    assert not any(a != b and b.startswith(a + "_") for a in prefixes for b in prefixes)
+    for f in WEIGHT_FORMATS:
+        assert formats.FAMILIES[f.family].route_prefix == f.route_prefix
+    names = set(routes.QPN_ROUTES) | set(routes.QPN_MOE_ROUTES)
+    for r in names:
+        owners = [f for f in formats.FAMILIES.values()
+                  if r == f.route_prefix or r.startswith(f.route_prefix + "_")]
+        assert owners == [formats.format_for_route(r)], r
+    assert {formats.format_for_route(r).family for r in names} == set(formats.FAMILIES)
+    with pytest.raises(formats.UnknownFormat):
+        formats.format_for_route("qpn28")
+
+
+def test_entry_points_match_the_build_lists():
+    from qpn.kernels import jit, moe
+
+    dense = {e for f in formats.FAMILIES.values() for e in f.dense_entry_points("m8n8k4")}
+    assert dense == set(jit.ENTRY_POINTS["m8n8k4"])
+    for atom in formats.ATOMS:
+        assert {e for f in formats.FAMILIES.values() for e in f.moe_entry_points(atom)} == set(moe.MOE_ENTRY_POINTS[atom])
+        assert {e for f in formats.FAMILIES.values() for e in f.dense_entry_points(atom)} <= set(jit.ENTRY_POINTS[atom])
+
+
+def test_descriptions_need_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class B:\n"
+            "    def find_spec(self, n, p=None, t=None):\n"
+            "        if n == 'torch' or n.startswith('torch.'): raise ImportError('no torch')\n"
+            "sys.meta_path.insert(0, B())\n"
+            "from qpn.kernels import formats\n"
+            "from qpn.fork_patches import conventions\n"
+            "print(formats.weight_format('W4A16_NVFP4').route_prefix)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "qpn2"
