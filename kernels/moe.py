@@ -50,10 +50,8 @@ ROWS_PER_GROUP = {"m8n8k4": 8, "m16n8k16": 8}
 MAX_EXPERTS = 2048
 MOE_ENTRY_POINTS = {
     "common": ("qpn_moe_align", "qpn_moe_combine"),
-    "m8n8k4": ("qpn2_moe_gate_up_m8n8k4", "qpn2_moe_down_m8n8k4",
-               "qpn8_moe_gate_up_m8n8k4", "qpn8_moe_down_m8n8k4"),
-    "m16n8k16": ("qpn2_moe_gate_up_m16n8k16", "qpn2_moe_down_m16n8k16",
-                 "qpn8_moe_gate_up_m16n8k16", "qpn8_moe_down_m16n8k16"),
+    **{atom: tuple(e for f in formats.FAMILIES.values() for e in f.moe_entry_points(atom))
+       for atom in ("m8n8k4", "m16n8k16")},
 }
 
 
@@ -66,7 +64,7 @@ class MoeShapeError(ValueError):
 class PackedExpertStack:
     """E expert matrices [N, K] of one projection, each prepacked like a dense weight."""
 
-    fmt: str                       # "nvfp4" | "fp8"
+    fmt: str                       # kernel family of qpn.kernels.formats ("nvfp4" | "fp8")
     codes: torch.Tensor            # uint8 [E, code_bytes] (fragment order per expert)
     scales: Optional[torch.Tensor]  # uint8 [E, scale_bytes] e4m3 group scales (NVFP4), else None
     chscale: torch.Tensor          # float32 [E, 1] (NVFP4 global scale, FP8 per tensor) or [E, N] (FP8 per channel)
@@ -77,6 +75,10 @@ class PackedExpertStack:
     @property
     def num_experts(self) -> int:
         return int(self.codes.shape[0])
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        return formats.format_of(self)
 
     @property
     def per_channel(self) -> bool:
@@ -102,10 +104,8 @@ class PackedExpertStack:
 
     def expert(self, e: int):
         """Expert e as a dense PackedNVFP4 / PackedFP8 (views of the stack, no copy)."""
-        if self.fmt == "nvfp4":
-            return prepack.PackedNVFP4(self.codes[e], self.scales[e], self.chscale[e].reshape(1),
-                                       self.n, self.k, self.atom)
-        return prepack.PackedFP8(self.codes[e], self.chscale[e].reshape(-1), self.n, self.k, self.atom)
+        return self.format.packed_from_tensors(self.codes[e], None if self.scales is None else self.scales[e],
+                                               self.chscale[e], self.n, self.k, self.atom)
 
     def to(self, device) -> "PackedExpertStack":
         return PackedExpertStack(self.fmt, self.codes.to(device),
@@ -181,33 +181,10 @@ class PackedMoE:
 
         def stack(i, fmt, n, k):
             codes, scales, ch = ts[3 * i: 3 * i + 3]
-            return PackedExpertStack(fmt, codes, scales if fmt == "nvfp4" else None, ch, n, k, atom)
+            has_scales = formats.weight_format(fmt).has_group_scales
+            return PackedExpertStack(fmt, codes, scales if has_scales else None, ch, n, k, atom)
 
         return cls(stack(0, gu_fmt, inter, hidden), stack(1, gu_fmt, inter, hidden), stack(2, d_fmt, hidden, inter))
-
-
-def _as_expert_scalars(t, e: int, what: str) -> torch.Tensor:
-    s = torch.as_tensor(t, dtype=torch.float32).reshape(-1)
-    if s.numel() == 1:
-        s = s.expand(e)
-    if s.numel() != e:
-        raise MoeShapeError(f"{what} must hold one float32 value per expert ({e}), got {s.numel()} values")
-    return s
-
-
-def _fp8_expert_scale(weight_scale, e: int, e_count: int, n: int) -> torch.Tensor:
-    """FP8 scale of expert e: a 0-d tensor (per tensor) or [N] (per channel)."""
-    ws = torch.as_tensor(weight_scale, dtype=torch.float32)
-    if ws.numel() == 1:
-        return ws.reshape(())
-    if ws.dim() >= 1 and ws.shape[0] == e_count:
-        per = ws[e].reshape(-1)
-        if per.numel() == 1:
-            return per.reshape(())
-        if per.numel() == n:
-            return per
-    raise MoeShapeError(f"FP8 expert weight_scale must be one value, [E={e_count}] (per tensor) or "
-                        f"[E={e_count}, N={n}] (per channel); got shape {tuple(ws.shape)}")
 
 
 def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -223,23 +200,18 @@ def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Ten
     e_count = weight.shape[0]
     if e_count < 1:
         raise MoeShapeError("an expert stack needs at least one expert")
+    wf = formats.find_format(fmt)
+    if wf is None:
+        raise MoeShapeError(f"unknown expert weight format {fmt!r}; expected one of {sorted(formats.FAMILIES)}")
     codes = scales = None
     chs = []
     n = k = 0
     for e in range(e_count):
         try:
-            if fmt == "nvfp4":
-                gs = _as_expert_scalars(weight_scale_2, e_count, "weight_scale_2")
-                p = prepack.prepack_nvfp4(weight[e], weight_scale[e], gs[e], atom=atom)
-                prepack.verify_nvfp4_roundtrip(p, weight[e], weight_scale[e])
-                ch = p.global_scale.reshape(1)
-            elif fmt == "fp8":
-                ws_e = _fp8_expert_scale(weight_scale, e, e_count, weight.shape[1])
-                p = prepack.prepack_fp8(weight[e], ws_e, atom=atom)
-                prepack.verify_fp8_roundtrip(p, weight[e], ws_e)
-                ch = p.scale.reshape(-1)
-            else:
-                raise MoeShapeError(f"unknown expert weight format {fmt!r}; expected 'nvfp4' or 'fp8'")
+            src = wf.expert_source(e, weight, weight_scale, weight_scale_2)
+            p = wf.prepack(*src, atom=atom)
+            wf.verify_roundtrip(p, *src)
+            ch = wf.kernel_tensors(p)[2]
         except prepack.PrepackMismatch as err:
             raise prepack.PrepackMismatch(f"expert {e}: {err}") from err
         except formats.FormatError as err:
@@ -247,7 +219,7 @@ def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Ten
         if codes is None:
             n, k = p.n, p.k
             codes = torch.empty((e_count, p.codes.numel()), dtype=torch.uint8, device=weight.device)
-            if fmt == "nvfp4":
+            if wf.has_group_scales:
                 scales = torch.empty((e_count, p.scales.numel()), dtype=torch.uint8, device=weight.device)
         codes[e] = p.codes
         if scales is not None:
@@ -255,7 +227,7 @@ def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Ten
         chs.append(ch.to(weight.device))
     width = max(c.numel() for c in chs)
     chscale = torch.stack([c.expand(width) if c.numel() == 1 else c for c in chs]).to(torch.float32).contiguous()
-    return PackedExpertStack(fmt, codes, scales, chscale, n, k, atom)
+    return PackedExpertStack(wf.family, codes, scales, chscale, n, k, atom)
 
 
 def split_gate_up(w13: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,29 +245,12 @@ def prepack_moe(fmt: str, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2=
     w13_scale_2 [E, 2] (gate, up) or [E] (one for both), w2_scale [E, H, I/16], w2_scale_2 [E].
     FP8: w13_scale [E, 2] / [E] / [E, 2I]; w2_scale [E] / [E, H]; *_scale_2 unused."""
     inter = w13.shape[1] // 2
-    e_count = w13.shape[0]
-    wg, wu = split_gate_up(w13, inter)
-    sg, su = split_gate_up(w13_scale, inter) if w13_scale.dim() == 3 else (None, None)
-    if fmt == "nvfp4":
-        s2 = torch.as_tensor(w13_scale_2, dtype=torch.float32).reshape(e_count, -1)
-        gate = prepack_expert_stack("nvfp4", wg, sg, s2[:, 0], atom)
-        up = prepack_expert_stack("nvfp4", wu, su, s2[:, -1], atom)
-    else:
-        s = torch.as_tensor(w13_scale, dtype=torch.float32)
-        if s.dim() >= 2 and s.shape[1] == 2 * inter:     # per channel
-            sg_, su_ = s[:, :inter].reshape(e_count, inter), s[:, inter:].reshape(e_count, inter)
-        else:                                            # per tensor: one per shard, or one per expert
-            s = s.reshape(e_count, -1)
-            sg_, su_ = s[:, 0], s[:, -1]
-        gate = prepack_expert_stack("fp8", wg, sg_, atom=atom)
-        up = prepack_expert_stack("fp8", wu, su_, atom=atom)
-    dfmt = down_fmt or fmt
-    if dfmt == "nvfp4":
-        down = prepack_expert_stack("nvfp4", w2, w2_scale, w2_scale_2, atom)
-    else:
-        ws = torch.as_tensor(w2_scale, dtype=torch.float32)
-        down = prepack_expert_stack("fp8", w2, ws.reshape(e_count, -1) if ws.dim() >= 2 and ws.shape[1] != 1
-                                    else ws.reshape(-1), atom=atom)
+    wf = formats.weight_format(fmt)
+    gate_src, up_src = wf.moe_gate_up_sources(*split_gate_up(w13, inter), w13_scale, w13_scale_2, inter)
+    gate = prepack_expert_stack(wf.family, *gate_src, atom=atom)
+    up = prepack_expert_stack(wf.family, *up_src, atom=atom)
+    dwf = formats.weight_format(down_fmt or fmt)
+    down = prepack_expert_stack(dwf.family, *dwf.moe_down_source(w2, w2_scale, w2_scale_2), atom=atom)
     return PackedMoE(gate, up, down)
 
 
@@ -463,16 +418,14 @@ def _routed_down(mod, xh: torch.Tensor, ids32: torch.Tensor, top_k: int, packed:
     jit.launch(mod, "qpn_moe_align", 1, ALIGN_THREADS, 16 * e_count, stream, [al])
     groups = (sorted_pairs, gexp, gstart, gcount, ngroups)
     est = min(pairs, e_count)
-    gu_prefix = routes.ROUTE_PREFIX[packed.gate.fmt]
     ldh = packed.down.k_pad
     tile_n = geometry(atom).tile_n
     alloc = torch.zeros if ldh > packed.gate.n_tiles * tile_n else torch.empty
     h = alloc((pairs, ldh), dtype=torch.float16, device=dev)
-    _gemm(mod, f"{gu_prefix}_moe_gate_up_{atom}", [packed.gate, packed.up], xh, xh.shape[1], top_k, groups,
+    _gemm(mod, packed.gate.format.moe_entry_points(atom)[0], [packed.gate, packed.up], xh, xh.shape[1], top_k, groups,
           g_max, h, ldh, True, est, stream)
     d = torch.empty((pairs, packed.hidden), dtype=torch.float32, device=dev)
-    d_prefix = routes.ROUTE_PREFIX[packed.down.fmt]
-    _gemm(mod, f"{d_prefix}_moe_down_{atom}", [packed.down], h, ldh, 1, groups, g_max, d, packed.hidden,
+    _gemm(mod, packed.down.format.moe_entry_points(atom)[1], [packed.down], h, ldh, 1, groups, g_max, d, packed.hidden,
           False, est, stream)
     return h, d
 

@@ -22,21 +22,14 @@ from typing import Optional
 
 import torch
 
-from . import formats, prepack, reference
 from .moe import PackedExpertStack, PackedMoE
 
 
 def _weight_f32(stack: PackedExpertStack, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values [N, K] float32, per-row result scale [N] float32) of expert e, from the packed bytes.
-    NVFP4: values = e2m1 * fl32(e4m3 group scale * global scale), row scale 1 (the semantics of
-    reference.linear_nvfp4); FP8: values = e4m3, row scale = per-tensor / per-channel scale."""
-    p = stack.expert(e)
-    if stack.fmt == "nvfp4":
-        vals, gscales = reference.decode_packed_nvfp4(p)
-        w = (vals.view(p.n, -1, formats.GROUP_SIZE) * gscales.unsqueeze(-1)).view(p.n, p.k)
-        return w, torch.ones(p.n, dtype=torch.float32, device=w.device)
-    vals, scale = reference.decode_packed_fp8(p)
-    return vals, scale
+    """(values [N, K] float32, per-row result scale [N] float32) of expert e, from the packed bytes
+    (WeightFormat.decode_packed: NVFP4 values carry their group and global scales, row scale 1,
+    the semantics of reference.linear_nvfp4; FP8 values are e4m3, row scale per tensor / channel)."""
+    return stack.format.decode_packed(stack.expert(e))
 
 
 def _weight_f64(stack: PackedExpertStack, e: int, cache: Optional[dict] = None) -> torch.Tensor:
@@ -49,11 +42,7 @@ def _weight_f64(stack: PackedExpertStack, e: int, cache: Optional[dict] = None) 
             w = cache[key] = _weight_f64(stack, e)
         return w
     p = stack.expert(e)
-    if stack.fmt == "nvfp4":
-        w, s = prepack.unprepack_nvfp4(p)
-        return formats.dequantize_nvfp4_f64(w, s, p.global_scale)
-    w, s = prepack.unprepack_fp8(p)
-    return formats.dequantize_fp8_f64(w, s)
+    return p.format.decode_f64(*p.format.unprepack(p))
 
 
 def _linear32(x32: torch.Tensor, stack: PackedExpertStack, e: int) -> torch.Tensor:

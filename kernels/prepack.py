@@ -28,16 +28,12 @@ class PrepackMismatch(ValueError):
     """The inverse permutation did not give the source bytes back."""
 
 
-@dataclass
-class PackedNVFP4:
-    codes: torch.Tensor         # uint8, flat, fragment order
-    scales: torch.Tensor        # uint8 (e4m3 bytes), flat, fragment order
-    global_scale: torch.Tensor  # float32, 1 element (weight_scale_2)
+class _PackedWeight:
+    """What every packed weight answers alike: padded sizes of its atom's tiles, device, format."""
+
     n: int
     k: int
-    atom: str = "m8n8k4"
-
-    fmt = "nvfp4"
+    atom: str
 
     @property
     def n_pad(self) -> int:
@@ -52,6 +48,22 @@ class PackedNVFP4:
     @property
     def device(self) -> torch.device:
         return self.codes.device
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        return formats.format_of(self)
+
+
+@dataclass
+class PackedNVFP4(_PackedWeight):
+    codes: torch.Tensor         # uint8, flat, fragment order
+    scales: torch.Tensor        # uint8 (e4m3 bytes), flat, fragment order
+    global_scale: torch.Tensor  # float32, 1 element (weight_scale_2)
+    n: int
+    k: int
+    atom: str = "m8n8k4"
+
+    fmt = formats.NVFP4.family
 
     @property
     def nbytes(self) -> int:
@@ -63,32 +75,18 @@ class PackedNVFP4:
 
 
 @dataclass
-class PackedFP8:
+class PackedFP8(_PackedWeight):
     codes: torch.Tensor   # uint8 (e4m3 bytes), flat, fragment order
     scale: torch.Tensor   # float32 [1] (per tensor) or [N] (per channel)
     n: int
     k: int
     atom: str = "m8n8k4"
 
-    fmt = "fp8"
-
-    @property
-    def n_pad(self) -> int:
-        t = geometry(self.atom).tile_n
-        return -(-self.n // t) * t
-
-    @property
-    def k_pad(self) -> int:
-        b = geometry(self.atom).k_block
-        return -(-self.k // b) * b
+    fmt = formats.FP8_TENSOR.family
 
     @property
     def per_channel(self) -> bool:
         return self.scale.numel() != 1
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
 
     @property
     def nbytes(self) -> int:

@@ -37,20 +37,26 @@ def decode_packed_nvfp4(packed: PackedNVFP4) -> tuple[torch.Tensor, torch.Tensor
     """Packed NVFP4 -> (e2m1 values float32 [N, K], group scales float32 [N, K/16] = fl32(e4m3*global))."""
     g = geometry(packed.atom)
     tile, kbk = g.tile_n, g.k_block
-    gpb = kbk // formats.GROUP_SIZE
     tiles, kblocks = packed.n_pad // tile, packed.k_pad // kbk
     _, scatter_c = block_maps(packed.atom, "nvfp4")
-    _, scatter_s = block_maps(packed.atom, "scale")
     raw = packed.codes.view(tiles, kblocks, tile * kbk // 2)
     table = formats.e2m1_table().to(raw.device)
     nib = torch.empty((tiles, kblocks, tile * kbk), dtype=torch.float32, device=raw.device)
     nib[..., 0::2] = table[(raw & 0x0F).long()]
     nib[..., 1::2] = table[(raw >> 4).long()]
     vals = _from_blocks(nib.index_select(2, scatter_c.to(raw.device)), tile, kbk)[: packed.n, : packed.k]
-    sraw = packed.scales.view(tiles, kblocks, tile * gpb).index_select(2, scatter_s.to(raw.device))
-    sc = _from_blocks(sraw, tile, gpb)[: packed.n, : packed.k // formats.GROUP_SIZE]
-    scales = formats.decode_e4m3(sc) * packed.global_scale.reshape(()).to(torch.float32)
+    scales = formats.decode_e4m3(_group_scale_bytes(packed)) * packed.global_scale.reshape(()).to(torch.float32)
     return vals, scales
+
+
+def _group_scale_bytes(packed: PackedNVFP4) -> torch.Tensor:
+    """The e4m3 group-scale bytes [N, K/16] of a packed NVFP4 weight, in checkpoint order."""
+    g = geometry(packed.atom)
+    gpb = g.k_block // formats.GROUP_SIZE
+    tiles, kblocks = packed.n_pad // g.tile_n, packed.k_pad // g.k_block
+    _, scatter_s = block_maps(packed.atom, "scale")
+    sraw = packed.scales.view(tiles, kblocks, g.tile_n * gpb).index_select(2, scatter_s.to(packed.scales.device))
+    return _from_blocks(sraw, g.tile_n, gpb)[: packed.n, : packed.k // formats.GROUP_SIZE]
 
 
 def decode_packed_fp8(packed: PackedFP8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,13 +106,7 @@ def linear_nvfp4_f64(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | 
     """Exact float64 y (not rounded): sum over k of x * e2m1 * e4m3 * global, in float64."""
     _check_x(x, packed.k)
     vals, _ = decode_packed_nvfp4(packed)
-    g = geometry(packed.atom)
-    tiles, kblocks = packed.n_pad // g.tile_n, packed.k_pad // g.k_block
-    gpb = g.k_block // formats.GROUP_SIZE
-    _, scatter_s = block_maps(packed.atom, "scale")
-    sraw = packed.scales.view(tiles, kblocks, g.tile_n * gpb).index_select(2, scatter_s.to(packed.scales.device))
-    sc = _from_blocks(sraw, g.tile_n, gpb)[: packed.n, : packed.k // formats.GROUP_SIZE]
-    s64 = formats.decode_e4m3(sc).double() * packed.global_scale.double().reshape(())
+    s64 = formats.decode_e4m3(_group_scale_bytes(packed)).double() * packed.global_scale.double().reshape(())
     w64 = (vals.double().view(packed.n, -1, formats.GROUP_SIZE) * s64.unsqueeze(-1)).view(packed.n, packed.k)
     y = x.double() @ w64.t()
     if bias is not None:
@@ -123,20 +123,18 @@ def linear_fp8_f64(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None
     return y
 
 
+def _format_of(packed) -> formats.WeightFormat:
+    if not isinstance(packed, (PackedNVFP4, PackedFP8)):
+        raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
+    return packed.format
+
+
 def linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(packed, PackedNVFP4):
-        return linear_nvfp4(x, packed, bias)
-    if isinstance(packed, PackedFP8):
-        return linear_fp8(x, packed, bias)
-    raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
+    return _format_of(packed).reference_linear(x, packed, bias)
 
 
 def linear_f64(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(packed, PackedNVFP4):
-        return linear_nvfp4_f64(x, packed, bias)
-    if isinstance(packed, PackedFP8):
-        return linear_fp8_f64(x, packed, bias)
-    raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
+    return _format_of(packed).reference_linear_f64(x, packed, bias)
 
 
 def relative_error(y: torch.Tensor, y_ref64: torch.Tensor) -> float:
