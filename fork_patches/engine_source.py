@@ -42,6 +42,12 @@ CALL_SITES: dict[str, dict[str, tuple[str, str]]] = {
         "cpu": ("vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.__init__",
                 "_get_quant_method"),
     },
+    # every engine: the compressed-tensors config hands its experts to this static method
+    "ct-qpn-moe-method": {
+        profile: ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+                  "CompressedTensorsConfig.get_quant_method", "get_moe_method")
+        for profile in ("sm70", "cpu")
+    },
 }
 
 

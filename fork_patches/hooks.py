@@ -243,6 +243,32 @@ REGISTRY: list[Hook] = [
         apply="qpn.fork_patches.ct_config:wrap_get_quant_method",
     ),
     Hook(
+        name="ct-qpn-moe-method",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+        "compressed_tensors_moe:CompressedTensorsMoEMethod.get_moe_method",
+        needed_for="moe",
+        what="the scheme selection for the routed experts of a compressed-tensors MoE layer: the static "
+        "CompressedTensorsMoEMethod.get_moe_method, which CompressedTensorsConfig.get_quant_method calls "
+        "for every RoutedExperts / FusedMoE layer (the same function in vLLM 0.32 and 1Cat-vLLM 1.2.2 / "
+        "1.3.0: NVFP4 -> CompressedTensorsW4A4Nvfp4MoEMethod, FP8 -> CompressedTensorsW8A8Fp8MoEMethod)",
+        why="vLLM 0.32's NVFP4 MoE backends (FlashInfer, CUTLASS, Marlin) have no CPU or SM70 path, and "
+        "its compressed-tensors NVFP4 MoE method keeps one global scale for gate and up; 1Cat selects "
+        "the same method and runs NVFP4 experts on its Marlin MoE on SM70, which is not the QPN MoE "
+        "path this overlay serves and measures",
+        how="where the QPN path serves (CPU: reference; SM70: built kernels) experts whose config group "
+        "declares NVFP4 (nvfp4-pack-quantized) or FP8 (float-quantized, per tensor or per channel) get "
+        "QPNCompressedTensorsMoEMethod (qpn.fork_patches.moe_method): the QPN MoE method fed through the "
+        "compressed-tensors convention (weight_packed, weight_scale, 1 / weight_global_scale per expert "
+        "and shard: gate and up keep their own), loaded through the engine's generic expert loader, "
+        "every expert prepacked with a byte-identical inverse check, both expert stacks counted in the "
+        "census; gate/up/down declaring different schemes, output-activation quantization, transforms "
+        "or another scheme fail the load naming the layer; ignored experts stay with the engine",
+        remove_when="never on SM70 (the QPN MoE kernels are the point); on CPU, when vLLM serves "
+        "compressed-tensors NVFP4 MoE checkpoints natively",
+        apply="qpn.fork_patches.moe_method:wrap_ct_get_moe_method",
+    ),
+    Hook(
         name="kv-cache-fp16-on-sm70",
         kind="runtime",
         anchor="vllm.engine.arg_utils:resolve_kv_cache_dtype_string",

@@ -44,6 +44,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
 from qpn.fork_patches.census import CENSUS
+from qpn.fork_patches.conventions import COMPRESSED_TENSORS, MODELOPT, Convention, ConventionError, ct_scheme_of
 from qpn.fork_patches.linear_method import QPNCheckpointError, _capturing_cuda_graph
 from qpn.kernels import formats
 
@@ -58,12 +59,19 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
     (The class name carries "ModelOpt" on purpose: vLLM's RoutedExperts.weight_loader selects
     its ModelOpt scale handling by that substring.)"""
 
-    def __init__(self, moe_config, prefix: str, algo: str, backend: str) -> None:
+    def __init__(self, moe_config, prefix: str, algo: str, backend: str, convention: Convention = MODELOPT,
+                 fp8_scale: str = "tensor") -> None:
         super().__init__(moe_config)
         self.prefix = prefix
         self.algo = algo
         self.backend = backend
         self.fmt = "nvfp4" if algo in NVFP4_ALGOS else "fp8"
+        # tensor names and the global-scale rule of the checkpoint family (conventions.py)
+        self.convention = convention
+        if fp8_scale not in convention.fp8_scale_layouts:
+            raise QPNCheckpointError(f"{prefix}: FP8 scales per {fp8_scale} are not a {convention.name} layout "
+                                     f"({', '.join(convention.fp8_scale_layouts)})")
+        self.fp8_scale = fp8_scale
         self.packed = None
         self.census_names: list[str] = []
         self.declared: list[str] = []  # set by qpn_moe_method_for from the checkpoint's map
@@ -85,7 +93,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
 
     @property
     def method_name(self) -> str:
-        return f"QPN MoE ({self.algo}, {self.fmt})"
+        return f"QPN MoE ({self.algo}, {self.fmt}, {self.convention.name})"
 
     def _where(self) -> str:
         return f"{self.prefix} ({self.algo} experts, QPN MoE)"
@@ -94,37 +102,73 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         raise QPNCheckpointError(f"{self._where()}: {msg}")
 
     # ---------------------------------------------------------------------------- weights
+    def _names(self) -> dict[str, str]:
+        """{role: parameter suffix} of this format in this convention (codes, group_scales,
+        global_scale, input_scale for NVFP4; codes, scale, input_scale for FP8); vLLM's expert
+        mapping turns checkpoint ``experts.{e}.gate_proj.<suffix>`` into ``w13_<suffix>``."""
+        n = self.convention.nvfp4 if self.fmt == "nvfp4" else self.convention.fp8
+        return {role: getattr(n, role) for role in n.__dataclass_fields__}
+
+    def _optional(self) -> set[str]:
+        """Parameters a checkpoint may leave out: compressed-tensors writes no input scale for
+        weight-only NVFP4 (NVFP4A16) or dynamic FP8 activations. QPN never reads them."""
+        if self.convention.name == MODELOPT.name:
+            return set()
+        return {f"w13_{self._names()['input_scale']}", f"w2_{self._names()['input_scale']}"}
+
     def _expected(self) -> dict[str, tuple[tuple, tuple[torch.dtype, ...]]]:
         e, h, i = self.num_experts, self.hidden, self.inter
         f32 = (torch.float32, torch.bfloat16, torch.float16)
+        n = self._names()
         if self.fmt == "nvfp4":
             g = formats.GROUP_SIZE
             return {
-                "w13_weight": ((e, 2 * i, h // 2), (torch.uint8,)),
-                "w2_weight": ((e, h, i // 2), (torch.uint8,)),
-                "w13_weight_scale": ((e, 2 * i, h // g), (torch.float8_e4m3fn,)),
-                "w2_weight_scale": ((e, h, i // g), (torch.float8_e4m3fn,)),
-                "w13_weight_scale_2": ((e, 2), f32),
-                "w2_weight_scale_2": ((e,), f32),
-                "w13_input_scale": ((e, 2), f32),
-                "w2_input_scale": ((e,), f32),
+                f"w13_{n['codes']}": ((e, 2 * i, h // 2), (torch.uint8,)),
+                f"w2_{n['codes']}": ((e, h, i // 2), (torch.uint8,)),
+                f"w13_{n['group_scales']}": ((e, 2 * i, h // g), (torch.float8_e4m3fn,)),
+                f"w2_{n['group_scales']}": ((e, h, i // g), (torch.float8_e4m3fn,)),
+                f"w13_{n['global_scale']}": ((e, 2), f32),
+                f"w2_{n['global_scale']}": ((e,), f32),
+                f"w13_{n['input_scale']}": ((e, 2), f32),
+                f"w2_{n['input_scale']}": ((e,), f32),
             }
+        channel = self.fp8_scale == "channel"
+        # compressed-tensors: one static input scale per expert for w13 (vLLM's loader checks
+        # that w1's and w3's agree), as vLLM's own compressed-tensors FP8 MoE method keeps it
+        w13_input = (e, 2) if self.convention.name == MODELOPT.name else (e,)
         return {
-            "w13_weight": ((e, 2 * i, h), (torch.float8_e4m3fn,)),
-            "w2_weight": ((e, h, i), (torch.float8_e4m3fn,)),
-            "w13_weight_scale": ((e, 2), f32),
-            "w2_weight_scale": ((e,), f32),
-            "w13_input_scale": ((e, 2), f32),
-            "w2_input_scale": ((e,), f32),
+            f"w13_{n['codes']}": ((e, 2 * i, h), (torch.float8_e4m3fn,)),
+            f"w2_{n['codes']}": ((e, h, i), (torch.float8_e4m3fn,)),
+            f"w13_{n['scale']}": ((e, 2 * i, 1) if channel else (e, 2), f32),
+            f"w2_{n['scale']}": ((e, h, 1) if channel else (e,), f32),
+            f"w13_{n['input_scale']}": (w13_input, f32),
+            f"w2_{n['input_scale']}": ((e,), f32),
         }
+
+    def _codes(self) -> tuple[str, str]:
+        return f"w13_{self._names()['codes']}", f"w2_{self._names()['codes']}"
+
+    def _loader_kind(self, name: str) -> str | None:
+        """The ``quant_method`` attribute vLLM's generic expert loader dispatches on (the path
+        its compressed-tensors MoE methods use): group scales, per-tensor (one per shard) or per
+        channel; None for codes and for FP8 input scales (loaded by name)."""
+        n = self._names()
+        if name in self._codes():
+            return None
+        if self.fmt == "nvfp4":
+            return "group" if name.endswith(f"_{n['group_scales']}") else "tensor"
+        if name.endswith(f"_{n['input_scale']}"):
+            return None
+        return "channel" if self.fp8_scale == "channel" else "tensor"
 
     def _check_tensor(self, name: str, t: torch.Tensor, expert_id: int, shard_id: str) -> None:
         what = f"tensor {name} of expert {expert_id}, shard {shard_id}"
         _, dtypes = self._expected()[name]
         if t.dtype not in dtypes:
+            declared = "quantized_layers" if self.convention.name == MODELOPT.name else "config_groups"
             self._fail(f"{what} is stored as {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}; "
-                       f"the checkpoint does not hold {self.algo} data for these experts (check quantized_layers)")
-        if not name.endswith("_weight"):  # every scale: e4m3 group scales, global, per-tensor, input
+                       f"the checkpoint does not hold {self.algo} data for these experts (check {declared})")
+        if name not in self._codes():  # every scale: e4m3 group scales, global, per-tensor, input
             v = t.float()
             n_nan, n_inf = int(torch.isnan(v).sum()), int(torch.isinf(v).sum())
             if n_nan or n_inf:
@@ -162,18 +206,24 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         loader = extra_weight_attrs.get("weight_loader")
         layer.num_experts = num_experts
         for name, (shape, dtypes) in self._expected().items():
-            if name.endswith(("_weight", "_weight_scale")) and len(shape) == 3:
+            if len(shape) == 3:
                 param = ModelWeightParameter(data=torch.empty(shape, dtype=dtypes[0]), input_dim=1, output_dim=2,
                                              weight_loader=self._checked_loader(name, loader))
             else:
-                param = PerTensorScaleParameter(data=torch.empty(shape, dtype=dtypes[0]),
+                # ones: vLLM's compressed-tensors input-scale check compares against an unset 1
+                param = PerTensorScaleParameter(data=torch.ones(shape, dtype=dtypes[0]),
                                                 weight_loader=self._checked_loader(name, loader))
+            kind = self._loader_kind(name)
+            if kind is not None:
+                param.quant_method = kind
             layer.register_parameter(name, param)
 
     def _check_complete(self) -> None:
         for name in self._expected():
             shards = ("w2",) if name.startswith("w2_") else ("w1", "w3")
             have = self.loaded.get(name, set())
+            if not have and name in self._optional():
+                continue
             local = {e for e, _ in have}
             want = len(local) if local else 0
             # every expert that received any tensor of this name must have every shard, and the
@@ -201,17 +251,23 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
 
         self._check_complete()
         atom = self._atom()
+        n = self._names()
+
+        def data(stem: str, role: str) -> torch.Tensor:
+            return getattr(layer, f"{stem}_{n[role]}").data
+
         try:
             if self.fmt == "nvfp4":
-                s13 = layer.w13_weight_scale_2.data.float()
-                s2 = layer.w2_weight_scale_2.data.float()
-                if bool((s13 == 0).any()) or bool((s2 == 0).any()):
-                    self._fail("a weight_scale_2 (global scale) is 0; re-export the checkpoint")
-                packed = moe.prepack_moe("nvfp4", layer.w13_weight.data, layer.w13_weight_scale.data, s13,
-                                         layer.w2_weight.data, layer.w2_weight_scale.data, s2, atom=atom)
+                stored13, stored2 = data("w13", "global_scale").float(), data("w2", "global_scale").float()
+                if bool((stored13 == 0).any()) or bool((stored2 == 0).any()):
+                    self._fail(f"a {n['global_scale']} (global scale) is 0; re-export the checkpoint")
+                # per shard: gate and up keep their own (ModelOpt multiplier, compressed-tensors divisor)
+                s13, s2 = self.convention.global_scale_f32(stored13), self.convention.global_scale_f32(stored2)
+                packed = moe.prepack_moe("nvfp4", data("w13", "codes"), data("w13", "group_scales"), s13,
+                                         data("w2", "codes"), data("w2", "group_scales"), s2, atom=atom)
             else:
-                packed = moe.prepack_moe("fp8", layer.w13_weight.data, layer.w13_weight_scale.data.float(), None,
-                                         layer.w2_weight.data, layer.w2_weight_scale.data.float(), atom=atom)
+                packed = moe.prepack_moe("fp8", data("w13", "codes"), data("w13", "scale").float(), None,
+                                         data("w2", "codes"), data("w2", "scale").float(), atom=atom)
         except prepack.PrepackMismatch as e:
             self._fail(f"prepack inverse is not byte-identical: {e}")
         except (formats.FormatError, moe.MoeShapeError) as e:
@@ -354,3 +410,89 @@ def wrap_mixed_config_moe_method(original):
 
     get_quant_method.__wrapped__ = original
     return get_quant_method
+
+
+# ------------------------------------------------------------ compressed-tensors experts
+class QPNCompressedTensorsMoEMethod(QPNModelOptMoEMethod):
+    """Routed experts of a compressed-tensors NVFP4 / FP8 MoE layer on the grouped QPN MoE kernels:
+    the same method fed through the compressed-tensors convention (``weight_packed``,
+    ``weight_scale``, ``weight_global_scale`` inverted per shard; FP8 ``weight_scale`` per tensor
+    or per channel). The class name carries no "ModelOpt" on purpose: vLLM's expert
+    ``weight_loader`` then takes its generic path, where each parameter's ``quant_method``
+    attribute (group / tensor / channel) selects how a per-expert, per-shard tensor lands, the path
+    vLLM's own compressed-tensors MoE methods use."""
+
+    def __init__(self, moe_config, prefix: str, algo: str, backend: str, fp8_scale: str = "tensor") -> None:
+        super().__init__(moe_config, prefix=prefix, algo=algo, backend=backend, convention=COMPRESSED_TENSORS,
+                         fp8_scale=fp8_scale)
+
+    def uses_weight_scale_2_pattern(self) -> bool:
+        return False
+
+
+def ct_declared_expert_scheme(quant_config, layer, layer_name: str):
+    """(ModuleScheme, checkpoint names) a compressed-tensors config declares for the experts at
+    ``layer_name``, read the way the engines' ``CompressedTensorsMoEMethod.get_moe_method`` reads
+    it (the scheme of expert 0's gate, up and down, which must agree); None when the experts are
+    ignored or unquantized. A scheme the QPN MoE path does not serve fails naming the layer."""
+    quant_config._add_fused_moe_to_target_scheme_map()
+    projs = [getattr(layer, f"ckpt_{p}_proj_name", f"{p}_proj") for p in ("gate", "up", "down")]
+    names = [f"{layer_name}.0.{p}" for p in projs]
+    dicts = [quant_config.get_scheme_dict(layer, n) for n in names]
+    if all(d is None for d in dicts):
+        return None
+    if any(d != dicts[0] for d in dicts):
+        raise QPNCheckpointError(f"{layer_name}: the experts' gate, up and down declare different schemes "
+                                 f"({', '.join(names)}); vLLM fuses them into one layer, so they must agree")
+    d = dicts[0]
+    if d.get("weights") is None:
+        return None
+    if d.get("output_activations") is not None or getattr(quant_config, "transform_config", None):
+        raise QPNCheckpointError(f"{layer_name}: the config quantizes the experts' output activations or carries "
+                                 "transforms; the QPN MoE path computes W4A16 / W8A16 and applies neither")
+    try:
+        scheme = ct_scheme_of(d["weights"], d.get("format") or getattr(quant_config, "quant_format", None),
+                              f"{names[0]}: compressed-tensors config")
+    except ConventionError as e:
+        raise QPNCheckpointError(f"{layer_name}: {e}; the QPN MoE kernels serve NVFP4 (nvfp4-pack-quantized) and "
+                                 "FP8 (float-quantized, per tensor or per channel) experts") from e
+    return scheme, names
+
+
+def qpn_ct_moe_method_for(quant_config, layer, layer_name: str, backend: str):
+    """The QPN MoE method for the routed experts of a compressed-tensors config; None where the
+    engine's choice stands (experts ignored or unquantized)."""
+    found = ct_declared_expert_scheme(quant_config, layer, layer_name)
+    if found is None:
+        return None
+    scheme, names = found
+    algo = "NVFP4" if scheme.fmt == "nvfp4" else "FP8"
+    method = QPNCompressedTensorsMoEMethod(layer.moe_config, prefix=layer_name, algo=algo, backend=backend,
+                                           fp8_scale=scheme.fp8_scale)
+    # every expert's gate, up and down (vLLM's names), for the census
+    n_experts = int(layer.moe_config.num_experts)  # global count: the checkpoint names every expert
+    method.declared = sorted(f"{layer_name}.{e}.{p.rsplit('.', 1)[-1]}" for e in range(n_experts) for p in names)
+    return method
+
+
+def wrap_ct_get_moe_method(original):
+    """``CompressedTensorsMoEMethod.get_moe_method(quant_config, layer, layer_name)`` (a static
+    method; the same function in vLLM 0.32 and 1Cat-vLLM 1.2.2 / 1.3.0, called by
+    ``CompressedTensorsConfig.get_quant_method`` for every routed-experts layer): the QPN MoE
+    method where the QPN path serves; the engine's scheme selection otherwise (its NVFP4 MoE
+    method, whose backends have no CPU path and which 1Cat runs on Marlin on SM70, is then never
+    constructed for our layers)."""
+    engine_choice = getattr(original, "__func__", original)
+
+    def get_moe_method(quant_config, layer, layer_name):
+        from qpn.fork_patches.platform_gate import qpn_backend
+
+        backend = qpn_backend()
+        if backend is not None:
+            method = qpn_ct_moe_method_for(quant_config, layer, layer_name, backend)
+            if method is not None:
+                return method
+        return engine_choice(quant_config, layer, layer_name)
+
+    get_moe_method.__wrapped__ = original
+    return staticmethod(get_moe_method)
