@@ -24,11 +24,9 @@ from __future__ import annotations
 import logging
 
 from qpn.fork_patches.conventions import COMPRESSED_TENSORS, ConventionError, ct_scheme_of
-from qpn.fork_patches.linear_method import QPN2LinearMethod, QPN8LinearMethod, QPNCheckpointError
+from qpn.fork_patches.linear_method import QPNCheckpointError, method_class
 
 logger = logging.getLogger("vllm.qpn.ct_config")
-
-FORMAT_METHOD = {"nvfp4": QPN2LinearMethod, "fp8": QPN8LinearMethod}
 
 
 def _shard_scheme(config, layer, name: str, prefix: str):
@@ -77,14 +75,14 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
         raise QPNCheckpointError(f"{prefix}: shard module(s) {', '.join(missing)} match no config group "
                                  "while the fused module is quantized; every shard of a fused module "
                                  "needs the same scheme")
-    schemes = {(s.fmt, s.fp8_scale if s.fmt == "fp8" else None) for s, _ in found.values()}
+    schemes = {s.format for s, _ in found.values()}
     if len(schemes) != 1:
         detail = "; ".join(f"{n}: {s.fmt} ({t})" for n, (s, t) in found.items())
         raise QPNCheckpointError(f"{prefix}: the shards of this fused module declare different schemes "
                                  f"({detail}); vLLM fuses them into one layer, so they must agree")
     scheme = next(iter(found.values()))[0]
-    return FORMAT_METHOD[scheme.fmt](
-        prefix=prefix, algo="NVFP4" if scheme.fmt == "nvfp4" else f"FP8 per {scheme.fp8_scale}",
+    return method_class(scheme.format)(
+        prefix=prefix, algo=scheme.format.title,
         backend=target["backend"], arch=target["arch"], atom=target["atom"], shard_names=shard_names,
         declared=names, convention=COMPRESSED_TENSORS, fp8_scale=scheme.fp8_scale)
 

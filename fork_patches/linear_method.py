@@ -57,7 +57,6 @@ from qpn.kernels import formats
 logger = logging.getLogger("vllm.qpn.linear_method")
 
 GROUP_SIZE = formats.GROUP_SIZE
-ROUTE_FAMILY = {"nvfp4": "qpn2", "fp8": "qpn8"}
 
 
 class QPNCheckpointError(ValueError):
@@ -69,7 +68,8 @@ def _capturing_cuda_graph() -> bool:
 
 
 class _QPNLinearMethod(LinearMethodBase):
-    fmt: str = ""
+    weight_format: formats.WeightFormat  # the family's format (qpn.kernels.formats)
+    fmt: str = ""                        # its kernel family name: census region, packed layout
 
     def __init__(self, prefix: str, algo: str, backend: str, arch: str = "sm70",
                  atom: str = "m8n8k4", shard_names: list[str] | None = None,
@@ -95,8 +95,13 @@ class _QPNLinearMethod(LinearMethodBase):
         self._ops = None
 
     # ------------------------------------------------------------------------- descriptions
+    @property
+    def format(self) -> formats.WeightFormat:
+        """This module's numeric format (FP8 per tensor or per channel by ``fp8_scale``)."""
+        return formats.weight_format(self.weight_format, fp8_scale=self.fp8_scale)
+
     def _where(self) -> str:
-        return f"{self.prefix} ({self.algo}, {ROUTE_FAMILY[self.fmt].upper()} route family)"
+        return f"{self.prefix} ({self.algo}, {self.format.method_family} route family)"
 
     def _shard_label(self, idx: int) -> str:
         r0 = sum(self.partition_sizes[:idx])
@@ -229,7 +234,7 @@ class _QPNLinearMethod(LinearMethodBase):
         self.op_id = _register_method(self)
         if isinstance(layer, VocabParallelEmbedding):
             CENSUS.set_lm_head(module=self.census_name, region=self.fmt, source=self.weight_source(),
-                               route_family=ROUTE_FAMILY[self.fmt],
+                               route_family=self.format.route_prefix,
                                repack_fallback=not self._served_from_packed_codes())
 
     def weight_source(self) -> str:
@@ -303,7 +308,8 @@ def _(x: torch.Tensor, op_id: int) -> torch.Tensor:
 class QPN2LinearMethod(_QPNLinearMethod):
     """NVFP4 region -> QPN2 family (W4A16: e2m1 codes x e4m3 group scale x global scale)."""
 
-    fmt = "nvfp4"
+    weight_format = formats.NVFP4
+    fmt = weight_format.family
 
     def _expected_dtype(self, name):
         n = self.convention.nvfp4
@@ -353,9 +359,10 @@ class QPN2LinearMethod(_QPNLinearMethod):
         for run in runs:
             r0 = sum(self.partition_sizes[: run[0]])
             r1 = sum(self.partition_sizes[: run[-1] + 1])
+            src = (w[r0:r1], s[r0:r1], s2[run[0]].reshape(()))
             try:
-                packed = prepack.prepack_nvfp4(w[r0:r1], s[r0:r1], s2[run[0]].reshape(()), atom=self.atom)
-                prepack.verify_nvfp4_roundtrip(packed, w[r0:r1], s[r0:r1])
+                packed = self.format.prepack(*src, atom=self.atom)
+                self.format.verify_roundtrip(packed, *src)
             except prepack.PrepackMismatch as e:
                 self._fail(f"prepack inverse is not byte-identical for rows {r0}-{r1 - 1}: {e}")
             except formats.FormatError as e:
@@ -372,7 +379,8 @@ class QPN2LinearMethod(_QPNLinearMethod):
 class QPN8LinearMethod(_QPNLinearMethod):
     """FP8 (e4m3) region -> QPN8 family (W8A16: e4m3 codes x per-tensor/per-channel scale)."""
 
-    fmt = "fp8"
+    weight_format = formats.FP8_TENSOR
+    fmt = weight_format.family
 
     def _expected_dtype(self, name):
         return {self.convention.fp8.codes: (torch.float8_e4m3fn,)}.get(
@@ -415,10 +423,18 @@ class QPN8LinearMethod(_QPNLinearMethod):
             scale = torch.repeat_interleave(
                 ws, torch.tensor(self.partition_sizes, device=ws.device)).contiguous()
         try:
-            packed = prepack.prepack_fp8(w, scale, atom=self.atom)
-            prepack.verify_fp8_roundtrip(packed, w, scale)
+            packed = self.format.prepack(w, scale, atom=self.atom)
+            self.format.verify_roundtrip(packed, w, scale)
         except prepack.PrepackMismatch as e:
             self._fail(f"prepack inverse is not byte-identical: {e}")
         except formats.FormatError as e:
             self._fail(f"cannot prepack: {e}")
         self.pieces = [(0, self.n, packed)]
+
+
+METHODS = {cls.fmt: cls for cls in (QPN2LinearMethod, QPN8LinearMethod)}
+
+
+def method_class(fmt: formats.WeightFormat | str) -> type[_QPNLinearMethod]:
+    """The linear method class serving a weight format (its kernel family's method)."""
+    return METHODS[formats.weight_format(fmt).family]

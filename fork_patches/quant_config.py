@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 
-from qpn.fork_patches.linear_method import QPN2LinearMethod, QPN8LinearMethod, QPNCheckpointError
+from qpn.fork_patches.linear_method import QPNCheckpointError, method_class
+from qpn.kernels import formats
 
 logger = logging.getLogger("vllm.qpn.quant_config")
 
-ALGO_FAMILY = {"NVFP4": QPN2LinearMethod, "W4A16_NVFP4": QPN2LinearMethod, "FP8": QPN8LinearMethod}
+SERVED_ALGOS = ", ".join(sorted(formats.MODELOPT_ALGOS))
 MIN_CAPABILITY_SM70 = 70
 
 
@@ -118,26 +119,27 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
     shard_names = list((config.packed_modules_mapping or {}).get(proj, []))
     entries = _declared_entries(config, prefix, shard_names)
     for name, entry in entries:
-        algo = str(entry.get("quant_algo", "")).upper()
-        if algo not in ALGO_FAMILY:
+        fmt = formats.MODELOPT_ALGOS.get(str(entry.get("quant_algo", "")).upper())
+        if fmt is None:
             raise QPNCheckpointError(
                 f"{prefix}: quantized_layers declares quant_algo {entry.get('quant_algo')!r} for "
-                f"{name}; the QPN path serves {', '.join(sorted(ALGO_FAMILY))} (fix the checkpoint's "
+                f"{name}; the QPN path serves {SERVED_ALGOS} (fix the checkpoint's "
                 f"hf_quant_config.json or serve it on hardware vLLM supports natively)")
-        if ALGO_FAMILY[algo] is QPN2LinearMethod:
-            group = int(entry.get("group_size", 16))
-            if group != 16:
+        if fmt.group_size is not None:
+            group = int(entry.get("group_size", fmt.group_size))
+            if group != fmt.group_size:
                 raise QPNCheckpointError(
-                    f"{prefix}: quantized_layers declares NVFP4 group_size {group} for {name}; "
-                    "NVFP4 has one e4m3 scale per 16 inputs")
+                    f"{prefix}: quantized_layers declares {fmt.title} group_size {group} for {name}; "
+                    f"{fmt.title} has one e4m3 scale per {fmt.group_size} inputs")
     algo = config._resolve_quant_algo(prefix)  # raises on mixed algos inside a fused layer
     if algo is None:
         return None
-    if algo not in ALGO_FAMILY:
+    fmt = formats.MODELOPT_ALGOS.get(algo)
+    if fmt is None:
         raise QPNCheckpointError(
             f"{prefix}: quant_algo {algo!r} is not served by the QPN path "
-            f"(serves {', '.join(sorted(ALGO_FAMILY))})")
-    return ALGO_FAMILY[algo](prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"],
+            f"(serves {SERVED_ALGOS})")
+    return method_class(fmt)(prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"],
                              atom=target["atom"], shard_names=shard_names,
                              declared=[name for name, _ in entries])
 

@@ -22,7 +22,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-GROUP_SIZE = 16  # NVFP4: one e4m3 scale per 16 inputs (kernels/formats.py GROUP_SIZE)
+from qpn.kernels import formats  # torch-free: the format descriptions only
 ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 VOCAB_PARALLEL = ("lm_head",)
 
@@ -37,7 +37,7 @@ def k_blocks() -> dict[str, int]:
 @dataclass(frozen=True)
 class Module:
     name: str
-    region: str  # "nvfp4" | "fp8"
+    region: str  # kernel family of qpn.kernels.formats ("nvfp4" | "fp8")
     output_sizes: tuple[int, ...]  # rows of each fused output partition (one entry if unfused)
     k: int  # input features
 
@@ -74,9 +74,11 @@ def problems(module: Module, tp: int, blocks: dict[str, int] | None = None) -> l
         if module.k % tp:
             return [f"{module.name}: row-parallel input K={module.k} does not divide by TP={tp}"]
         k = module.k // tp
-        if module.region == "nvfp4" and k % GROUP_SIZE:
+        group = formats.weight_format(module.region).group_size
+        if group is not None and k % group:
             out.append(f"{module.name}: row-parallel K={module.k}/TP={tp} = {k} inputs per rank "
-                       f"splits an NVFP4 group (one e4m3 scale per {GROUP_SIZE} inputs)")
+                       f"splits an {formats.weight_format(module.region).title} group (one e4m3 scale "
+                       f"per {group} inputs)")
         for atom, block in sorted(blocks.items()):
             if k % block:
                 out.append(f"{module.name}: row-parallel K={module.k}/TP={tp} = {k} inputs per rank "
@@ -123,11 +125,12 @@ def checkpoint_modules(ckpt: str, quantized_layers: dict) -> list[Module]:
     fused: dict[str, dict] = {}
     for name, entry in sorted(quantized_layers.items()):
         algo = str(entry.get("quant_algo", "") if isinstance(entry, dict) else entry).upper()
-        region = "nvfp4" if "NVFP4" in algo else "fp8" if "FP8" in algo else None
+        fmt = formats.find_format(algo)
         shape = shapes.get(f"{name}.weight")
-        if region is None or shape is None or len(shape) != 2:
+        if fmt is None or shape is None or len(shape) != 2:
             continue  # experts stacked elsewhere, or not a linear weight: vLLM reports those
-        n, k = int(shape[0]), int(shape[1]) * (2 if region == "nvfp4" else 1)
+        region = fmt.family
+        n, k = int(shape[0]), int(shape[1]) * fmt.codes_per_byte
         base, _, leaf = name.rpartition(".")
         target, index = _FUSED.get(leaf, (leaf, 0))
         key = f"{base}.{target}" if base else target
