@@ -271,7 +271,7 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
             gl.append(layer)
     for m in ms:
         x = x_all[:m]
-        route = routes.route_for(fmt, m, n, k, arch=arch)
+        route = str(routes.route_for(fmt, m, n, k, arch=arch))
         arms = [("qpn", route, qbytes, lambda i: ops.qpn_linear(x, packs[i % n_q])),
                 ("torch_fp16", "torch.matmul", fp16_bytes, lambda i: x @ w16[i % n_h].t())]
         if fmt == "fp8":
@@ -351,10 +351,10 @@ def sweep(names, ms, read, gen, path, provenance):
         for m in ms:
             x = x_all[:m]
             mt = 1 if m <= 8 else 2
-            route = routes.route_for(fmt, m, n, k, arch="sm80")
+            route = str(routes.route_for(fmt, m, n, k, arch="sm80"))
             default = jit.SM80_ROUTE_KERNELS[(fmt, mt)]
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
-                      if kn.startswith(routes.ROUTE_PREFIX[fmt]) and c.mt == mt]
+                      if c.fmt == fmt and c.mt == mt]
             trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
             for kn, mi in trials:
                 ops.SM80_MIN_ITEMS[fmt] = mi

@@ -230,12 +230,14 @@ class Census:
             self.modules[name]["prepack_verified"] = bool(verified)
             self._mark_dirty()
 
-    def count(self, name: str, route: str, graph: bool = False, calls: int = 1) -> None:
+    def count(self, name: str, route, graph: bool = False, calls: int = 1) -> None:
+        """One call of module ``name`` through ``route`` (a kernels.routes.Route, or a route name)."""
+        key = str(route)
         with self._lock:
             routes = self.modules[name]["routes"]
-            slot = routes.get(route)
+            slot = routes.get(key)
             if slot is None:
-                slot = routes[route] = {"eager": 0, "graph": 0}
+                slot = routes[key] = {"eager": 0, "graph": 0}
             slot["graph" if graph else "eager"] += calls
             self._mark_dirty()
 

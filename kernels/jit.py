@@ -81,11 +81,20 @@ class Sm80Kernel:
     x_global: bool = False  # ring kernel reading the activations from global memory (QPN80RX_ENTRY)
 
     @property
+    def fmt(self) -> str:
+        """Weight format the kernel decodes (from its fragment decoder: Frag16NVFP4*, Frag16FP8)."""
+        if self.frag.startswith("Frag16NVFP4"):
+            return "nvfp4"
+        if self.frag.startswith("Frag16FP8"):
+            return "fp8"
+        raise ValueError(f"kernel {self.name}: unknown fragment decoder {self.frag!r}")
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block of 256 threads (Qpn80Ring: 8 warps x S slots x STAGE)."""
         if not self.stages:
             return 0
-        nvfp4 = self.frag.startswith("Frag16NVFP4")
+        nvfp4 = self.fmt == "nvfp4"
         stage = self.tiles * ((16 if nvfp4 else 32) * 32 + (64 if nvfp4 else 0)) + (0 if self.x_global else self.mt * 1024)
         return 8 * self.stages * stage
 

@@ -1,22 +1,27 @@
 """Bindings: each QPN route as a torch.library custom op, and the public entry ``qpn_linear``.
 
 ``qpn_linear(x, packed, route=None, bias=None) -> fp16``: on CUDA runs the kernel of ``route``
-(``routes.route_for`` when None); on CPU runs the reference that reads the same packed buffers.
-The ops ``qpn::linear_nvfp4`` and ``qpn::linear_fp8`` carry fake (meta) implementations, so
-torch.compile traces through them and CUDA graphs capture their launches.
+(a ``routes.Route`` or its name; ``routes.route_for`` when None); on CPU runs the reference that
+reads the same packed buffers. The op ``qpn::linear`` carries a fake (meta) implementation, so
+torch.compile traces through it and CUDA graphs capture its launches.
+
+A packed weight reaches the kernels as one ``WeightOperands`` record: built once per call by
+``operands(packed)``, handed whole to every launcher, and spread into the custom op's arguments
+(torch.library ops take tensors and scalars, not records) in its field order.
 """
 from __future__ import annotations
 
 import ctypes
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import jit, reference, routes
 from .atoms import atom_for_arch, geometry
 from .prepack import PackedFP8, PackedNVFP4
+from .routes import Route
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -92,19 +97,48 @@ def serving_target(capability) -> Optional[dict]:
     return None
 
 
-def _route_kernel(route: str, fmt: str, m: int) -> tuple[str, int, int]:
-    """(entry point prefix, tiles per weight pass MT, m_chunks) for a packed route."""
-    prefix = routes.ROUTE_PREFIX[fmt]
-    max_m = routes.route_max_m(route)
-    if max_m is not None and m > max_m:
-        raise ValueError(f"route {route} serves M <= {max_m}, got M={m}; use routes.route_for() to pick one")
-    if route == prefix:
-        return f"{prefix}_mt1", 1, 1
-    if route == prefix + "_mt2":
-        return f"{prefix}_mt2", 2, 1
-    if route == prefix + "_chunked":
-        return f"{prefix}_mt2", 2, -(-m // routes.CHUNK_ROWS)
-    raise ValueError(route)
+class WeightOperands(NamedTuple):
+    """A packed weight as the kernels and the reference read it. Its fields, in this order, are
+    the custom op's weight arguments (``qpn::linear``)."""
+    codes: torch.Tensor              # uint8, fragment order
+    scales: Optional[torch.Tensor]   # NVFP4 e4m3 group scales (fragment order); None for FP8
+    chscale: torch.Tensor            # scale of the result: NVFP4 global [1]; FP8 [1] or [N]
+    n: int
+    k: int
+    fmt: str                         # "nvfp4" | "fp8"
+    atom: str
+
+    @property
+    def n_pad(self) -> int:
+        t = geometry(self.atom).tile_n
+        return -(-self.n // t) * t
+
+    @property
+    def k_pad(self) -> int:
+        b = geometry(self.atom).k_block
+        return -(-self.k // b) * b
+
+    def packed(self):
+        """The PackedNVFP4 / PackedFP8 these operands came from (what the reference reads)."""
+        if self.fmt == "nvfp4":
+            return PackedNVFP4(self.codes, self.scales, self.chscale, self.n, self.k, self.atom)
+        return PackedFP8(self.codes, self.chscale, self.n, self.k, self.atom)
+
+
+def operands(packed) -> WeightOperands:
+    """The WeightOperands of a PackedNVFP4 / PackedFP8 (the inverse of WeightOperands.packed)."""
+    if isinstance(packed, PackedNVFP4):
+        return WeightOperands(packed.codes, packed.scales, packed.global_scale, packed.n, packed.k, "nvfp4",
+                              packed.atom)
+    if isinstance(packed, PackedFP8):
+        return WeightOperands(packed.codes, None, packed.scale, packed.n, packed.k, "fp8", packed.atom)
+    raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
+
+
+def _route_kernel(route: Route, m: int) -> tuple[str, int, int]:
+    """(entry point prefix, tiles per weight pass MT, m_chunks) of a tiled route on the m8n8k4 atom."""
+    route.check_m(m)
+    return f"{route.prefix}_mt{route.tiles_per_pass}", route.tiles_per_pass, route.chunks(m)
 
 
 _sm_count: dict = {}
@@ -133,27 +167,26 @@ def _prep_x(x2: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
     return xh
 
 
-def _launch_packed(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscale, n: int, k_pad: int,
-                   atom: str, bias) -> torch.Tensor:
-    if atom == "m16n8k16":
-        return _launch_sm80(fmt, route, xh, codes, scales, chscale, n, k_pad, bias)
+def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias) -> torch.Tensor:
+    if w.atom == "m16n8k16":
+        return _launch_sm80(route, xh, w, bias)
     m = xh.shape[0]
-    g = geometry(atom)
-    name, mt, m_chunks = _route_kernel(route, fmt, m)
-    n_tiles = -(-n // g.tile_n)
-    kblocks = k_pad // g.k_block
+    g = geometry(w.atom)
+    name, mt, m_chunks = _route_kernel(route, m)
+    n_tiles = -(-w.n // g.tile_n)
+    kblocks = w.k_pad // g.k_block
     ksplit, tpb = _split(n_tiles, kblocks, m_chunks, xh.device)
-    y = torch.empty((m, n), dtype=torch.float16, device=xh.device)
+    y = torch.empty((m, w.n), dtype=torch.float16, device=xh.device)
     if m == 0:
         return y
-    mod = jit.module_for(xh.device, atom)
-    a = QpnArgs(codes.data_ptr(), scales.data_ptr() if scales is not None else 0, chscale.data_ptr(),
+    mod = jit.module_for(xh.device, w.atom)
+    a = QpnArgs(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
                 xh.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(),
-                m, n, kblocks, k_pad, ksplit, tpb, m_chunks, int(chscale.numel() != 1))
+                m, w.n, kblocks, w.k_pad, ksplit, tpb, m_chunks, int(w.chscale.numel() != 1))
     grid = -(-n_tiles // tpb) * m_chunks
     smem = WARPS * g.tile_n * 8 * mt * 4
     stream = torch.cuda.current_stream(xh.device).cuda_stream
-    jit.launch(mod, f"{name}_{atom}", grid, THREADS, smem, stream, [a])
+    jit.launch(mod, f"{name}_{w.atom}", grid, THREADS, smem, stream, [a])
     return y
 
 
@@ -254,62 +287,50 @@ def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps
     return -(-nwarps // WARPS) * chunks, nwarps, n_groups
 
 
-def _sm80_kernel_for(route: str, fmt: str, m: int, n: int = 0) -> tuple[str, int]:
-    """(kernel name, chunks) serving a packed route on the m16n8k16 atom for a layer of n rows."""
-    prefix = routes.ROUTE_PREFIX[fmt]
-    max_m = routes.route_max_m(route)
-    if max_m is not None and m > max_m:
-        raise ValueError(f"route {route} serves M <= {max_m}, got M={m}; use routes.route_for() to pick one")
-    if route == prefix:
-        if n >= jit.SM80_LARGE_N and (fmt, 1) in jit.SM80_LARGE_N_KERNELS:
-            return jit.SM80_LARGE_N_KERNELS[(fmt, 1)], 1
-        return jit.SM80_ROUTE_KERNELS[(fmt, 1)], 1
-    if route == prefix + "_mt2":
-        return jit.SM80_ROUTE_KERNELS[(fmt, 2)], 1
-    if route == prefix + "_chunked":
-        return jit.SM80_ROUTE_KERNELS[(fmt, 2)], -(-m // routes.CHUNK_ROWS)
-    raise ValueError(route)
+def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
+    """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows."""
+    route.check_m(m)
+    key = (route.format, route.tiles_per_pass)
+    if n >= jit.SM80_LARGE_N and key in jit.SM80_LARGE_N_KERNELS:
+        return jit.SM80_LARGE_N_KERNELS[key], route.chunks(m)
+    return jit.SM80_ROUTE_KERNELS[key], route.chunks(m)
 
 
-def _launch_sm80(fmt: str, route: str, xh: torch.Tensor, codes, scales, chscale, n: int, k_pad: int,
-                 bias, kernel: Optional[str] = None) -> torch.Tensor:
+def _launch_sm80(route: Route, xh: torch.Tensor, w: WeightOperands, bias,
+                 kernel: Optional[str] = None) -> torch.Tensor:
     m = xh.shape[0]
-    y = torch.empty((m, n), dtype=torch.float16, device=xh.device)
+    y = torch.empty((m, w.n), dtype=torch.float16, device=xh.device)
     if m == 0:
         return y
-    name, chunks = _sm80_kernel_for(route, fmt, m, n)
+    name, chunks = _sm80_kernel_for(route, m, w.n)
     if kernel is not None:  # a measured variant of the same token tiling (benchmarks only)
         cfg = jit.sm80_kernels().get(kernel)
-        if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or not kernel.startswith(routes.ROUTE_PREFIX[fmt]):
-            raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({fmt}, M={m})")
+        if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or cfg.fmt != w.fmt:
+            raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
         name = kernel
     mod = jit.module_for(xh.device, "m16n8k16")
-    kblocks = k_pad // 64
-    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, fmt, n, kblocks, chunks, xh.device)
+    kblocks = w.k_pad // 64
+    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, w.fmt, w.n, kblocks, chunks, xh.device)
     stream = torch.cuda.current_stream(xh.device).cuda_stream
     partials, counters = _sm80_buffers(xh.device, stream, chunks * nwarps * per_warp, chunks * n_groups)
-    a = Qpn80Args(codes.data_ptr(), scales.data_ptr() if scales is not None else 0, chscale.data_ptr(),
+    a = Qpn80Args(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
                   xh.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(),
                   partials.data_ptr(), counters.data_ptr(),
-                  m, n, kblocks, k_pad, n_groups, nwarps, chunks, int(chscale.numel() != 1))
+                  m, w.n, kblocks, w.k_pad, n_groups, nwarps, chunks, int(w.chscale.numel() != 1))
     jit.launch(mod, name, grid, THREADS, smem, stream, [a])
     return y
 
 
-def run_sm80_kernel(x: torch.Tensor, packed, kernel: str, route: Optional[str] = None) -> torch.Tensor:
+def run_sm80_kernel(x: torch.Tensor, packed, kernel: str, route: Route | str | None = None) -> torch.Tensor:
     """Benchmarks only: run a named kernel of the sm_80+ source (a configuration or a variant
     that drops a stage) on a packed weight, bypassing the custom op. Variants return garbage."""
     if packed.atom != "m16n8k16":
         raise ValueError("run_sm80_kernel needs a weight prepacked with atom='m16n8k16'")
-    fmt = "nvfp4" if isinstance(packed, PackedNVFP4) else "fp8"
+    w = _fp32_scale(operands(packed))
     x2 = x.reshape(-1, packed.k)
-    route = route or routes.route_for(fmt, x2.shape[0], packed.n, packed.k, arch="sm80")
-    xh = _prep_x(x2, packed.k, packed.k_pad)
-    if fmt == "nvfp4":
-        return _launch_sm80(fmt, route, xh, packed.codes, packed.scales, packed.global_scale.reshape(1),
-                            packed.n, packed.k_pad, None, kernel)
-    return _launch_sm80(fmt, route, xh, packed.codes, None, packed.scale.reshape(-1), packed.n,
-                        packed.k_pad, None, kernel)
+    route = routes.as_route(route) if route is not None else routes.route_for(
+        w.fmt, x2.shape[0], packed.n, packed.k, arch="sm80")
+    return _launch_sm80(route, _prep_x(x2, w.k, w.k_pad), w, None, kernel)
 
 
 def _mm_f32(xh: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -317,21 +338,21 @@ def _mm_f32(xh: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     return torch.mm(xh, ws.t(), out_dtype=torch.float32)
 
 
-def _launch_reconstruct(fmt: str, xh: torch.Tensor, codes, scales, chscale, n: int, n_pad: int,
-                        k_pad: int, atom: str, bias) -> torch.Tensor:
-    g = geometry(atom)
-    n_tiles, kblocks = n_pad // g.tile_n, k_pad // g.k_block
-    mod = jit.module_for(xh.device, atom)
-    ws = torch.empty((n_pad, k_pad), dtype=torch.float16, device=xh.device)  # lives for this call only
+def _launch_reconstruct(route: Route, xh: torch.Tensor, w: WeightOperands, bias) -> torch.Tensor:
+    g = geometry(w.atom)
+    n_tiles, kblocks = w.n_pad // g.tile_n, w.k_pad // g.k_block
+    mod = jit.module_for(xh.device, w.atom)
+    ws = torch.empty((w.n_pad, w.k_pad), dtype=torch.float16, device=xh.device)  # lives for this call only
     total = n_tiles * kblocks * 32
-    args = [ctypes.c_void_p(codes.data_ptr()),
-            ctypes.c_void_p(scales.data_ptr() if scales is not None else 0),
+    args = [ctypes.c_void_p(w.codes.data_ptr()),
+            ctypes.c_void_p(w.scales.data_ptr() if w.scales is not None else 0),
             ctypes.c_void_p(ws.data_ptr()), ctypes.c_int(n_tiles), ctypes.c_int(kblocks)]
     stream = torch.cuda.current_stream(xh.device).cuda_stream
-    jit.launch(mod, f"{routes.ROUTE_PREFIX[fmt]}_reconstruct_ws_{atom}", -(-total // THREADS), THREADS, 0,
+    jit.launch(mod, f"{route.prefix}_reconstruct_ws_{w.atom}", -(-total // THREADS), THREADS, 0,
                stream, args)
-    y32 = _mm_f32(xh, ws[:n])
+    y32 = _mm_f32(xh, ws[:w.n])
     del ws
+    chscale = w.chscale
     y32 *= chscale.reshape(1, -1) if chscale.numel() != 1 else chscale.reshape(())
     if bias is not None:
         y32 += bias.to(torch.float32).reshape(1, -1)
@@ -346,78 +367,61 @@ def _bias16(bias: Optional[torch.Tensor], n: int, device) -> Optional[torch.Tens
     return bias.reshape(n).to(device=device, dtype=torch.float16).contiguous()
 
 
-# ---------------------------------------------------------------------------- custom ops
-def _linear_nvfp4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                  n: int, k: int, route: str, atom: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    packed = PackedNVFP4(codes, scales, global_scale, n, k, atom)
+# ---------------------------------------------------------------------------- custom op
+def _fp32_scale(w: WeightOperands) -> WeightOperands:
+    """The operands with the result scale as the flat FP32 tensor the kernels read."""
+    return w._replace(chscale=w.chscale.to(torch.float32).reshape(-1))
+
+
+def _linear(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] -> fp16 [M, N] through ``route`` (CUDA) or the reference (CPU)."""
     if x.device.type != "cuda":
-        return reference.linear_nvfp4(x, packed, bias)
-    xh = _prep_x(x, k, packed.k_pad)
-    b = _bias16(bias, n, x.device)
-    gs = global_scale.to(torch.float32).reshape(1)
-    if route.endswith("_reconstruct"):
-        return _launch_reconstruct("nvfp4", xh, codes, scales, gs, n, packed.n_pad, packed.k_pad, atom, b)
-    return _launch_packed("nvfp4", route, xh, codes, scales, gs, n, packed.k_pad, atom, b)
+        packed = w.packed()
+        return (reference.linear_nvfp4 if w.fmt == "nvfp4" else reference.linear_fp8)(x, packed, bias)
+    w = _fp32_scale(w)
+    xh = _prep_x(x, w.k, w.k_pad)
+    b = _bias16(bias, w.n, x.device)
+    if route.kernel == routes.RECONSTRUCT:
+        return _launch_reconstruct(route, xh, w, b)
+    return _launch_packed(route, xh, w, b)
 
 
-linear_nvfp4_op = torch.library.custom_op("qpn::linear_nvfp4", mutates_args=())(_linear_nvfp4)
+@torch.library.custom_op("qpn::linear", mutates_args=())
+def linear_op(x: torch.Tensor, codes: torch.Tensor, scales: Optional[torch.Tensor], chscale: torch.Tensor,
+              n: int, k: int, fmt: str, atom: str, route: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The traced form of qpn_linear: the weight arguments are WeightOperands' fields in order."""
+    return _linear(x, WeightOperands(codes, scales, chscale, n, k, fmt, atom), routes.as_route(route), bias)
 
 
-@linear_nvfp4_op.register_fake
-def _(x, codes, scales, global_scale, n, k, route, atom, bias):
+@linear_op.register_fake
+def _(x, codes, scales, chscale, n, k, fmt, atom, route, bias):
     return x.new_empty((x.shape[0], n), dtype=torch.float16)
 
 
-def _linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int, k: int, route: str,
-                atom: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    packed = PackedFP8(codes, scale, n, k, atom)
-    if x.device.type != "cuda":
-        return reference.linear_fp8(x, packed, bias)
-    xh = _prep_x(x, k, packed.k_pad)
-    b = _bias16(bias, n, x.device)
-    sc = scale.to(torch.float32).reshape(-1)
-    if route.endswith("_reconstruct"):
-        return _launch_reconstruct("fp8", xh, codes, None, sc, n, packed.n_pad, packed.k_pad, atom, b)
-    return _launch_packed("fp8", route, xh, codes, None, sc, n, packed.k_pad, atom, b)
-
-
-linear_fp8_op = torch.library.custom_op("qpn::linear_fp8", mutates_args=())(_linear_fp8)
-
-
-@linear_fp8_op.register_fake
-def _(x, codes, scale, n, k, route, atom, bias):
-    return x.new_empty((x.shape[0], n), dtype=torch.float16)
-
-
-def qpn_linear(x: torch.Tensor, packed, route: Optional[str] = None,
+def qpn_linear(x: torch.Tensor, packed, route: Route | str | None = None,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a packed NVFP4 / FP8 weight; x [..., K] -> fp16 [..., N]."""
-    if isinstance(packed, PackedNVFP4):
-        fmt = "nvfp4"
-    elif isinstance(packed, PackedFP8):
-        fmt = "fp8"
-    else:
-        raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
-    if x.shape[-1] != packed.k:
-        raise ValueError(f"activations have K={x.shape[-1]} but the weight expects K={packed.k}")
-    if x.device != packed.codes.device:
-        raise ValueError(f"activations on {x.device} but the packed weight on {packed.codes.device}; "
+    w = operands(packed)
+    if x.shape[-1] != w.k:
+        raise ValueError(f"activations have K={x.shape[-1]} but the weight expects K={w.k}")
+    if x.device != w.codes.device:
+        raise ValueError(f"activations on {x.device} but the packed weight on {w.codes.device}; "
                          "move the packed weight with packed.to(device) at load time")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, packed.k)
+    x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
     if route is None:
-        route = routes.route_for(fmt, max(m, 1), packed.n, packed.k, arch=arch_for_atom(packed.atom))
-    elif routes.route_format(route) != fmt:
-        raise ValueError(f"route {route} serves {routes.route_format(route)}, the weight is {fmt}")
-    # Traced (torch.compile): through the registered custom ops. Eager: the same implementation
+        route = routes.route_for(w.fmt, max(m, 1), w.n, w.k, arch=arch_for_atom(w.atom))
+    else:
+        route = routes.as_route(route)
+        if route.kernel not in (routes.TILED, routes.RECONSTRUCT) or route.format != w.fmt:
+            raise ValueError(f"route {route} serves {route.format} {route.kernel} layers, the weight is a "
+                             f"dense {w.fmt} layer; pass a dense {w.fmt} route or None")
+    # Traced (torch.compile): through the registered custom op. Eager: the same implementation
     # called directly, which saves the custom-op dispatcher's host time on every call (measured
     # on the H200: tens of microseconds, more than a small layer's kernel).
-    compiling = torch.compiler.is_compiling()
-    if fmt == "nvfp4":
-        fn = torch.ops.qpn.linear_nvfp4 if compiling else _linear_nvfp4
-        y = fn(x2, packed.codes, packed.scales, packed.global_scale, packed.n, packed.k, route, packed.atom, bias)
+    if torch.compiler.is_compiling():
+        y = torch.ops.qpn.linear(x2, *w, str(route), bias)
     else:
-        fn = torch.ops.qpn.linear_fp8 if compiling else _linear_fp8
-        y = fn(x2, packed.codes, packed.scale, packed.n, packed.k, route, packed.atom, bias)
-    return y.reshape(*lead, packed.n)
+        y = _linear(x2, w, route, bias)
+    return y.reshape(*lead, w.n)

@@ -1,6 +1,6 @@
 """THE route table: which QPN route serves a (format, M, N, K) call. One place, used by the
-loader's dispatch, the custom ops and the benchmarks alike. A route is never a silent fallback:
-every M has exactly one named route, and every route below is a real kernel path.
+loader's dispatch, the custom ops, the census and the benchmarks alike. A route is never a silent
+fallback: every M has exactly one named route, and every route below is a real kernel path.
 
 | M      | NVFP4 (MLP trunk, lm_head)  | FP8 (attention projections) |
 |--------|-----------------------------|-----------------------------|
@@ -23,16 +23,22 @@ every M has exactly one named route, and every route below is a real kernel path
   e2m1 x e4m3-group-scale (NVFP4) or e4m3 (FP8), values that FP16 represents exactly; a GEMM with
   FP32 accumulation and FP32 output runs on it, the per-tensor / per-channel scale is applied in
   FP32 and the workspace is freed when the call returns. Nothing is persisted.
+* *_moe (kernels/moe.py): the grouped kernels of a mixture-of-experts layer, one route per format
+  of its gate/up stack for every batch size (pairs are grouped by expert on the device).
+
+A route travels as a ``Route`` value: its name is parsed once, here, into what the kernels need
+(format, kernel kind, token tiles per weight pass, chunk rows) and the M band the table gives it;
+``str(route)`` is the name again, which is what the census files, results and gates carry.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 FORMATS = ("nvfp4", "fp8")
 ROUTE_PREFIX = {"nvfp4": "qpn2", "fp8": "qpn8"}
 
-QPN_ROUTES = frozenset(
-    f"{ROUTE_PREFIX[f]}{suffix}" for f in FORMATS for suffix in ("", "_mt2", "_chunked", "_reconstruct")
-)
-
+# Rows of one token tile (the 8 columns of an m8n8k4 / m16n8k16 MMA that hold tokens).
+TILE_ROWS = 8
 # Upper M bound of each packed band; above the last, reconstruction.
 M_SINGLE_TILE_MAX = 8
 M_MT2_MAX = 16
@@ -41,11 +47,127 @@ CHUNK_ROWS = 16
 
 KNOWN_ARCHS = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
 
+# Kernel kinds a route runs.
+TILED = "tiled"              # the QPN kernel: packed weights decoded in registers into the MMA
+RECONSTRUCT = "reconstruct"  # transient FP16 workspace + an FP32-accumulating GEMM
+MOE = "moe"                  # the grouped mixture-of-experts kernels (kernels/moe.py)
 
-def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70") -> str:
-    """Route name for one linear call: fmt is "nvfp4" or "fp8", m = rows in the batch."""
+
+@dataclass(frozen=True)
+class Route:
+    """One QPN route. ``str(route)`` is its name (``qpn2_mt2``); compare routes as values."""
+
+    format: str          # weight format it serves: "nvfp4" | "fp8"
+    kernel: str          # TILED | RECONSTRUCT | MOE
+    tiles_per_pass: int  # 8-row token tiles against one weight pass (TILED; 0 otherwise)
+    chunk_rows: int      # rows per chunk when M is cut into chunks, each chunk one pass; 0: no chunks
+    m_min: int           # the M band route_for gives this route: m_min <= M <= m_max
+    m_max: int | None    # None: no upper bound
+    name: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "name", _route_name(self))
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def prefix(self) -> str:
+        """The format's route family (``qpn2`` / ``qpn8``), also the kernels' name prefix."""
+        return ROUTE_PREFIX[self.format]
+
+    @property
+    def kernel_max_m(self) -> int | None:
+        """Largest M the route's kernel accepts when asked for explicitly (None: any M). The table
+        sends M 17-96 to *_chunked; the chunked kernel itself handles any M (benchmarks use that)."""
+        if self.kernel == TILED and not self.chunk_rows:
+            return self.tiles_per_pass * TILE_ROWS
+        return None
+
+    def check_m(self, m: int) -> None:
+        """Raise ValueError when this route's kernel cannot serve a batch of ``m`` rows."""
+        top = self.kernel_max_m
+        if top is not None and m > top:
+            raise ValueError(f"route {self} serves M <= {top}, got M={m}; use routes.route_for() to pick one")
+
+    def chunks(self, m: int) -> int:
+        """How many chunk launches (grid planes) a batch of ``m`` rows takes on this route."""
+        return -(-m // self.chunk_rows) if self.chunk_rows else 1
+
+    def band(self) -> dict:
+        """The route's M band as the census records it."""
+        return {"m_min": self.m_min, "m_max": self.m_max}
+
+
+# Name suffix of each (kernel, tiles per pass, chunk rows) shape, and back: the only place route
+# names are taken apart or put together.
+_SUFFIX = {
+    (TILED, 1, 0): "",
+    (TILED, 2, 0): "_mt2",
+    (TILED, 2, CHUNK_ROWS): "_chunked",
+    (RECONSTRUCT, 0, 0): "_reconstruct",
+    (MOE, 0, 0): "_moe",
+}
+_SHAPE_OF_SUFFIX = {s: shape for shape, s in _SUFFIX.items()}
+# M band of each shape in the route table (MoE: every M).
+_BAND = {
+    (TILED, 1, 0): (1, M_SINGLE_TILE_MAX),
+    (TILED, 2, 0): (M_SINGLE_TILE_MAX + 1, M_MT2_MAX),
+    (TILED, 2, CHUNK_ROWS): (M_MT2_MAX + 1, M_CHUNKED_MAX),
+    (RECONSTRUCT, 0, 0): (M_CHUNKED_MAX + 1, None),
+    (MOE, 0, 0): (1, None),
+}
+_FORMAT_OF_PREFIX = {p: f for f, p in ROUTE_PREFIX.items()}
+
+
+def _route_name(r: Route) -> str:
+    shape = (r.kernel, r.tiles_per_pass, r.chunk_rows)
+    if r.format not in ROUTE_PREFIX or shape not in _SUFFIX:
+        raise ValueError(f"no QPN route is a {r.kernel} kernel with {r.tiles_per_pass} tile(s) per pass and "
+                         f"{r.chunk_rows}-row chunks for format {r.format!r}")
+    return ROUTE_PREFIX[r.format] + _SUFFIX[shape]
+
+
+def parse_route(name: str) -> Route:
+    """The Route a route name stands for. ValueError names the known routes."""
+    prefix, sep, suffix = str(name).partition("_")
+    fmt = _FORMAT_OF_PREFIX.get(prefix)
+    shape = _SHAPE_OF_SUFFIX.get(sep + suffix)
+    if fmt is None or shape is None:
+        raise ValueError(f"unknown QPN route {name!r}; known routes: {sorted(_NAMES)}")
+    m_min, m_max = _BAND[shape]
+    return Route(fmt, *shape, m_min, m_max)
+
+
+_NAMES = tuple(p + s for p in _FORMAT_OF_PREFIX for s in _SHAPE_OF_SUFFIX)
+# Every route, by name.
+ALL_ROUTES: dict[str, Route] = {n: parse_route(n) for n in _NAMES}
+
+QPN_ROUTES = frozenset(n for n, r in ALL_ROUTES.items() if r.kernel != MOE)
+# Mixture-of-experts layers (kernels/moe.py): one grouped route per format of the gate/up stack.
+QPN_MOE_ROUTES = frozenset(n for n, r in ALL_ROUTES.items() if r.kernel == MOE)
+
+# Dense routes of each format in band order (route_for walks them).
+_DENSE_BANDS = {f: tuple(sorted((r for r in ALL_ROUTES.values() if r.format == f and r.kernel != MOE),
+                                key=lambda r: r.m_min)) for f in FORMATS}
+
+
+def as_route(route: Route | str) -> Route:
+    """A Route, given a Route or a route name (a table lookup: names were parsed at import)."""
+    if isinstance(route, Route):
+        return route
+    r = ALL_ROUTES.get(route)
+    return r if r is not None else parse_route(route)  # parse_route raises naming the known routes
+
+
+def _check_format(fmt: str) -> None:
     if fmt not in ROUTE_PREFIX:
         raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70") -> Route:
+    """Route of one linear call: fmt is "nvfp4" or "fp8", m = rows in the batch."""
+    _check_format(fmt)
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"M (rows in the batch) must be a positive int, got {m!r}")
     if n < 1 or k < 1:
@@ -54,41 +176,27 @@ def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70") -> str:
         raise ValueError(f"NVFP4 needs K to be a multiple of 16, got K={k}")
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {KNOWN_ARCHS}")
-    p = ROUTE_PREFIX[fmt]
-    if m <= M_SINGLE_TILE_MAX:
-        return p
-    if m <= M_MT2_MAX:
-        return p + "_mt2"
-    if m <= M_CHUNKED_MAX:
-        return p + "_chunked"
-    return p + "_reconstruct"
+    for r in _DENSE_BANDS[fmt]:
+        if r.m_max is None or m <= r.m_max:
+            return r
+    raise AssertionError("the last band of the route table is unbounded")
 
 
-# Mixture-of-experts layers (kernels/moe.py): one grouped route per format of the gate/up
-# stack, for every batch size (pairs are grouped by expert on the device; 8 pairs per MMA tile).
-QPN_MOE_ROUTES = frozenset(f"{ROUTE_PREFIX[f]}_moe" for f in FORMATS)
+def moe_route_for(fmt: str) -> Route:
+    """Route of a MoE layer whose gate/up experts are stored in ``fmt``."""
+    _check_format(fmt)
+    return ALL_ROUTES[ROUTE_PREFIX[fmt] + _SUFFIX[(MOE, 0, 0)]]
 
 
-def moe_route_for(fmt: str) -> str:
-    """Route name of a MoE layer whose gate/up experts are stored in ``fmt``."""
-    if fmt not in ROUTE_PREFIX:
-        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
-    return ROUTE_PREFIX[fmt] + "_moe"
+def route_format(route: Route | str) -> str:
+    """Format ("nvfp4" / "fp8") a dense route serves."""
+    r = as_route(route)
+    if r.kernel == MOE:
+        raise ValueError(f"{r} is a MoE route; known dense routes: {sorted(QPN_ROUTES)}")
+    return r.format
 
 
-def route_format(route: str) -> str:
-    """Format ("nvfp4" / "fp8") a route name serves."""
-    if route not in QPN_ROUTES:
-        raise ValueError(f"unknown QPN route {route!r}; known routes: {sorted(QPN_ROUTES)}")
-    return "nvfp4" if route.startswith("qpn2") else "fp8"
-
-
-def route_max_m(route: str) -> int | None:
-    """Largest M a route's kernel accepts when asked for explicitly (None: any M). The table
-    above sends M 17-96 to *_chunked; the kernel itself handles any M (benchmarks use that)."""
+def route_max_m(route: Route | str) -> int | None:
+    """Largest M a dense route's kernel accepts when asked for explicitly (None: any M)."""
     route_format(route)
-    if route.endswith("_reconstruct") or route.endswith("_chunked"):
-        return None
-    if route.endswith("_mt2"):
-        return M_MT2_MAX
-    return M_SINGLE_TILE_MAX
+    return as_route(route).kernel_max_m

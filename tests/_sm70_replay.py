@@ -508,16 +508,18 @@ class Replay:
                 d = dd if d is None else d + dd
         return d
 
-    def linear(self, packed, x: torch.Tensor, route: str, ksplit: int = 1) -> torch.Tensor:
-        """y (float64, before the FP16 rounding) of the QPN route on these packed buffers."""
-        from qpn.kernels import formats, ops
+    def linear(self, packed, x: torch.Tensor, route, ksplit: int = 1) -> torch.Tensor:
+        """y (float64, before the FP16 rounding) of the QPN route (a Route or its name) on these
+        packed buffers."""
+        from qpn.kernels import formats, ops, routes
         at = self.r.atom
         fmt = packed.fmt
         dec = self._dec(fmt)
         m = x.shape[0]
-        if route.endswith("_reconstruct"):
+        route = routes.as_route(route)
+        if route.kernel == routes.RECONSTRUCT:
             return self.reconstruct(packed, x)
-        name, _, m_chunks = ops._route_kernel(route, fmt, m)
+        name, _, m_chunks = ops._route_kernel(route, m)
         entries = entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY")
         atom_s, dec_s, mt = entries[f"{name}_m8n8k4"]
         assert atom_s == "AtomM8N8K4" and dec_s == ("DecNVFP4" if fmt == "nvfp4" else "DecFP8")

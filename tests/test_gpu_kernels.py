@@ -177,7 +177,7 @@ def _run_shape(name, packed, fmt, dev, gen, bias=None, weights=""):
         y64 = reference.linear_f64(x, packed, bias)
         mag = _magnitude(x, packed)
         for m in M_LIST:
-            route = routes.route_for(fmt, m, packed.n, k, arch=ops.arch_for_atom(packed.atom))
+            route = str(routes.route_for(fmt, m, packed.n, k, arch=ops.arch_for_atom(packed.atom)))
             ok, rel, bad = _check(name, packed, x, y64, route, m, bias, mag, weights, acts)
             if not ok:
                 fails.append((acts, route, m, rel, bad))

@@ -387,9 +387,11 @@ def test_sm80_kernel_table_and_route_kernels():
         cfg = configured[name]
         assert cfg.mt == mt and cfg.variant == 0 and name.startswith(routes.ROUTE_PREFIX[fmt])
         assert cfg.frag == ("Frag16NVFP4" if fmt == "nvfp4" else "Frag16FP8")
-    assert ops._sm80_kernel_for("qpn2_chunked", "nvfp4", 40) == (jit.SM80_ROUTE_KERNELS[("nvfp4", 2)], 3)
+    route = routes.as_route
+    assert ops._sm80_kernel_for(route("qpn2_chunked"), 40) == (jit.SM80_ROUTE_KERNELS[("nvfp4", 2)], 3)
     with pytest.raises(ValueError, match="M <= 8"):
-        ops._sm80_kernel_for("qpn8", "fp8", 9)
+        ops._sm80_kernel_for(route("qpn8"), 9)
+    assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "fp8") for c in configured.values())
     with pytest.raises(jit.QpnBuildError, match="sm_80"):
         jit.compile_cubin(75, source=jit.ATOM_SOURCES[ATOM])
     assert jit.atoms_for_arch("sm70") == ("m8n8k4",) and jit.atoms_for_arch(90) == ("m8n8k4", ATOM)
@@ -410,7 +412,7 @@ def test_routes_are_the_same_names_on_sm80_and_sm90():
     for m in (1, 8, 9, 16, 17, 96, 97, 500):
         for fmt in ("nvfp4", "fp8"):
             assert routes.route_for(fmt, m, 5120, 5120, arch="sm90") == routes.route_for(fmt, m, 5120, 5120)
-            assert routes.route_for(fmt, m, 5120, 5120, arch="sm80") in routes.QPN_ROUTES
+            assert str(routes.route_for(fmt, m, 5120, 5120, arch="sm80")) in routes.QPN_ROUTES
     assert ops.arch_for_atom(ATOM) == "sm80" and ops.arch_for_atom("m8n8k4") == "sm70"
 
 
@@ -447,11 +449,11 @@ def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
 
 
 def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fallback():
-    small = ops._sm80_kernel_for("qpn2", "nvfp4", 1, 5120)
-    large = ops._sm80_kernel_for("qpn2", "nvfp4", 1, jit.SM80_LARGE_N)
+    small = ops._sm80_kernel_for(routes.as_route("qpn2"), 1, 5120)
+    large = ops._sm80_kernel_for(routes.as_route("qpn2"), 1, jit.SM80_LARGE_N)
     assert small == (jit.SM80_ROUTE_KERNELS[("nvfp4", 1)], 1)
     assert large == (jit.SM80_LARGE_N_KERNELS[("nvfp4", 1)], 1)
-    assert ops._sm80_kernel_for("qpn8", "fp8", 1, 10 ** 6) == (jit.SM80_ROUTE_KERNELS[("fp8", 1)], 1)
+    assert ops._sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == (jit.SM80_ROUTE_KERNELS[("fp8", 1)], 1)
     kernels = jit.sm80_kernels()
     for key, name in list(jit.SM80_ROUTE_KERNELS.items()) + list(jit.SM80_LARGE_N_KERNELS.items()):
         fb = kernels[jit.SM80_ROUTE_KERNELS_NO_SMEM[key]]

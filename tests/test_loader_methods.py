@@ -167,7 +167,7 @@ def test_module_loads_prepacks_frees_and_computes(engine_context, checkpoint, pr
     gen = torch.Generator().manual_seed(1)
     for m in (1, 12, 40, 130):  # one M per route band
         x = torch.randn(m, method.k, generator=gen)
-        before = dict(entry["routes"].get(route_for(region, m, method.n, method.k), {"eager": 0}))
+        before = dict(entry["routes"].get(str(route_for(region, m, method.n, method.k)), {"eager": 0}))
         y = method.apply(layer, x)
         assert y.dtype == x.dtype and y.shape == (m, method.n)
         ref = x @ w_ref.T

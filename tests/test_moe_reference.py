@@ -248,7 +248,7 @@ def test_custom_op_on_cpu_is_the_reference_and_traces():
 
 
 def test_moe_routes_and_group_bound():
-    assert routes.moe_route_for("nvfp4") == "qpn2_moe" and routes.moe_route_for("fp8") == "qpn8_moe"
+    assert str(routes.moe_route_for("nvfp4")) == "qpn2_moe" and str(routes.moe_route_for("fp8")) == "qpn8_moe"
     assert routes.QPN_MOE_ROUTES == frozenset({"qpn2_moe", "qpn8_moe"})
     assert not routes.QPN_MOE_ROUTES & routes.QPN_ROUTES
     with pytest.raises(ValueError, match="unknown weight format"):
