@@ -1,5 +1,5 @@
 """The route census's file format, shared by its writer (``census.py``, one file per rank) and
-its readers (``census.aggregate``, the boot gates in ``qpn.scripts.boot_gates``).
+its readers (``census.aggregate``, the boot gates in ``qpn.scripts.launcher.boot_gates``).
 
 One module so that writer and gates cannot drift apart: every key the writer emits and every
 key a gate reads is named here, with its type, and both sides validate against it. A file of

@@ -1,4 +1,4 @@
-"""The engine lock (scripts/engines.lock.toml): which engines volta-qpn supports, at which versions.
+"""The engine lock (scripts/install/engines.lock.toml): which engines volta-qpn supports, at which versions.
 
 An engine *profile* (``cpu``, ``sm70``) names a family of builds with one set of hooks and one
 serving profile; a profile pins one version (``cpu``) or several (``sm70``: 1Cat-vLLM 1.3.0, the
@@ -32,11 +32,11 @@ LOCK_ENV = "QPN_ENGINES_LOCK"  # a lock file read instead of the shipped one (te
 def load_lock() -> dict:
     if os.environ.get(LOCK_ENV):
         return tomllib.loads(Path(os.environ[LOCK_ENV]).read_text())
-    lock_path = Path(__file__).resolve().parent.parent / "scripts" / "engines.lock.toml"
+    lock_path = Path(__file__).resolve().parent.parent / "scripts" / "install" / "engines.lock.toml"
     if not lock_path.exists():  # installed wheel: the lock travels as package data
         from importlib.resources import files
 
-        return tomllib.loads(files("qpn.scripts").joinpath("engines.lock.toml").read_text())
+        return tomllib.loads(files("qpn.scripts.install").joinpath("engines.lock.toml").read_text())
     return tomllib.loads(lock_path.read_text())
 
 

@@ -410,7 +410,9 @@ def check(profile_name: str, source: Path | None = None) -> int:
 
 # Installed package -> source folder (pyproject.toml's package-dir).
 SOURCE_FOLDERS = {"qpn": "qpn", "qpn/fork_patches": "fork_patches", "qpn/kernels": "kernels",
-                  "qpn/scripts": "scripts", "qpn/benchmarks": "benchmarks"}
+                  "qpn/scripts": "scripts", "qpn/scripts/install": "scripts/install",
+                  "qpn/scripts/launcher": "scripts/launcher", "qpn/scripts/checkpoints": "scripts/checkpoints",
+                  "qpn/benchmarks": "benchmarks"}
 
 
 def _stale_against_source(dist, source: Path) -> list[str]:

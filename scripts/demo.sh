@@ -2,7 +2,7 @@
 # The demonstration on any machine (no GPU needed): builds the cpu engine if absent, writes a
 # small mixed NVFP4/FP8 checkpoint, serves it through serve-qwen38-native.sh with MTP and the
 # boot gates, sends a chat and a streaming request, prints the answer, the route census and the
-# gate table, and shuts everything down. Logic: scripts/demo.py.
+# gate table, and shuts everything down. Logic: scripts/launcher/demo.py.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -10,6 +10,6 @@ PY="${ENV_PREFIX:-$REPO_ROOT/.venv-cpu}/bin/python"
 # The demo itself needs the openai client, which the engine ships; before the engine exists,
 # python3 runs it far enough to bootstrap the engine, then it re-runs under the engine.
 if [ ! -x "$PY" ]; then
-  python3 -c 'import qpn.scripts.demo as d, os; d.engine_python(dict(os.environ))'
+  python3 -c 'import qpn.scripts.launcher.demo as d, os; d.engine_python(dict(os.environ))'
 fi
-exec "$PY" -m qpn.scripts.demo "$@"
+exec "$PY" -m qpn.scripts.launcher.demo "$@"

@@ -17,7 +17,7 @@ def check_agreement(got: list[float], top1: list[int], refs: dict, label: str,
     """Assert the rule for one served run; returns the report line (also printed).
 
     refs: {"float32": ..., "bfloat16": ..., control: ...}, each with token_logprobs (and, for
-    float32, argmax and top2_margin) as qpn.scripts.checkpoint_reference writes them.
+    float32, argmax and top2_margin) as qpn.scripts.checkpoints.checkpoint_reference writes them.
     gross: controls that must land beyond 5x the mean bound and beyond the max bound.
     subtle: controls that the bound itself must reject on both measures."""
     ref = refs["float32"]

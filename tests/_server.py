@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 import uuid
 
-from qpn.scripts.launched import group_alive
+from qpn.scripts.launcher.launched import group_alive
 
 TAG_ENV = "QPN_E2E_TAG"
 

@@ -61,11 +61,11 @@ def cpu_engine_wheel(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def mixed_checkpoint(tmp_path_factory) -> Path:
-    """The standard small mixed NVFP4/FP8 checkpoint (qpn.scripts.make_checkpoint, seed 0), written
+    """The standard small mixed NVFP4/FP8 checkpoint (qpn.scripts.checkpoints.make_checkpoint, seed 0), written
     once per session by the engine python and shared by every test that serves or loads it.
     Tests read it and never write into it (a variant goes to a folder of its own)."""
     out = tmp_path_factory.mktemp("mixed_checkpoint") / "ckpt"
-    r = subprocess.run([os.environ["QPN_ENGINE_PYTHON"], "-m", "qpn.scripts.make_checkpoint", str(out), "--seed", "0"],
+    r = subprocess.run([os.environ["QPN_ENGINE_PYTHON"], "-m", "qpn.scripts.checkpoints.make_checkpoint", str(out), "--seed", "0"],
                        capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"make_checkpoint failed ({r.returncode}):\n{r.stderr[-4000:]}")

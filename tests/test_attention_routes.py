@@ -25,7 +25,7 @@ import pytest
 from qpn.fork_patches import attention_routes as ar
 from qpn.fork_patches import engine_source
 from qpn.fork_patches import kv_policy
-from qpn.scripts import boot_gates
+from qpn.scripts.launcher import boot_gates
 
 REPO = Path(__file__).resolve().parent.parent
 VERSIONS = ("1.2.2", "1.3.0")

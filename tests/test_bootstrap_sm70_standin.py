@@ -69,7 +69,7 @@ def build_standin_wheel(archive: Path, version: str, dest: Path) -> Path:
 
 
 def _test_lock(dest: Path) -> Path:
-    lock = tomllib.loads((REPO / "scripts" / "engines.lock.toml").read_text())
+    lock = tomllib.loads((REPO / "scripts" / "install" / "engines.lock.toml").read_text())
     sm70 = lock["engines"]["sm70"]
     sm70.update(python=f"{sys.version_info.major}.{sys.version_info.minor}", kernel_arch="",
                 kernel_toolchain=[], import_checks=["vllm"])

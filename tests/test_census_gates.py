@@ -13,8 +13,8 @@ import torch
 from qpn.fork_patches import census as census_mod
 from qpn.fork_patches.census import Census, aggregate, attention_layer_groups
 from qpn.fork_patches.census_schema import SCHEMA_VERSION, CensusSchemaError, validate_rank
-from qpn.scripts import boot_gates
-from qpn.scripts.engine_profiles import CPU
+from qpn.scripts.launcher import boot_gates
+from qpn.scripts.launcher.engine_profiles import CPU
 
 _PLATFORM = {"engine_version": "0.32.0", "platform": "cpu", "device_capability": None,
              "backend": "reference"}

@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from qpn.scripts import make_checkpoint as mc  # noqa: E402
-from qpn.scripts import tiny_hybrid, tiny_tokenizer  # noqa: E402
-from qpn.scripts.checkpoint_reference import decode_fp8, decode_nvfp4  # noqa: E402
+from qpn.scripts.checkpoints import make_checkpoint as mc  # noqa: E402
+from qpn.scripts.checkpoints import tiny_hybrid, tiny_tokenizer  # noqa: E402
+from qpn.scripts.checkpoints.checkpoint_reference import decode_fp8, decode_nvfp4  # noqa: E402
 
 SPEC = tiny_hybrid.TinyHybridSpec()
 HUB = "model.language_model."
@@ -186,7 +186,7 @@ def test_checkpoint_folder_publishes_whole_or_nothing(tmp_path):
     nor a partial folder; success renames one readable folder into place."""
     import os
 
-    from qpn.scripts.make_checkpoint import checkpoint_folder
+    from qpn.scripts.checkpoints.make_checkpoint import checkpoint_folder
 
     out = tmp_path / "ckpt"
     with pytest.raises(RuntimeError):

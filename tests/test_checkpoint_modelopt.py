@@ -45,12 +45,12 @@ def modelopt_version() -> str:
 def test_modelopt_and_generator_write_identical_quantized_tensors(tmp_path, repo_root, modelopt_version):
     from safetensors.torch import load_file
 
-    from qpn.scripts.make_checkpoint import make_checkpoint
+    from qpn.scripts.checkpoints.make_checkpoint import make_checkpoint
 
     assert modelopt_version.startswith("0.47"), modelopt_version
     theirs, ours = tmp_path / "modelopt", tmp_path / "ours"
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    subprocess.run([MODELOPT_PYTHON, "-m", "qpn.scripts.modelopt_export", str(theirs), "--seed", "0"],
+    subprocess.run([MODELOPT_PYTHON, "-m", "qpn.scripts.checkpoints.modelopt_export", str(theirs), "--seed", "0"],
                    check=True, env=env, capture_output=True, timeout=900)
     make_checkpoint(ours, seed=0)
 

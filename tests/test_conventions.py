@@ -126,7 +126,7 @@ def test_nvfp4_inputs_name_the_problem(bad, match):
 
 
 def _tiny_modules():
-    from qpn.scripts import make_checkpoint, tiny_hybrid
+    from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid
 
     weights = tiny_hybrid.float_weights(tiny_hybrid.TinyHybridSpec(), 0)
     quantized = tiny_hybrid.quantized_modules(weights)
@@ -136,7 +136,7 @@ def _tiny_modules():
 
 
 def test_ct_declaration_names_every_module_like_the_plan():
-    from qpn.scripts.make_ct_checkpoint import fp8_layout, quantization_config
+    from qpn.scripts.checkpoints.make_ct_checkpoint import fp8_layout, quantization_config
 
     hub = _tiny_modules()
     schemes = cv.COMPRESSED_TENSORS.module_schemes(quantization_config(), sorted(hub))
@@ -158,7 +158,7 @@ def test_vllm_matches_the_ct_targets_on_its_own_module_names():
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
     from vllm.model_executor.layers.quantization.compressed_tensors.utils import find_matched_target
 
-    from qpn.scripts.make_ct_checkpoint import quantization_config
+    from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config
 
     cfg = CompressedTensorsConfig.from_config(quantization_config())
     fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
@@ -198,8 +198,8 @@ def test_ct_schemes_qpn_does_not_serve_are_named(weights, fmt, match):
 
 
 def test_kv_directives():
-    from qpn.scripts import make_checkpoint
-    from qpn.scripts.make_ct_checkpoint import quantization_config
+    from qpn.scripts.checkpoints import make_checkpoint
+    from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config
 
     assert cv.COMPRESSED_TENSORS.kv_request(quantization_config()) == "fp8"
     hf = make_checkpoint.hf_quant_config({"model.layers.0.mlp.down_proj": "nvfp4"})
@@ -219,7 +219,7 @@ def test_kv_directives():
 def test_detect(tmp_path):
     import json
 
-    from qpn.scripts.make_ct_checkpoint import quantization_config
+    from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config
 
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quantization_config()}))
     assert cv.detect(tmp_path)[0] is cv.COMPRESSED_TENSORS

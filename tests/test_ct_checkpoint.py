@@ -1,4 +1,4 @@
-"""The compressed-tensors checkpoint generator (qpn.scripts.make_ct_checkpoint) against
+"""The compressed-tensors checkpoint generator (qpn.scripts.checkpoints.make_ct_checkpoint) against
 compressed-tensors' own quantizer and compressors: every code and scale byte-identical, on a
 whole-format weight and on every quantized module of the written checkpoint."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip("compressed_tensors", reason="compressed-tensors is installe
 from _ct_library import ct_fp8, ct_nvfp4, whole_format_weight  # noqa: E402
 
 from qpn.fork_patches import conventions as cv  # noqa: E402
-from qpn.scripts import make_checkpoint, make_ct_checkpoint as mct, tiny_hybrid  # noqa: E402
+from qpn.scripts.checkpoints import make_checkpoint, make_ct_checkpoint as mct, tiny_hybrid  # noqa: E402
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

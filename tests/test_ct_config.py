@@ -15,7 +15,7 @@ pytest.importorskip("compressed_tensors")
 from qpn.fork_patches import conventions as cv  # noqa: E402
 from qpn.fork_patches.ct_config import qpn_method_for  # noqa: E402
 from qpn.fork_patches.linear_method import QPN2LinearMethod, QPN8LinearMethod, QPNCheckpointError  # noqa: E402
-from qpn.scripts.make_ct_checkpoint import quantization_config  # noqa: E402
+from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config  # noqa: E402
 
 TARGET = {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
@@ -102,7 +102,7 @@ def test_output_activation_quantization_is_refused():
 def test_the_launcher_reads_the_regions_a_ct_checkpoint_declares():
     """The qpn_routes gate checks every declared region has modules on QPN: for a compressed-tensors
     checkpoint the regions come from its config groups (there is no quantized_layers map)."""
-    from qpn.scripts import boot_gates
+    from qpn.scripts.launcher import boot_gates
 
     q = quantization_config()
     assert boot_gates.declared_regions(q) == {"nvfp4", "fp8"}

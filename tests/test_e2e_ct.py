@@ -1,5 +1,5 @@
 """End to end on the real vLLM 0.32 CPU engine, through the overlay: a compressed-tensors
-checkpoint (qpn.scripts.make_ct_checkpoint: NVFP4 MLP + lm_head, FP8 attention per tensor and
+checkpoint (qpn.scripts.checkpoints.make_ct_checkpoint: NVFP4 MLP + lm_head, FP8 attention per tensor and
 per channel) serves through the QPN methods (hook ct-qpn-linear-methods), agrees with an
 independent float32 reference decoded by compressed-tensors' own code, and the census accounts
 for every quantized module on a QPN route with zero fallbacks.
@@ -34,7 +34,7 @@ CONTROLS = (*GROSS_CONTROLS, "collapse-fp8-shards")
 @pytest.fixture(scope="module")
 def ct_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e_ct")
-    _run_engine_python(["-m", "qpn.scripts.make_ct_checkpoint", str(root / "ckpt"), "--seed", "0"])
+    _run_engine_python(["-m", "qpn.scripts.checkpoints.make_ct_checkpoint", str(root / "ckpt"), "--seed", "0"])
     return root
 
 
@@ -69,7 +69,7 @@ def served_fp8_kv(ct_root, served):
 
 def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str], kv: str) -> dict:
     out = tmp / f"ct-references-{kv}.json"
-    _run_engine_python(["-m", "qpn.scripts.ct_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
+    _run_engine_python(["-m", "qpn.scripts.checkpoints.ct_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
                         "--variants", ",".join(variants), "--kv-cache", kv, "--out", str(out)])
     return json.loads(out.read_text())
 

@@ -55,7 +55,7 @@ def _run_engine_python(args: list[str], timeout: float = 600) -> str:
 
 
 def _make_checkpoint(out: Path, malformed: str | None = None) -> Path:
-    args = ["-m", "qpn.scripts.make_checkpoint", str(out), "--seed", "0"]
+    args = ["-m", "qpn.scripts.checkpoints.make_checkpoint", str(out), "--seed", "0"]
     if malformed:
         args += ["--malformed", malformed]
     _run_engine_python(args)
@@ -65,7 +65,7 @@ def _make_checkpoint(out: Path, malformed: str | None = None) -> Path:
 def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str], kv_cache: str) -> dict:
     """Independent references in one engine-python process (one transformers import)."""
     out = tmp / f"references-{kv_cache}.json"
-    _run_engine_python(["-m", "qpn.scripts.checkpoint_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
+    _run_engine_python(["-m", "qpn.scripts.checkpoints.checkpoint_reference", str(ckpt), "--token-ids", ",".join(map(str, ids)),
                         "--variants", ",".join(variants), "--kv-cache", kv_cache, "--out", str(out)])
     return json.loads(out.read_text())
 
@@ -232,7 +232,7 @@ MALFORMED_KINDS = ["missing-scale", "nan-scale", "unknown-algo", "k-not-multiple
 
 @pytest.mark.parametrize("kind", MALFORMED_KINDS)
 def test_malformed_checkpoint_fails_cleanly(tmp_path, kind):
-    from qpn.scripts.make_checkpoint import MALFORMED
+    from qpn.scripts.checkpoints.make_checkpoint import MALFORMED
 
     bad = MALFORMED[kind]
     ckpt = _make_checkpoint(tmp_path / kind, malformed=kind)

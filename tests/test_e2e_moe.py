@@ -1,9 +1,9 @@
 """End to end on the real cpu engine: a small ModelOpt MIXED_PRECISION checkpoint of the Qwen3.5
-MoE family (qpn.scripts.make_moe_checkpoint: hybrid GDN/attention trunk, 8 experts per layer
+MoE family (qpn.scripts.checkpoints.make_moe_checkpoint: hybrid GDN/attention trunk, 8 experts per layer
 with top-2 routing in NVFP4 -- and, as a second checkpoint, in FP8 (the QPN8 side) -- an NVFP4
 shared expert, FP8 attention, NVFP4 lm_head) served by
 vLLM 0.32 on CPU through the overlay, against the same checkpoint dequantized in float32 and
-run in transformers (qpn.scripts.checkpoint_reference's decoders, transformers'
+run in transformers (qpn.scripts.checkpoints.checkpoint_reference's decoders, transformers'
 Qwen3_5MoeForCausalLM), compared by teacher-forced log-probabilities over 95 positions.
 
 Tolerance, measured in the same run as the dense test does it. The engine computes in BF16
@@ -47,7 +47,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from qpn.scripts import checkpoint_reference, make_moe_checkpoint, tiny_tokenizer  # noqa: E402
+from qpn.scripts.checkpoints import checkpoint_reference, make_moe_checkpoint, tiny_tokenizer  # noqa: E402
 from tests._server import VllmServer  # noqa: E402
 
 POSITIONS = 95

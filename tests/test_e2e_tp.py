@@ -23,8 +23,8 @@ import pytest
 
 from tests._agreement import check_agreement
 
-from qpn.scripts import boot_gates
-from qpn.scripts.engine_profiles import CPU, tp_env
+from qpn.scripts.launcher import boot_gates
+from qpn.scripts.launcher.engine_profiles import CPU, tp_env
 from tests.test_e2e_loader import (
     PROMPT_TEXT, SERVED_NAME, Server, _make_checkpoint, _references, _served_prompt_logprobs,
     _tagged_pids,

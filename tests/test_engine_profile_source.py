@@ -11,9 +11,9 @@ import json
 import pytest
 
 from qpn.fork_patches import engine_source
-from qpn.scripts import capture_ladder
-from qpn.scripts.engine_profiles import CPU, SM70
-from qpn.scripts.serve import Launch, server_command, server_env
+from qpn.scripts.launcher import capture_ladder
+from qpn.scripts.launcher.engine_profiles import CPU, SM70
+from qpn.scripts.launcher.serve import Launch, server_command, server_env
 from tests.test_engine_source import VERSIONS, _archive, _engine_site_packages
 
 # The flag checks parse whole engine sources (about 4 s each): full tier. The capture-ladder

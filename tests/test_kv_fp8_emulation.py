@@ -63,7 +63,7 @@ def _stored_keys(key_cache: torch.Tensor, blocks: int, tokens: int) -> torch.Ten
 
 
 def test_engine_fp8_kv_bytes_equal_reference_rounding():
-    from qpn.scripts.checkpoint_reference import e4m3_toward_zero
+    from qpn.scripts.checkpoints.checkpoint_reference import e4m3_toward_zero
 
     ops = _engine_ops()
     k_scale = 0.0625  # a power of two: x/scale is exact in bfloat16, so the test isolates rounding
@@ -89,7 +89,7 @@ def test_engine_fp8_kv_bytes_equal_reference_rounding():
 
 
 def test_engine_attention_over_fp8_cache_matches_reference_dequantization():
-    from qpn.scripts.checkpoint_reference import e4m3_toward_zero
+    from qpn.scripts.checkpoints.checkpoint_reference import e4m3_toward_zero
 
     ops = _engine_ops()
     gen = torch.Generator().manual_seed(7)

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from qpn.scripts.launched import LaunchedServer
+from qpn.scripts.launcher.launched import LaunchedServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ def launched(tmp_path_factory):
         pytest.skip("QPN_ENGINE_PYTHON (the cpu engine's python) is not set")
     tmp = tmp_path_factory.mktemp("launcher-api")
     ckpt = tmp / "ckpt"
-    subprocess.run([ENGINE_PYTHON, "-m", "qpn.scripts.make_checkpoint", str(ckpt)], check=True,
+    subprocess.run([ENGINE_PYTHON, "-m", "qpn.scripts.checkpoints.make_checkpoint", str(ckpt)], check=True,
                    capture_output=True, timeout=600)
     env = {k: v for k, v in os.environ.items()
            if k not in ("HOST", "PORT", "K", "MNS", "MML", "CAPTURE", "VLLM_API_KEY", "ENGINE",

@@ -17,8 +17,8 @@ import urllib.request
 
 import pytest
 
-from qpn.scripts.engine_profiles import EngineNotFound, detect_engine
-from qpn.scripts.launched import REPO_ROOT, LaunchedServer, group_alive
+from qpn.scripts.launcher.engine_profiles import EngineNotFound, detect_engine
+from qpn.scripts.launcher.launched import REPO_ROOT, LaunchedServer, group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

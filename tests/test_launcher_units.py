@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from qpn.scripts import boot_gates, serve_preflight
-from qpn.scripts.capture_ladder import (
+from qpn.scripts.launcher import boot_gates, serve_preflight
+from qpn.scripts.launcher.capture_ladder import (
     CaptureSpecError, derive_capture_sizes, resolve_capture, uncovered_widths,
 )
-from qpn.scripts.engine_profiles import CPU, SM70
+from qpn.scripts.launcher.engine_profiles import CPU, SM70
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVE_SH = os.path.join(REPO, "scripts", "serve-qwen38-native.sh")
@@ -342,7 +342,7 @@ def test_run_dir_with_an_earlier_census_refused(tmp_path):
 # ---- the command and environment each engine profile produces --------------------------------
 
 def _launch(profile, **over):
-    from qpn.scripts.serve import Launch
+    from qpn.scripts.launcher.serve import Launch
 
     fields = dict(ckpt="/ckpt", extra_args=["--max-num-batched-tokens", "4096"], k=7, mns=4,
                   mml=profile.default_max_model_len, gmu=profile.default_gpu_memory_utilization,
@@ -360,7 +360,7 @@ def _flag(cmd, name):
 
 
 def test_sm70_command_carries_the_profile():
-    from qpn.scripts.serve import server_command, server_env
+    from qpn.scripts.launcher.serve import server_command, server_env
 
     launch = _launch(SM70)
     cmd = server_command(launch)
@@ -384,7 +384,7 @@ def test_sm70_command_carries_the_profile():
 
 
 def test_cpu_command_runs_eager_without_capture_and_k0_drops_speculation():
-    from qpn.scripts.serve import server_command, server_env
+    from qpn.scripts.launcher.serve import server_command, server_env
 
     cmd = server_command(_launch(CPU))
     assert "--enforce-eager" in cmd and "--no-enable-prefix-caching" in cmd
@@ -396,7 +396,7 @@ def test_cpu_command_runs_eager_without_capture_and_k0_drops_speculation():
 
 
 def test_tool_parser_follows_the_chat_template(tmp_path):
-    from qpn.scripts.serve import tool_parser_for
+    from qpn.scripts.launcher.serve import tool_parser_for
 
     (tmp_path / "chat_template.jinja").write_text('<tool_call>\n{"name": ...}\n</tool_call>')
     assert tool_parser_for(str(tmp_path)) == "hermes"

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from qpn.scripts import serve
+from qpn.scripts.launcher import serve
 
 pytestmark = pytest.mark.fast
 

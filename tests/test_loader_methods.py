@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from qpn.scripts import tiny_hybrid  # noqa: E402
-from qpn.scripts.checkpoint_reference import decode_fp8, decode_nvfp4  # noqa: E402
-from qpn.scripts.make_checkpoint import MALFORMED, make_checkpoint  # noqa: E402
+from qpn.scripts.checkpoints import tiny_hybrid  # noqa: E402
+from qpn.scripts.checkpoints.checkpoint_reference import decode_fp8, decode_nvfp4  # noqa: E402
+from qpn.scripts.checkpoints.make_checkpoint import MALFORMED, make_checkpoint  # noqa: E402
 
 SPEC = tiny_hybrid.TinyHybridSpec()
 HUB = "model.language_model."

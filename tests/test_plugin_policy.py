@@ -115,7 +115,7 @@ def test_moe_hook_anchor_missing_is_skipped_recorded_and_gated(tmp_path):
     assert result["census"][hook.name]["needed_for"] == "moe"
     assert f"hook {hook.name} skipped" in proc.stderr  # the warning
 
-    from qpn.scripts.boot_gates import FAIL, PASS, gate_skipped_hooks
+    from qpn.scripts.launcher.boot_gates import FAIL, PASS, gate_skipped_hooks
 
     census = {"hooks_skipped": [dict(skipped, rank=0)]}
     moe_layers = {"model.layers.0.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4"},

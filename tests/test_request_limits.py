@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qpn.scripts.request_limits import DEFAULT_MAX_N, Limits, RequestLimits
+from qpn.scripts.launcher.request_limits import DEFAULT_MAX_N, Limits, RequestLimits
 
 pytestmark = pytest.mark.fast
 
@@ -92,7 +92,7 @@ def test_defaults_from_env(monkeypatch):
 
 
 def test_launcher_passes_the_middleware_and_limits(tmp_path):
-    from qpn.scripts import serve
+    from qpn.scripts.launcher import serve
 
     launch = serve.Launch(
         ckpt=str(tmp_path), extra_args=[], k=0, mns=1, mml=2048, gmu=None, tp=None,
@@ -101,7 +101,7 @@ def test_launcher_passes_the_middleware_and_limits(tmp_path):
         tool_parser=None, thinking=True, api_key=None, run_dir=str(tmp_path), boot_timeout=1,
         max_n=3)
     cmd = serve.server_command(launch)
-    assert cmd[cmd.index("--middleware") + 1] == "qpn.scripts.request_limits.RequestLimits"
+    assert cmd[cmd.index("--middleware") + 1] == "qpn.scripts.launcher.request_limits.RequestLimits"
     env = serve.server_env(launch)
     assert env["QPN_MAX_N"] == env["VLLM_MAX_N_SEQUENCES"] == "3"
     assert env["QPN_MAX_MODEL_LEN"] == "2048"

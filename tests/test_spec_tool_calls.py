@@ -99,13 +99,13 @@ def _ask(client, model: str, case: dict) -> dict:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec-tools") / "ckpt"
-    subprocess.run([engine_python(), "-m", "qpn.scripts.make_checkpoint", str(path), "--seed", "0"],
+    subprocess.run([engine_python(), "-m", "qpn.scripts.checkpoints.make_checkpoint", str(path), "--seed", "0"],
                    check=True, capture_output=True, timeout=600)
     return str(path)
 
 
 def _serve_and_ask(ckpt: str, k: int, cases: list[tuple[dict, int]]) -> dict:
-    from qpn.scripts.serve import tool_parser_for
+    from qpn.scripts.launcher.serve import tool_parser_for
 
     args = ["--no-enable-prefix-caching", "--reasoning-parser", "qwen3",
             "--enable-auto-tool-choice", "--tool-call-parser", tool_parser_for(ckpt) or "hermes"]

@@ -16,7 +16,7 @@ import torch
 from qpn.fork_patches import tp_sharding as tps
 from qpn.kernels import formats, prepack
 from qpn.kernels.atoms import KNOWN_ATOMS
-from qpn.scripts import serve_preflight
+from qpn.scripts.launcher import serve_preflight
 
 pytestmark = pytest.mark.fast
 
@@ -209,7 +209,7 @@ def test_preflight_refuses_a_checkpoint_that_cannot_be_split(tmp_path):
 
 
 def test_cpu_engine_binds_one_core_group_per_rank():
-    from qpn.scripts.engine_profiles import CPU, SM70, cpu_threads_bind, tp_env
+    from qpn.scripts.launcher.engine_profiles import CPU, SM70, cpu_threads_bind, tp_env
 
     assert tp_env(CPU, 2, cpus=[0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     assert cpu_threads_bind(2, list(range(8))) == "0-3|4-7"

@@ -1,12 +1,12 @@
 """Write a small ModelOpt-format MIXED_PRECISION checkpoint of the Qwen3.5 MoE family
-(``Qwen3_5MoeForCausalLM``): the dense generator's hybrid trunk (qpn.scripts.make_checkpoint,
+(``Qwen3_5MoeForCausalLM``): the dense generator's hybrid trunk (qpn.scripts.checkpoints.make_checkpoint,
 tiny_hybrid: gated-delta-net and full-attention layers 3:1, FP8 attention projections, NVFP4
 lm_head, local tokenizer, FP8 KV scales) with a sparse MoE block in every layer: a router
 (``mlp.gate``, BF16), E routed experts with top-k routing (``mlp.experts.{e}.gate_proj/up_proj/
 down_proj``, NVFP4 by default or FP8), and one shared expert (``mlp.shared_expert.*``, NVFP4)
 with its sigmoid gate (``mlp.shared_expert_gate``, BF16), as in the real Qwen3.5/3.6-35B-A3B.
 
-    python -m qpn.scripts.make_moe_checkpoint OUT_DIR [--seed S] [--expert-format nvfp4|fp8] [--embed-config]
+    python -m qpn.scripts.checkpoints.make_moe_checkpoint OUT_DIR [--seed S] [--expert-format nvfp4|fp8] [--embed-config]
 
 Encodings as ModelOpt exports them: per expert, gate and up share one NVFP4 global scale (the
 export unifies the amax of linears reading the same input; vLLM's own NVFP4 MoE path assumes
@@ -16,7 +16,7 @@ gets the amax of its layer's MoE input, a documented stand-in: QPN serves W4A16 
 activation scales). The MTP head (``mtp.*``) has the same MoE block, in BF16.
 
 ``load_reference_model(ckpt_dir)`` loads the checkpoint dequantized in float32 into transformers'
-own ``Qwen3_5MoeForCausalLM`` through qpn.scripts.checkpoint_reference (the decoders shared with
+own ``Qwen3_5MoeForCausalLM`` through qpn.scripts.checkpoints.checkpoint_reference (the decoders shared with
 the dense end-to-end test: compressed-tensors for NVFP4, torch for e4m3), fusing the per-expert
 tensors into transformers' [E, 2I, H] / [E, H, I] expert parameters.
 """
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from qpn.kernels import formats
-from qpn.scripts import make_checkpoint, tiny_hybrid, tiny_tokenizer
-from qpn.scripts.make_checkpoint import keep_max
+from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
+from qpn.scripts.checkpoints.make_checkpoint import keep_max
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -287,7 +287,7 @@ def _corrupt_one_expert(state: dict[str, torch.Tensor], ckpt_dir: str | os.PathL
     by what ``kind`` of bug would serve; decoded from the checkpoint's own codes and scales."""
     from safetensors.torch import load_file
 
-    from qpn.scripts import checkpoint_reference
+    from qpn.scripts.checkpoints import checkpoint_reference
 
     if kind not in EXPERT_CORRUPTIONS:
         raise ValueError(f"unknown expert corruption {kind!r}; choose from {EXPERT_CORRUPTIONS}")
@@ -320,12 +320,12 @@ def _corrupt_one_expert(state: dict[str, torch.Tensor], ckpt_dir: str | os.PathL
 
 def load_reference_model(ckpt_dir: str | os.PathLike, perturb: str = "none", moe_perturb: str = "none",
                          corrupt_expert: tuple[int, int, str] | None = None):
-    """The checkpoint dequantized in float32 (qpn.scripts.checkpoint_reference's decoders) in
+    """The checkpoint dequantized in float32 (qpn.scripts.checkpoints.checkpoint_reference's decoders) in
     transformers' Qwen3_5MoeForCausalLM. ``perturb``: checkpoint_reference's perturbations;
     ``moe_perturb``: gate and up exchanged in every expert, expert e given expert e+1's weights,
     or the shared expert removed; ``corrupt_expert=(layer, expert, kind)``: one expert of one
     layer served wrongly (EXPERT_CORRUPTIONS). All are negative controls a tolerance must reject."""
-    from qpn.scripts import checkpoint_reference
+    from qpn.scripts.checkpoints import checkpoint_reference
 
     if moe_perturb not in MOE_PERTURBATIONS:
         raise ValueError(f"unknown MoE perturbation {moe_perturb!r}; choose from {MOE_PERTURBATIONS}")
@@ -368,7 +368,7 @@ def expert_use(model, token_ids: list[int], layer: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qpn.scripts.make_moe_checkpoint", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.make_moe_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="folder to create (must not exist)")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
     p.add_argument("--expert-format", choices=("nvfp4", "fp8"), default="nvfp4",

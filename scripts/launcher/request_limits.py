@@ -1,5 +1,5 @@
 """Per-request limits for the OpenAI server, as an ASGI middleware the launcher passes to vLLM
-(``--middleware qpn.scripts.request_limits.RequestLimits``: vLLM's own extension point in 0.32 and
+(``--middleware qpn.scripts.launcher.request_limits.RequestLimits``: vLLM's own extension point in 0.32 and
 both 1Cat builds, no engine code changed).
 
 What one request may ask for:

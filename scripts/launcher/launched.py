@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE_SH = os.path.join(REPO_ROOT, "scripts", "serve-qwen38-native.sh")
 _READY = re.compile(r"READY url=(\S+) model=(\S+) pid=(\d+) gates=(\S+)")
 _SERVER_PID = re.compile(r"server pid (\d+);")

@@ -1,10 +1,10 @@
 """Export the tiny hybrid model with NVIDIA ModelOpt itself, for the generator's cross-check.
 
-    python -m qpn.scripts.modelopt_export OUT_DIR [--seed S]
+    python -m qpn.scripts.checkpoints.modelopt_export OUT_DIR [--seed S]
 
 Runs in a Python that has ``nvidia-modelopt`` (0.47) and ``transformers``; it needs neither vLLM
 nor a GPU. It builds transformers' ``Qwen3_5ForCausalLM`` with the generator's float weights
-(qpn.scripts.tiny_hybrid, same seed), quantizes it with ModelOpt's own ``mtq.quantize`` (max
+(qpn.scripts.checkpoints.tiny_hybrid, same seed), quantizes it with ModelOpt's own ``mtq.quantize`` (max
 calibration over the generator's calibration text) using the generator's precision plan (FP8
 attention projections, NVFP4 MLP and lm_head, FP8 KV), and writes the checkpoint with ModelOpt's
 ``export_hf_checkpoint``. A test then loads both checkpoints and compares codes and scales.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qpn.scripts import tiny_hybrid, tiny_tokenizer
+from qpn.scripts.checkpoints import tiny_hybrid, tiny_tokenizer
 
 _NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 _FP8 = {"num_bits": (4, 3), "axis": None}
@@ -73,7 +73,7 @@ def export(out_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qpn.scripts.modelopt_export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.modelopt_export", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

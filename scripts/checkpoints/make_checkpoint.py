@@ -1,6 +1,6 @@
 """Write a small ModelOpt-format MIXED_PRECISION checkpoint of the Qwen3.5/3.8 hybrid family.
 
-    python -m qpn.scripts.make_checkpoint OUT_DIR [--seed S] [--malformed KIND] [--embed-config]
+    python -m qpn.scripts.checkpoints.make_checkpoint OUT_DIR [--seed S] [--malformed KIND] [--embed-config]
 
 The checkpoint has the layout NVIDIA ModelOpt's ``export_hf_checkpoint`` writes for a mixed
 FP8/NVFP4 model, with true encodings (qpn.kernels.formats.quantize_fp8 / quantize_nvfp4):
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from qpn.kernels import formats
-from qpn.scripts import tiny_hybrid, tiny_tokenizer
+from qpn.scripts.checkpoints import tiny_hybrid, tiny_tokenizer
 
 MODELOPT_VERSION_FORM = "0.47.0"  # the ModelOpt release whose export layout this mirrors
 
@@ -362,7 +362,7 @@ def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qpn.scripts.make_checkpoint", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.make_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="folder to create (must not exist)")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
     p.add_argument("--malformed", choices=sorted(MALFORMED), default=None,

@@ -1,6 +1,6 @@
 """Everything engine-specific about serving, in one place per engine.
 
-The launcher (``qpn.scripts.serve``) is engine-neutral: it asks the profile for the vLLM
+The launcher (``qpn.scripts.launcher.serve``) is engine-neutral: it asks the profile for the vLLM
 arguments and environment the engine needs, whether the engine replays CUDA graphs (and so
 needs the capture ladder), and what each boot gate expects on that engine. A gate a profile
 marks not applicable is still printed, as ``n/a`` with the reason, so a table from a CPU run

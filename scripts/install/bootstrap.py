@@ -30,7 +30,7 @@ from pathlib import Path
 from qpn.fork_patches import engine_lock
 from qpn.fork_patches.overlay import load_lock, sha256_file
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STATE_FILE = ".volta-qpn-engine.json"  # in ENV_PREFIX: which wheel (by digest) is installed
 
 

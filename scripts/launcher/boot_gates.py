@@ -27,7 +27,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 
-from qpn.scripts.engine_profiles import (
+from qpn.scripts.launcher.engine_profiles import (
     GATE_DECODE_ATTENTION, GATE_DEPTH, GATE_KV, GATE_LM_HEAD, GATE_ORDER, GATE_PLATFORM,
     GATE_QPN_ROUTES, GATE_WARM, EngineProfile,
 )

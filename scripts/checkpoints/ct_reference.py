@@ -3,9 +3,9 @@ decoded by compressed-tensors' own code (``unpack_fp4_from_uint8`` + ``dequantiz
 stored ``weight_global_scale`` as the library divides by it, for NVFP4;
 ``FloatQuantizationCompressor.decompress`` for FP8), loaded into transformers'
 ``Qwen3_5ForCausalLM`` in float32, and run teacher-forced through the runner of
-qpn.scripts.checkpoint_reference (shared with the ModelOpt reference).
+qpn.scripts.checkpoints.checkpoint_reference (shared with the ModelOpt reference).
 
-    python -m qpn.scripts.ct_reference CKPT_DIR --token-ids 1,2,3,... --variants float32,bfloat16,... --out FILE
+    python -m qpn.scripts.checkpoints.ct_reference CKPT_DIR --token-ids 1,2,3,... --variants float32,bfloat16,... --out FILE
 
 Which modules are quantized, and how, is read with the library too: a module with
 ``weight_packed`` is NVFP4; an FP8 ``weight`` with a ``weight_scale`` is FP8 (per tensor or per
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from qpn.scripts import checkpoint_reference
+from qpn.scripts.checkpoints import checkpoint_reference
 
 PERTURBATIONS = ("none", "swap-nibbles", "global-scale-as-multiplier", "collapse-fp8-shards")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -103,7 +103,7 @@ def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qpn.scripts.ct_reference", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.ct_reference", description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt_dir")
     p.add_argument("--token-ids", required=True, help="comma-separated prompt token ids")
     p.add_argument("--variants", default="float32",

@@ -1,9 +1,9 @@
 """Write a small compressed-tensors checkpoint (the llm-compressor layout) of the same tiny
 Qwen3.5 hybrid the ModelOpt generator writes: NVFP4 MLP and lm_head, FP8 attention projections.
 
-    python -m qpn.scripts.make_ct_checkpoint OUT_DIR [--seed S]
+    python -m qpn.scripts.checkpoints.make_ct_checkpoint OUT_DIR [--seed S]
 
-Same float model, tokenizer and calibration pass as qpn.scripts.make_checkpoint (imported, not
+Same float model, tokenizer and calibration pass as qpn.scripts.checkpoints.make_checkpoint (imported, not
 copied); only the encoding and the declaration follow compressed-tensors
 (qpn.fork_patches.conventions.COMPRESSED_TENSORS):
 
@@ -38,7 +38,7 @@ import torch
 
 from qpn.fork_patches.conventions import COMPRESSED_TENSORS, E2M1_MAX, E4M3_MAX, GROUP_SIZE
 from qpn.kernels import formats
-from qpn.scripts import make_checkpoint, tiny_hybrid, tiny_tokenizer
+from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
 
 CT_VERSION_FORM = "0.17.0"  # the compressed-tensors release whose layout this mirrors
 E4M3_EPS = 0.125  # what the library puts in place of a zero e4m3 scale
@@ -204,7 +204,7 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qpn.scripts.make_ct_checkpoint",
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.make_ct_checkpoint",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="folder to create (must not exist)")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")

@@ -3,7 +3,7 @@ quantized tensor with code that shares nothing with the QPN path, load the resul
 HuggingFace ``transformers``' own implementation of the model, and compute teacher-forced
 log-probabilities.
 
-    python -m qpn.scripts.checkpoint_reference CKPT_DIR --token-ids 1,2,3,... [--out FILE]
+    python -m qpn.scripts.checkpoints.checkpoint_reference CKPT_DIR --token-ids 1,2,3,... [--out FILE]
 
 Independence: the QPN path decodes packed buffers with qpn.kernels (formats, prepack,
 reference) inside vLLM's model code. Here NVFP4 codes are decoded by ``compressed-tensors``'
@@ -226,7 +226,7 @@ def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoint_reference",
+    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.checkpoint_reference",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt_dir")
     p.add_argument("--token-ids", required=True, help="comma-separated prompt token ids")

@@ -2,8 +2,8 @@
 
 1. the ``cpu`` engine: reused from ENV_PREFIX (default <repo>/.venv-cpu), created with the
    bootstrap when it is not there;
-2. a small mixed NVFP4/FP8 checkpoint of the Qwen3.8 family (``qpn.scripts.make_checkpoint``;
-   ``CONVENTION=compressed-tensors``: ``qpn.scripts.make_ct_checkpoint``), reused from DEMO_DIR
+2. a small mixed NVFP4/FP8 checkpoint of the Qwen3.8 family (``qpn.scripts.checkpoints.make_checkpoint``;
+   ``CONVENTION=compressed-tensors``: ``qpn.scripts.checkpoints.make_ct_checkpoint``), reused from DEMO_DIR
    (default <repo>/.cache/demo) when already written;
 3. the same launcher a V100 user runs (``serve-qwen38-native.sh``), with MTP speculation at
    K (default 3) and its boot gates;
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def say(message: str) -> None:
@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def engine_python(env: dict[str, str]) -> str:
     """The cpu engine's python, bootstrapping the engine when it is absent."""
-    from qpn.scripts.engine_profiles import EngineNotFound, detect_engine
+    from qpn.scripts.launcher.engine_profiles import EngineNotFound, detect_engine
 
     prefix = env.get("ENV_PREFIX") or os.path.join(REPO_ROOT, ".venv-cpu")
     python = os.path.join(prefix, "bin", "python")
@@ -59,8 +59,8 @@ def engine_python(env: dict[str, str]) -> str:
 
 
 # CONVENTION picks the checkpoint family the demo writes and serves (qpn.fork_patches.conventions).
-CHECKPOINT_MAKERS = {"modelopt": ("qwen38-mini-mixed", "qpn.scripts.make_checkpoint"),
-                     "compressed-tensors": ("qwen38-mini-ct", "qpn.scripts.make_ct_checkpoint")}
+CHECKPOINT_MAKERS = {"modelopt": ("qwen38-mini-mixed", "qpn.scripts.checkpoints.make_checkpoint"),
+                     "compressed-tensors": ("qwen38-mini-ct", "qpn.scripts.checkpoints.make_ct_checkpoint")}
 
 
 def checkpoint(python: str, demo_dir: str, env: dict[str, str]) -> str:
@@ -152,8 +152,8 @@ def main() -> int:
     python = engine_python(env)
     ckpt = checkpoint(python, demo_dir, env)
 
-    from qpn.scripts import boot_gates
-    from qpn.scripts.launched import LaunchedServer
+    from qpn.scripts.launcher import boot_gates
+    from qpn.scripts.launcher.launched import LaunchedServer
 
     env.update(QPN_ENGINE_PYTHON=python, K=env.get("K") or "3",
                PORT=env.get("PORT") or str(free_port()),

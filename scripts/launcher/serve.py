@@ -1,14 +1,14 @@
 """Serve a mixed NVFP4/FP8 checkpoint through vLLM and refuse to report success unless the
 boot gates pass.  Entry point of ``scripts/serve-qwen38-native.sh``.
 
-    python -m qpn.scripts.serve CKPT [extra vLLM arguments...]
+    python -m qpn.scripts.launcher.serve CKPT [extra vLLM arguments...]
 
 Settings come from the environment (see docs/serving.md): K (speculative depth, default 7,
 0 = off), MML, MNS (default 1), GMU, TP, PORT (8000), HOST (127.0.0.1), CAPTURE (capture sizes;
 default derived from MNS and K, ``none`` = engine default), ENV_PREFIX / QPN_ENGINE_PYTHON
 (the engine), ENGINE (cpu|sm70, default read from the engine), VLLM_API_KEY, THINKING
 (default true), TOOL_PARSER, SERVED_NAME, RUN_DIR, BOOT_TIMEOUT, MAX_N (most choices per request,
-default 4; scripts/request_limits.py).
+default 4; scripts/launcher/request_limits.py).
 
 Order of events: every refusal check (before any engine process exists); the server in its own
 process group with a fresh census directory; /v1/models; one warm greedy chat; the gates
@@ -32,15 +32,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from qpn.scripts import boot_gates, request_limits, serve_preflight
-from qpn.scripts.capture_ladder import CaptureSpecError, resolve_capture
-from qpn.scripts.engine_profiles import (
+from qpn.scripts.launcher import boot_gates, request_limits, serve_preflight
+from qpn.scripts.launcher.capture_ladder import CaptureSpecError, resolve_capture
+from qpn.scripts.launcher.engine_profiles import (
     PROFILES, EngineNotFound, EngineProfile, detect_engine, tp_env,
 )
-from qpn.scripts.launched import group_alive
-from qpn.scripts.serve_preflight import Refusal
+from qpn.scripts.launcher.launched import group_alive
+from qpn.scripts.launcher.serve_preflight import Refusal
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PORT = 8000
 DEFAULT_K = 7
 
@@ -258,8 +258,8 @@ def server_command(launch: Launch) -> list[str]:
             "--default-chat-template-kwargs", json.dumps({"enable_thinking": launch.thinking})]
     if launch.tool_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", launch.tool_parser]
-    # n / best_of / max_tokens limits (scripts/request_limits.py): vLLM's middleware flag
-    cmd += ["--middleware", "qpn.scripts.request_limits.RequestLimits"]
+    # n / best_of / max_tokens limits (scripts/launcher/request_limits.py): vLLM's middleware flag
+    cmd += ["--middleware", "qpn.scripts.launcher.request_limits.RequestLimits"]
     return cmd + launch.extra_args
 
 
