@@ -318,7 +318,13 @@ def host_time_per_call(n: int = 256, k: int = 256, calls: int = 2000) -> dict:
         packed = _pack(fmt, src, ops.atom_for_device(0))
         x = torch.randn((1, k), device="cuda", generator=gen).to(torch.float16)
         w = torch.randn((n, k), device="cuda", generator=gen).to(torch.float16)
-        for label, fn in ((f"qpn_linear_{fmt}", lambda: ops.qpn_linear(x, packed)), (f"torch_matmul_{fmt}", lambda: x @ w.t())):
+        wop = ops.operands(packed)
+        route = routes.route_for(fmt, 1, n, k, arch=ops.arch_for_atom(packed.atom))
+        arms = ((f"qpn_linear_{fmt}", lambda: ops.qpn_linear(x, packed)),
+                # the same call through the general (uncached) launch path, for comparison
+                (f"qpn_general_path_{fmt}", lambda: ops._linear(x, wop, route, None)),
+                (f"torch_matmul_{fmt}", lambda: x @ w.t()))
+        for label, fn in arms:
             for _ in range(50):
                 fn()
             torch.cuda.synchronize()
@@ -413,11 +419,13 @@ def provenance(args, atom) -> list[str]:
         drv = f"unknown ({type(e).__name__})"
     commit = args.commit
     if not commit:
+        # commit + dirty flag + diff hash, from git or from the state exported before the tree
+        # travelled to the GPU host without .git (provenance.export_source_state)
+        from qpn.benchmarks import provenance as source_provenance
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-        except Exception:  # noqa: BLE001
-            commit = "unknown"
+            commit = source_provenance.git_commit()
+        except Exception as e:  # noqa: BLE001 - provenance must not kill the run
+            commit = f"unknown ({type(e).__name__}: {e})"
     cap = torch.cuda.get_device_capability(0)
     lines = [
         f"# gpu: {torch.cuda.get_device_name(0)} (sm_{cap[0]}{cap[1]}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs)",
@@ -583,8 +591,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", default="tp1")
     ap.add_argument("--sweep-m", default="1,8,16")
     ap.add_argument("--plot-only", default="", help="only draw --plot from this existing CSV (no GPU needed)")
-    ap.add_argument("--profile", default="", help="for Nsight Compute: one qpn call per 'shape:M' in this comma "
-                                                 "list (after one warm-up call each), nothing timed")
+    ap.add_argument("--profile", default="", help="for Nsight Compute: one qpn call per 'shape:M' (or 'shape:M:kernel', a named "
+                                                 "sm_80+ kernel) in this comma list (after one warm-up call each), "
+                                                 "nothing timed")
     args = ap.parse_args(argv)
     global GEMLITE
     GEMLITE = not args.no_gemlite
@@ -606,17 +615,18 @@ def main(argv=None) -> int:
         gen = torch.Generator(device="cuda").manual_seed(0)
         calls = []
         for spec in args.profile.split(","):
-            name, m = spec.split(":")
+            name, m, *kernel = spec.split(":")   # shape:M, or shape:M:kernel for a named sm_80+ kernel
             fmt, n, k = SHAPES[name]
             packed = _pack(fmt, _weights(fmt, n, k, gen), args.atom or ops.atom_for_device(0))
             x = torch.randn((int(m), k), device="cuda", generator=gen).to(torch.float16)
-            calls.append((packed, x))
-        for packed, x in calls:   # warm-up: module load, workspace
-            ops.qpn_linear(x, packed)
+            calls.append((lambda x=x, packed=packed, kn=kernel[0] if kernel else None:
+                          ops.run_sm80_kernel(x, packed, kn) if kn else ops.qpn_linear(x, packed)))
+        for call in calls:   # warm-up: module load, workspace
+            call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
-        for packed, x in calls:
-            ops.qpn_linear(x, packed)
+        for call in calls:
+            call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
         return 0

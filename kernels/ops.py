@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -296,28 +298,53 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
     return jit.SM80_ROUTE_KERNELS[key], route.chunks(m)
 
 
-def _launch_sm80(route: Route, xh: torch.Tensor, w: WeightOperands, bias,
-                 kernel: Optional[str] = None) -> torch.Tensor:
-    m = xh.shape[0]
-    y = torch.empty((m, w.n), dtype=torch.float16, device=xh.device)
-    if m == 0:
-        return y
+class _Launch:
+    """One tiled-route launch with everything but the activations, the output and the bias
+    resolved: kernel function, grid, shared memory, stream and the argument block (weight, scale
+    and split-K scratch pointers, shape). ``run`` writes x, y and bias into the block and calls
+    cuLaunchKernel, which copies the block: the same _Launch serves call after call."""
+    __slots__ = ("func", "grid", "smem", "stream", "args", "params", "keep")
+
+    def __init__(self, func, grid: int, smem: int, stream: int, args: ctypes.Structure, keep: tuple):
+        self.func, self.grid, self.smem, self.stream, self.args = func, grid, smem, stream, args
+        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        self.keep = keep  # tensors whose pointers the block holds (scale copy, split-K scratch)
+
+    def run(self, x_ptr: int, y_ptr: int, bias_ptr: int) -> None:
+        a = self.args
+        a.x, a.y, a.bias = x_ptr, y_ptr, bias_ptr
+        jit.launch_raw(self.func, self.grid, THREADS, self.smem, self.stream, self.params)
+
+
+def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
+                 kernel: Optional[str] = None) -> _Launch:
+    """The _Launch of a tiled route on the m16n8k16 atom for a batch of ``m`` (>= 1) rows on
+    ``stream``; ``w.chscale`` must already be the flat FP32 scale (``_fp32_scale``)."""
     name, chunks = _sm80_kernel_for(route, m, w.n)
     if kernel is not None:  # a measured variant of the same token tiling (benchmarks only)
         cfg = jit.sm80_kernels().get(kernel)
         if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or cfg.fmt != w.fmt:
             raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
         name = kernel
-    mod = jit.module_for(xh.device, "m16n8k16")
+    mod = jit.module_for(device, "m16n8k16")
     kblocks = w.k_pad // 64
-    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, w.fmt, w.n, kblocks, chunks, xh.device)
-    stream = torch.cuda.current_stream(xh.device).cuda_stream
-    partials, counters = _sm80_buffers(xh.device, stream, chunks * nwarps * per_warp, chunks * n_groups)
+    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, w.fmt, w.n, kblocks, chunks, device)
+    partials, counters = _sm80_buffers(device, stream, chunks * nwarps * per_warp, chunks * n_groups)
     a = Qpn80Args(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
-                  xh.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(),
-                  partials.data_ptr(), counters.data_ptr(),
+                  0, 0, 0, partials.data_ptr(), counters.data_ptr(),
                   m, w.n, kblocks, w.k_pad, n_groups, nwarps, chunks, int(w.chscale.numel() != 1))
-    jit.launch(mod, name, grid, THREADS, smem, stream, [a])
+    return _Launch(mod.function(name), grid, smem, stream, a, (w.codes, w.scales, w.chscale, partials, counters))
+
+
+def _launch_sm80(route: Route, xh: torch.Tensor, w: WeightOperands, bias,
+                 kernel: Optional[str] = None) -> torch.Tensor:
+    m = xh.shape[0]
+    y = torch.empty((m, w.n), dtype=torch.float16, device=xh.device)
+    if m == 0:
+        return y
+    stream = torch.cuda.current_stream(xh.device).cuda_stream
+    _sm80_launch(route, m, w, xh.device, stream, kernel).run(
+        xh.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0)
     return y
 
 
@@ -401,6 +428,10 @@ def _(x, codes, scales, chscale, n, k, fmt, atom, route, bias):
 def qpn_linear(x: torch.Tensor, packed, route: Route | str | None = None,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a packed NVFP4 / FP8 weight; x [..., K] -> fp16 [..., N]."""
+    if x.is_cuda and x.dtype == torch.float16 and x.dim() == 2 and not torch.compiler.is_compiling():
+        y = _eager_tiled(x, packed, route, bias)
+        if y is not None:
+            return y
     w = operands(packed)
     if x.shape[-1] != w.k:
         raise ValueError(f"activations have K={x.shape[-1]} but the weight expects K={w.k}")
@@ -425,3 +456,83 @@ def qpn_linear(x: torch.Tensor, packed, route: Route | str | None = None,
     else:
         y = _linear(x2, w, route, bias)
     return y.reshape(*lead, w.n)
+
+
+# ------------------------------------------------------------------- eager launch cache (sm_80+)
+# The eager call's host time is the Python launch path, not the kernel (issue 14: 42 us per
+# qpn_linear call against 15.6 us for torch's x @ w.t() on the H200's host). For the common case
+# -- a tiled route on the m16n8k16 atom, FP16 contiguous 16-byte-aligned activations, K already a
+# whole number of k-blocks, an FP32 result scale -- everything but x, y and bias is resolved once
+# per (weight, M, route, device, stream) into a _Launch and reused. Any other call takes the
+# general path, which is also how a _Launch is first built, so both run the same code.
+_eager_weights: dict = {}   # id(packed) -> _EagerWeight (dropped when the packed weight is freed)
+_eager_lock = threading.Lock()
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _EagerWeight:
+    """A packed weight's cached launches, with the tensors they point at (checked by identity on
+    every call, so a weight whose tensors are replaced is re-planned)."""
+    __slots__ = ("ref", "source", "device", "w", "plans")
+
+    def __init__(self, packed, source: WeightOperands, w: WeightOperands, device: int):
+        self.ref = weakref.ref(packed, lambda _, key=id(packed), table=_eager_weights: table.pop(key, None))
+        self.source = (source.codes, source.scales, source.chscale)
+        self.device, self.w, self.plans = device, w, {}
+
+
+def _eager_weight(packed) -> Optional[_EagerWeight]:
+    try:
+        w = operands(packed)
+    except TypeError:
+        return None
+    # Only where the kernels read the weight's own tensors: an FP32 scale (no converted copy that an
+    # in-place update of the weight would bypass) and K = K_pad (x needs no padding).
+    if (w.atom != "m16n8k16" or not w.codes.is_cuda or w.chscale.dtype != torch.float32
+            or not w.chscale.is_contiguous() or w.chscale.device != w.codes.device or w.k != w.k_pad
+            or (w.scales is not None and w.scales.device != w.codes.device)):
+        return None
+    return _EagerWeight(packed, w, _fp32_scale(w), w.codes.get_device())
+
+
+def _eager_tiled(x: torch.Tensor, packed, route, bias) -> Optional[torch.Tensor]:
+    """qpn_linear for an FP16 2-D CUDA x through a cached _Launch, or None when the general path
+    must serve the call (another atom or route kind, a weight whose tensors were replaced,
+    activations that need conversion or padding, M = 0)."""
+    ent = _eager_weights.get(id(packed))
+    if ent is None or ent.ref() is not packed:
+        ent = _eager_weight(packed)
+        if ent is None:
+            return None
+        _eager_weights[id(packed)] = ent
+    w = ent.w
+    codes, scales, chscale = ent.source
+    if (packed.codes is not codes or getattr(packed, "scales", None) is not scales
+            or (packed.global_scale if w.fmt == "nvfp4" else packed.scale) is not chscale):
+        _eager_weights.pop(id(packed), None)   # the weight's tensors were replaced: plan again next call
+        return None
+    m, k = x.shape
+    if m == 0 or k != w.k or x.get_device() != ent.device or not x.is_contiguous() or x.data_ptr() % 16:
+        return None
+    stream = _raw_stream(ent.device) if _raw_stream is not None else torch.cuda.current_stream(ent.device).cuda_stream
+    key = (m, route, stream)
+    plan = ent.plans.get(key)
+    if plan is None:
+        r = (routes.route_for(w.fmt, m, w.n, w.k, arch=arch_for_atom(w.atom)) if route is None
+             else routes.as_route(route))
+        if r.kernel != routes.TILED or r.format != w.fmt:
+            ent.plans[key] = False
+            return None
+        plan = ent.plans[key] = _sm80_launch(r, m, w, x.device, stream)
+    elif plan is False:
+        return None
+    if bias is None:
+        bias_ptr = 0
+    else:
+        b = (bias if bias.dtype == torch.float16 and bias.is_contiguous() and bias.numel() == w.n
+             and bias.get_device() == ent.device else _bias16(bias, w.n, x.device))
+        bias_ptr = b.data_ptr()
+    y = x.new_empty((m, w.n))
+    with _eager_lock:   # the argument block is shared by the calls of one plan
+        plan.run(x.data_ptr(), y.data_ptr(), bias_ptr)
+    return y

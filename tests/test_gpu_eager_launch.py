@@ -1,0 +1,103 @@
+"""The eager launch cache of qpn_linear on sm_80+ (ops._eager_tiled): a call that takes the cached
+path gives the same bits as the general path on every route band, bias kind and format, and a
+weight whose tensors are replaced is planned again instead of launching on stale pointers.
+Runs on the H200 through the device tool; CI has no GPU and skips."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpn.kernels import ops, prepack, routes
+from tests import _format_cases as fc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                       reason="the eager launch cache serves the m16n8k16 kernels: needs an sm_80+ GPU "
+                              "(run on an H200 via the device tool; CI has none)"),
+]
+
+M_LIST = [1, 2, 7, 8, 9, 16, 17, 40, 96]
+
+
+def _packed(fmt, n, k, gen, per_channel=False):
+    if fmt == "nvfp4":
+        return prepack.prepack_nvfp4(*fc.nvfp4_weight(n, k, "gauss", gen), atom="m16n8k16")
+    return prepack.prepack_fp8(*fc.fp8_weight(n, k, "gauss", gen, per_channel), atom="m16n8k16")
+
+
+def _general(x, packed, route, bias):
+    """The general (uncached) path on the same call."""
+    w = ops.operands(packed)
+    r = routes.as_route(route) if route is not None else routes.route_for(
+        w.fmt, x.shape[0], w.n, w.k, arch="sm80")
+    return ops._linear(x, w, r, bias)
+
+
+@pytest.mark.parametrize("fmt,per_channel", [("nvfp4", False), ("fp8", False), ("fp8", True)])
+@pytest.mark.parametrize("n,k", [(300, 1024), (33, 128), (5120, 1536)])
+def test_cached_path_is_bit_identical_to_the_general_path(fmt, per_channel, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    packed = _packed(fmt, n, k, gen, per_channel)
+    biases = {"none": None,
+              "fp16": (torch.randn(n, generator=gen, device="cuda") * 0.5).half(),
+              "fp32": torch.randn(n, generator=gen, device="cuda") * 0.5}
+    x_all = fc.activations(max(M_LIST), k, gen, outliers=True)
+    assert x_all.dtype == torch.float16
+    for m in M_LIST:
+        x = x_all[:m].contiguous()
+        for bname, bias in biases.items():
+            for route in (None, str(routes.route_for(fmt, m, n, k, arch="sm80"))):
+                y = ops.qpn_linear(x, packed, route=route, bias=bias)
+                ent = ops._eager_weights.get(id(packed))
+                assert ent is not None and ent.ref() is packed, "the cached path was not taken"
+                plan = ent.plans.get((m, route, torch.cuda.current_stream().cuda_stream))
+                assert isinstance(plan, ops._Launch), (m, route, plan)
+                ref = _general(x, packed, route, bias)
+                assert torch.equal(y, ref), (fmt, n, k, m, bname, route)
+    # 3-D activations and FP32 activations take the general path and agree too
+    x3 = x_all[:8].reshape(2, 4, k)
+    assert torch.equal(ops.qpn_linear(x3, packed), _general(x_all[:8], packed, None, None).reshape(2, 4, n))
+    assert torch.equal(ops.qpn_linear(x_all[:8].float(), packed), _general(x_all[:8], packed, None, None))
+
+
+def test_replaced_weight_tensors_are_planned_again():
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    a = _packed("nvfp4", 256, 512, gen)
+    b = _packed("nvfp4", 256, 512, gen)
+    x = fc.activations(4, 512, gen, outliers=False)
+    ya = ops.qpn_linear(x, a)
+    yb = ops.qpn_linear(x, b)
+    assert not torch.equal(ya, yb)
+    a.codes, a.scales, a.global_scale = b.codes, b.scales, b.global_scale
+    assert torch.equal(ops.qpn_linear(x, a), yb)   # a stale plan would give ya
+    assert torch.equal(ops.qpn_linear(x, a), yb)
+
+
+def test_wrong_route_still_raises_on_the_cached_path():
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    packed = _packed("nvfp4", 64, 256, gen)
+    x = fc.activations(12, 256, gen, outliers=False)
+    with pytest.raises(ValueError, match="serves M <= 8"):
+        ops.qpn_linear(x, packed, route="qpn2")
+    with pytest.raises(ValueError, match="fp8"):
+        ops.qpn_linear(x, packed, route="qpn8_mt2")
+    # the reconstruct route is not cached and still serves
+    y = ops.qpn_linear(x, packed, route="qpn2_reconstruct")
+    assert torch.equal(y.isfinite(), torch.ones_like(y, dtype=torch.bool))
+
+
+def test_cached_path_follows_the_current_stream():
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    packed = _packed("fp8", 512, 1024, gen)
+    x = fc.activations(8, 1024, gen, outliers=True)
+    ref = ops.qpn_linear(x, packed)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = ops.qpn_linear(x, packed)
+        key = (8, None, side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert key in ops._eager_weights[id(packed)].plans
+    assert torch.equal(y, ref)
