@@ -129,14 +129,19 @@ class Convention:
     kv_scale_names: tuple[str, str]  # suffixes of the K / V scale tensors inside a layer
 
     # ----------------------------------------------------------------------- names
-    def param_names(self, fmt: str) -> tuple[str, ...]:
+    def names(self, fmt) -> NVFP4Names | FP8Names:
+        """The tensor names of a format's roles (``fmt``: a WeightFormat, or a name
+        formats.weight_format knows); the field is named after the format's kernel family."""
+        return getattr(self, formats.weight_format(fmt).family)
+
+    def param_names(self, fmt) -> tuple[str, ...]:
         """The checkpoint tensor names (= the parameter names a linear method registers)."""
-        n = self.nvfp4 if fmt == NVFP4 else self.fp8
+        n = self.names(fmt)
         return tuple(getattr(n, f) for f in n.__dataclass_fields__)
 
-    def tensor_names(self, module: str, fmt: str) -> dict[str, str]:
+    def tensor_names(self, module: str, fmt) -> dict[str, str]:
         """{role: full checkpoint tensor name} for one module."""
-        n = self.nvfp4 if fmt == NVFP4 else self.fp8
+        n = self.names(fmt)
         return {role: f"{module}.{getattr(n, role)}" for role in n.__dataclass_fields__}
 
     # ---------------------------------------------------------------- scale conventions

@@ -50,8 +50,7 @@ from qpn.kernels import formats
 
 logger = logging.getLogger("qpn.moe_method")
 
-NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
-MOE_ALGOS = NVFP4_ALGOS + ("FP8",)
+SERVED_ALGOS = ", ".join(formats.MODELOPT_ALGOS)
 
 
 class QPNModelOptMoEMethod(FusedMoEMethodBase):
@@ -65,7 +64,8 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         self.prefix = prefix
         self.algo = algo
         self.backend = backend
-        self.fmt = "nvfp4" if algo in NVFP4_ALGOS else "fp8"
+        self.format = formats.weight_format(algo, fp8_scale=fp8_scale)  # raises UnknownFormat
+        self.fmt = self.format.family
         # tensor names and the global-scale rule of the checkpoint family (conventions.py)
         self.convention = convention
         if fp8_scale not in convention.fp8_scale_layouts:
@@ -86,7 +86,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
 
     # --------------------------------------------------------------------------- contract
     def uses_weight_scale_2_pattern(self) -> bool:
-        return self.fmt == "nvfp4"
+        return self.format.output_scale == "global"
 
     def get_fused_moe_quant_config(self, layer):
         return None
@@ -106,7 +106,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         """{role: parameter suffix} of this format in this convention (codes, group_scales,
         global_scale, input_scale for NVFP4; codes, scale, input_scale for FP8); vLLM's expert
         mapping turns checkpoint ``experts.{e}.gate_proj.<suffix>`` into ``w13_<suffix>``."""
-        n = self.convention.nvfp4 if self.fmt == "nvfp4" else self.convention.fp8
+        n = self.convention.names(self.format)
         return {role: getattr(n, role) for role in n.__dataclass_fields__}
 
     def _optional(self) -> set[str]:
@@ -120,30 +120,27 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         e, h, i = self.num_experts, self.hidden, self.inter
         f32 = (torch.float32, torch.bfloat16, torch.float16)
         n = self._names()
-        if self.fmt == "nvfp4":
-            g = formats.GROUP_SIZE
-            return {
-                f"w13_{n['codes']}": ((e, 2 * i, h // 2), (torch.uint8,)),
-                f"w2_{n['codes']}": ((e, h, i // 2), (torch.uint8,)),
-                f"w13_{n['group_scales']}": ((e, 2 * i, h // g), (torch.float8_e4m3fn,)),
-                f"w2_{n['group_scales']}": ((e, h, i // g), (torch.float8_e4m3fn,)),
-                f"w13_{n['global_scale']}": ((e, 2), f32),
-                f"w2_{n['global_scale']}": ((e,), f32),
-                f"w13_{n['input_scale']}": ((e, 2), f32),
-                f"w2_{n['input_scale']}": ((e,), f32),
-            }
-        channel = self.fp8_scale == "channel"
-        # compressed-tensors: one static input scale per expert for w13 (vLLM's loader checks
-        # that w1's and w3's agree), as vLLM's own compressed-tensors FP8 MoE method keeps it
-        w13_input = (e, 2) if self.convention.name == MODELOPT.name else (e,)
-        return {
-            f"w13_{n['codes']}": ((e, 2 * i, h), (torch.float8_e4m3fn,)),
-            f"w2_{n['codes']}": ((e, h, i), (torch.float8_e4m3fn,)),
-            f"w13_{n['scale']}": ((e, 2 * i, 1) if channel else (e, 2), f32),
-            f"w2_{n['scale']}": ((e, h, 1) if channel else (e,), f32),
-            f"w13_{n['input_scale']}": (w13_input, f32),
-            f"w2_{n['input_scale']}": ((e,), f32),
+        fmt = self.format
+        codes = (fmt.torch_code_dtype(),)
+        out = {
+            f"w13_{n['codes']}": ((e, 2 * i, fmt.code_cols(h)), codes),
+            f"w2_{n['codes']}": ((e, h, fmt.code_cols(i)), codes),
         }
+        if fmt.has_group_scales:
+            out[f"w13_{n['group_scales']}"] = ((e, 2 * i, fmt.group_scale_cols(h)), (torch.float8_e4m3fn,))
+            out[f"w2_{n['group_scales']}"] = ((e, h, fmt.group_scale_cols(i)), (torch.float8_e4m3fn,))
+        if fmt.output_scale == "channel":
+            out[f"w13_{n['scale']}"] = ((e, 2 * i, 1), f32)
+            out[f"w2_{n['scale']}"] = ((e, h, 1), f32)
+        else:  # one per shard: gate and up each have their own
+            out[f"w13_{n['global_scale' if fmt.output_scale == 'global' else 'scale']}"] = ((e, 2), f32)
+            out[f"w2_{n['global_scale' if fmt.output_scale == 'global' else 'scale']}"] = ((e,), f32)
+        # compressed-tensors FP8: one static input scale per expert for w13 (vLLM's loader checks
+        # that w1's and w3's agree), as vLLM's own compressed-tensors FP8 MoE method keeps it
+        one_w13_input = self.convention.name != MODELOPT.name and not fmt.has_group_scales
+        out[f"w13_{n['input_scale']}"] = ((e,) if one_w13_input else (e, 2), f32)
+        out[f"w2_{n['input_scale']}"] = ((e,), f32)
+        return out
 
     def _codes(self) -> tuple[str, str]:
         return f"w13_{self._names()['codes']}", f"w2_{self._names()['codes']}"
@@ -155,7 +152,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         n = self._names()
         if name in self._codes():
             return None
-        if self.fmt == "nvfp4":
+        if self.format.has_group_scales:
             return "group" if name.endswith(f"_{n['group_scales']}") else "tensor"
         if name.endswith(f"_{n['input_scale']}"):
             return None
@@ -199,10 +196,11 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         if getattr(layer, "apply_router_weight_on_input", False):
             self._fail("routing weights applied on the input are not served by the QPN MoE kernels")
         self.num_experts, self.hidden, self.inter = int(num_experts), int(hidden_size), int(intermediate_size_per_partition)
-        if self.fmt == "nvfp4":
+        group = self.format.group_size
+        if group is not None:
             for dim, what in ((self.hidden, "hidden size"), (self.inter, "intermediate size per rank")):
-                if dim % formats.GROUP_SIZE:
-                    self._fail(f"{what} {dim} is not a multiple of the NVFP4 group size {formats.GROUP_SIZE}")
+                if dim % group:
+                    self._fail(f"{what} {dim} is not a multiple of the {self.format.title} group size {group}")
         loader = extra_weight_attrs.get("weight_loader")
         layer.num_experts = num_experts
         for name, (shape, dtypes) in self._expected().items():
@@ -257,16 +255,16 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
             return getattr(layer, f"{stem}_{n[role]}").data
 
         try:
-            if self.fmt == "nvfp4":
+            if self.format.output_scale == "global":
                 stored13, stored2 = data("w13", "global_scale").float(), data("w2", "global_scale").float()
                 if bool((stored13 == 0).any()) or bool((stored2 == 0).any()):
                     self._fail(f"a {n['global_scale']} (global scale) is 0; re-export the checkpoint")
                 # per shard: gate and up keep their own (ModelOpt multiplier, compressed-tensors divisor)
                 s13, s2 = self.convention.global_scale_f32(stored13), self.convention.global_scale_f32(stored2)
-                packed = moe.prepack_moe("nvfp4", data("w13", "codes"), data("w13", "group_scales"), s13,
+                packed = moe.prepack_moe(self.fmt, data("w13", "codes"), data("w13", "group_scales"), s13,
                                          data("w2", "codes"), data("w2", "group_scales"), s2, atom=atom)
             else:
-                packed = moe.prepack_moe("fp8", data("w13", "codes"), data("w13", "scale").float(), None,
+                packed = moe.prepack_moe(self.fmt, data("w13", "codes"), data("w13", "scale").float(), None,
                                          data("w2", "codes"), data("w2", "scale").float(), atom=atom)
         except prepack.PrepackMismatch as e:
             self._fail(f"prepack inverse is not byte-identical: {e}")
@@ -355,10 +353,10 @@ def qpn_moe_method_for(quant_config, moe_config, prefix: str, backend: str):
     algo = declared_moe_algo(quant_config, prefix)
     if algo is None:
         return None
-    if algo not in MOE_ALGOS:
+    if algo not in formats.MODELOPT_ALGOS:
         raise QPNCheckpointError(
             f"{prefix}: quantized_layers declares quant_algo {algo!r} for these experts; the QPN MoE "
-            f"kernels serve {', '.join(MOE_ALGOS)} (fix the checkpoint's hf_quant_config.json or serve it on "
+            f"kernels serve {SERVED_ALGOS} (fix the checkpoint's hf_quant_config.json or serve it on "
             "hardware vLLM supports natively)")
     method = QPNModelOptMoEMethod(moe_config, prefix=prefix, algo=algo, backend=backend)
     # the checkpoint's quantized_layers names these experts serve (for the census and its gate)
@@ -466,7 +464,7 @@ def qpn_ct_moe_method_for(quant_config, layer, layer_name: str, backend: str):
     if found is None:
         return None
     scheme, names = found
-    algo = "NVFP4" if scheme.fmt == "nvfp4" else "FP8"
+    algo = formats.FAMILIES[scheme.fmt].algos[0]  # the family's ModelOpt name: NVFP4 | FP8
     method = QPNCompressedTensorsMoEMethod(layer.moe_config, prefix=layer_name, algo=algo, backend=backend,
                                            fp8_scale=scheme.fp8_scale)
     # every expert's gate, up and down (vLLM's names), for the census
