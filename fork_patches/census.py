@@ -6,8 +6,9 @@ in ``census_schema.py``, which the boot gates read through as well): after weigh
 second, from a background thread), and at exit. Every write goes to a temporary file in the
 same folder that is then renamed over the old one, so a reader never sees a half-written file.
 
-Calls made while a CUDA graph is being captured are counted under ``graph``, all others under
-``eager``. A captured graph replays without running any Python, so replays are not counted:
+Each module's calls are counted per route name, beside the M band the route table gives that
+route (``m_min``..``m_max`` rows per call; kernels/routes.py). Calls made while a CUDA graph is
+being captured are counted under ``graph``, all others under ``eager``. A captured graph replays without running any Python, so replays are not counted:
 ``graph`` counts how many captures went through each route, ``eager`` counts real calls.
 
 Besides the QPN modules the census records, per rank: the tensor-parallel size, the serving
@@ -55,6 +56,17 @@ def _qpn_routes() -> frozenset:
     from qpn.kernels.routes import QPN_MOE_ROUTES, QPN_ROUTES
 
     return QPN_ROUTES | QPN_MOE_ROUTES
+
+
+def _route_band(route) -> dict:
+    """{"m_min", "m_max"} of a Route or route name in the route table; both None for any other
+    name (a non-QPN route, which the gates report)."""
+    from qpn.kernels import routes
+
+    try:
+        return routes.as_route(route).band()
+    except ValueError:
+        return {"m_min": None, "m_max": None}
 
 
 def write_json_atomic(path: str, data: dict) -> None:
@@ -237,7 +249,7 @@ class Census:
             routes = self.modules[name]["routes"]
             slot = routes.get(key)
             if slot is None:
-                slot = routes[key] = {"eager": 0, "graph": 0}
+                slot = routes[key] = {"eager": 0, "graph": 0, **_route_band(route)}
             slot["graph" if graph else "eager"] += calls
             self._mark_dirty()
 
@@ -399,7 +411,7 @@ def aggregate(census_dir: str) -> dict:
     qpn_routes = _qpn_routes()
     ranks = read_rank_files(census_dir)
     by_region: dict[str, int] = {}
-    route_counts: dict[str, dict[str, int]] = {}
+    route_counts: dict[str, dict[str, int | None]] = {}
     on_qpn = total = 0
     fallbacks = []
     rank_summaries = []
@@ -414,7 +426,8 @@ def aggregate(census_dir: str) -> dict:
             by_region[mod["region"]] = by_region.get(mod["region"], 0) + 1
             routes = mod.get("routes", {})
             for route, c in routes.items():
-                slot = route_counts.setdefault(route, {"eager": 0, "graph": 0})
+                slot = route_counts.setdefault(route, {"eager": 0, "graph": 0, "m_min": c.get("m_min"),
+                                                       "m_max": c.get("m_max")})
                 slot["eager"] += c.get("eager", 0)
                 slot["graph"] += c.get("graph", 0)
             good = module_on_qpn(name, mod, failed, qpn_routes)

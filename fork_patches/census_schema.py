@@ -14,13 +14,16 @@ Version history:
      ``declared`` per module (the ``quantized_layers`` names the module serves, as the engine
      names them) and ``engine_quantized_layers`` (the engine's copy of the whole map's names),
      ``lm_head.loaded`` (what the loader received for the head) and ``hooks_skipped``.
+  3: every module route count carries the route's M band (``m_min``, ``m_max``: the rows per
+     call the route table gives that route; ``m_max`` null: no upper bound; both null for a
+     route outside the table).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class CensusSchemaError(ValueError):
@@ -37,13 +40,24 @@ class RouteCount:
 
 
 @dataclass
+class ModuleRouteCount:
+    """Calls of one module through one QPN route (``eager`` and ``graph`` as in RouteCount) and
+    the route's M band in the route table (kernels/routes.py): it serves m_min <= M <= m_max."""
+
+    eager: int
+    graph: int
+    m_min: int | None  # None: not a route of the table (the gates then fail the module)
+    m_max: int | None  # None: no upper bound (or not a route of the table)
+
+
+@dataclass
 class ModuleRecord:
     region: str  # "nvfp4" | "fp8"
     eligible: bool
     n: int  # output rows on this rank
     k: int  # input columns on this rank
     prepack_verified: bool
-    routes: dict[str, RouteCount] = field(default_factory=dict)
+    routes: dict[str, ModuleRouteCount] = field(default_factory=dict)
     # the checkpoint's quantized_layers names this module serves (fused shards: several);
     # None when the loader did not say (then no checkpoint name counts as covered by it)
     declared: list[str] | None = None

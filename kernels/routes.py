@@ -34,8 +34,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FORMATS = ("nvfp4", "fp8")
-ROUTE_PREFIX = {"nvfp4": "qpn2", "fp8": "qpn8"}
+from . import formats
+
+# Route families, one per kernel family of kernels/formats.py (FP8 per tensor and per channel
+# share the FP8 family's routes and kernels).
+FORMATS = tuple(formats.FAMILIES)
+ROUTE_PREFIX = {family: f.route_prefix for family, f in formats.FAMILIES.items()}
 
 # Rows of one token tile (the 8 columns of an m8n8k4 / m16n8k16 MMA that hold tokens).
 TILE_ROWS = 8
@@ -57,7 +61,7 @@ MOE = "moe"                  # the grouped mixture-of-experts kernels (kernels/m
 class Route:
     """One QPN route. ``str(route)`` is its name (``qpn2_mt2``); compare routes as values."""
 
-    format: str          # weight format it serves: "nvfp4" | "fp8"
+    format: str          # kernel family it serves: "nvfp4" | "fp8" (formats.FAMILIES key)
     kernel: str          # TILED | RECONSTRUCT | MOE
     tiles_per_pass: int  # 8-row token tiles against one weight pass (TILED; 0 otherwise)
     chunk_rows: int      # rows per chunk when M is cut into chunks, each chunk one pass; 0: no chunks
@@ -70,6 +74,11 @@ class Route:
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def weight_format(self) -> formats.WeightFormat:
+        """The family's description in kernels/formats.py (FP8: its per-tensor member)."""
+        return formats.FAMILIES[self.format]
 
     @property
     def prefix(self) -> str:
@@ -172,8 +181,7 @@ def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70") -> Route:
         raise ValueError(f"M (rows in the batch) must be a positive int, got {m!r}")
     if n < 1 or k < 1:
         raise ValueError(f"N and K must be positive, got N={n} K={k}")
-    if fmt == "nvfp4" and k % 16:
-        raise ValueError(f"NVFP4 needs K to be a multiple of 16, got K={k}")
+    formats.FAMILIES[fmt].check_k(k)  # FormatError (a ValueError): NVFP4 needs K % 16 == 0
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {KNOWN_ARCHS}")
     for r in _DENSE_BANDS[fmt]:

@@ -10,7 +10,8 @@ import pytest
 
 from qpn.fork_patches import census as census_mod
 from qpn.fork_patches.census import Census, aggregate, read_rank_files, write_json_atomic
-from qpn.fork_patches.census_schema import SCHEMA_VERSION
+from qpn.fork_patches.census_schema import SCHEMA_VERSION, CensusSchemaError, validate_rank
+from qpn.kernels import routes as route_table
 
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
@@ -28,9 +29,15 @@ def _rank_file(rank, modules, fallbacks=(), lm_head=None, kv=None):
     }
 
 
+_BANDS = {"qpn2": (1, 8), "qpn2_mt2": (9, 16), "qpn8": (1, 8), "qpn8_mt2": (9, 16)}
+
+
 def _mod(region, routes, eligible=True, verified=True):
+    def band(r):
+        lo, hi = _BANDS.get(r, (None, None))
+        return {"m_min": lo, "m_max": hi}
     return {"region": region, "eligible": eligible, "n": 64, "k": 128, "prepack_verified": verified,
-            "routes": {r: {"eager": e, "graph": g} for r, (e, g) in routes.items()}}
+            "routes": {r: {"eager": e, "graph": g, **band(r)} for r, (e, g) in routes.items()}}
 
 
 def test_aggregate_merges_ranks_and_finds_what_is_off_qpn(tmp_path):
@@ -57,8 +64,9 @@ def test_aggregate_merges_ranks_and_finds_what_is_off_qpn(tmp_path):
     assert agg["modules_by_region"] == {"fp8": 3, "nvfp4": 4}
     # on QPN: r0 all 3; r1 only qkv_proj (gate_up on marlin, down unverified, o_proj fell back)
     assert agg["modules_on_qpn"] == 4
-    assert agg["route_counts"]["qpn8"] == {"eager": 15, "graph": 2}
-    assert agg["route_counts"]["qpn2"] == {"eager": 13, "graph": 1}
+    assert agg["route_counts"]["qpn8"] == {"eager": 15, "graph": 2, "m_min": 1, "m_max": 8}
+    assert agg["route_counts"]["qpn2"] == {"eager": 13, "graph": 1, "m_min": 1, "m_max": 8}
+    assert agg["route_counts"]["marlin"] == {"eager": 2, "graph": 0, "m_min": None, "m_max": None}
     assert agg["non_qpn_routes"] == ["marlin"]
     assert agg["fallback_calls"] == 3
     assert agg["fallbacks"] == [{"module": "a.o_proj", "reason": "shape", "count": 3, "rank": 1}]
@@ -93,9 +101,9 @@ def test_census_records_and_flushes_in_the_schema(tmp_path, monkeypatch):
     name = c.register_module(layer_a, "model.layers.0.mlp.gate_up_proj", "nvfp4", 512, 128, prepack_verified=True)
     # A second layer with the same prefix (an MTP drafter's own head) gets its own entry.
     assert c.register_module(layer_b, "model.layers.0.mlp.gate_up_proj", "nvfp4", 512, 128) == name + "#2"
-    c.count(name, "qpn2")
-    c.count(name, "qpn2")
-    c.count(name, "qpn2_mt2", graph=True)
+    c.count(name, route_table.route_for("nvfp4", 3, 512, 128))  # a Route value, as the loader counts
+    c.count(name, "qpn2")                                         # or its name
+    c.count(name, route_table.as_route("qpn2_mt2"), graph=True)
     c.fallback(name + "#2", "test reason")
     c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
     c.set_lm_head("lm_head#2", "nvfp4", "checkpoint_codes", "qpn2")  # the first head stays
@@ -104,7 +112,8 @@ def test_census_records_and_flushes_in_the_schema(tmp_path, monkeypatch):
     assert os.path.basename(path) == "census_rank3.json"
     data = json.loads(open(path).read())
     assert data["schema"] == SCHEMA_VERSION and data["rank"] == 3 and data["pid"] == os.getpid()
-    assert data["modules"][name]["routes"] == {"qpn2": {"eager": 2, "graph": 0}, "qpn2_mt2": {"eager": 0, "graph": 1}}
+    assert data["modules"][name]["routes"] == {"qpn2": {"eager": 2, "graph": 0, "m_min": 1, "m_max": 8},
+                                               "qpn2_mt2": {"eager": 0, "graph": 1, "m_min": 9, "m_max": 16}}
     assert data["modules"][name]["prepack_verified"] is True
     assert data["fallbacks"] == [{"module": name + "#2", "reason": "test reason", "count": 1}]
     assert data["lm_head"]["module"] == "lm_head"
@@ -131,3 +140,39 @@ def test_background_flush_follows_new_counts_within_a_second_or_two(tmp_path, mo
     else:
         pytest.fail("the census thread did not write the new counts")
     c._stop.set()
+
+
+def test_every_table_route_is_recorded_with_its_m_band(tmp_path, monkeypatch):
+    """The census records each route under its name with the M band route_for gives it: the band
+    read back from the file selects exactly that route for every M in it, and no other M does."""
+    monkeypatch.setenv("QPN_CENSUS_DIR", str(tmp_path))
+    c = Census()
+    c.platform, c.rank = _PLATFORM, 0
+    layers = {fmt: object() for fmt in route_table.FORMATS}  # alive: the census keys layers by id()
+    for fmt in route_table.FORMATS:
+        name = c.register_module(layers[fmt], f"m.{fmt}", fmt, 64, 128, prepack_verified=True)
+        for m in range(1, 200):
+            c.count(name, route_table.route_for(fmt, m, 64, 128))
+        c.count(name, route_table.moe_route_for(fmt))
+        c.count(name, "marlin")
+    data = json.loads(open(c.flush()).read())
+    for fmt in route_table.FORMATS:
+        recorded = data["modules"][f"m.{fmt}"]["routes"]
+        assert set(recorded) == {str(r) for r in route_table.ALL_ROUTES.values() if r.format == fmt} | {"marlin"}
+        assert recorded["marlin"] == {"eager": 1, "graph": 0, "m_min": None, "m_max": None}
+        for route, slot in recorded.items():
+            if route == "marlin" or route.endswith("_moe"):
+                continue
+            lo, hi = slot["m_min"], slot["m_max"]
+            chosen = {m for m in range(1, 200) if str(route_table.route_for(fmt, m, 64, 128)) == route}
+            assert chosen == set(range(lo, (hi or 199) + 1)), route
+            assert slot["eager"] == len(chosen)
+        assert recorded[f"{route_table.ROUTE_PREFIX[fmt]}_moe"] == {"eager": 1, "graph": 0, "m_min": 1, "m_max": None}
+
+
+def test_schema_requires_the_band_of_every_module_route():
+    data = _rank_file(0, {"a": _mod("fp8", {"qpn8": (1, 0)})})
+    validate_rank(data)
+    del data["modules"]["a"]["routes"]["qpn8"]["m_max"]
+    with pytest.raises(CensusSchemaError, match="missing key 'm_max'"):
+        validate_rank(data)
