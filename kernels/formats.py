@@ -65,6 +65,11 @@ class WeightFormat:
         return self.group_size is not None
 
     @property
+    def bytes_per_weight(self) -> float:
+        """Bytes a kernel streams per weight element: codes plus group scales."""
+        return 1 / self.codes_per_byte + (1 / self.group_size if self.group_size else 0.0)
+
+    @property
     def moe_route(self) -> str:
         return self.route_prefix + "_moe"
 

@@ -61,7 +61,7 @@ class MoeShapeError(ValueError):
 
 # ------------------------------------------------------------------------------ packed stacks
 @dataclass
-class PackedExpertStack:
+class PackedExpertStack(prepack.PackedLayout):
     """E expert matrices [N, K] of one projection, each prepacked like a dense weight."""
 
     fmt: str                       # kernel family of qpn.kernels.formats ("nvfp4" | "fp8")
@@ -77,25 +77,12 @@ class PackedExpertStack:
         return int(self.codes.shape[0])
 
     @property
-    def format(self) -> formats.WeightFormat:
-        return formats.format_of(self)
-
-    @property
     def per_channel(self) -> bool:
         return self.chscale.shape[1] != 1
 
     @property
-    def k_pad(self) -> int:
-        b = geometry(self.atom).k_block
-        return -(-self.k // b) * b
-
-    @property
     def n_tiles(self) -> int:
-        return -(-self.n // geometry(self.atom).tile_n)
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
+        return self.n_pad // geometry(self.atom).tile_n
 
     @property
     def nbytes_per_expert(self) -> int:

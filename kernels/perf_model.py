@@ -35,7 +35,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from . import jit, nvrtc, ops
+from . import formats, jit, nvrtc, ops
 
 ESTIMATE_LABEL = "calibrated estimate from the H200-calibrated model, NOT a V100 measurement"
 
@@ -82,7 +82,7 @@ class KernelStats:
 
 
 def bytes_per_weight(fmt: str) -> float:
-    return 0.5 + 1 / 16 if fmt == "nvfp4" else 1.0
+    return formats.weight_format(fmt).bytes_per_weight
 
 
 def resident_warps(k: KernelStats, gpu: Gpu) -> int:
@@ -203,9 +203,8 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
         for name, c in jit.sm80_kernels().items():
             if c.variant != 0 or name not in funcs:
                 continue
-            fmt = "nvfp4" if c.frag.startswith("Frag16NVFP4") else "fp8"
-            lane = 16 if fmt == "nvfp4" else 32
-            tile_kb = lane * 32 + (64 if fmt == "nvfp4" else 0)
+            fmt = formats.format_for_route(name).family
+            tile_kb = int(16 * 64 * bytes_per_weight(fmt))  # codes and scales of a 16 x 64 tile k-block
             depth = c.depth if not c.stages else c.stages - 1
             hmma = 4 * c.tiles * c.mt
             instr, kind = main_loop_instructions(funcs[name], hmma)
@@ -215,14 +214,13 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
         for name in jit.ENTRY_POINTS["m8n8k4"]:
             if "reconstruct" in name or name not in funcs:
                 continue
-            fmt = "nvfp4" if name.startswith("qpn2") else "fp8"
+            fmt = formats.format_for_route(name).family
             mt = 2 if "_mt2_" in name else 1
             hmma_total = sum("HMMA" in t for _, t in funcs[name])
             sass_per_mma = hmma_total / max(1, mma_ptx.get(name, 0))
             hmma = 8 * mt * sass_per_mma          # 8 mma.m8n8k4 per k-block of 32 per token tile
             instr, kind = main_loop_instructions(funcs[name], hmma)
-            lane = 16 if fmt == "nvfp4" else 32
-            tile_kb = lane * 32 + (64 if fmt == "nvfp4" else 0)
+            tile_kb = int(32 * 32 * bytes_per_weight(fmt))  # codes and scales of a 32 x 32 tile k-block
             out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
                                     SM70_KBLOCKS_IN_FLIGHT * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
     return out
@@ -298,7 +296,7 @@ def observations(csv_path: str, sweep_path: str | None) -> tuple[float, list[dic
             if int(r["variant"]) == 0 and int(r["min_items"]) == ops.SM80_MIN_ITEMS[r["fmt"]]:
                 mt = 1 if int(r["m"]) <= 8 else 2
                 obs.append(dict(kernel=r["kernel"], shape=r["shape"], n=int(r["n"]), k=int(r["k"]), m=int(r["m"]),
-                                route=("qpn2" if r["fmt"] == "nvfp4" else "qpn8") + ("" if mt == 1 else "_mt2"),
+                                route=formats.weight_format(r["fmt"]).route_prefix + ("" if mt == 1 else "_mt2"),
                                 us=float(r["graph_us"]), src="sweep"))
     return read, obs
 
@@ -332,7 +330,7 @@ SEED_LEVELS = {("nvfp4", 1): 77.0, ("nvfp4", 8): 71.0, ("fp8", 1): 82.0, ("fp8",
 
 
 def _kernel_for(fmt: str, m: int) -> str:
-    return f"{'qpn2' if fmt == 'nvfp4' else 'qpn8'}_mt{1 if m <= 8 else 2}_m8n8k4"
+    return f"{formats.weight_format(fmt).route_prefix}_mt{1 if m <= 8 else 2}_m8n8k4"
 
 
 def _provenance() -> list[str]:

@@ -28,8 +28,9 @@ class PrepackMismatch(ValueError):
     """The inverse permutation did not give the source bytes back."""
 
 
-class _PackedWeight:
-    """What every packed weight answers alike: padded sizes of its atom's tiles, device, format."""
+class PackedLayout:
+    """What every packed weight (and expert stack) answers alike from its ``n``, ``k``, ``atom``
+    and ``codes``: sizes padded to its atom's tiles, its device and its WeightFormat."""
 
     n: int
     k: int
@@ -55,7 +56,7 @@ class _PackedWeight:
 
 
 @dataclass
-class PackedNVFP4(_PackedWeight):
+class PackedNVFP4(PackedLayout):
     codes: torch.Tensor         # uint8, flat, fragment order
     scales: torch.Tensor        # uint8 (e4m3 bytes), flat, fragment order
     global_scale: torch.Tensor  # float32, 1 element (weight_scale_2)
@@ -75,7 +76,7 @@ class PackedNVFP4(_PackedWeight):
 
 
 @dataclass
-class PackedFP8(_PackedWeight):
+class PackedFP8(PackedLayout):
     codes: torch.Tensor   # uint8 (e4m3 bytes), flat, fragment order
     scale: torch.Tensor   # float32 [1] (per tensor) or [N] (per channel)
     n: int
