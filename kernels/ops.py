@@ -30,7 +30,7 @@ WARPS = THREADS // 32
 
 
 class QpnArgs(ctypes.Structure):
-    # Must match struct QpnArgs in csrc/qpn_kernels.cu.
+    # struct QpnArgs in csrc/qpn_kernels.cu; names, offsets and size checked by tests/test_ctypes_structs.py.
     _fields_ = [
         ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("chscale", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
@@ -194,7 +194,7 @@ def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias) -> t
 
 # ------------------------------------------------------------------------- sm_80+ (m16n8k16)
 class Qpn80Args(ctypes.Structure):
-    # Must match struct Qpn80Args in csrc/qpn_kernels_sm80.cu.
+    # struct Qpn80Args in csrc/qpn_kernels_sm80.cu; names, offsets and size checked by tests/test_ctypes_structs.py.
     _fields_ = [
         ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("chscale", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
