@@ -81,6 +81,55 @@ def test_every_quantized_module_is_byte_identical_to_the_library(ckpt):
     assert not any(k.endswith(("weight_scale_2", "k_proj.k_scale")) for k in tensors)
 
 
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ct_moe") / "ckpt"
+    mct.make_ct_checkpoint(out, seed=0, moe=True)
+    return out
+
+
+def test_every_expert_is_byte_identical_to_the_library(moe_ckpt):
+    """The MoE checkpoint (make_ct_checkpoint --moe): every routed expert's gate, up and down, the
+    shared expert, attention and lm_head, byte for byte what the library makes from the same
+    float32 weights; gate and up of each expert share one global scale, down has its own."""
+    from safetensors.torch import load_file
+
+    from qpn.scripts.checkpoints import make_moe_checkpoint as mmc
+
+    tensors = load_file(str(moe_ckpt / "model.safetensors"))
+    spec = mmc.TinyMoeSpec()
+    weights = mmc.float_weights(spec, 0)
+    quantized = mmc.quantized_modules(weights, "nvfp4")
+    shared = mmc.shared_global_amax(weights, quantized)
+    counts: dict[str, int] = {}
+    for module, region in quantized.items():
+        m = make_checkpoint.hub_name(module)
+        if region == "nvfp4":
+            lib = ct_nvfp4(weights[f"{module}.weight"], shared.get(module))
+        else:
+            lib = ct_fp8(weights[f"{module}.weight"], mct.fp8_layout(module))
+        kind = "routed" if ".experts." in module else "shared" if ".shared_expert." in module else region
+        counts[kind] = counts.get(kind, 0) + 1
+        for k, v in lib.items():
+            assert _same(tensors[f"{m}.{k}"], v), f"{m}.{k}"
+    layers = spec.num_hidden_layers
+    assert counts == {"routed": 3 * spec.num_experts * layers, "shared": 3 * layers, "nvfp4": 1,
+                      "fp8": 4 * spec.layer_types().count("full_attention")
+                      + 3 * spec.layer_types().count("linear_attention")}
+    e = "model.language_model.layers.5.mlp.experts.6"
+    g, u, d = (tensors[f"{e}.{p}.weight_global_scale"] for p in ("gate_proj", "up_proj", "down_proj"))
+    assert torch.equal(g, u) and not torch.equal(g, d)
+    # the router and the shared-expert gate stay BF16; no ModelOpt names
+    assert tensors["model.language_model.layers.5.mlp.gate.weight"].dtype == torch.bfloat16
+    assert not any(k.endswith(("weight_scale_2", "k_proj.k_scale")) for k in tensors)
+    # the config declares exactly the modules that carry codes
+    conv, qcfg = cv.detect(moe_ckpt)
+    modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight", ".weight_packed"))})
+    for m, scheme in conv.module_schemes(qcfg, modules).items():
+        assert (scheme is not None) == (f"{m}.weight_packed" in tensors or tensors[f"{m}.weight"].dtype
+                                        == torch.float8_e4m3fn), m
+
+
 def test_declaration_and_convention_cover_every_tensor(ckpt):
     """Every quantized tensor the checkpoint holds is one the convention names for a module the
     config declares; every BF16 tensor belongs to an undeclared module."""

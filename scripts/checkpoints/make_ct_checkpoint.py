@@ -22,6 +22,13 @@ copied); only the encoding and the declaration follow compressed-tensors
 * ``kv_cache_scheme`` FP8 per tensor with ``self_attn.k_scale`` / ``v_scale`` (amax / 448) on the
   attention module, as llm-compressor writes them.
 
+``--moe`` writes the MoE family instead (``Qwen3_5MoeForCausalLM``): the float model, tokenizer
+and calibration of qpn.scripts.checkpoints.make_moe_checkpoint (imported), encoded the same way:
+every routed expert's ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and the shared expert in
+NVFP4 (gate and up of each expert share one global scale, as llm-compressor unifies them), the
+router and the shared-expert gate in BF16, attention and lm_head as above. vLLM fuses the
+experts into ``w13_weight_packed`` / ``w2_weight_packed`` stacks (hook ``ct-qpn-moe-method``).
+
 Every code and scale is byte-identical to what compressed-tensors 0.17's own quantizer
 (calculate_qparams, generate_gparam) and compressors (NVFP4PackedCompressor,
 FloatQuantizationCompressor) make from the same float32 weights (tests/test_ct_checkpoint.py).
@@ -50,6 +57,8 @@ _TRUNK = r"re:^model\.(language_model\.)?layers\.\d+\."
 NVFP4_TARGETS = [_TRUNK + r"mlp\.(gate|up|down)_proj$", "lm_head"]
 FP8_TENSOR_TARGETS = [_TRUNK + r"self_attn\.(q|k|v|o)_proj$"]
 FP8_CHANNEL_TARGETS = [_TRUNK + r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$"]
+# the MoE family: routed experts and the shared expert in place of the dense MLP
+NVFP4_MOE_TARGETS = [_TRUNK + r"mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj$", "lm_head"]
 
 
 def fp8_layout(module: str) -> str:
@@ -109,8 +118,9 @@ def _args(bits: int, strategy: str, dynamic, group_size=None, observer="minmax",
     return d
 
 
-def quantization_config() -> dict:
-    """config.json ``quantization_config`` as llm-compressor writes it for this recipe."""
+def quantization_config(moe: bool = False) -> dict:
+    """config.json ``quantization_config`` as llm-compressor writes it for this recipe (``moe``:
+    the MoE family's NVFP4 targets)."""
     return {
         "quant_method": "compressed-tensors",
         "format": "mixed-precision",
@@ -118,7 +128,8 @@ def quantization_config() -> dict:
         "version": CT_VERSION_FORM,
         "global_compression_ratio": None,
         "config_groups": {
-            "group_0": {"targets": list(NVFP4_TARGETS), "format": "nvfp4-pack-quantized",
+            "group_0": {"targets": list(NVFP4_MOE_TARGETS if moe else NVFP4_TARGETS),
+                        "format": "nvfp4-pack-quantized",
                         "weights": _args(4, "tensor_group", False, GROUP_SIZE, fp4=True),
                         "input_activations": _args(4, "tensor_group", "local", GROUP_SIZE,
                                                    observer="static_minmax", fp4=True),
@@ -142,8 +153,11 @@ def quantization_config() -> dict:
 
 
 def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
-                   input_amax: dict[str, float], kv_amax: dict[str, float]) -> dict[str, torch.Tensor]:
-    shared = make_checkpoint._shared_global_amax(weights)
+                   input_amax: dict[str, float], kv_amax: dict[str, float],
+                   shared: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """``shared``: {module: the global amax it shares with its fused siblings} (default: the
+    dense MLP's gate and up)."""
+    shared = make_checkpoint._shared_global_amax(weights) if shared is None else shared
     out: dict[str, torch.Tensor] = {}
     for key, w in weights.items():
         module = key[: -len(".weight")] if key.endswith(".weight") else None
@@ -170,25 +184,35 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
 
 
 def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
-                       spec: tiny_hybrid.TinyHybridSpec | None = None) -> dict:
-    """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict."""
+                       spec: tiny_hybrid.TinyHybridSpec | None = None, moe: bool = False) -> dict:
+    """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict.
+    ``moe``: the MoE family (make_moe_checkpoint's float model, NVFP4 experts)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a new folder (the generator never overwrites)")
-    spec = spec or tiny_hybrid.TinyHybridSpec()
+    from qpn.scripts.checkpoints import make_moe_checkpoint
+
+    spec = spec or (make_moe_checkpoint.TinyMoeSpec() if moe else tiny_hybrid.TinyHybridSpec())
     with make_checkpoint.checkpoint_folder(out) as tmp:
         ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
-        weights = tiny_hybrid.float_weights(spec, seed)
-        quantized = tiny_hybrid.quantized_modules(weights)
         calib_ids = Tokenizer.from_file(str(tmp / "tokenizer.json")).encode(
             " ".join(tiny_tokenizer._CORPUS)).ids[:256]
-        input_amax, kv_amax = make_checkpoint.calibrate(spec, weights, sorted(quantized), calib_ids)
-        tensors = export_tensors(weights, quantized, input_amax, kv_amax)
+        if moe:
+            weights = make_moe_checkpoint.float_weights(spec, seed)
+            quantized = make_moe_checkpoint.quantized_modules(weights, "nvfp4")
+            input_amax, kv_amax = make_moe_checkpoint.calibrate(spec, weights, quantized, calib_ids)
+            shared = make_moe_checkpoint.shared_global_amax(weights, quantized)
+        else:
+            weights = tiny_hybrid.float_weights(spec, seed)
+            quantized = tiny_hybrid.quantized_modules(weights)
+            input_amax, kv_amax = make_checkpoint.calibrate(spec, weights, sorted(quantized), calib_ids)
+            shared = None
+        tensors = export_tensors(weights, quantized, input_amax, kv_amax, shared)
         config = spec.config_dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-        config["quantization_config"] = quantization_config()
+        config["quantization_config"] = quantization_config(moe)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({
             "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -196,7 +220,7 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         summary = {
             "out_dir": str(out), "seed": seed, "convention": COMPRESSED_TENSORS.name,
-            "architecture": "Qwen3_5ForCausalLM", "layer_types": spec.layer_types(),
+            "architecture": config["architectures"][0], "layer_types": spec.layer_types(),
             "quantized_modules": {r: sum(1 for v in quantized.values() if v == r) for r in ("fp8", "nvfp4")},
             "tensors": len(tensors), "bytes": (tmp / "model.safetensors").stat().st_size,
         }
@@ -208,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="folder to create (must not exist)")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
+    p.add_argument("--moe", action="store_true",
+                   help="the Qwen3.5 MoE family (NVFP4 routed and shared experts) instead of the dense hybrid")
     args = p.parse_args(argv)
     try:
-        summary = make_ct_checkpoint(args.out_dir, seed=args.seed)
+        summary = make_ct_checkpoint(args.out_dir, seed=args.seed, moe=args.moe)
     except (FileExistsError, ValueError) as e:
         print(f"make_ct_checkpoint: {e}", file=sys.stderr)
         return 2

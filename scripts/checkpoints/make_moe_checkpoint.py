@@ -303,11 +303,16 @@ def _corrupt_one_expert(state: dict[str, torch.Tensor], ckpt_dir: str | os.PathL
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
+    from qpn.fork_patches.conventions import COMPRESSED_TENSORS, detect
+
+    ct = detect(ckpt_dir)[0] is COMPRESSED_TENSORS
     hub = make_checkpoint.hub_name
     for proj in EXPERT_PROJS:
         mine, theirs = hub(f"{here}.{proj}"), hub(f"{there}.{proj}")
         scales_of = theirs if kind == "neighbour-scales" else mine
-        if f"{mine}.weight_scale_2" in tensors:  # NVFP4
+        if ct:
+            w = _ct_expert_decode(tensors, mine, scales_of, kind)
+        elif f"{mine}.weight_scale_2" in tensors:  # NVFP4
             w = checkpoint_reference.decode_nvfp4(tensors[f"{mine}.weight"], tensors[f"{scales_of}.weight_scale"],
                                                   tensors[f"{scales_of}.weight_scale_2"],
                                                   swap_nibbles=(kind == "swap-nibbles"))
@@ -318,21 +323,41 @@ def _corrupt_one_expert(state: dict[str, torch.Tensor], ckpt_dir: str | os.PathL
         state[f"{here}.{proj}.weight"] = w
 
 
+def _ct_expert_decode(tensors: dict[str, torch.Tensor], mine: str, scales_of: str, kind: str) -> torch.Tensor:
+    """A compressed-tensors expert's float32 weight by the library's own decode: its codes with
+    the scales of ``scales_of``, its nibbles exchanged for ``swap-nibbles``."""
+    from qpn.scripts.checkpoints import ct_reference
+
+    if f"{mine}.weight_packed" in tensors:
+        t = {f"{mine}.weight_packed": tensors[f"{mine}.weight_packed"],
+             f"{mine}.weight_scale": tensors[f"{scales_of}.weight_scale"],
+             f"{mine}.weight_global_scale": tensors[f"{scales_of}.weight_global_scale"]}
+        return ct_reference._decode_nvfp4(t, mine, "swap-nibbles" if kind == "swap-nibbles" else "none")
+    if kind == "swap-nibbles":
+        raise ValueError("swap-nibbles corrupts NVFP4 codes; these experts are FP8")
+    return ct_reference._decode_fp8(tensors, mine, tensors[f"{scales_of}.weight_scale"])
+
+
 def load_reference_model(ckpt_dir: str | os.PathLike, perturb: str = "none", moe_perturb: str = "none",
                          corrupt_expert: tuple[int, int, str] | None = None):
     """The checkpoint dequantized in float32 (qpn.scripts.checkpoints.checkpoint_reference's decoders) in
     transformers' Qwen3_5MoeForCausalLM. ``perturb``: checkpoint_reference's perturbations;
     ``moe_perturb``: gate and up exchanged in every expert, expert e given expert e+1's weights,
     or the shared expert removed; ``corrupt_expert=(layer, expert, kind)``: one expert of one
-    layer served wrongly (EXPERT_CORRUPTIONS). All are negative controls a tolerance must reject."""
-    from qpn.scripts.checkpoints import checkpoint_reference
+    layer served wrongly (EXPERT_CORRUPTIONS). All are negative controls a tolerance must reject.
+    A compressed-tensors checkpoint (make_ct_checkpoint --moe) is decoded by the library's own
+    code (qpn.scripts.checkpoints.ct_reference; ``perturb`` then names ct_reference's
+    perturbations)."""
+    from qpn.fork_patches.conventions import COMPRESSED_TENSORS, detect
+    from qpn.scripts.checkpoints import checkpoint_reference, ct_reference
 
     if moe_perturb not in MOE_PERTURBATIONS:
         raise ValueError(f"unknown MoE perturbation {moe_perturb!r}; choose from {MOE_PERTURBATIONS}")
     config = json.loads((Path(ckpt_dir) / "config.json").read_text())
     e_count = config["num_experts"]
     spec_like = TinyMoeSpec(num_experts=e_count, num_hidden_layers=config["num_hidden_layers"])
-    state = checkpoint_reference.dequantized_state_dict(ckpt_dir, perturb)
+    decoder = ct_reference if detect(ckpt_dir)[0] is COMPRESSED_TENSORS else checkpoint_reference
+    state = decoder.dequantized_state_dict(ckpt_dir, perturb)
     if moe_perturb == "swap-gate-up":
         for k in [k for k in state if ".mlp.experts." in k and k.endswith("gate_proj.weight")]:
             u = k.replace("gate_proj", "up_proj")
