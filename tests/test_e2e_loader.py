@@ -230,30 +230,56 @@ def test_chat_template_with_tools_and_thinking_switch(served):
 MALFORMED_KINDS = ["missing-scale", "nan-scale", "unknown-algo", "k-not-multiple"]
 
 
-@pytest.mark.parametrize("kind", MALFORMED_KINDS)
-def test_malformed_checkpoint_fails_cleanly(tmp_path, kind):
-    from qpn.scripts.checkpoints.make_checkpoint import MALFORMED
-
-    bad = MALFORMED[kind]
-    ckpt = _make_checkpoint(tmp_path / kind, malformed=kind)
-    census_dir = tmp_path / "census"
+def _boot_malformed(root: Path, kind: str) -> dict:
+    """Write the malformed checkpoint, boot a server on it, wait for it to exit, stop it; what the
+    test asserts on is collected here (exit code, log, leftover processes, whether the port still
+    answers), after the server's own stop."""
+    folder = root / kind
+    folder.mkdir()
+    ckpt = _make_checkpoint(folder / kind, malformed=kind)
+    census_dir = folder / "census"
     server = Server(ckpt, census_dir)
     try:
         code = server.wait_exit()
         log = server.log_text()
     finally:
         server.stop()
+    with socket.socket() as s:
+        port_answers = s.connect_ex(("127.0.0.1", server.port)) == 0
+    return {"code": code, "log": log, "leftover": _tagged_pids(server.tag), "port_answers": port_answers,
+            "census_dir": census_dir, "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def malformed_boots(tmp_path_factory) -> dict:
+    """The four must-fail boots, two at a time: a boot that fails at load is mostly single-threaded
+    interpreter start-up in three processes, so two overlap on a 2-core host at little more than
+    the cost of one. Each kind still gets its own checkpoint, server, port and census folder."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("malformed")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {kind: pool.submit(_boot_malformed, root, kind) for kind in MALFORMED_KINDS}
+        return {kind: f.result() for kind, f in futures.items()}
+
+
+@pytest.mark.parametrize("kind", MALFORMED_KINDS)
+def test_malformed_checkpoint_fails_cleanly(malformed_boots, kind):
+    from qpn.scripts.checkpoints.make_checkpoint import MALFORMED
+
+    bad = MALFORMED[kind]
+    boot = malformed_boots[kind]
+    code, log, census_dir = boot["code"], boot["log"], boot["census_dir"]
     assert code != 0, f"server exited 0 on a malformed checkpoint:\n{log[-4000:]}"
     assert "QPNCheckpointError" in log, log[-4000:]
     line = next(ln for ln in log.splitlines() if "QPNCheckpointError" in ln and bad.module in ln)
     assert bad.problem.lower() in line.lower(), line
-    assert not _tagged_pids(server.tag), "processes left behind"
-    with socket.socket() as s:  # nothing listens on the port any more
-        assert s.connect_ex(("127.0.0.1", server.port)) != 0
+    assert not boot["leftover"], "processes left behind"
+    assert not boot["port_answers"]  # nothing listens on the port any more
     # The census folder holds no partial file; whatever it holds is complete JSON.
     if census_dir.exists():
         for f in census_dir.iterdir():
             assert not f.name.endswith(".tmp"), f
             json.loads(f.read_text())
     # The checkpoint folder is exactly what the generator wrote (no partial sibling).
-    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+    assert [p.name for p in boot["folder"].iterdir() if ".partial-" in p.name] == []
