@@ -23,6 +23,27 @@ os.environ.setdefault("QPN_ENGINE_PYTHON", sys.executable)
 from tests._ci import unavailable  # noqa: E402  (needs REPO on sys.path)
 
 
+# The files that take longest (engine boots, virtualenv builds), longest first. scripts/test.sh runs
+# the suite on two pytest-xdist workers, one whole file at a time (--dist loadfile, so a file's
+# module-scoped servers stay shared); starting the long files first keeps the two workers busy
+# until the end instead of leaving one long file alone at the tail. Order only: every file runs.
+LONGEST_FILES_FIRST = [
+    "test_spec_tool_calls.py", "test_e2e_loader.py", "test_launcher_server.py", "test_bootstrap.py",
+    "test_e2e_moe.py", "test_e2e_ct.py", "test_bench_server.py", "test_e2e_tp.py", "test_launcher_api.py",
+    "test_bootstrap_sm70_standin.py", "test_bench_install.py", "test_mutations.py", "test_kernels_sm80.py",
+    "test_engine_source.py", "test_e2e_ct_moe.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """On xdist workers only (they must all collect the same order): the files above first, in
+    that order; every other file after them in collection order; tests inside a file untouched."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
+
+
 @pytest.fixture(autouse=True)
 def fixed_global_seeds(request):
     """A test that draws from torch's or Python's global generator gets the same numbers in every
