@@ -193,9 +193,12 @@ def hub_name(name: str) -> str:
 
 # ------------------------------------------------------------------------------------- export
 def _quant_entry(region: str) -> dict:
-    if region == "fp8":
-        return {"quant_algo": "FP8"}
-    return {"quant_algo": "NVFP4", "group_size": tiny_hybrid.NVFP4_GROUP_SIZE}
+    """ModelOpt's quantized_layers entry: the format's ModelOpt algo, and its group size if any."""
+    fmt = formats.weight_format(region)
+    entry = {"quant_algo": fmt.algos[0]}
+    if fmt.group_size is not None:
+        entry["group_size"] = fmt.group_size
+    return entry
 
 
 def hf_quant_config(quantized: dict[str, str]) -> dict:
@@ -254,8 +257,9 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
             continue
         a = input_amax[module]
         m = hub_name(module)
-        if region == "fp8":
-            q, s = formats.quantize_fp8(w)
+        fmt = formats.weight_format(region)
+        if not fmt.has_group_scales:  # FP8 per tensor
+            q, s = fmt.quantize(w)
             out[f"{m}.weight"] = q
             out[f"{m}.weight_scale"] = s.reshape(())
             out[f"{m}.input_scale"] = torch.tensor(a / formats.E4M3_MAX, dtype=torch.float32)

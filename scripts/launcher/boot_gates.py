@@ -111,13 +111,13 @@ def declared_regions(quant_config: dict | None) -> set[str]:
         from qpn.fork_patches.conventions import ct_declared_formats
 
         return ct_declared_formats(quant_config)
+    from qpn.kernels.formats import find_format  # torch-free: the format descriptions only
+
     regions = set()
     for entry in declared_layers(quant_config).values():
-        algo = str(entry.get("quant_algo", "") if isinstance(entry, dict) else entry).lower()
-        if "nvfp4" in algo:
-            regions.add("nvfp4")
-        elif "fp8" in algo:
-            regions.add("fp8")
+        fmt = find_format(entry.get("quant_algo", "") if isinstance(entry, dict) else entry)
+        if fmt is not None:  # an algo QPN does not serve: the loader refuses it, naming the module
+            regions.add(fmt.family)
     return regions
 
 
