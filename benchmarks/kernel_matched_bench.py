@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from qpn.kernels import jit, ops, prepack, routes
+from qpn.kernels import formats, jit, ops, routes
 
 SHAPES = {
     # name: (format, N, K) -- DESIGN.md section 7
@@ -171,14 +171,11 @@ class NaiveDequant:
 
 
 def _fp16_copy(fmt, src, naive: NaiveDequant) -> torch.Tensor:
-    from qpn.kernels import formats
-    if fmt == "nvfp4":
-        return formats.dequantize_nvfp4(*src).to(torch.float16)
-    return formats.dequantize_fp8(*src).to(torch.float16)
+    return formats.weight_format(fmt).decode_f32(*src).to(torch.float16)
 
 
 def _pack(fmt, src, atom):
-    return prepack.prepack_nvfp4(*src, atom=atom) if fmt == "nvfp4" else prepack.prepack_fp8(*src, atom=atom)
+    return formats.weight_format(fmt).prepack(*src, atom=atom)
 
 
 # ------------------------------------------------------------------------- gemlite arm
