@@ -20,9 +20,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import jit, reference, routes
+from . import formats, jit, routes
 from .atoms import atom_for_arch, geometry
-from .prepack import PackedFP8, PackedNVFP4
+from .prepack import PackedFP8, PackedLayout, PackedNVFP4
 from .routes import Route
 
 THREADS = 256
@@ -110,21 +110,14 @@ class WeightOperands(NamedTuple):
     fmt: str                         # "nvfp4" | "fp8"
     atom: str
 
-    @property
-    def n_pad(self) -> int:
-        t = geometry(self.atom).tile_n
-        return -(-self.n // t) * t
-
-    @property
-    def k_pad(self) -> int:
-        b = geometry(self.atom).k_block
-        return -(-self.k // b) * b
+    # padded sizes, as every packed weight answers them (a NamedTuple cannot subclass PackedLayout)
+    n_pad = PackedLayout.n_pad
+    k_pad = PackedLayout.k_pad
 
     def packed(self):
         """The PackedNVFP4 / PackedFP8 these operands came from (what the reference reads)."""
-        if self.fmt == "nvfp4":
-            return PackedNVFP4(self.codes, self.scales, self.chscale, self.n, self.k, self.atom)
-        return PackedFP8(self.codes, self.chscale, self.n, self.k, self.atom)
+        return formats.FAMILIES[self.fmt].packed_from_tensors(self.codes, self.scales, self.chscale,
+                                                             self.n, self.k, self.atom)
 
 
 def operands(packed) -> WeightOperands:
@@ -403,8 +396,7 @@ def _fp32_scale(w: WeightOperands) -> WeightOperands:
 def _linear(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] -> fp16 [M, N] through ``route`` (CUDA) or the reference (CPU)."""
     if x.device.type != "cuda":
-        packed = w.packed()
-        return (reference.linear_nvfp4 if w.fmt == "nvfp4" else reference.linear_fp8)(x, packed, bias)
+        return formats.FAMILIES[w.fmt].reference_linear(x, w.packed(), bias)
     w = _fp32_scale(w)
     xh = _prep_x(x, w.k, w.k_pad)
     b = _bias16(bias, w.n, x.device)

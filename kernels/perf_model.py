@@ -35,7 +35,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from . import formats, jit, nvrtc, ops
+from . import formats, jit, nvrtc, ops, routes
 
 ESTIMATE_LABEL = "calibrated estimate from the H200-calibrated model, NOT a V100 measurement"
 
@@ -296,7 +296,7 @@ def observations(csv_path: str, sweep_path: str | None) -> tuple[float, list[dic
             if int(r["variant"]) == 0 and int(r["min_items"]) == ops.SM80_MIN_ITEMS[r["fmt"]]:
                 mt = 1 if int(r["m"]) <= 8 else 2
                 obs.append(dict(kernel=r["kernel"], shape=r["shape"], n=int(r["n"]), k=int(r["k"]), m=int(r["m"]),
-                                route=formats.weight_format(r["fmt"]).route_prefix + ("" if mt == 1 else "_mt2"),
+                                route=str(routes.tiled_route(r["fmt"], mt)),
                                 us=float(r["graph_us"]), src="sweep"))
     return read, obs
 

@@ -190,6 +190,12 @@ def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70") -> Route:
     raise AssertionError("the last band of the route table is unbounded")
 
 
+def tiled_route(fmt: str, tiles_per_pass: int) -> Route:
+    """The unchunked tiled route whose kernel runs ``tiles_per_pass`` token tiles per weight pass."""
+    _check_format(fmt)
+    return ALL_ROUTES[ROUTE_PREFIX[fmt] + _SUFFIX[(TILED, tiles_per_pass, 0)]]
+
+
 def moe_route_for(fmt: str) -> Route:
     """Route of a MoE layer whose gate/up experts are stored in ``fmt``."""
     _check_format(fmt)

@@ -1,0 +1,129 @@
+"""Routes as values (kernels/routes.py): a route name is parsed once into a Route, ``str(route)``
+gives the name back byte for byte, and nothing outside routes.py takes route names apart."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from qpn.kernels import formats, ops, routes
+
+pytestmark = pytest.mark.fast
+
+# What each route name means, written out by hand from the route table in routes.py's docstring:
+# (format, kernel, token tiles per weight pass, chunk rows, M band).
+EXPECTED = {
+    "qpn2": ("nvfp4", routes.TILED, 1, 0, 1, 8),
+    "qpn2_mt2": ("nvfp4", routes.TILED, 2, 0, 9, 16),
+    "qpn2_chunked": ("nvfp4", routes.TILED, 2, 16, 17, 96),
+    "qpn2_reconstruct": ("nvfp4", routes.RECONSTRUCT, 0, 0, 97, None),
+    "qpn2_moe": ("nvfp4", routes.MOE, 0, 0, 1, None),
+    "qpn8": ("fp8", routes.TILED, 1, 0, 1, 8),
+    "qpn8_mt2": ("fp8", routes.TILED, 2, 0, 9, 16),
+    "qpn8_chunked": ("fp8", routes.TILED, 2, 16, 17, 96),
+    "qpn8_reconstruct": ("fp8", routes.RECONSTRUCT, 0, 0, 97, None),
+    "qpn8_moe": ("fp8", routes.MOE, 0, 0, 1, None),
+}
+
+
+def test_every_route_name_parses_to_its_meaning_and_back():
+    assert set(routes.ALL_ROUTES) == set(EXPECTED)
+    assert routes.QPN_ROUTES | routes.QPN_MOE_ROUTES == set(EXPECTED)
+    for name, (fmt, kernel, tiles, chunk_rows, lo, hi) in EXPECTED.items():
+        r = routes.parse_route(name)
+        assert (r.format, r.kernel, r.tiles_per_pass, r.chunk_rows, r.m_min, r.m_max) == (
+            fmt, kernel, tiles, chunk_rows, lo, hi), name
+        assert str(r) == name and f"{r}" == name and r.name == name
+        assert r == routes.ALL_ROUTES[name] and hash(r) == hash(routes.ALL_ROUTES[name])
+        assert routes.as_route(name) is routes.ALL_ROUTES[name] and routes.as_route(r) is r
+        assert r.weight_format is formats.FAMILIES[fmt] and r.prefix == formats.FAMILIES[fmt].route_prefix
+        assert r.band() == {"m_min": lo, "m_max": hi}
+    # composed from the fields, not stored: a value built by hand names itself
+    assert str(routes.Route("fp8", routes.TILED, 2, routes.CHUNK_ROWS, 17, 96)) == "qpn8_chunked"
+    with pytest.raises(ValueError, match="no QPN route"):
+        routes.Route("fp8", routes.TILED, 4, 0, 1, 32)
+
+
+@pytest.mark.parametrize("bad", ["qpn2_", "qpn2_mt4", "qpn28", "qpn4", "marlin", "QPN2", "qpn2_chunked_x", ""])
+def test_unknown_names_are_refused_naming_the_known_routes(bad):
+    with pytest.raises(ValueError, match="known routes: .*qpn2_chunked"):
+        routes.parse_route(bad)
+    with pytest.raises(ValueError, match="unknown QPN route"):
+        routes.as_route(bad)
+
+
+def test_route_for_returns_the_route_whose_band_holds_m():
+    for fmt in routes.FORMATS:
+        seen = set()
+        for m in range(1, 400):
+            r = routes.route_for(fmt, m, 64, 128)
+            assert isinstance(r, routes.Route) and r.format == fmt and r.kernel != routes.MOE
+            assert r.m_min <= m and (r.m_max is None or m <= r.m_max), (m, r)
+            seen.add(str(r))
+        assert seen == {n for n, r in routes.ALL_ROUTES.items() if r.format == fmt and r.kernel != routes.MOE}
+        assert str(routes.moe_route_for(fmt)) == formats.FAMILIES[fmt].moe_route
+        assert [str(routes.tiled_route(fmt, t)) for t in (1, 2)] == [str(routes.route_for(fmt, m, 64, 128))
+                                                                    for m in (8, 16)]
+
+
+def test_what_a_route_asks_of_its_kernel():
+    r = routes.as_route
+    assert r("qpn2").kernel_max_m == 8 and r("qpn8_mt2").kernel_max_m == 16
+    assert r("qpn2_chunked").kernel_max_m is None and r("qpn8_reconstruct").kernel_max_m is None
+    assert [r("qpn2_chunked").chunks(m) for m in (1, 16, 17, 40, 96, 500)] == [1, 1, 2, 3, 6, 32]
+    assert r("qpn2_mt2").chunks(16) == 1
+    r("qpn2").check_m(8)
+    with pytest.raises(ValueError, match="serves M <= 8, got M=9"):
+        r("qpn2").check_m(9)
+    # the m8n8k4 launcher: entry point, token tiles, chunk planes
+    assert ops._route_kernel(r("qpn8_chunked"), 40) == ("qpn8_mt2", 2, 3)
+    assert ops._route_kernel(r("qpn2"), 5) == ("qpn2_mt1", 1, 1)
+    with pytest.raises(ValueError, match="M <= 16"):
+        ops._route_kernel(r("qpn8_mt2"), 17)
+
+
+def test_weight_operands_are_the_custom_ops_weight_arguments():
+    """qpn::linear's schema lists x, then WeightOperands' fields in order, then route and bias:
+    qpn_linear spreads the record into the op, so the two cannot drift apart unseen."""
+    import torch
+
+    schema = torch.ops.qpn.linear.default._schema
+    assert [a.name for a in schema.arguments] == ["x", *ops.WeightOperands._fields, "route", "bias"]
+    g = torch.Generator().manual_seed(4)
+    for fmt in (formats.NVFP4, formats.FP8_TENSOR, formats.FP8_CHANNEL):
+        packed = fmt.prepack(*fmt.quantize(torch.randn((40, 64), generator=g)))
+        w = ops.operands(packed)
+        assert w.fmt == packed.fmt and (w.n, w.k, w.atom) == (packed.n, packed.k, packed.atom)
+        back = w.packed()
+        assert type(back) is type(packed)
+        for a, b in zip(ops.operands(back), w):  # the same buffers (views), the same scalars
+            if isinstance(b, torch.Tensor):
+                assert a.data_ptr() == b.data_ptr() and torch.equal(a.reshape(-1), b.reshape(-1))
+            else:
+                assert a == b
+        x = torch.randn((3, 64), generator=g)
+        assert torch.equal(ops.qpn_linear(x, back), ops.qpn_linear(x, packed))
+    with pytest.raises(TypeError, match="PackedNVFP4 or PackedFP8"):
+        ops.operands(object())
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# A route name taken apart or put together from a suffix literal, or matched by its prefix.
+ROUTE_PARSING = re.compile(r"""["'](_mt2|_chunked|_reconstruct|_moe)["']|endswith\(["']_(mt2|chunked|reconstruct|moe)"""
+                           r"""|startswith\([^)]*(route_prefix|ROUTE_PREFIX)""")
+
+
+def test_no_route_name_parsing_outside_routes_py():
+    offenders = []
+    for folder in ("kernels", "fork_patches", "scripts", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            # formats.py owns each family's route prefix (and its MoE route name, checked against
+            # routes.moe_route_for above); it sits below routes.py and cannot ask it
+            if path in (ROOT / "kernels" / "routes.py", ROOT / "kernels" / "formats.py"):
+                continue
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if ROUTE_PARSING.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, "route names parsed outside kernels/routes.py:\n" + "\n".join(offenders)
+    assert ROUTE_PARSING.search('if route.endswith("_reconstruct"):')  # the pattern sees the old code
