@@ -2,10 +2,13 @@
 and the matrix around it, against real servers.
 
 One server per depth K (0 = no speculation, the reference; 1, 3, 7), each booted once for the
-module and stopped before the next boots. Every request runs greedy (temperature 0). Exact
-equality with the answers without speculation is measured and recorded, not asserted (see
-test_agreement_with_no_speculation); the exactness of the fixed state update itself is proved
-below the server, against the engine's own kernels, in tests/test_spec_state.py.
+module and stopped before the next boots. Every request runs greedy (temperature 0); the first
+request on each server runs alone, the rest go MAX_NUM_SEQS at a time. Against the answers
+without speculation, the failing request must be identical and every other answer identical or
+leaving them only at a bf16 near-tie with the logprobs before it within rounding noise
+(test_agreement_with_no_speculation says why exact equality is not a property of this engine in
+bf16, with the figures); the exactness of the fixed state update itself is proved below the
+server, against the engine's own kernels, in tests/test_spec_state.py.
 
 The failing request: ``tool_choice="required"``, thinking off, temperature 0, on a fresh ``K=3``
 server (it died with ``causal_conv1d_update_cpu: num_accepted_tokens must be in [1, seqlen]`` on
@@ -19,6 +22,7 @@ import itertools
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -32,6 +36,20 @@ DEPTHS = (1, 3, 7)
 FAILING_REPEATS = 50
 MATRIX_MAX_TOKENS = 48
 FAILING_MAX_TOKENS = 96  # the crash needs a round that accepted a draft, then a trimmed round
+# Requests after the first go 4 at a time (--max-num-seqs 4). Measured on this checkpoint: the
+# 17 answers sent together equal the 17 sent one by one, at K=0 and at K=3 (and the K=3
+# server's matrix takes 23 s instead of 94 s).
+MAX_NUM_SEQS = 4
+TOP_LOGPROBS = 2
+# Bounds for "differs from the server without speculation only by rounding" (see
+# test_agreement_with_no_speculation). Logits are bf16 around 8-16 here, so logprob gaps come in
+# steps of 1/16. Measured against K=0 (the 9 non-streamed kinds at K=1, 3 and 7, the same 7
+# divergences at each; also two free chats and a plain completion at K=3): every first
+# divergence swaps the two servers' top-2 pair with gaps <= 0.3125 on either side; before it,
+# the shared tokens' logprobs differ by at most 0.26. With our gdn-spec-rows-full-width hook
+# removed (K=3), the grammar-bound thinking-off answers leave at gaps of 1.4 to 9.2.
+NEAR_TIE = 0.5
+LOGPROB_NOISE = 0.5
 
 
 def _tool(strict: bool) -> dict:
@@ -62,11 +80,14 @@ def _key(case: dict) -> str:
 
 
 def _ask(client, model: str, case: dict) -> dict:
-    """{"status": HTTP status or "connection", "text": everything the answer carried}."""
+    """{"status": HTTP status or "connection", "text": everything the answer carried,
+    "logprobs": per generated token [token, logprob, top-2 [[token, logprob], ...]] (non-streamed
+    answers only)}."""
     kw = dict(model=model, messages=[{"role": "user", "content": "What's the weather in Paris?"}],
               tools=[_tool(case["strict"])], tool_choice=case["choice"], temperature=0,
               max_tokens=case["max_tokens"],
               extra_body={"chat_template_kwargs": {"enable_thinking": case["thinking"]}})
+    logprobs = None
     try:
         if case["stream"]:
             content, reasoning, calls = [], [], {}
@@ -84,12 +105,14 @@ def _ask(client, model: str, case: dict) -> dict:
             text = {"content": "".join(content), "reasoning": "".join(reasoning),
                     "calls": [calls[i] for i in sorted(calls)]}
         else:
-            r = client.chat.completions.create(**kw)
+            r = client.chat.completions.create(logprobs=True, top_logprobs=TOP_LOGPROBS, **kw)
             m = r.choices[0].message
+            logprobs = [[t.token, t.logprob, [[x.token, x.logprob] for x in t.top_logprobs]]
+                        for t in r.choices[0].logprobs.content or []]
             text = {"content": m.content or "", "reasoning": getattr(m, "reasoning", None) or "",
                     "calls": [[c.function.name, c.function.arguments] for c in m.tool_calls or []],
                     "finish": r.choices[0].finish_reason}
-        return {"status": 200, "text": text}
+        return {"status": 200, "text": text, "logprobs": logprobs}
     except openai.APIStatusError as exc:
         return {"status": exc.status_code, "text": str(exc)[:300]}
     except openai.APIConnectionError as exc:
@@ -113,10 +136,18 @@ def _serve_and_ask(ckpt: str, k: int, cases: list[tuple[dict, int]]) -> dict:
         args += ["--speculative-config", json.dumps(
             {"method": "mtp", "num_speculative_tokens": k, "draft_sample_method": "greedy"})]
     results: dict[str, list[dict]] = {}
-    with VllmServer(ckpt, extra_args=args, served_model_name="ckpt", boot_timeout_s=900) as server:
+    with VllmServer(ckpt, extra_args=args, served_model_name="ckpt", boot_timeout_s=900,
+                    max_num_seqs=MAX_NUM_SEQS) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=600)
-        for case, repeats in cases:
-            results[_key(case)] = [_ask(client, "ckpt", case) for _ in range(repeats)]
+        # the first request alone on the fresh server (the failing request, as reported), then
+        # the rest MAX_NUM_SEQS at a time
+        (first_case, repeats), rest = cases[0], cases[1:]
+        first = _ask(client, "ckpt", first_case)
+        jobs = [first_case] * (repeats - 1) + [case for case, n in rest for _ in range(n)]
+        with ThreadPoolExecutor(MAX_NUM_SEQS) as pool:
+            answers = list(pool.map(lambda case: _ask(client, "ckpt", case), jobs))
+        for case, answer in zip([first_case] + jobs, [first] + answers):
+            results.setdefault(_key(case), []).append(answer)
         results["_log"] = server.log_tail(60)
     return results
 
@@ -151,22 +182,42 @@ def _flat(text: dict) -> str:
     return text["reasoning"] + text["content"] + "".join(n + a for n, a in text["calls"])
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
+def divergence(got: list, ref: list) -> dict | None:
+    """Where a greedy answer leaves the reference, from both answers' per-token logprobs
+    (``[token, logprob, top-2]``): None when the token sequences are equal, else the first
+    differing position, both servers' top-2 there and the largest logprob difference of the
+    shared tokens before it."""
+    shared = 0
+    for g, r in zip(got, ref):
+        if g[0] != r[0]:
             break
-        n += 1
-    return n
+        shared += 1
+    if shared == len(got) == len(ref):
+        return None
+    noise = max((abs(g[1] - r[1]) for g, r in zip(got[:shared], ref[:shared])), default=0.0)
+    if shared == min(len(got), len(ref)):  # one answer stopped early: no choice to compare
+        return {"at": shared, "noise": noise, "swap": False, "gaps": None}
+    top_g, top_r = got[shared][2], ref[shared][2]
+
+    def gap(top):
+        return top[0][1] - top[1][1] if len(top) > 1 else float("inf")
+
+    swap = ({t for t, _ in top_g[:2]} == {t for t, _ in top_r[:2]} and
+            top_g[0][0] == got[shared][0] and top_r[0][0] == ref[shared][0])
+    return {"at": shared, "noise": noise, "swap": swap, "gaps": (gap(top_r), gap(top_g)),
+            "tokens": (ref[shared][0], got[shared][0])}
 
 
-def _agreement(k: int, results: dict, reference: dict) -> list[tuple[str, int, int, bool]]:
-    """(case, common prefix chars, reference chars, identical) per request kind."""
-    rows = []
-    for case in [FAILING] + MATRIX:
-        got = _flat(results[_key(case)][0]["text"])
-        ref = _flat(reference[_key(case)][0]["text"])
-        rows.append((_key(case), _common_prefix(got, ref), len(ref), got == ref))
+def _non_streamed() -> list[dict]:
+    return [FAILING] + [c for c in MATRIX if not c["stream"]]
+
+
+def _agreement(k: int, results: dict, reference: dict) -> list[tuple[str, dict | None]]:
+    """(case, divergence from the reference or None) per non-streamed request kind (a streamed
+    answer's text equals its non-streamed twin's: test_matrix_answers_and_stream_matches_plain)."""
+    rows = [(_key(case), divergence(results[_key(case)][0]["logprobs"],
+                                    reference[_key(case)][0]["logprobs"]))
+            for case in _non_streamed()]
     dump = os.environ.get("QPN_SPEC_AGREEMENT_DIR")
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -224,21 +275,40 @@ def test_matrix_answers_and_stream_matches_plain(served, case):
 
 
 def test_agreement_with_no_speculation(served, reference):
-    """Greedy answers against the same requests without speculation. The cpu engine's
-    speculative GDN path (torch conv loop + fused multi-slot SSM op) and its plain decode path
-    (C++ conv + single-slot op) round bf16 differently, and on random weights the top logits
-    are close (bf16 logits: top-2 gaps come in steps of 1/16, with exact ties within the first
-    tokens), so an exact match is not a property of this engine even for requests without any
-    grammar. The test asserts that the grammar-constrained answer of the failing request equals the answer without speculation at
-    every K, and records the agreement of the rest (printed; QPN_SPEC_AGREEMENT_DIR keeps the
-    answers)."""
+    """Greedy answers against the same requests without speculation: equal, or leaving them only
+    where bf16 rounding can. Exact equality is not a property of this engine in bf16: its
+    speculative GDN path (torch conv loop, which rounds the conv output to bf16 before the SiLU,
+    and the fused multi-slot SSM op) and its plain decode path (C++ conv rounding once,
+    single-slot op) differ by 0.2 to 4.6 bf16 ulps per token on the same inputs (measured on the
+    engine's own functions; the difference does not grow over 48 tokens and is bitwise the same
+    for partly accepted rounds as for full ones), and random weights put exact top-2 ties inside
+    the reference's own answers. float32 is not available to compare: the engine's CPU GDN op
+    asserts bf16 activations (docs/serving.md).
+
+    Asserted, per non-streamed request kind: the failing request's tokens equal the reference's
+    (measured at every K); any other answer either equals the reference or (a) before the first
+    differing token, the shared tokens' logprobs differ by at most LOGPROB_NOISE, and (b) at it,
+    the two servers pick the two tokens of the same top-2 pair, each a near-tie (gap <=
+    NEAR_TIE) on both servers. Measured: at K=1, 3 and 7, the same 2 of the 9 kinds identical
+    and the same 7 first divergences (after 2 to 29 tokens, gaps <= 0.3125, logprobs before
+    them within 0.26), tool_choice auto (no draft trimmed, the hook idle) included. A misplaced
+    conv history fails this: with our gdn-spec-rows-full-width hook removed (K=3, measured), the
+    three grammar-bound thinking-off answers, identical with the hook, leave the reference at
+    top-2 gaps of 1.4 to 9.2, one not even a swap of the pair."""
     k, results = served
     rows = _agreement(k, results, reference)
-    print(f"K={k}: identical {sum(r[3] for r in rows)}/{len(rows)}; common prefix chars "
-          + ", ".join(f"{r[1]}/{r[2]}" for r in rows))
-    failing = next(r for r in rows if r[0] == _key(FAILING))
-    assert failing[3], (f"K={k}: the failing request's answer differs from the answer without "
-                        f"speculation after {failing[1]} of {failing[2]} chars")
+    print(f"K={k}: identical {sum(d is None for _, d in rows)}/{len(rows)}; divergences: "
+          + "; ".join(f"at {d['at']} gaps {d['gaps']} noise {d['noise']:.3f}"
+                      for _, d in rows if d is not None))
+    failing = dict(rows)[_key(FAILING)]
+    assert failing is None, f"K={k}: the failing request's answer leaves the reference: {failing}"
+    for key, d in rows:
+        if d is None:
+            continue
+        assert d["noise"] <= LOGPROB_NOISE, f"K={k} {key}: logprobs moved by {d['noise']:.3f} " \
+            f"before the first differing token (rounding moves them <= {LOGPROB_NOISE}): {d}"
+        assert d["swap"] and max(d["gaps"]) <= NEAR_TIE, \
+            f"K={k} {key}: the answer leaves the reference off a near-tie: {d}"
 
 
 def test_every_depth_gives_the_same_answers(ckpt, reference):
@@ -248,7 +318,8 @@ def test_every_depth_gives_the_same_answers(ckpt, reference):
     do not depend on K. Without the hook, K=3 died on the failing request, and a short row
     misplaces the conv history, which changes the text. With thinking on, the free reasoning
     text verifies K+1 rows at a time and can meet a bf16 near-tie differently at different K
-    (seen: K=1 against K=3 and 7 after about 50 characters), so those are recorded only."""
+    (seen in an earlier session: K=1 against K=3 and 7 after about 50 characters; none in the
+    last run, requests 4 at a time), so those are recorded only."""
     runs = {k: _run_depth(ckpt, k) for k in DEPTHS}
     differing = []
     for case in [FAILING] + MATRIX:
