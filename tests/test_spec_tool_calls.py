@@ -293,8 +293,9 @@ def test_agreement_with_no_speculation(served, reference):
     and the same 7 first divergences (after 2 to 29 tokens, gaps <= 0.3125, logprobs before
     them within 0.26), tool_choice auto (no draft trimmed, the hook idle) included. A misplaced
     conv history fails this: with our gdn-spec-rows-full-width hook removed (K=3, measured), the
-    three grammar-bound thinking-off answers, identical with the hook, leave the reference at
-    top-2 gaps of 1.4 to 9.2, one not even a swap of the pair."""
+    three grammar-bound thinking-off answers (two identical with the hook, one leaving at token
+    29 on a near-tie) leave the reference at tokens 3, 8 and 11 at top-2 gaps of 1.4 to 9.2, one
+    not even a swap of the pair."""
     k, results = served
     rows = _agreement(k, results, reference)
     print(f"K={k}: identical {sum(d is None for _, d in rows)}/{len(rows)}; divergences: "
