@@ -302,7 +302,7 @@ def module_for(device, atom: str = "m8n8k4") -> jit.LoadedModule:
 
 # ----------------------------------------------------------------------------------- launch
 class MoeAlignArgs(ctypes.Structure):
-    # Must match struct MoeAlignArgs in csrc/qpn_moe.cu.
+    # struct MoeAlignArgs in csrc/qpn_moe.cu; names, offsets and size checked by tests/test_ctypes_structs.py.
     _fields_ = [("topk_ids", ctypes.c_void_p), ("sorted_pairs", ctypes.c_void_p),
                 ("group_expert", ctypes.c_void_p), ("group_start", ctypes.c_void_p),
                 ("group_count", ctypes.c_void_p), ("num_groups", ctypes.c_void_p),
@@ -310,7 +310,7 @@ class MoeAlignArgs(ctypes.Structure):
 
 
 class MoeGemmArgs(ctypes.Structure):
-    # Must match struct MoeGemmArgs in csrc/qpn_moe.cu.
+    # struct MoeGemmArgs in csrc/qpn_moe.cu; names, offsets and size checked by tests/test_ctypes_structs.py.
     _fields_ = [("codes", ctypes.c_void_p * 2), ("scales", ctypes.c_void_p * 2), ("chscale", ctypes.c_void_p * 2),
                 ("code_stride", ctypes.c_longlong), ("scale_stride", ctypes.c_longlong),
                 ("chscale_stride", ctypes.c_int), ("chscale_per_channel", ctypes.c_int),
@@ -323,7 +323,7 @@ class MoeGemmArgs(ctypes.Structure):
 
 
 class MoeCombineArgs(ctypes.Structure):
-    # Must match struct MoeCombineArgs in csrc/qpn_moe.cu.
+    # struct MoeCombineArgs in csrc/qpn_moe.cu; names, offsets and size checked by tests/test_ctypes_structs.py.
     _fields_ = [("d", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("w", ctypes.c_void_p),
                 ("d2", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("tokens", ctypes.c_int), ("top_k", ctypes.c_int), ("num_experts", ctypes.c_int),
