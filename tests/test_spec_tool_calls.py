@@ -241,7 +241,8 @@ def test_failing_request_never_kills_the_engine(served):
     gdn-spec-rows-full-width hook removed, on a fresh K=3 server of this checkpoint (19:38 UTC
     2026-11-30): the engine did not die in 3 repeats, but gave 3 different answers (a raw
     ``<tool_call>``, two calls with arguments ``Infinity`` and ``false``, a third text): the
-    misplaced history reads conv columns the previous request left; this test fails on that."""
+    misplaced history can read conv columns the previous request left (our reading, not
+    traced); this test fails on that."""
     k, results = served
     answers = results[_key(FAILING)]
     _no_5xx(answers, results["_log"])
