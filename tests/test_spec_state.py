@@ -274,7 +274,6 @@ def test_cpu_spec_path_agrees_with_plain_decode_to_rounding():
     ulps = _ulps_per_token(full[PROMPT:], plain[PROMPT:])
     print("spec vs plain, per decoded token (~bf16 ulps):", " ".join(f"{u:.1f}" for u in ulps))
     assert float(ulps.max()) <= ROUNDING_ULPS, ulps
-    assert float(ulps.max()) > 0, "the two paths agree bitwise: the premise of the server test changed"
     # the measure sees the state bug the hook fixes: the engine's own function on the same
     # partly accepted rounds dies, or leaves the plain path by far more than rounding
     try:
