@@ -106,6 +106,10 @@ def test_weight_operands_are_the_custom_ops_weight_arguments():
         assert torch.equal(ops.qpn_linear(x, back), ops.qpn_linear(x, packed))
     with pytest.raises(TypeError, match="PackedNVFP4 or PackedFP8"):
         ops.operands(object())
+    # a dense layer refuses a route of another format or of the MoE kernels
+    for wrong in ("qpn2_moe", "qpn2"):
+        with pytest.raises(ValueError, match="the weight is a dense fp8 layer"):
+            ops.qpn_linear(x, packed, route=wrong)
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
