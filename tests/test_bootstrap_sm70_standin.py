@@ -119,7 +119,8 @@ def test_sm70_bootstrap_on_a_standin_1cat_wheel(tmp_path):
     env = dict(os.environ, ENGINE="sm70", ENGINE_VERSION=VERSION, ENV_PREFIX=str(prefix),
                VLLM_WHEEL=str(wheel), VLLM_WHEEL_SHA256=digest, QPN_ENGINES_LOCK=str(_test_lock(tmp_path)),
                PYTHON=str(prefix / "bin" / "python"), QPN_WHEEL_CACHE=str(tmp_path / "cache"),
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PIP_NO_COMPILE="1",
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PIP_COMPILE="0",  # no .pyc for the whole tree
+               # (pip reads PIP_NO_COMPILE inverted: "1" compiles)
                **_fake_nvidia_smi(tmp_path / "bin", 4, "12.8"))
     env.pop("QPN_ENGINE", None)
 
