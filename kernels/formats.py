@@ -109,39 +109,41 @@ class WeightFormat:
         p = self.route_prefix
         return (f"{p}_moe_gate_up_{atom}", f"{p}_moe_down_{atom}")
 
-    # ---------------------------------------------------------------- numerics (subclasses)
+    # ------------------------------------------------------------------------ numerics
+    # The family's torch implementations (codecs, prepack, reference), named in _IMPL.
     def decode_f64(self, *src) -> torch.Tensor:
         """Exact float64 [N, K] of a source."""
-        raise NotImplementedError
+        return _impl(self.family, "decode_f64")(*src)
 
     def decode_f32(self, *src) -> torch.Tensor:
         """float32 [N, K] with the kernels' scale rounding."""
-        raise NotImplementedError
+        return _impl(self.family, "decode_f32")(*src)
 
     def quantize(self, w: torch.Tensor) -> tuple:
         """float [N, K] -> a source tuple (the generators' encoder)."""
         raise NotImplementedError
 
     def prepack(self, *src, atom: str = "m8n8k4", rows_per_chunk: int | None = None):
-        raise NotImplementedError
+        return _impl(self.family, "prepack")(*src, atom=atom, rows_per_chunk=_rows(rows_per_chunk))
 
     def unprepack(self, packed) -> tuple:
         """The exact inverse of ``prepack``: the source tuple back (scales as packed)."""
-        raise NotImplementedError
+        return _impl(self.family, "unprepack")(packed)
 
     def verify_roundtrip(self, packed, *src, rows_per_chunk: int | None = None) -> None:
         """Raise prepack.PrepackMismatch naming the first differing byte unless ``packed`` gives
-        ``src`` back byte for byte (the scalar global scale is not compared for NVFP4)."""
-        raise NotImplementedError
+        ``src`` back byte for byte (a scalar NVFP4 global scale is not compared)."""
+        n = _VERIFIED_ROLES[self.family]
+        _impl(self.family, "verify")(packed, *src[:n], rows_per_chunk=_rows(rows_per_chunk))
 
     def packed_type(self) -> type:
-        raise NotImplementedError
+        return _impl(self.family, "packed")
 
     def reference_linear(self, x: torch.Tensor, packed, bias=None) -> torch.Tensor:
-        raise NotImplementedError
+        return _impl(self.family, "linear")(x, packed, bias)
 
     def reference_linear_f64(self, x: torch.Tensor, packed, bias=None) -> torch.Tensor:
-        raise NotImplementedError
+        return _impl(self.family, "linear_f64")(x, packed, bias)
 
     def decode_packed(self, packed) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight values float32 [N, K] with group scales applied, float32 output scale per row
@@ -178,6 +180,29 @@ def _rows(rows_per_chunk):
     return prepack.DEFAULT_ROWS_PER_CHUNK if rows_per_chunk is None else rows_per_chunk
 
 
+# The torch functions that implement each kernel family, by "module.function" in this package.
+# Resolved at every call (not bound once), so a test that patches a module function is obeyed.
+_IMPL: dict[str, dict[str, str]] = {
+    "nvfp4": dict(decode_f64="codecs.dequantize_nvfp4_f64", decode_f32="codecs.dequantize_nvfp4",
+                  prepack="prepack.prepack_nvfp4", unprepack="prepack.unprepack_nvfp4",
+                  verify="prepack.verify_nvfp4_roundtrip", packed="prepack.PackedNVFP4",
+                  linear="reference.linear_nvfp4", linear_f64="reference.linear_nvfp4_f64"),
+    "fp8": dict(decode_f64="codecs.dequantize_fp8_f64", decode_f32="codecs.dequantize_fp8",
+                prepack="prepack.prepack_fp8", unprepack="prepack.unprepack_fp8",
+                verify="prepack.verify_fp8_roundtrip", packed="prepack.PackedFP8",
+                linear="reference.linear_fp8", linear_f64="reference.linear_fp8_f64"),
+}
+# Source roles the byte-for-byte prepack check compares (NVFP4's scalar global scale is copied).
+_VERIFIED_ROLES = {"nvfp4": 2, "fp8": 2}
+
+
+def _impl(family: str, what: str):
+    import importlib
+
+    module, name = _IMPL[family][what].split(".")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+
+
 def _expert_scalars(t, e_count: int, what: str):
     import torch
 
@@ -196,51 +221,13 @@ class NVFP4Format(WeightFormat):
     """e2m1 codes, two per byte (even element in the low nibble), one e4m3 scale per 16 inputs
     and one float32 global multiplier: value = e2m1(code) * e4m3(group scale) * global."""
 
-    def decode_f64(self, *src):
-        from . import codecs
-
-        return codecs.dequantize_nvfp4_f64(*src)
-
-    def decode_f32(self, *src):
-        from . import codecs
-
-        return codecs.dequantize_nvfp4(*src)
-
     def quantize(self, w):
         from . import codecs
 
         return codecs.quantize_nvfp4(w)
 
-    def prepack(self, *src, atom="m8n8k4", rows_per_chunk=None):
-        from . import prepack
-
-        return prepack.prepack_nvfp4(*src, atom=atom, rows_per_chunk=_rows(rows_per_chunk))
-
     def unprepack(self, packed):
-        from . import prepack
-
-        w, s = prepack.unprepack_nvfp4(packed)
-        return w, s, packed.global_scale.reshape(())
-
-    def verify_roundtrip(self, packed, *src, rows_per_chunk=None):
-        from . import prepack
-
-        prepack.verify_nvfp4_roundtrip(packed, src[0], src[1], rows_per_chunk=_rows(rows_per_chunk))
-
-    def packed_type(self):
-        from .prepack import PackedNVFP4
-
-        return PackedNVFP4
-
-    def reference_linear(self, x, packed, bias=None):
-        from . import reference
-
-        return reference.linear_nvfp4(x, packed, bias)
-
-    def reference_linear_f64(self, x, packed, bias=None):
-        from . import reference
-
-        return reference.linear_nvfp4_f64(x, packed, bias)
+        return (*super().unprepack(packed), packed.global_scale.reshape(()))
 
     def decode_packed(self, packed):
         import torch
@@ -282,50 +269,10 @@ class NVFP4Format(WeightFormat):
 class FP8Format(WeightFormat):
     """e4m3 codes, one byte each, times a float32 scale per tensor or per output channel."""
 
-    def decode_f64(self, *src):
-        from . import codecs
-
-        return codecs.dequantize_fp8_f64(*src)
-
-    def decode_f32(self, *src):
-        from . import codecs
-
-        return codecs.dequantize_fp8(*src)
-
     def quantize(self, w):
         from . import codecs
 
         return codecs.quantize_fp8(w, per_channel=self.output_scale == "channel")
-
-    def prepack(self, *src, atom="m8n8k4", rows_per_chunk=None):
-        from . import prepack
-
-        return prepack.prepack_fp8(*src, atom=atom, rows_per_chunk=_rows(rows_per_chunk))
-
-    def unprepack(self, packed):
-        from . import prepack
-
-        return prepack.unprepack_fp8(packed)
-
-    def verify_roundtrip(self, packed, *src, rows_per_chunk=None):
-        from . import prepack
-
-        prepack.verify_fp8_roundtrip(packed, *src, rows_per_chunk=_rows(rows_per_chunk))
-
-    def packed_type(self):
-        from .prepack import PackedFP8
-
-        return PackedFP8
-
-    def reference_linear(self, x, packed, bias=None):
-        from . import reference
-
-        return reference.linear_fp8(x, packed, bias)
-
-    def reference_linear_f64(self, x, packed, bias=None):
-        from . import reference
-
-        return reference.linear_fp8_f64(x, packed, bias)
 
     def decode_packed(self, packed):
         from . import reference
