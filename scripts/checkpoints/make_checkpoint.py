@@ -244,10 +244,13 @@ def embedded_quantization_config(hf_quant: dict) -> dict:
 
 
 def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
-                   input_amax: dict[str, float], kv_amax: dict[str, float]) -> dict[str, torch.Tensor]:
+                   input_amax: dict[str, float], kv_amax: dict[str, float],
+                   shared: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint tensors under hub names: quantized modules encoded, the rest in BF16, and
-    the FP8 KV-cache scales (amax / 448) ModelOpt writes as ``k_proj.k_scale`` / ``v_proj.v_scale``."""
-    shared = _shared_global_amax(weights)
+    the FP8 KV-cache scales (amax / 448) ModelOpt writes as ``k_proj.k_scale`` / ``v_proj.v_scale``.
+    ``shared``: {module: NVFP4 global amax shared with its fused siblings} (default: this
+    model's fused groups, tiny_hybrid.NVFP4_SHARED_GLOBAL)."""
+    shared = _shared_global_amax(weights) if shared is None else shared
     out: dict[str, torch.Tensor] = {}
     for key, w in weights.items():
         module = key[: -len(".weight")] if key.endswith(".weight") else None

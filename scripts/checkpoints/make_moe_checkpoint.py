@@ -197,33 +197,10 @@ def calibrate(spec: TinyMoeSpec, weights: dict[str, torch.Tensor], quantized: di
 
 def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str], input_amax: dict[str, float],
                    kv_amax: dict[str, float]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under hub names (make_checkpoint's encoders and naming)."""
-    shared = shared_global_amax(weights, quantized)
-    out: dict[str, torch.Tensor] = {}
-    for key, w in weights.items():
-        module = key[: -len(".weight")] if key.endswith(".weight") else None
-        region = quantized.get(module) if module else None
-        if region is None:
-            out[make_checkpoint.hub_name(key)] = w.to(torch.bfloat16).contiguous()
-            continue
-        a = input_amax[module]
-        m = make_checkpoint.hub_name(module)
-        if region == "fp8":
-            q, s = formats.quantize_fp8(w)
-            out[f"{m}.weight"] = q
-            out[f"{m}.weight_scale"] = s.reshape(())
-            out[f"{m}.input_scale"] = torch.tensor(a / formats.E4M3_MAX, dtype=torch.float32)
-        else:
-            q, s, s2 = make_checkpoint.encode_nvfp4_padded(w, shared.get(module))
-            out[f"{m}.weight"] = q
-            out[f"{m}.weight_scale"] = s
-            out[f"{m}.weight_scale_2"] = s2.reshape(()).float()
-            out[f"{m}.input_scale"] = torch.tensor(a / (formats.E2M1_MAX * formats.E4M3_MAX), dtype=torch.float32)
-    for key, a in kv_amax.items():
-        attn, which = key.rsplit(".", 1)
-        out[make_checkpoint.hub_name(f"{attn}.{which}_proj.{which}_scale")] = \
-            torch.tensor(a / formats.E4M3_MAX, dtype=torch.float32)
-    return out
+    """Checkpoint tensors under hub names: make_checkpoint's export, with gate and up of each
+    expert sharing one NVFP4 global amax."""
+    return make_checkpoint.export_tensors(weights, quantized, input_amax, kv_amax,
+                                          shared=shared_global_amax(weights, quantized))
 
 
 def make_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, expert_format: str = "nvfp4",
@@ -235,7 +212,7 @@ def make_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, expert_format
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a new folder (the generator never overwrites)")
-    if expert_format not in ("nvfp4", "fp8"):
+    if expert_format not in formats.FAMILIES:
         raise ValueError(f"--expert-format must be nvfp4 or fp8, got {expert_format!r}")
     spec = spec or TinyMoeSpec()
     with make_checkpoint.checkpoint_folder(out) as tmp:
@@ -396,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.make_moe_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="folder to create (must not exist)")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
-    p.add_argument("--expert-format", choices=("nvfp4", "fp8"), default="nvfp4",
+    p.add_argument("--expert-format", choices=tuple(formats.FAMILIES), default="nvfp4",
                    help="encoding of the routed experts (default nvfp4; the shared expert stays NVFP4)")
     p.add_argument("--embed-config", action="store_true",
                    help="also embed quantization_config in config.json, as ModelOpt >= 0.31 does")
