@@ -42,12 +42,15 @@ ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 # finish): the register ring t2d4p0 is best for NVFP4 M <= 8 on every measured shape except the
 # largest, lm_head (248320 rows), where the shared-memory ring t4s4 reads at 63% of the ceiling
 # against 58% (SM80_LARGE_N_KERNELS); NVFP4 M 9-16 goes to the ring t2s4x; FP8 stays on the
-# register ring, which the FP8 ring kernels do not beat -- results/kernel_sm80_ring_notes_h200_20261130.md.)
+# register ring, which the FP8 ring kernels do not beat -- results/kernel_sm80_ring_notes_h200_20261130.md.
+# Run 6 (results/kernel_sm80_fp8swizzle_sweep_h200_20261130.csv): once the FP8 ring's copies were
+# coalesced (chunk_pos in the .cu), the ring t2s3x has the best mean for FP8 M 9-16: in_proj 57.8%
+# vs 53.0% for the register t1d4p0, out_proj 36.8% vs 37.5%; FP8 M <= 8 stays on the register ring.)
 SM80_ROUTE_KERNELS = {
     ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p0",
     ("nvfp4", 2): "qpn2_mt2_m16n8k16_t2s4x",
     ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p0",
-    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p0",
+    ("fp8", 2): "qpn8_mt2_m16n8k16_t2s3x",
 }
 # Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
 SM80_LARGE_N = 100_000

@@ -44,6 +44,14 @@ struct Qpn80Args {
 // VAR: 0 the kernel; measured variants that drop one stage (results are NOT the product):
 // 1 no decode (raw code words, masked finite, as operands), 2 no MMA (decode only),
 // 3 loads only (weights, scales, activations; nothing computed).
+// Deepest register ring whose split-K finish reads four partials at a time without spilling
+// (see Qpn80::finish): sm_90 has the registers for D = 4, sm_80-89 only for D = 2.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define QPN80_WIDE_FINISH_D 4
+#else
+#define QPN80_WIDE_FINISH_D 2
+#endif
+
 template <class F, int MT, int T, int D, int PF, int VAR>
 struct Qpn80 {
   using A = AtomM16N8K16;
@@ -277,7 +285,13 @@ struct Qpn80 {
     // Fixed order fw..lw: deterministic sums. The partials are read RB warps at a time (all loads
     // of a batch in flight before the first add), so a group split over many warps (small layers)
     // does not pay one L2 round trip per contributor; the order of the additions is unchanged.
-    constexpr int RB = 2;
+    // Four at a time in the register-ring kernels without L2 prefetch (D > 1, PF = 0) whose partial
+    // is at most two 16x8 accumulators (T * MT <= 2) -- the small-layer routes: their finish
+    // (about 13 contributors per group on the TP1 / TP4 down and out_proj shapes) then waits on 4
+    // round trips instead of 7. Elsewhere RB = 4 spills (ptxas 12.9: on sm_90 the ring kernels
+    // with their tighter register caps, the PF > 0 kernels and T * MT = 4; on sm_80-89 also the
+    // D = 4 kernels, hence QPN80_WIDE_FINISH_D); RB = 8 spills everywhere.
+    constexpr int RB = (D > 1 && D <= QPN80_WIDE_FINISH_D && PF == 0 && T * MT <= 2) ? 4 : 2;
     for (int w0 = fw; w0 <= lw; w0 += RB) {
       float v[RB][T][MT][4];
 #pragma unroll
@@ -326,7 +340,8 @@ struct Qpn80 {
 // Registers hold only the current k-block's operands, the decode and the accumulators.
 //
 // Slot layout (bytes; every copy is 16 B; reads are conflict-free):
-//   codes   [T][h][32 lanes][16 B]  h < LANE_BYTES / 16 (lane l's h-th 16 B of the tile-block)
+//   codes   [T][chunk_pos(u)][16 B]  u: the tile-block's 16-byte chunks in global order; lane l
+//                                   decodes chunks H l .. H l + H - 1 (see chunk_pos)
 //   scales  [T][64 B]               NVFP4 only, as packed (lane l reads 8 B at 8 * (l >> 2))
 //   x       [MT][1024 B]            NVFP4: [step s][token g][16 B pair p] (lane (g, t) reads 8 B at
 //                                   256 s + 32 g + 8 t); FP8: [h][lane][16 B] (lane reads 2 x 16 B)
@@ -348,6 +363,16 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
   static constexpr int X_OFF = SC_OFF + T * SC_BYTES;
   static constexpr int STAGE = X_OFF + (XG ? 0 : MT * X_BYTES);
   static_assert(STAGE % 16 == 0, "slots must stay 16-byte aligned");
+  static_assert(H == 1 || H == 2, "chunk_pos is laid out for one or two 16-byte chunks per lane");
+
+  // Shared-memory position (16-byte units) of a tile-block's chunk u. NVFP4 (H = 1): u itself.
+  // FP8 (H = 2): lane l decodes chunks 2l and 2l+1; u ^ ((u >> 3) & 1) keeps each copy
+  // instruction's 32 chunks (u = lane + 32 h) in one contiguous 512-byte range, and puts every
+  // 8-lane phase on 8 distinct 16-byte bank groups for the copies and for the reads
+  // (u = 2 lane + h) alike. The layout it replaces ([h][lane][16 B]) put consecutive lanes'
+  // copies 512 bytes apart (2-way conflicts on the shared-memory side), and on the H200 the
+  // FP8 ring's copies then reached the L2 as one request per 16 bytes (run 5's counters).
+  QPN_DEV static constexpr int chunk_pos(int u) { return H == 1 ? u : (u ^ ((u >> 3) & 1)); }
 
   // Copy item (grp, kb) into slot at shared address sl.
   QPN_DEV static void issue(const Qpn80Args& a, u32 sl, int grp, int kb, int n_tiles, int lane,
@@ -363,7 +388,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         const int ch = lane + 32 * h;
-        cp_async16(sl + j * W_BYTES + (ch % H) * 512 + (ch / H) * 16, c + 16 * ch, 16u);
+        cp_async16(sl + j * W_BYTES + 16 * chunk_pos(ch), c + 16 * ch, 16u);
       }
       if constexpr (F::GROUPED) {
         if (lane < 4) cp_async16(sl + SC_OFF + j * SC_BYTES + lane * 16,
@@ -384,7 +409,8 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
     for (int j = 0; j < T; ++j) {
 #pragma unroll
       for (int h = 0; h < H; ++h)
-        lds128(sl + j * W_BYTES + h * 512 + lane * 16, w[j][4 * h], w[j][4 * h + 1], w[j][4 * h + 2], w[j][4 * h + 3]);
+        lds128(sl + j * W_BYTES + 16 * chunk_pos(H * lane + h), w[j][4 * h], w[j][4 * h + 1], w[j][4 * h + 2],
+               w[j][4 * h + 3]);
       if constexpr (F::GROUPED) lds64(sl + SC_OFF + j * SC_BYTES + 8 * (lane >> 2), sc[j][0], sc[j][1]);
       else sc[j][0] = sc[j][1] = 0u;
     }
