@@ -172,7 +172,7 @@ def test_module_loads_prepacks_frees_and_computes(engine_context, checkpoint, pr
         assert y.dtype == x.dtype and y.shape == (m, method.n)
         ref = x @ w_ref.T
         torch.testing.assert_close(y, ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
-        route = route_for(region, m, method.n, method.k)
+        route = str(route_for(region, m, method.n, method.k))
         assert entry["routes"][route]["eager"] == before["eager"] + 1
     if prefix == "lm_head":
         assert CENSUS.lm_head["source"] == "checkpoint_codes" and CENSUS.lm_head["route_family"] == "qpn2"
