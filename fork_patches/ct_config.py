@@ -14,7 +14,8 @@ the QPN method of its region, fed through the compressed-tensors convention
   shard of a fused module is matched on its own and must declare the same scheme; a scheme the
   QPN path does not serve (INT4, MXFP4, block FP8, output-activation quantization, transforms)
   fails the load naming the module and the config group. Everything else (unquantized layers,
-  attention KV scales, experts) stays with vLLM.
+  attention KV scales) stays with vLLM; routed experts are chosen one step later, in
+  ``CompressedTensorsMoEMethod.get_moe_method`` (hook ``ct-qpn-moe-method``, moe_method.py).
 
 The config's ``get_min_capability`` is already 70 in all three engines, and the scheme's own
 capability check (75 for NVFP4 and W8A16 FP8) runs inside ``get_scheme``, which QPN modules skip.

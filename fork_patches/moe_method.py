@@ -12,6 +12,14 @@ W4A16_NVFP4 / FP8 gets a ``QPNModelOptMoEMethod`` where the QPN path serves
 (platform_gate.qpn_backend); any other declared algo fails the load naming the layer. Elsewhere
 the engine's method stands.
 
+compressed-tensors experts: hook ``ct-qpn-moe-method`` wraps the static
+``CompressedTensorsMoEMethod.get_moe_method`` (the same function in all three engines, called by
+``CompressedTensorsConfig.get_quant_method`` for every routed-experts layer;
+``wrap_ct_get_moe_method``): experts whose config group declares NVFP4 or FP8 (per tensor or per
+channel) get ``QPNCompressedTensorsMoEMethod``, the same method with the compressed-tensors
+convention's names and global-scale rule (``weight_global_scale`` is a divisor: inverted per
+expert and shard), loaded through the engine's generic expert loader.
+
 Life of one MoE layer (vLLM 0.32's FusedMoEMethodBase contract):
 
 1. ``create_weights``: the checkpoint's expert tensors as ModelOpt stores them (vLLM's fused

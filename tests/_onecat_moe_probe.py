@@ -82,4 +82,43 @@ with set_current_vllm_config(VllmConfig()):
     swapped = ids.clone()
     swapped[ids == 0], swapped[ids == 1] = 1, 0
     out["swapped_err"] = float((method.apply(layer, x, w, swapped).double() - ref).abs().max())
+
+    # compressed-tensors: 1Cat's CompressedTensorsConfig hands the experts to the static
+    # get_moe_method our hook wraps; tensors made by the library's own compressor (gate and up with
+    # different global scales) load through 1Cat's generic FusedMoE.weight_loader path.
+    from _ct_library import ct_decompress_nvfp4, ct_nvfp4
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config
+
+    ct_prefix = "model.layers.2.mlp.experts"
+    ct_layer = FusedMoE(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
+                        quant_config=CompressedTensorsConfig.from_config(quantization_config(moe=True)),
+                        prefix=ct_prefix)
+    ct_method = ct_layer.quant_method
+    out["ct_method"] = type(ct_method).__name__
+    ct_deq = {}
+    for e in range(E):
+        for shard, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            gain = 0.4 if shard == "w1" else 0.1
+            tensors = ct_nvfp4(torch.randn((n, k), generator=gen) * gain)
+            ct_deq[(e, shard)] = ct_decompress_nvfp4(tensors).double()
+            stem = "w2" if shard == "w2" else "w13"
+            for suffix, t in tensors.items():
+                param = getattr(ct_layer, f"{stem}_{suffix}")
+                param.weight_loader(param, t, weight_name=f"{ct_prefix}.{stem}_{suffix}", shard_id=shard,
+                                    expert_id=e, return_success=True)
+    ct_method.process_weights_after_loading(ct_layer)
+    ct_ref = torch.zeros((T, H), dtype=torch.float64)
+    for t in range(T):
+        for j in range(TOP_K):
+            e = int(ids[t, j])
+            xi = x[t].double()
+            h = torch.nn.functional.silu(ct_deq[(e, "w1")] @ xi) * (ct_deq[(e, "w3")] @ xi)
+            ct_ref[t] += float(w[t, j]) * (ct_deq[(e, "w2")] @ h)
+    out["ct_max_abs_err"] = float((ct_method.apply(ct_layer, x, w, ids).double() - ct_ref).abs().max())
+    out["ct_ref_max"] = float(ct_ref.abs().max())
+    out["ct_swapped_err"] = float((ct_method.apply(ct_layer, x, w, swapped).double() - ct_ref).abs().max())
 print("QPN_MOE_1CAT " + json.dumps(out))

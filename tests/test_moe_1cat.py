@@ -6,7 +6,9 @@ cpu engine's interpreter with the 1Cat archive's sources first on the path, a re
 ``FusedMoE`` is built under a ModelOpt mixed config (tests/_onecat_moe_probe.py): it must get the
 QPN method, load the checkpoint's tensors through 1Cat's own ``FusedMoE.weight_loader``, and compute
 the SwiGLU MoE of those tensors (float64 reference from the checkpoint tensors; swapping two
-experts' routing must break the match, so the comparison can fail)."""
+experts' routing must break the match, so the comparison can fail). In the same process, a layer
+under a compressed-tensors config (hook ct-qpn-moe-method) must get the QPN method too and compute
+the experts compressed-tensors' own compressor wrote, loaded through 1Cat's generic loader path."""
 from __future__ import annotations
 
 import json
@@ -41,3 +43,8 @@ def test_1cat_fused_moe_gets_the_qpn_method_and_serves_the_checkpoint(version, t
     tolerance = 0.01 * out["ref_max"]
     assert out["max_abs_err"] <= tolerance, out
     assert out["swapped_err"] > 10 * tolerance, out
+    # compressed-tensors experts (hook ct-qpn-moe-method), through 1Cat's own loader
+    assert out["ct_method"] == "QPNCompressedTensorsMoEMethod"
+    ct_tolerance = 0.01 * out["ct_ref_max"]
+    assert out["ct_max_abs_err"] <= ct_tolerance, out
+    assert out["ct_swapped_err"] > 10 * ct_tolerance, out
