@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from qpn.scripts.launcher.launched import LaunchedServer
+from tests._server import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -37,7 +38,8 @@ def launched(tmp_path_factory):
                         "MAX_N")}
     env.update(QPN_ENGINE_PYTHON=ENGINE_PYTHON, K="1", MML=str(MML), MAX_N=str(MAX_N),
                RUN_DIR=str(tmp / "run"), VLLM_CACHE_ROOT=str(tmp / "vllm"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               PORT=str(free_port()))  # not the default 8000: another file's server may be up
     server = LaunchedServer(str(ckpt), env=env)
     server.start()
     yield server

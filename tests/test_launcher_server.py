@@ -19,6 +19,7 @@ import pytest
 
 from qpn.scripts.launcher.engine_profiles import EngineNotFound, detect_engine
 from qpn.scripts.launcher.launched import REPO_ROOT, LaunchedServer, group_alive
+from tests._server import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -42,7 +43,10 @@ def _env(tmp: str, **over) -> dict[str, str]:
            if k not in ("HOST", "PORT", "K", "MNS", "MML", "CAPTURE", "VLLM_API_KEY", "ENGINE")}
     env.update(QPN_ENGINE_PYTHON=_engine_or_skip(), VLLM_CACHE_ROOT=os.path.join(tmp, "vllm"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+               TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               # a free port, not the launcher's default 8000: another test file's server may be up
+               # at the same time (scripts/test.sh runs two files side by side)
+               PORT=str(free_port()))
     env.update(over)
     return env
 
@@ -90,9 +94,12 @@ def test_demonstration_path(demo):
 
 # ---- a boot gate that fails ------------------------------------------------------------------
 
-def test_depth_the_server_does_not_serve_fails_the_gate(ckpt, tmp_path):
+def test_depth_the_server_does_not_serve_fails_the_gate(ckpt, tmp_path_factory):
     # Ask for K=3, but let a pass-through argument (last one wins in vLLM's parser) make the
     # engine serve 2 draft tokens: the gate reads the depth from /metrics and must catch it.
+    # A short folder name: the engine's ZMQ socket lives in the run directory, and a Unix socket
+    # path must stay under 108 bytes (tmp_path's test-named folder under an xdist worker is not).
+    tmp_path = tmp_path_factory.mktemp("depth")
     env = _env(str(tmp_path), K="3", RUN_DIR=str(tmp_path / "run"))
     override = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
     server = LaunchedServer(ckpt, env=env, extra_args=["--speculative-config", override])
