@@ -118,15 +118,22 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-def checkpoint_modules(ckpt: str, quantized_layers: dict) -> list[Module]:
-    """The quantized modules of a checkpoint as vLLM fuses them, from ``quantized_layers`` and
-    the safetensors headers (NVFP4 codes hold K/2 bytes per row, FP8 K)."""
+def checkpoint_modules(ckpt: str, quantized_layers: dict, convention=None) -> list[Module]:
+    """The quantized modules of a checkpoint as vLLM fuses them, from its declared modules and
+    the safetensors headers (NVFP4 codes hold K/2 bytes per row, FP8 K). ``quantized_layers``:
+    {module: ModuleScheme} with the ``convention`` that named its codes tensor
+    (qpn.fork_patches.conventions; the launcher's boot_gates.declared_modules), or ModelOpt's
+    own {module: {quant_algo, ...}} map (codes in ``weight``)."""
     shapes = _headers(ckpt)
     fused: dict[str, dict] = {}
     for name, entry in sorted(quantized_layers.items()):
-        algo = str(entry.get("quant_algo", "") if isinstance(entry, dict) else entry).upper()
-        fmt = formats.find_format(algo)
-        shape = shapes.get(f"{name}.weight")
+        if hasattr(entry, "format"):  # a conventions.ModuleScheme
+            fmt = entry.format
+            codes = convention.names(fmt).codes if convention is not None else "weight"
+        else:
+            algo = str(entry.get("quant_algo", "") if isinstance(entry, dict) else entry).upper()
+            fmt, codes = formats.find_format(algo), "weight"
+        shape = shapes.get(f"{name}.{codes}")
         if fmt is None or shape is None or len(shape) != 2:
             continue  # experts stacked elsewhere, or not a linear weight: vLLM reports those
         region = fmt.family

@@ -222,3 +222,83 @@ def test_a_record_off_schema_is_not_written_and_is_reported(tmp_path, caplog):
         c._flush_at_exit()
     assert not list(tmp_path.iterdir())
     assert "does not follow the census schema" in caplog.text and "modules['m'].n" in caplog.text
+
+
+# ---- the modules a checkpoint declares, asked of its convention (issue 15 item 2) -------------
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """The four generators' checkpoints of seed 0: ModelOpt and compressed-tensors, dense and MoE."""
+    from qpn.scripts.checkpoints import make_checkpoint, make_ct_checkpoint, make_moe_checkpoint
+
+    root = tmp_path_factory.mktemp("declared")
+    make_checkpoint.make_checkpoint(root / "modelopt", seed=0)
+    make_ct_checkpoint.make_ct_checkpoint(root / "ct", seed=0)
+    make_moe_checkpoint.make_moe_checkpoint(root / "modelopt-moe", seed=0)
+    make_ct_checkpoint.make_ct_checkpoint(root / "ct-moe", seed=0, moe=True)
+    return root
+
+
+def _formats(declared: dict) -> dict[str, str]:
+    return {name: scheme.fmt for name, scheme in declared.items()}
+
+
+@pytest.mark.parametrize("family", ["", "-moe"])
+def test_both_conventions_declare_the_same_modules(tiny_checkpoints, family):
+    """The same model quantized the same way declares the same modules in the same formats,
+    whether ModelOpt lists them (quantized_layers) or compressed-tensors matches them
+    (config_groups regex targets on the checkpoint's module names)."""
+    mo_conv, mo = boot_gates.declared_modules(str(tiny_checkpoints / f"modelopt{family}"))
+    ct_conv, ct = boot_gates.declared_modules(str(tiny_checkpoints / f"ct{family}"))
+    assert (mo_conv.name, ct_conv.name) == ("modelopt", "compressed-tensors")
+    assert _formats(ct) == _formats(mo)
+    assert "lm_head" in ct and not any(n.startswith("mtp.") for n in ct)  # the BF16 drafter stays out
+    experts = [n for n in ct if ".mlp.experts." in n]
+    assert bool(experts) == bool(family)
+    assert boot_gates.checkpoint_needs(ct) == boot_gates.checkpoint_needs(mo) == ({"moe"} if family else set())
+    # the ModelOpt map keeps the config's own order (the engine's renamed copy pairs by position)
+    mo_cfg = json.loads((tiny_checkpoints / f"modelopt{family}" / "hf_quant_config.json").read_text())
+    assert list(mo) == list(boot_gates.declared_layers(mo_cfg))
+
+
+def _ct_copy(src, dst, edit) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_ct_ignore_list_and_regex_targets_decide_the_declared_modules(tiny_checkpoints, tmp_path):
+    _, full = boot_gates.declared_modules(str(tiny_checkpoints / "ct-moe"))
+    expert0 = r"re:.*layers\.0\.mlp\.experts\..*"
+
+    def ignore(q):
+        q["ignore"] = ["lm_head", expert0]
+    _, ignored = boot_gates.declared_modules(_ct_copy(tiny_checkpoints / "ct-moe", tmp_path / "ign", ignore))
+    gone = set(full) - set(ignored)
+    assert "lm_head" in gone and any(".layers.0.mlp.experts." in n for n in gone)
+    assert all(n == "lm_head" or ".layers.0.mlp.experts." in n for n in gone)
+    assert any(".layers.1.mlp.experts." in n for n in ignored)
+
+    def anchored(q):  # a regex that matches nothing: nothing declared, so nothing to cover
+        for g in q["config_groups"].values():
+            g["targets"] = [t.replace("re:^model", "re:^nomodel") for t in g["targets"]]
+    _, none = boot_gates.declared_modules(_ct_copy(tiny_checkpoints / "ct-moe", tmp_path / "anc", anchored))
+    assert set(none) == {"lm_head"}  # the one exact (non-regex) target
+    assert boot_gates.checkpoint_needs(none) == set()
+
+
+def test_skipped_moe_hook_fails_a_ct_moe_checkpoint(tiny_checkpoints):
+    """The skipped_hooks gate learns 'moe' from the compressed-tensors declaration too."""
+    _, declared = boot_gates.declared_modules(str(tiny_checkpoints / "ct-moe"))
+    census = {"hooks_skipped": [{"hook": "qpn-moe-method", "needed_for": "moe", "engine": "cpu",
+                                 "rank": 0}]}
+    results = {r.name: r for r in boot_gates.evaluate(CPU, 0, {"ok": True, "completion_tokens": 1}, None,
+                                                      census, set(), declared=declared)}
+    assert results[boot_gates.GATE_SKIPPED_HOOKS].failed
+    _, dense = boot_gates.declared_modules(str(tiny_checkpoints / "ct"))
+    results = {r.name: r for r in boot_gates.evaluate(CPU, 0, {"ok": True, "completion_tokens": 1}, None,
+                                                      census, set(), declared=dense)}
+    assert not results[boot_gates.GATE_SKIPPED_HOOKS].failed

@@ -196,16 +196,55 @@ def test_preflight_refuses_a_checkpoint_that_cannot_be_split(tmp_path):
         "model.layers.0.self_attn.o_proj.weight": [128, 256],
     })
     quant = {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(quant))
     modules = {m.name: m for m in tps.checkpoint_modules(str(tmp_path), layers)}
     assert modules["model.layers.0.mlp.gate_up_proj"].output_sizes == (48, 48)
     assert modules["model.layers.0.mlp.down_proj"].k == 48
-    assert serve_preflight.check_tp_split(str(tmp_path), quant, 1) == "single rank"
+    assert serve_preflight.check_tp_split(str(tmp_path), 1) == "single rank"
     with pytest.raises(serve_preflight.Refusal) as err:
-        serve_preflight.check_tp_split(str(tmp_path), quant, 2)
+        serve_preflight.check_tp_split(str(tmp_path), 2)
     assert "model.layers.0.mlp.down_proj" in str(err.value) and "NVFP4 group" in str(err.value)
     assert "o_proj" not in str(err.value)  # 128 per rank: whole k-blocks of both atoms
     with pytest.raises(serve_preflight.Refusal, match="gate_up_proj: column-parallel output N=48"):
-        serve_preflight.check_tp_split(str(tmp_path), quant, 32)
+        serve_preflight.check_tp_split(str(tmp_path), 32)
+
+
+def test_preflight_plans_a_compressed_tensors_checkpoint(tmp_path):
+    """The same split rules on a compressed-tensors declaration (config_groups targets, codes in
+    ``weight_packed``): the preflight reads the modules the convention declares, not ModelOpt's
+    quantized_layers only."""
+    from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config
+
+    _write_safetensors(tmp_path / "model.safetensors", {
+        "model.layers.0.mlp.down_proj.weight_packed": [128, 24],   # K = 48: 24 per rank at TP2
+        "model.layers.0.mlp.gate_proj.weight_packed": [48, 32],
+        "model.layers.0.mlp.up_proj.weight_packed": [48, 32],
+        "model.layers.0.self_attn.o_proj.weight": [128, 256],
+        "model.layers.0.mlp.router.weight": [8, 64],  # matches no target: not planned
+    })
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quantization_config()}))
+    assert serve_preflight.check_tp_split(str(tmp_path), 1) == "single rank"
+    with pytest.raises(serve_preflight.Refusal) as err:
+        serve_preflight.check_tp_split(str(tmp_path), 2)
+    assert "model.layers.0.mlp.down_proj: row-parallel K=48/TP=2" in str(err.value)
+    assert "o_proj" not in str(err.value)
+    with pytest.raises(serve_preflight.Refusal, match="gate_up_proj: column-parallel output N=48"):
+        serve_preflight.check_tp_split(str(tmp_path), 32)
+    from qpn.scripts.launcher.boot_gates import declared_modules
+
+    convention, declared = declared_modules(str(tmp_path))
+    planned = {m.name: m for m in tps.checkpoint_modules(str(tmp_path), declared, convention)}
+    assert planned == {
+        "model.layers.0.mlp.down_proj": tps.Module("model.layers.0.mlp.down_proj", "nvfp4", (128,), 48),
+        "model.layers.0.mlp.gate_up_proj": tps.Module("model.layers.0.mlp.gate_up_proj", "nvfp4", (48, 48), 64),
+        "model.layers.0.self_attn.o_proj": tps.Module("model.layers.0.self_attn.o_proj", "fp8", (128,), 256),
+    }
+    cfg = quantization_config()
+    cfg["config_groups"]["group_1"]["weights"]["strategy"] = "block"  # block FP8: not served
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": cfg}))
+    with pytest.raises(serve_preflight.Refusal, match="cannot plan the split.*per-tensor or per-channel"):
+        serve_preflight.check_tp_split(str(tmp_path), 2)
 
 
 def test_cpu_engine_binds_one_core_group_per_rank():

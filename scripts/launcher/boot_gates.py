@@ -104,6 +104,32 @@ def declared_layers(quant_config: dict | None) -> dict:
     return dict(layers or {})
 
 
+def checkpoint_module_names(ckpt: str) -> list[str]:
+    """Every module name that holds a tensor in the checkpoint's safetensors headers (the part of
+    each tensor name before its last dot; no tensor is read)."""
+    from qpn.fork_patches.tp_sharding import _headers
+
+    return sorted({name.rsplit(".", 1)[0] for name in _headers(ckpt) if "." in name})
+
+
+def declared_modules(ckpt: str) -> tuple[object | None, dict]:
+    """(convention, {checkpoint module name: ModuleScheme}) of the modules the checkpoint's
+    convention declares quantized (qpn.fork_patches.conventions: ModelOpt ``quantized_layers``;
+    compressed-tensors ``config_groups`` targets less ``ignore``, matched on the module names of
+    the safetensors headers). Names the config lists itself come first, in its order (the order
+    the engine keeps its renamed copy of ModelOpt's map in). (None, {}) when the folder carries
+    no quantization config of a known convention."""
+    from qpn.fork_patches.conventions import ConventionError, detect
+
+    try:
+        convention, quant_cfg = detect(ckpt)
+    except (ConventionError, OSError, ValueError):
+        return None, {}
+    names = list(dict.fromkeys([*declared_layers(quant_cfg), *checkpoint_module_names(ckpt)]))
+    schemes = convention.module_schemes(quant_cfg, names)
+    return convention, {name: s for name, s in schemes.items() if s is not None}
+
+
 def declared_regions(quant_config: dict | None) -> set[str]:
     """Regions ('nvfp4', 'fp8') the checkpoint's quantization map declares (ModelOpt
     ``quantized_layers``, or compressed-tensors ``config_groups``: qpn.fork_patches.conventions)."""
@@ -197,7 +223,10 @@ def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResu
 def _coverage_problems(census: dict, quantized_layers: dict) -> list[str]:
     """Checkpoint modules (its quantized_layers) not served on QPN, per rank. The engine renames
     the map's keys with the model's hf_to_vllm_mapper (``apply_dict``: same order, one name per
-    name), so the checkpoint's n-th name is the engine's n-th name; a changed count is reported."""
+    name), so the checkpoint's n-th name is the engine's n-th name; a changed count is reported.
+    compressed-tensors checkpoints are not covered per module yet: their engine holds no list of
+    module names to pair with (the census records engine names only, and the mapper renames hub
+    names such as ``model.language_model.layers.N``), so ``run_gates`` passes ModelOpt's map only."""
     problems = []
     names = list(quantized_layers)
     for rank in _rank_dicts(census):
@@ -384,15 +413,17 @@ _EXPERTS = re.compile(r"\.experts(\.|$)")
 
 
 def checkpoint_needs(quantized_layers: dict | None) -> set[str]:
-    """What the checkpoint needs beyond every checkpoint's hooks: ``moe`` when its own
-    ``quantized_layers`` lists routed-expert modules (``...mlp.experts...``)."""
+    """What the checkpoint needs beyond every checkpoint's hooks: ``moe`` when the modules it
+    declares quantized (``declared_modules``, either convention) include routed experts
+    (``...mlp.experts...``)."""
     return {"moe"} if any(_EXPERTS.search(name) for name in (quantized_layers or {})) else set()
 
 
-def gate_skipped_hooks(census: dict, quantized_layers: dict | None) -> GateResult:
-    """FAIL when a hook the plugin skipped (its anchor was missing) is one this checkpoint needs."""
+def gate_skipped_hooks(census: dict, declared: dict | None) -> GateResult:
+    """FAIL when a hook the plugin skipped (its anchor was missing) is one this checkpoint needs
+    (``declared``: the checkpoint's declared quantized modules, ``declared_modules``)."""
     skipped = census.get("hooks_skipped") or []
-    needs = checkpoint_needs(quantized_layers)
+    needs = checkpoint_needs(declared)
     expected = f"no skipped hook this checkpoint needs (it needs: {', '.join(sorted(needs)) or 'none beyond the always hooks'})"
     if not skipped:
         return GateResult(GATE_SKIPPED_HOOKS, PASS, expected, "no hook skipped")
@@ -415,9 +446,13 @@ def _fmt(value: object) -> str:
 
 def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | None,
              census: dict | None, regions: set[str], *, tp: int | None = None,
-             quantized_layers: dict | None = None, env: dict | None = None) -> list[GateResult]:
+             quantized_layers: dict | None = None, env: dict | None = None,
+             declared: dict | None = None) -> list[GateResult]:
     """Every gate. ``tp``: the tensor-parallel size asked for (None: what the ranks report);
-    ``quantized_layers``: the checkpoint's own map (every listed module must be on QPN);
+    ``quantized_layers``: ModelOpt's own map (every listed module must be on QPN: the engine
+    keeps a renamed copy the census pairs with it; compressed-tensors has no such copy yet, see
+    _coverage_problems); ``declared``: the modules the checkpoint's convention declares
+    quantized (``declared_modules``; default ``quantized_layers``), which say what it needs;
     ``env``: the server's environment (the engine's XQA switches and thresholds)."""
     census = census or {}
     known = qpn_route_names()
@@ -448,7 +483,8 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
             results[name] = gate_lm_head(census, known)
         elif name == GATE_DECODE_ATTENTION:
             results[name] = gate_decode_attention(census, k, env)
-    return [results[name] for name in GATE_ORDER] + [gate_skipped_hooks(census, quantized_layers)]
+    needs_from = declared if declared is not None else quantized_layers
+    return [results[name] for name in GATE_ORDER] + [gate_skipped_hooks(census, needs_from)]
 
 
 def format_table(results: list[GateResult]) -> str:

@@ -211,7 +211,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
     tp = _int_setting(environ, "TP", profile.default_tensor_parallel)
     if tp is not None and tp < 1:
         raise Refusal(f"TP={tp}: tensor parallelism needs at least one device")
-    serve_preflight.check_tp_split(ckpt, _quant_config(ckpt, config), tp)
+    serve_preflight.check_tp_split(ckpt, tp)
     try:
         tp_env(profile, tp or 1)
     except ValueError as exc:
@@ -517,9 +517,10 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     metrics = read_metrics(launch)
     quantized_layers = boot_gates.declared_layers(
         _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt)))
+    _, declared = boot_gates.declared_modules(launch.ckpt)  # either convention: what it needs
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
-                               env=server_env(launch))
+                               env=server_env(launch), declared=declared)
 
 
 # ---- after READY: the engine's health ---------------------------------------------------------

@@ -229,17 +229,24 @@ def check_gpus_free(nvidia_smi: str = "nvidia-smi", visible: str | None = None) 
     return "free"
 
 
-def check_tp_split(ckpt: str, quant_config: dict | None, tp: int | None) -> str:
+def check_tp_split(ckpt: str, tp: int | None) -> str:
     """Refuse a checkpoint whose quantized modules cannot be split over ``tp`` ranks with whole
-    NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.tp_sharding), naming the module."""
+    NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.tp_sharding), naming the module.
+    The modules are those the checkpoint's convention declares (boot_gates.declared_modules:
+    ModelOpt or compressed-tensors alike)."""
     if not tp or tp <= 1:
         return "single rank"
     from qpn.fork_patches.tp_sharding import checkpoint_modules, plan
+    from qpn.scripts.launcher.boot_gates import declared_modules
 
-    layers = (quant_config or {}).get("quantized_layers")
-    if layers is None:
-        layers = (quant_config or {}).get("quantization", {}).get("quantized_layers", {})
-    modules = checkpoint_modules(ckpt, layers or {})
+    from qpn.fork_patches.conventions import ConventionError
+
+    try:
+        convention, declared = declared_modules(ckpt)
+    except ConventionError as exc:  # a scheme QPN does not serve: the loader would refuse it too
+        raise Refusal(f"TP={tp}: cannot plan the split of {ckpt}: {exc}. Fix the checkpoint's "
+                      "quantization config, or serve it on hardware vLLM supports natively") from None
+    modules = checkpoint_modules(ckpt, declared, convention)
     _, issues = plan(modules, tp)
     if issues:
         more = f" (and {len(issues) - 5} more)" if len(issues) > 5 else ""
