@@ -113,7 +113,11 @@ class TestPlainServer:
             assert ttft > 0 and decode > 0 and float(row["e2e_s"]) >= decode
             # speculation off: tau 0, one token per round, the two conventions coincide
             assert float(row["tau"]) == 0.0 and float(row["rounds"]) == gen - 1
-            assert float(row["tok_s_one_token"]) == pytest.approx((gen - 1) / decode, rel=1e-3)
+            # decode_s is written to 6 decimals (results.py); a burst of tokens can make it a
+            # few hundred microseconds, so the rate must lie within what that rounding allows
+            rate = float(row["tok_s_one_token"])
+            assert (gen - 1) / (decode + 5e-7) * (1 - 1e-6) <= rate <= (gen - 1) / max(decode - 5e-7, 1e-9) * (1 + 1e-6), \
+                (rate, gen, decode)
             assert float(row["tok_s_round"]) == pytest.approx(float(row["tok_s_one_token"]))
             assert row["check"] in ("pass", "fail")
         # thinking on for the math cell: the reasoning parser routed tokens to `reasoning`
