@@ -24,33 +24,20 @@ The census of the run must list every expert stack (2 per MoE layer) on the QPN 
 other quantized module on a QPN route, lm_head from the checkpoint's codes, no fallback."""
 from __future__ import annotations
 
-import contextlib
 import json
-import time
 
 import pytest
 
-from tests._agreement import deltas
-
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from qpn.scripts.checkpoints import (  # noqa: E402
-    checkpoint_reference,
-    make_ct_checkpoint,
-    make_moe_checkpoint,
-    tiny_tokenizer,
-)
-from tests._server import VllmServer  # noqa: E402
+from qpn.scripts.checkpoints import make_ct_checkpoint, make_moe_checkpoint  # noqa: E402
+from tests import _moe_e2e as e2e  # noqa: E402
 
-POSITIONS = 95
-FLOOR_FACTOR = 2.0
-CONTROL_LAYER = 0   # first MoE layer: a wrong expert there reaches every later layer
-MIN_CONTROL_PICKS = 16  # the corrupted expert must be used by the positions compared
 SERVED = "tiny-ct-moe"
 
 
@@ -63,55 +50,18 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token_ids(checkpoint):
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_file(str(checkpoint[0] / "tokenizer.json")).encode(" ".join(tiny_tokenizer._CORPUS)).ids
-    assert len(ids) > POSITIONS
-    return ids[: POSITIONS + 1]
+    return e2e.token_ids(checkpoint[0])
 
 
 @pytest.fixture(scope="module")
 def served(checkpoint, token_ids, tmp_path_factory):
-    from qpn.fork_patches import census
-
-    ckpt, _ = checkpoint
-    census_dir = tmp_path_factory.mktemp("census")
-    with VllmServer(str(ckpt), served_model_name=SERVED, census_dir=str(census_dir)) as srv:
-        resp = srv.post("/v1/completions", {"model": SERVED, "prompt": token_ids, "max_tokens": 4,
-                                            "temperature": 0, "prompt_logprobs": 0})
-        time.sleep(2.5)  # the census flushes at most once per second
-    plp = resp["choices"][0]["prompt_logprobs"]
-    assert plp[0] is None and len(plp) == len(token_ids)
-    logprobs = [float(entry[str(tok)]["logprob"]) for entry, tok in zip(plp[1:], token_ids[1:])]
-    (kv,) = census.aggregate(str(census_dir))["kv_resolved"]
-    return {"logprobs": logprobs, "census_dir": census_dir, "kv_resolved": kv["resolved"]}
-
-
-def _kv_path(served) -> str:
-    return "fp8_e4m3" if served["kv_resolved"].startswith("fp8") else "auto"
-
-
-def _run(model, ckpt, token_ids, kv: str) -> list[float]:
-    ctx = checkpoint_reference.fp8_kv_emulation(model, ckpt) if kv == "fp8_e4m3" else contextlib.nullcontext()
-    with ctx:
-        return checkpoint_reference.teacher_forced_logprobs(model, token_ids)["token_logprobs"]
+    return e2e.serve(checkpoint[0], token_ids, SERVED, tmp_path_factory.mktemp("census"))
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint, token_ids, served):
     """float32 reference (compressed-tensors' decode) and its BF16 floor, on the KV path the engine ran."""
-    torch.manual_seed(0)
-    ckpt, kv = checkpoint[0], _kv_path(served)
-    model = make_moe_checkpoint.load_reference_model(ckpt)
-    use = make_moe_checkpoint.expert_use(model, token_ids, CONTROL_LAYER)
-    out = {"kv": kv, "expert_use": use, "float32": _run(model, ckpt, token_ids, kv)}
-    out["bfloat16"] = _run(model.to(torch.bfloat16), ckpt, token_ids, kv)
-    return out
-
-
-def _bound(reference):
-    floor_mean, floor_max = deltas(reference["bfloat16"], reference["float32"])
-    return FLOOR_FACTOR * floor_mean, FLOOR_FACTOR * floor_max, floor_mean, floor_max
+    return e2e.reference(checkpoint[0], token_ids, served)
 
 
 def test_checkpoint_is_a_compressed_tensors_qwen35_moe(checkpoint):
@@ -136,63 +86,22 @@ def test_checkpoint_is_a_compressed_tensors_qwen35_moe(checkpoint):
 
 
 def test_served_logprobs_match_the_float32_reference(served, reference):
-    ref, got = reference["float32"], served["logprobs"]
-    assert len(got) == len(ref) == POSITIONS
-    tol_mean, tol_max, floor_mean, floor_max = _bound(reference)
-    mean, worst = deltas(got, ref)
-    report = (f"compressed-tensors MoE e2e (NVFP4 experts, KV cache {served['kv_resolved']}, reference KV path "
-              f"{reference['kv']}): served vs float32 over {POSITIONS} positions: mean {mean:.4f} worst "
-              f"{worst:.4f} nat; bf16 floor mean {floor_mean:.4f} worst {floor_max:.4f}; bound {FLOOR_FACTOR:g}x")
-    print("\n" + report)
-    assert floor_max > 0, "the BF16 floor is zero: the reference did not run in BF16"
-    assert mean <= tol_mean and worst <= tol_max, report
+    e2e.check_served(served, reference, "compressed-tensors MoE e2e (NVFP4 experts)")
 
 
 def test_one_wrong_expert_and_the_modelopt_reading_fail_the_bound(served, reference, checkpoint, token_ids):
-    ckpt = checkpoint[0]
-    use = reference["expert_use"]
-    expert = max(range(len(use)), key=use.__getitem__)
-    assert use[expert] >= MIN_CONTROL_PICKS, f"layer {CONTROL_LAYER} router picks {use}: control would prove nothing"
-    tol_mean, tol_max, _, _ = _bound(reference)
-    mean, worst = deltas(served["logprobs"], reference["float32"])
-    controls = {kind: {"corrupt_expert": (CONTROL_LAYER, expert, kind)}
+    expert = e2e.control_expert(reference)
+    controls = {kind: {"corrupt_expert": (e2e.CONTROL_LAYER, expert, kind)}
                 for kind in make_moe_checkpoint.EXPERT_CORRUPTIONS}
     controls["global-scale-as-multiplier"] = {"perturb": "global-scale-as-multiplier"}
-    lines, weak = [], []
-    for name, kwargs in controls.items():
-        model = make_moe_checkpoint.load_reference_model(ckpt, **kwargs)
-        c_mean, c_max = deltas(_run(model, ckpt, token_ids, reference["kv"]), reference["float32"])
-        lines.append(f"{name}: mean {c_mean:.3f} worst {c_max:.3f}")
-        if not (c_mean > tol_mean + mean or c_max > tol_max + worst):
-            weak.append(name)
-    report = (f"layer {CONTROL_LAYER} expert {expert} ({use[expert]} picks); bound mean {tol_mean:.3f} worst "
-              f"{tol_max:.3f}, served mean {mean:.3f} worst {worst:.3f}; controls: " + "; ".join(lines))
-    print("\n" + report)
-    assert not weak, f"controls {weak} would pass the bound: {report}"
+    e2e.check_controls(served, reference, checkpoint[0], token_ids, controls)
 
 
 def test_census_every_expert_stack_on_the_qpn_moe_route(served, checkpoint):
-    from qpn.fork_patches import census
-
-    agg = census.aggregate(str(served["census_dir"]))
-    cfg = json.loads((checkpoint[0] / "config.json").read_text())
-    n_layers = cfg["num_hidden_layers"]
-    assert agg["modules_on_qpn"] == agg["modules_total"] > 0
-    assert agg["fallback_calls"] == 0 and not agg["non_qpn_routes"]
-    assert agg["route_counts"]["qpn2_moe"]["eager"] >= 2 * n_layers
-    modules = census.read_rank_files(str(served["census_dir"]))[0]["modules"]
-    stacks = {name: m for name, m in modules.items() if name.endswith((".experts.w13", ".experts.w2"))}
-    assert len(stacks) == 2 * n_layers
-    for name, m in stacks.items():
-        assert m["region"] == "nvfp4" and m["eligible"] and m["prepack_verified"], name
-        assert set(m["routes"]) == {"qpn2_moe"} and m["routes"]["qpn2_moe"]["eager"] >= 1, name
-        assert m["declared"] and len(m["declared"]) == cfg["num_experts"] * (2 if name.endswith("w13") else 1), name
-    w13 = modules["model.layers.0.mlp.experts.w13"]
-    assert (w13["n"], w13["k"]) == (2 * cfg["moe_intermediate_size"], cfg["hidden_size"])
-    shared = [n for n in modules if ".shared_expert." in n]
-    assert len(shared) == 2 * n_layers and all(set(modules[n]["routes"]) <= {"qpn2", "qpn2_mt2", "qpn2_chunked",
-                                                                           "qpn2_reconstruct"} for n in shared)
+    modules = e2e.check_census(served, checkpoint[0], "nvfp4")
+    n_experts = json.loads((checkpoint[0] / "config.json").read_text())["num_experts"]
+    for name, m in modules.items():
+        if name.endswith((".experts.w13", ".experts.w2")):
+            assert m["declared"] and len(m["declared"]) == n_experts * (2 if name.endswith("w13") else 1), name
     fp8 = [n for n, m in modules.items() if m["region"] == "fp8"]
-    assert fp8 and all(set(modules[n]["routes"]) <= {"qpn8", "qpn8_mt2", "qpn8_chunked", "qpn8_reconstruct"}
-                       for n in fp8)
-    assert agg["lm_head"][0]["source"] == "checkpoint_codes"
+    assert fp8 and all(set(modules[n]["routes"]) <= e2e.DENSE_ROUTES["fp8"] for n in fp8)

@@ -31,29 +31,18 @@ every other quantized module on a QPN route, lm_head from the checkpoint's codes
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import time
-import urllib.request
 
 import pytest
 
-from tests._agreement import deltas
-
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from qpn.scripts.checkpoints import checkpoint_reference, make_moe_checkpoint, tiny_tokenizer  # noqa: E402
-from tests._server import VllmServer  # noqa: E402
-
-POSITIONS = 95
-FLOOR_FACTOR = 2.0
-CONTROL_LAYER = 0   # first MoE layer: a wrong expert there reaches every later layer
-MIN_CONTROL_PICKS = 16  # the corrupted expert must be used by the positions compared
+from qpn.scripts.checkpoints import make_moe_checkpoint  # noqa: E402
+from tests import _moe_e2e as e2e  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["nvfp4", "fp8"], ids=["nvfp4_experts", "fp8_experts"])
@@ -65,75 +54,17 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token_ids(checkpoint):
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_file(str(checkpoint[0] / "tokenizer.json")).encode(" ".join(tiny_tokenizer._CORPUS)).ids
-    assert len(ids) > POSITIONS
-    return ids[: POSITIONS + 1]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
+    return e2e.token_ids(checkpoint[0])
 
 
 @pytest.fixture(scope="module")
 def served(checkpoint, token_ids, tmp_path_factory):
-    from qpn.fork_patches import census
-
-    ckpt, _ = checkpoint
-    census_dir = tmp_path_factory.mktemp("census")
-    old = os.environ.get("QPN_CENSUS_DIR")
-    os.environ["QPN_CENSUS_DIR"] = str(census_dir)
-    try:
-        with VllmServer(str(ckpt), served_model_name="tiny-moe") as srv:
-            resp = _post(srv.base_url + "/completions", {
-                "model": "tiny-moe", "prompt": token_ids, "max_tokens": 4, "temperature": 0,
-                "prompt_logprobs": 0})
-            time.sleep(2.5)  # the census flushes at most once per second
-    finally:
-        if old is None:
-            os.environ.pop("QPN_CENSUS_DIR", None)
-        else:
-            os.environ["QPN_CENSUS_DIR"] = old
-    plp = resp["choices"][0]["prompt_logprobs"]
-    assert plp[0] is None and len(plp) == len(token_ids)
-    logprobs = [float(entry[str(tok)]["logprob"]) for entry, tok in zip(plp[1:], token_ids[1:])]
-    (kv,) = census.aggregate(str(census_dir))["kv_resolved"]
-    return {"logprobs": logprobs, "text": resp["choices"][0]["text"], "census_dir": census_dir,
-            "kv_resolved": kv["resolved"]}
-
-
-def _kv_path(served) -> str:
-    """The KV path the engine ran, as the reference names it."""
-    return "fp8_e4m3" if served["kv_resolved"].startswith("fp8") else "auto"
-
-
-def _run(model, ckpt, token_ids, kv: str) -> list[float]:
-    ctx = checkpoint_reference.fp8_kv_emulation(model, ckpt) if kv == "fp8_e4m3" else contextlib.nullcontext()
-    with ctx:
-        return checkpoint_reference.teacher_forced_logprobs(model, token_ids)["token_logprobs"]
+    return e2e.serve(checkpoint[0], token_ids, "tiny-moe", tmp_path_factory.mktemp("census"))
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint, token_ids, served):
-    """float32 reference and its BF16 floor, on the KV path the engine ran."""
-    torch.manual_seed(0)
-    ckpt, kv = checkpoint[0], _kv_path(served)
-    model = make_moe_checkpoint.load_reference_model(ckpt)
-    use = make_moe_checkpoint.expert_use(model, token_ids, CONTROL_LAYER)
-    out = {"kv": kv, "expert_use": use, "float32": _run(model, ckpt, token_ids, kv)}
-    out["bfloat16"] = _run(model.to(torch.bfloat16), ckpt, token_ids, kv)
-    return out
-
-
-
-
-
-def _bound(reference):
-    floor_mean, floor_max = deltas(reference["bfloat16"], reference["float32"])
-    return FLOOR_FACTOR * floor_mean, FLOOR_FACTOR * floor_max, floor_mean, floor_max
+    return e2e.reference(checkpoint[0], token_ids, served)
 
 
 def test_checkpoint_is_the_qwen35_moe_family(checkpoint):
@@ -151,62 +82,19 @@ def test_checkpoint_is_the_qwen35_moe_family(checkpoint):
 
 
 def test_served_logprobs_match_the_float32_reference(served, reference, checkpoint):
-    ref, got = reference["float32"], served["logprobs"]
-    assert len(got) == len(ref) == POSITIONS
-    tol_mean, tol_max, floor_mean, floor_max = _bound(reference)
-    mean, worst = deltas(got, ref)
-    report = (f"MoE e2e ({checkpoint[1]['expert_format']} experts, KV cache {served['kv_resolved']}, reference KV "
-              f"path {reference['kv']}): served vs float32 over {POSITIONS} positions: mean {mean:.4f} worst "
-              f"{worst:.4f} nat; bf16 floor mean {floor_mean:.4f} worst {floor_max:.4f}; bound {FLOOR_FACTOR:g}x")
-    print("\n" + report)
-    assert floor_max > 0, "the BF16 floor is zero: the reference did not run in BF16"
-    assert mean <= tol_mean and worst <= tol_max, report
+    e2e.check_served(served, reference, f"MoE e2e ({checkpoint[1]['expert_format']} experts)")
 
 
 def test_one_wrong_expert_in_one_layer_fails_the_bound(served, reference, checkpoint, token_ids):
-    """Each single-expert bug, computed by the reference on the same KV path, lies further from
-    the float32 reference than the bound plus the served run's own distance (mean or worst): by
-    the triangle inequality a server computing it would fail the bound."""
+    """Each single-expert bug (swapped nibbles only where the experts are NVFP4), computed by the
+    reference on the same KV path, lies further from the float32 reference than the bound plus the
+    served run's own distance: by the triangle inequality a server computing it would fail the bound."""
     ckpt, fmt = checkpoint[0], checkpoint[1]["expert_format"]
-    use = reference["expert_use"]
-    expert = max(range(len(use)), key=use.__getitem__)
-    assert use[expert] >= MIN_CONTROL_PICKS, f"layer {CONTROL_LAYER} router picks {use}: control would prove nothing"
-    tol_mean, tol_max, _, _ = _bound(reference)
-    mean, worst = deltas(served["logprobs"], reference["float32"])
-    kinds = [k for k in make_moe_checkpoint.EXPERT_CORRUPTIONS if fmt == "nvfp4" or k != "swap-nibbles"]
-    lines, weak = [], []
-    for kind in kinds:
-        model = make_moe_checkpoint.load_reference_model(ckpt, corrupt_expert=(CONTROL_LAYER, expert, kind))
-        c_mean, c_max = deltas(_run(model, ckpt, token_ids, reference["kv"]), reference["float32"])
-        lines.append(f"{kind}: mean {c_mean:.3f} worst {c_max:.3f}")
-        if not (c_mean > tol_mean + mean or c_max > tol_max + worst):
-            weak.append(kind)
-    report = (f"layer {CONTROL_LAYER} expert {expert} ({use[expert]} picks); bound mean {tol_mean:.3f} worst "
-              f"{tol_max:.3f}, served mean {mean:.3f} worst {worst:.3f}; controls: " + "; ".join(lines))
-    print("\n" + report)
-    assert not weak, f"controls {weak} would pass the bound: {report}"
+    expert = e2e.control_expert(reference)
+    controls = {kind: {"corrupt_expert": (e2e.CONTROL_LAYER, expert, kind)}
+                for kind in make_moe_checkpoint.EXPERT_CORRUPTIONS if fmt == "nvfp4" or kind != "swap-nibbles"}
+    e2e.check_controls(served, reference, ckpt, token_ids, controls)
 
 
 def test_census_lists_every_expert_stack_on_the_qpn_moe_route(served, checkpoint):
-    from qpn.fork_patches import census
-
-    agg = census.aggregate(str(served["census_dir"]))
-    cfg = json.loads((checkpoint[0] / "config.json").read_text())
-    n_layers = cfg["num_hidden_layers"]
-    assert agg["modules_on_qpn"] == agg["modules_total"] > 0
-    assert agg["fallback_calls"] == 0 and not agg["non_qpn_routes"]
-    route = {"nvfp4": "qpn2_moe", "fp8": "qpn8_moe"}[checkpoint[1]["expert_format"]]
-    assert agg["route_counts"][route]["eager"] >= 2 * n_layers
-    ranks = census.read_rank_files(str(served["census_dir"]))
-    modules = ranks[0]["modules"]
-    stacks = {name: m for name, m in modules.items() if name.endswith((".experts.w13", ".experts.w2"))}
-    assert len(stacks) == 2 * n_layers
-    for name, m in stacks.items():
-        assert m["region"] == checkpoint[1]["expert_format"] and m["eligible"] and m["prepack_verified"]
-        assert set(m["routes"]) == {route} and m["routes"][route]["eager"] >= 1, name
-    w13 = modules["model.layers.0.mlp.experts.w13"]
-    assert (w13["n"], w13["k"]) == (2 * cfg["moe_intermediate_size"], cfg["hidden_size"])
-    shared = [n for n in modules if ".shared_expert." in n]
-    assert len(shared) == 2 * n_layers and all(set(modules[n]["routes"]) <= {"qpn2", "qpn2_mt2", "qpn2_chunked",
-                                                                           "qpn2_reconstruct"} for n in shared)
-    assert agg["lm_head"][0]["source"] == "checkpoint_codes"
+    e2e.check_census(served, checkpoint[0], checkpoint[1]["expert_format"])
