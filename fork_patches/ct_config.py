@@ -30,6 +30,25 @@ from qpn.fork_patches.linear_method import QPNCheckpointError, method_class
 logger = logging.getLogger("vllm.qpn.ct_config")
 
 
+def served_scheme(entry: dict, quant_format, prefix: str, src: str):
+    """The ModuleScheme a compressed-tensors scheme dict (one config group, as the engine's
+    ``target_scheme_map`` holds it) declares; None when it leaves the weights unquantized. A dict
+    that quantizes output activations, or a scheme the QPN kernels do not serve, fails naming the
+    layer ``prefix``; ``src`` says where the dict came from. Linear layers and routed experts alike
+    are read through here."""
+    if entry.get("weights") is None:
+        return None
+    if entry.get("output_activations") is not None:
+        raise QPNCheckpointError(
+            f"{prefix}: {src} quantizes output activations; the QPN path computes W4A16 / W8A16 and "
+            "applies no output fake-quant (serve it on hardware vLLM supports natively)")
+    try:
+        return ct_scheme_of(entry["weights"], entry.get("format") or quant_format, src)
+    except ConventionError as e:
+        raise QPNCheckpointError(f"{prefix}: {e}; the QPN path serves NVFP4 (nvfp4-pack-quantized) and "
+                                 "FP8 (float-quantized, per tensor or per channel)") from e
+
+
 def _shard_scheme(config, layer, name: str, prefix: str):
     """(ModuleScheme, target) a checkpoint (shard) module name resolves to; None if unmatched."""
     from vllm.model_executor.layers.quantization.compressed_tensors.utils import find_matched_target
@@ -37,21 +56,9 @@ def _shard_scheme(config, layer, name: str, prefix: str):
     target = find_matched_target(layer_name=name, module=layer, targets=config.target_scheme_map.keys())
     if target is None:
         return None
-    entry = config.target_scheme_map[target]
-    if entry.get("weights") is None:
-        return None
-    if entry.get("output_activations") is not None:
-        raise QPNCheckpointError(
-            f"{prefix}: config target {target!r} quantizes output activations; the QPN path "
-            "computes W4A16 / W8A16 and applies no output fake-quant (serve it on hardware vLLM "
-            "supports natively)")
-    try:
-        scheme = ct_scheme_of(entry["weights"], entry.get("format") or config.quant_format,
-                              f"{name}: config target {target!r}")
-    except ConventionError as e:
-        raise QPNCheckpointError(f"{prefix}: {e}; the QPN path serves NVFP4 (nvfp4-pack-quantized) and "
-                                 "FP8 (float-quantized, per tensor or per channel)") from e
-    return scheme, target
+    scheme = served_scheme(config.target_scheme_map[target], config.quant_format, prefix,
+                           f"{name}: config target {target!r}")
+    return None if scheme is None else (scheme, target)
 
 
 def qpn_method_for(config, layer, prefix: str, target: dict):

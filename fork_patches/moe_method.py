@@ -52,7 +52,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
 from qpn.fork_patches.census import CENSUS
-from qpn.fork_patches.conventions import COMPRESSED_TENSORS, MODELOPT, Convention, ConventionError, ct_scheme_of
+from qpn.fork_patches.conventions import COMPRESSED_TENSORS, MODELOPT, Convention
 from qpn.fork_patches.linear_method import QPNCheckpointError, _capturing_cuda_graph
 from qpn.kernels import formats
 
@@ -450,19 +450,14 @@ def ct_declared_expert_scheme(quant_config, layer, layer_name: str):
     if any(d != dicts[0] for d in dicts):
         raise QPNCheckpointError(f"{layer_name}: the experts' gate, up and down declare different schemes "
                                  f"({', '.join(names)}); vLLM fuses them into one layer, so they must agree")
-    d = dicts[0]
-    if d.get("weights") is None:
-        return None
-    if d.get("output_activations") is not None or getattr(quant_config, "transform_config", None):
-        raise QPNCheckpointError(f"{layer_name}: the config quantizes the experts' output activations or carries "
-                                 "transforms; the QPN MoE path computes W4A16 / W8A16 and applies neither")
-    try:
-        scheme = ct_scheme_of(d["weights"], d.get("format") or getattr(quant_config, "quant_format", None),
-                              f"{names[0]}: compressed-tensors config")
-    except ConventionError as e:
-        raise QPNCheckpointError(f"{layer_name}: {e}; the QPN MoE kernels serve NVFP4 (nvfp4-pack-quantized) and "
-                                 "FP8 (float-quantized, per tensor or per channel) experts") from e
-    return scheme, names
+    from qpn.fork_patches.ct_config import served_scheme
+
+    if dicts[0].get("weights") is not None and getattr(quant_config, "transform_config", None):
+        raise QPNCheckpointError(f"{layer_name}: the compressed-tensors config carries transforms "
+                                 "(transform_config); the QPN MoE path does not apply them")
+    scheme = served_scheme(dicts[0], getattr(quant_config, "quant_format", None), layer_name,
+                           f"{names[0]}: compressed-tensors config")
+    return None if scheme is None else (scheme, names)
 
 
 def qpn_ct_moe_method_for(quant_config, layer, layer_name: str, backend: str):

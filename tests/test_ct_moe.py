@@ -193,6 +193,14 @@ def test_expert_schemes_the_kernels_do_not_serve_fail_naming_the_layer(weights, 
         _layer(_config(group))
 
 
+def test_experts_with_quantized_output_activations_fail_naming_the_layer():
+    group = _group("nvfp4")
+    group["output_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                                   "dynamic": False}
+    with pytest.raises(QPNCheckpointError, match=rf"{PREFIX}: .*quantizes output activations"):
+        _layer(_config(group))
+
+
 def test_expert_projections_that_disagree_fail():
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
