@@ -131,7 +131,7 @@ def bench(shapes: dict[str, tuple[str, int, int]], ms: list[int], out_rows: list
     import torch
 
     from qpn.benchmarks import kernel_matched_bench as kmb
-    from qpn.kernels import formats
+    from qpn.kernels import codecs
 
     status = {s.name: s for s in detect()}
     read, copy = kmb.ceilings()
@@ -140,7 +140,7 @@ def bench(shapes: dict[str, tuple[str, int, int]], ms: list[int], out_rows: list
         if fmt != "nvfp4":
             continue
         w, s, gs = kmb._weights("nvfp4", n, k, gen)
-        reference = formats.dequantize_nvfp4(w, s, gs).float()
+        reference = codecs.dequantize_nvfp4(w, s, gs).float()
         for arm in ARMS:
             if not status[arm.name].available:
                 print(f"{shape}: engine arm {arm.name} skipped: {status[arm.name].why}", flush=True)

@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from qpn.kernels import formats, jit, ops, routes
+from qpn.kernels import codecs, formats, jit, ops, routes
 
 SHAPES = {
     # name: (format, N, K) -- DESIGN.md section 7
@@ -154,8 +154,8 @@ class NaiveDequant:
     """The naive arm: dequantize with torch ops on the device (no host copies: capturable)."""
 
     def __init__(self, device):
-        from qpn.kernels import formats
-        e2m1 = formats.e2m1_table(torch.float32)
+        from qpn.kernels import codecs
+        e2m1 = codecs.e2m1_table(torch.float32)
         byte = torch.arange(256)
         self.lut = torch.stack([e2m1[byte & 0xF], e2m1[byte >> 4]], dim=1).to(torch.float16).to(device)  # [256, 2]
 

@@ -43,7 +43,7 @@ import sys
 import torch
 
 from qpn.benchmarks.kernel_matched_bench import ceilings
-from qpn.kernels import formats, moe, ops
+from qpn.kernels import codecs, moe, ops
 
 SHAPES = {
     # name: (num_experts, hidden, intermediate per rank, top_k, source)
@@ -120,10 +120,10 @@ def dequant_gemm(x, ids, w, src) -> torch.Tensor:
     for e in torch.unique(flat).tolist():
         sel = torch.nonzero(flat == e).reshape(-1)
         xe = x.index_select(0, tok[sel])
-        g = (xe @ formats.dequantize_nvfp4(gw[e], gsc[e], ggs[e]).half().t()).float()
-        u = (xe @ formats.dequantize_nvfp4(uw[e], usc[e], ugs[e]).half().t()).float()
+        g = (xe @ codecs.dequantize_nvfp4(gw[e], gsc[e], ggs[e]).half().t()).float()
+        u = (xe @ codecs.dequantize_nvfp4(uw[e], usc[e], ugs[e]).half().t()).float()
         h = (torch.nn.functional.silu(g) * u).half()
-        d = (h @ formats.dequantize_nvfp4(dw[e], dsc[e], dgs[e]).half().t()).float()
+        d = (h @ codecs.dequantize_nvfp4(dw[e], dsc[e], dgs[e]).half().t()).float()
         y.index_add_(0, tok[sel], d * wf[sel].unsqueeze(1))
     return y.half()
 

@@ -22,7 +22,6 @@ weight; ``format_for_route(route)`` for a QPN route name.
 
 This module imports no torch (the launcher's gates and the convention readers use it on configs
 alone); the bit-level codecs live in kernels/codecs.py and are imported when a tensor is handled.
-``formats.<codec>`` (``formats.dequantize_nvfp4`` ...) forwards to codecs.
 """
 from __future__ import annotations
 
@@ -391,15 +390,3 @@ def format_for_route(route: str) -> WeightFormat:
     raise UnknownFormat(f"route {route!r} belongs to no QPN format (route prefixes: "
                         f"{', '.join(f.route_prefix for f in FAMILIES.values())})")
 
-
-def __getattr__(name: str):
-    # formats.<codec> (decode_e4m3, dequantize_nvfp4, quantize_fp8, ...): the torch codecs,
-    # imported on first use so that reading a format description needs no torch.
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from . import codecs
-
-    try:
-        return getattr(codecs, name)
-    except AttributeError:
-        raise AttributeError(f"module 'qpn.kernels.formats' has no attribute {name!r}") from None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import formats
+from . import codecs, formats
 from .atoms import block_maps, geometry
 
 DEFAULT_ROWS_PER_CHUNK = 2048
@@ -127,7 +127,7 @@ def _from_blocks(blk: torch.Tensor, tile_n: int, block_cols: int) -> torch.Tenso
 def prepack_nvfp4(weight_u8: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
                   atom: str = "m8n8k4", rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> PackedNVFP4:
     """Checkpoint NVFP4 (uint8 [N, K/2], e4m3 [N, K/16], float32 scalar) -> PackedNVFP4 (same device)."""
-    n, k = formats.check_nvfp4(weight_u8, weight_scale, weight_scale_2)
+    n, k = codecs.check_nvfp4(weight_u8, weight_scale, weight_scale_2)
     g = geometry(atom)
     tile, kbk = g.tile_n, g.k_block
     gpb = kbk // formats.GROUP_SIZE
@@ -141,13 +141,13 @@ def prepack_nvfp4(weight_u8: torch.Tensor, weight_scale: torch.Tensor, weight_sc
     gather_c, gather_s = gather_c.to(dev), gather_s.to(dev)
     codes_out = torch.empty(tiles * kblocks * code_bytes, dtype=torch.uint8, device=dev)
     scales_out = torch.empty(tiles * kblocks * scale_bytes, dtype=torch.uint8, device=dev)
-    sc_src = formats.as_e4m3_bytes(weight_scale)
+    sc_src = codecs.as_e4m3_bytes(weight_scale)
     step = _chunk_rows(rows_per_chunk, tile)
     for r0 in range(0, n_pad, step):
         r1 = min(r0 + step, n_pad)
         rows = r1 - r0
         t0 = r0 // tile
-        codes = formats.unpack_nvfp4_codes(weight_u8[r0:min(r1, n)])
+        codes = codecs.unpack_nvfp4_codes(weight_u8[r0:min(r1, n)])
         codes = _pad2d(codes, rows, k_pad)
         blk = _to_blocks(codes, tile, kbk).index_select(2, gather_c)      # [t, kb, 1024] nibbles
         packed = blk[..., 0::2] | (blk[..., 1::2] << 4)
@@ -178,7 +178,7 @@ def _unprepack_nvfp4_rows(packed: PackedNVFP4, r0: int, r1: int) -> tuple[torch.
     sraw = packed.scales[t0 * kblocks * scale_bytes: t1 * kblocks * scale_bytes].view(t1 - t0, kblocks, scale_bytes)
     sc = _from_blocks(sraw.index_select(2, scatter_s.to(raw.device)), tile, gpb)
     sc = sc[: r1 - r0, : packed.k // formats.GROUP_SIZE]
-    return formats.pack_nvfp4_codes(codes.contiguous()), sc.contiguous()
+    return codecs.pack_nvfp4_codes(codes.contiguous()), sc.contiguous()
 
 
 def unprepack_nvfp4(packed: PackedNVFP4, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK
@@ -205,10 +205,10 @@ def _first_diff(a: torch.Tensor, b: torch.Tensor):
 def verify_nvfp4_roundtrip(packed: PackedNVFP4, weight_u8: torch.Tensor, weight_scale: torch.Tensor,
                            rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> None:
     """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the source."""
-    n, k = formats.check_nvfp4(weight_u8, weight_scale)
+    n, k = codecs.check_nvfp4(weight_u8, weight_scale)
     if (n, k) != (packed.n, packed.k):
         raise PrepackMismatch(f"shape mismatch: packed is N={packed.n} K={packed.k}, source is N={n} K={k}")
-    sc_src = formats.as_e4m3_bytes(weight_scale)
+    sc_src = codecs.as_e4m3_bytes(weight_scale)
     g = geometry(packed.atom)
     step = _chunk_rows(rows_per_chunk, g.tile_n)
     for r0 in range(0, n, step):
@@ -234,11 +234,11 @@ def verify_nvfp4_roundtrip(packed: PackedNVFP4, weight_u8: torch.Tensor, weight_
 def prepack_fp8(weight_e4m3: torch.Tensor, weight_scale, atom: str = "m8n8k4",
                 rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> PackedFP8:
     """Checkpoint FP8 (e4m3 [N, K], float32 per-tensor or per-channel scale) -> PackedFP8."""
-    w = formats.as_e4m3_bytes(weight_e4m3)
+    w = codecs.as_e4m3_bytes(weight_e4m3)
     if w.dim() != 2:
         raise formats.FormatError(f"FP8 weight must be 2-D [N, K], got {tuple(w.shape)}")
     n, k = w.shape
-    scale = formats.fp8_channel_scales(weight_scale, n)
+    scale = codecs.fp8_channel_scales(weight_scale, n)
     scale = scale[:1].clone() if torch.as_tensor(weight_scale).numel() == 1 else scale.clone()
     g = geometry(atom)
     tile, kbk = g.tile_n, g.k_block
@@ -284,7 +284,7 @@ def unprepack_fp8(packed: PackedFP8, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUN
 def verify_fp8_roundtrip(packed: PackedFP8, weight_e4m3: torch.Tensor, weight_scale=None,
                          rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> None:
     """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the source."""
-    w_src = formats.as_e4m3_bytes(weight_e4m3)
+    w_src = codecs.as_e4m3_bytes(weight_e4m3)
     n, k = w_src.shape
     if (n, k) != (packed.n, packed.k):
         raise PrepackMismatch(f"shape mismatch: packed is N={packed.n} K={packed.k}, source is N={n} K={k}")

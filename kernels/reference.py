@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import formats
+from . import codecs, formats
 from .atoms import block_maps, geometry
 from .prepack import PackedFP8, PackedNVFP4, _from_blocks
 
@@ -40,12 +40,12 @@ def decode_packed_nvfp4(packed: PackedNVFP4) -> tuple[torch.Tensor, torch.Tensor
     tiles, kblocks = packed.n_pad // tile, packed.k_pad // kbk
     _, scatter_c = block_maps(packed.atom, "nvfp4")
     raw = packed.codes.view(tiles, kblocks, tile * kbk // 2)
-    table = formats.e2m1_table().to(raw.device)
+    table = codecs.e2m1_table().to(raw.device)
     nib = torch.empty((tiles, kblocks, tile * kbk), dtype=torch.float32, device=raw.device)
     nib[..., 0::2] = table[(raw & 0x0F).long()]
     nib[..., 1::2] = table[(raw >> 4).long()]
     vals = _from_blocks(nib.index_select(2, scatter_c.to(raw.device)), tile, kbk)[: packed.n, : packed.k]
-    scales = formats.decode_e4m3(_group_scale_bytes(packed)) * packed.global_scale.reshape(()).to(torch.float32)
+    scales = codecs.decode_e4m3(_group_scale_bytes(packed)) * packed.global_scale.reshape(()).to(torch.float32)
     return vals, scales
 
 
@@ -67,7 +67,7 @@ def decode_packed_fp8(packed: PackedFP8) -> tuple[torch.Tensor, torch.Tensor]:
     _, scatter = block_maps(packed.atom, "fp8")
     raw = packed.codes.view(tiles, kblocks, tile * kbk).index_select(2, scatter.to(packed.codes.device))
     src = _from_blocks(raw, tile, kbk)[: packed.n, : packed.k]
-    return formats.decode_e4m3(src), formats.fp8_channel_scales(packed.scale, packed.n)
+    return codecs.decode_e4m3(src), codecs.fp8_channel_scales(packed.scale, packed.n)
 
 
 def _finish(y32: torch.Tensor, bias) -> torch.Tensor:
@@ -106,7 +106,7 @@ def linear_nvfp4_f64(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | 
     """Exact float64 y (not rounded): sum over k of x * e2m1 * e4m3 * global, in float64."""
     _check_x(x, packed.k)
     vals, _ = decode_packed_nvfp4(packed)
-    s64 = formats.decode_e4m3(_group_scale_bytes(packed)).double() * packed.global_scale.double().reshape(())
+    s64 = codecs.decode_e4m3(_group_scale_bytes(packed)).double() * packed.global_scale.double().reshape(())
     w64 = (vals.double().view(packed.n, -1, formats.GROUP_SIZE) * s64.unsqueeze(-1)).view(packed.n, packed.k)
     y = x.double() @ w64.t()
     if bias is not None:

@@ -511,7 +511,7 @@ class Replay:
     def linear(self, packed, x: torch.Tensor, route, ksplit: int = 1) -> torch.Tensor:
         """y (float64, before the FP16 rounding) of the QPN route (a Route or its name) on these
         packed buffers."""
-        from qpn.kernels import formats, ops, routes
+        from qpn.kernels import codecs, ops, routes
         at = self.r.atom
         fmt = packed.fmt
         dec = self._dec(fmt)
@@ -579,7 +579,7 @@ class Replay:
     def reconstruct(self, packed, x: torch.Tensor) -> torch.Tensor:
         """qpn_reconstruct_body (transcribed): lane's words -> Dec::half2(w, idx) (* sc2[pick]) at
         workspace row tile * TILE_N + a_row(lane), columns kb * K_BLOCK + 2 idx, + 1; then the GEMM."""
-        from qpn.kernels import formats
+        from qpn.kernels import codecs
         at = self.r.atom
         fmt = packed.fmt
         dec = self._dec(fmt)
@@ -605,7 +605,7 @@ class Replay:
         y = x.double() @ ws[: packed.n, : packed.k].t()
         if fmt == "nvfp4":
             return y * packed.global_scale.double().reshape(())
-        return y * formats.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
+        return y * codecs.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
 
     # ---------------------------------------------------------------------------- MoE GEMMs
     def moe_gemm(self, stacks: list, x: torch.Tensor, x_row_div: int, sorted_pairs: list, groups: list,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from qpn.kernels import formats
+from qpn.kernels import codecs, formats
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
 pytestmark = pytest.mark.fast
@@ -18,15 +18,15 @@ def test_e2m1_table_from_bits():
         s = -1.0 if code & 8 else 1.0
         e, m = (code >> 1) & 3, code & 1
         want = s * (m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1))
-        assert formats.E2M1_VALUES[code] == want
-        assert math.copysign(1.0, formats.E2M1_VALUES[code]) == s
-    got = formats.decode_e2m1(torch.arange(16, dtype=torch.uint8))
-    assert got.tolist() == list(formats.E2M1_VALUES)
+        assert codecs.E2M1_VALUES[code] == want
+        assert math.copysign(1.0, codecs.E2M1_VALUES[code]) == s
+    got = codecs.decode_e2m1(torch.arange(16, dtype=torch.uint8))
+    assert got.tolist() == list(codecs.E2M1_VALUES)
 
 
 def test_decode_e4m3_matches_torch_for_every_byte():
     b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    ours = formats.decode_e4m3(b)
+    ours = codecs.decode_e4m3(b)
     theirs = b.view(torch.float8_e4m3fn).to(torch.float32)
     nan = torch.isnan(theirs)
     assert torch.equal(torch.isnan(ours), nan)
@@ -34,22 +34,22 @@ def test_decode_e4m3_matches_torch_for_every_byte():
     assert torch.equal(ours[~nan], theirs[~nan])
     assert float(ours[0x7E]) == 448.0 and float(ours[0x01]) == 2.0 ** -9
     # the float8 dtype and its bytes decode alike
-    assert torch.equal(formats.decode_e4m3(b.view(torch.float8_e4m3fn))[~nan], ours[~nan])
+    assert torch.equal(codecs.decode_e4m3(b.view(torch.float8_e4m3fn))[~nan], ours[~nan])
 
 
 def test_pack_unpack_low_nibble_is_even_element():
     codes = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
-    packed = formats.pack_nvfp4_codes(codes)
+    packed = codecs.pack_nvfp4_codes(codes)
     assert packed.tolist() == [[0x21, 0x43]]
-    assert torch.equal(formats.unpack_nvfp4_codes(packed), codes)
+    assert torch.equal(codecs.unpack_nvfp4_codes(packed), codes)
     g = torch.Generator().manual_seed(1)
     raw = torch.randint(0, 256, (37, 24), dtype=torch.uint8, generator=g)
-    assert torch.equal(formats.pack_nvfp4_codes(formats.unpack_nvfp4_codes(raw)), raw)
+    assert torch.equal(codecs.pack_nvfp4_codes(codecs.unpack_nvfp4_codes(raw)), raw)
 
 
 def _nearest_e2m1_even(v: torch.Tensor) -> torch.Tensor:
     """Brute force: nearest magnitude in the e2m1 grid, ties to the even mantissa, saturating."""
-    grid = torch.tensor(formats.E2M1_VALUES[:8])
+    grid = torch.tensor(codecs.E2M1_VALUES[:8])
     d = (v.abs().unsqueeze(-1) - grid).abs()
     best = d.min(dim=-1, keepdim=True).values
     cand = (d == best)
@@ -65,7 +65,7 @@ def test_quantize_nvfp4_modelopt_convention():
     w = torch.randn(24, 96, generator=g) * 0.02
     w[3, 5] = 0.5  # an outlier sets amax
     w[7, 16:32] = 0.0  # an all-zero group: scale forced to 1 before the cast
-    q, s, gs = formats.quantize_nvfp4(w)
+    q, s, gs = codecs.quantize_nvfp4(w)
     assert q.dtype == torch.uint8 and q.shape == (24, 48)
     assert s.dtype == torch.float8_e4m3fn and s.shape == (24, 6)
     assert gs.dtype == torch.float32 and gs.numel() == 1
@@ -73,34 +73,34 @@ def test_quantize_nvfp4_modelopt_convention():
     assert float(s.float()[7, 1]) == 1.0
     # the block that holds amax gets the largest scale, 448, and code 7 (6.0) at the outlier
     assert float(s.float()[3, 0]) == 448.0
-    codes = formats.unpack_nvfp4_codes(q)
+    codes = codecs.unpack_nvfp4_codes(q)
     assert int(codes[3, 5]) == 7
     # every code is the round-half-even nearest e2m1 of w / (scale * gs)
     denom = (s.float() * gs).repeat_interleave(16, dim=1)
     assert torch.equal(codes, _nearest_e2m1_even(w / denom))
-    err = (formats.dequantize_nvfp4(q, s, gs) - w).abs()
+    err = (codecs.dequantize_nvfp4(q, s, gs) - w).abs()
     assert float(err.max()) <= float(denom.max()) * 1.0 + 1e-12  # half of the widest step (2) times scale
 
 
 def test_e2m1_rounding_ties():
     v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, -0.0, 0.2, 100.0])
     want = [0, 2, 2, 4, 4, 6, 6, 7, 8 | 2, 0, 0, 7]
-    assert formats.round_to_e2m1_codes(v).tolist() == want
+    assert codecs.round_to_e2m1_codes(v).tolist() == want
 
 
 def test_quantize_fp8_per_tensor_and_channel():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(16, 40, generator=g)
-    q, s = formats.quantize_fp8(w)
+    q, s = codecs.quantize_fp8(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == ()
     assert float(s) == pytest.approx(float(w.abs().max()) / 448, rel=1e-7)
-    assert float(formats.decode_e4m3(q).abs().max()) == 448.0
-    rel = (formats.dequantize_fp8(q, s) - w).norm() / w.norm()
+    assert float(codecs.decode_e4m3(q).abs().max()) == 448.0
+    rel = (codecs.dequantize_fp8(q, s) - w).norm() / w.norm()
     assert rel < 0.05
-    q2, s2 = formats.quantize_fp8(w, per_channel=True)
+    q2, s2 = codecs.quantize_fp8(w, per_channel=True)
     assert s2.shape == (16,)
     assert torch.allclose(s2, w.abs().amax(1) / 448)
-    assert torch.equal(formats.dequantize_fp8(q2, s2.reshape(16, 1)), formats.dequantize_fp8(q2, s2))
+    assert torch.equal(codecs.dequantize_fp8(q2, s2.reshape(16, 1)), codecs.dequantize_fp8(q2, s2))
 
 
 def test_dequantize_nvfp4_f64_is_exact_product():
@@ -108,22 +108,22 @@ def test_dequantize_nvfp4_f64_is_exact_product():
     q = torch.randint(0, 256, (8, 32), dtype=torch.uint8, generator=g)
     s = torch.randint(0, 0x7E, (8, 4), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     gs = torch.tensor(3.7e-4)
-    d64 = formats.dequantize_nvfp4_f64(q, s, gs)
-    codes = formats.unpack_nvfp4_codes(q)
+    d64 = codecs.dequantize_nvfp4_f64(q, s, gs)
+    codes = codecs.unpack_nvfp4_codes(q)
     for r, c in [(0, 0), (3, 17), (7, 63)]:
-        want = formats.E2M1_VALUES[int(codes[r, c])] * float(s.view(torch.uint8)[r, c // 16].view(torch.float8_e4m3fn).float()) * float(gs)
+        want = codecs.E2M1_VALUES[int(codes[r, c])] * float(s.view(torch.uint8)[r, c // 16].view(torch.float8_e4m3fn).float()) * float(gs)
         assert float(d64[r, c]) == want
 
 
 def test_bad_inputs_name_the_problem():
     with pytest.raises(formats.FormatError, match="multiple of 16"):
-        formats.check_nvfp4(torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8))
+        codecs.check_nvfp4(torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8))
     with pytest.raises(formats.FormatError, match=r"\[N, K/16\]"):
-        formats.check_nvfp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
+        codecs.check_nvfp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
     with pytest.raises(formats.FormatError, match="float8_e4m3fn"):
-        formats.decode_e4m3(torch.zeros(3))
+        codecs.decode_e4m3(torch.zeros(3))
     with pytest.raises(formats.FormatError, match="per channel"):
-        formats.dequantize_fp8(torch.zeros(4, 4, dtype=torch.uint8), torch.ones(3))
+        codecs.dequantize_fp8(torch.zeros(4, 4, dtype=torch.uint8), torch.ones(3))
 
 
 # ------------------------------------------------------------------ independent cross-check
@@ -139,8 +139,8 @@ def test_cross_check_against_compressed_tensors():
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (12, 64), dtype=torch.uint8, generator=g)
     codes[0, :16] = torch.arange(16, dtype=torch.uint8)
-    ours_packed = formats.pack_nvfp4_codes(codes)
-    values = formats.decode_e2m1(codes)
+    ours_packed = codecs.pack_nvfp4_codes(codes)
+    values = codecs.decode_e2m1(codes)
     # their packer from values, their unpacker to values, against our codes and bytes
     assert torch.equal(h.pack_fp4_to_uint8(values), ours_packed)
     theirs = h.unpack_fp4_from_uint8(ours_packed, 12, 64, dtype=torch.float32)

@@ -41,7 +41,7 @@ import time
 import pytest
 import torch
 
-from qpn.kernels import formats, jit, ops, prepack, reference, routes
+from qpn.kernels import codecs, jit, ops, prepack, reference, routes
 from tests import _format_cases as fc
 from tests import _per_group as pg
 
@@ -284,8 +284,8 @@ def test_fp16_accumulator_overflow_trap(atom):
     y64 = reference.linear_f64(x, packed)
     assert torch.isfinite(y64.half()).all()
     if atom == "m16n8k16":   # cuBLAS FP16 GEMM (FP32 accumulate and out) on the same exact values
-        e2m1 = formats.decode_e2m1(formats.unpack_nvfp4_codes(w)).view(n, -1, 16)
-        w16 = (e2m1 * formats.decode_e4m3(sc).unsqueeze(-1)).view(n, k).half()   # exact in FP16
+        e2m1 = codecs.decode_e2m1(codecs.unpack_nvfp4_codes(w)).view(n, -1, 16)
+        w16 = (e2m1 * codecs.decode_e4m3(sc).unsqueeze(-1)).view(n, k).half()   # exact in FP16
         for m in (1, 8, 16):
             y = (torch.mm(x[:m], w16.t(), out_dtype=torch.float32) * 0.02).half()
             rel = reference.relative_error(y, y64[:m])

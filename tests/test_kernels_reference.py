@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import formats, jit, nvrtc, ops, prepack, reference, routes
+from qpn.kernels import codecs, jit, nvrtc, ops, prepack, reference, routes
 from tests import _format_cases as fc
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
@@ -37,7 +37,7 @@ def test_reference_nvfp4_within_bound_of_float64(n, k, m, kind, outliers):
     assert y.dtype == torch.float16 and y.shape == (m, n)
     assert reference.relative_error(y, y64) <= BOUND
     # the reference decodes the PACKED buffers: the same values as the checkpoint tensors
-    direct = x.double() @ formats.dequantize_nvfp4_f64(q, s, gs).t()
+    direct = x.double() @ codecs.dequantize_nvfp4_f64(q, s, gs).t()
     assert torch.equal(y64, direct)
 
 
@@ -55,13 +55,13 @@ def test_reference_fp8_within_bound_of_float64(per_channel, kind, outliers):
     y = reference.linear_fp8(x, p, bias)
     y64 = reference.linear_fp8_f64(x, p, bias)
     assert reference.relative_error(y, y64) <= BOUND
-    assert torch.allclose(y64, x.double() @ formats.dequantize_fp8_f64(q, s).t() + bias.double(), rtol=0, atol=1e-9)
+    assert torch.allclose(y64, x.double() @ codecs.dequantize_fp8_f64(q, s).t() + bias.double(), rtol=0, atol=1e-9)
 
 
 def test_reference_decode_is_independent_of_source_tensors():
     """Corrupting the packed buffer changes the reference output: it reads the packed bytes."""
     g = torch.Generator().manual_seed(1)
-    p = prepack.prepack_nvfp4(*formats.quantize_nvfp4(torch.randn((32, 32), generator=g)))
+    p = prepack.prepack_nvfp4(*codecs.quantize_nvfp4(torch.randn((32, 32), generator=g)))
     x = torch.ones((1, 32), dtype=torch.float16)
     before = reference.linear_nvfp4(x, p).clone()
     p.codes[0] ^= 0x77
@@ -90,7 +90,7 @@ def test_route_table():
 
 def test_qpn_linear_on_cpu_is_the_reference_through_the_custom_op():
     g = torch.Generator().manual_seed(2)
-    p = prepack.prepack_nvfp4(*formats.quantize_nvfp4(torch.randn((40, 64), generator=g) * 0.1))
+    p = prepack.prepack_nvfp4(*codecs.quantize_nvfp4(torch.randn((40, 64), generator=g) * 0.1))
     x = _outlier_x(6, 64, 9).reshape(2, 3, 64)
     bias = torch.randn(40, generator=g).half()
     y = ops.qpn_linear(x, p, bias=bias)
@@ -105,7 +105,7 @@ def test_qpn_linear_on_cpu_is_the_reference_through_the_custom_op():
 
 def test_custom_op_fake_impl_traces_under_torch_compile():
     g = torch.Generator().manual_seed(3)
-    q, s = formats.quantize_fp8(torch.randn((24, 40), generator=g))
+    q, s = codecs.quantize_fp8(torch.randn((24, 40), generator=g))
     p = prepack.prepack_fp8(q, s)
     x = torch.randn((5, 40), generator=g).half()
     compiled = torch.compile(lambda a: ops.qpn_linear(a, p), fullgraph=True, backend="eager")

@@ -28,7 +28,7 @@ import torch
 import _format_cases as fc
 import _moe_cases
 import _sm70_replay as rp
-from qpn.kernels import formats, prepack, routes
+from qpn.kernels import codecs, prepack, routes
 
 TIGHT = 1e-12   # float64 summation-order noise, relative to the magnitude sum |x| @ |W|^T
 
@@ -79,9 +79,9 @@ def test_replay_reads_the_atom_and_decoders_from_the_cuda_source(replay):
     for code in range(16):
         word = rp.U32(torch.tensor([(code << 12) | (code << 28)]))
         lo, hi = rp.h2(replay.r.nvfp4.dec(word))
-        want = float(formats.e2m1_table()[code])
+        want = float(codecs.e2m1_table()[code])
         assert float(lo) == want and float(hi) == want
-    e4 = formats.e4m3_table(torch.float64)
+    e4 = codecs.e4m3_table(torch.float64)
     b = fc.FP8_FINITE_BYTES.to(torch.int64)
     lo, hi = rp.h2(replay.r.fp8.dec(rp.U32((b << 8) | (b << 24))))
     assert torch.equal(lo, e4[b]) and torch.equal(hi, e4[b])
@@ -175,9 +175,9 @@ def _expert_f64(stack, e):
     p = stack.expert(e)
     if stack.fmt == "nvfp4":
         w, s = prepack.unprepack_nvfp4(p)
-        return formats.dequantize_nvfp4_f64(w, s, p.global_scale)
+        return codecs.dequantize_nvfp4_f64(w, s, p.global_scale)
     w, s = prepack.unprepack_fp8(p)
-    return formats.dequantize_fp8_f64(w, s)
+    return codecs.dequantize_fp8_f64(w, s)
 
 
 # ------------------------------------------------------------ drift on either side must fail

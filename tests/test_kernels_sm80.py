@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from qpn.kernels import formats, jit, nvrtc, ops, prepack, reference, routes
+from qpn.kernels import codecs, jit, nvrtc, ops, prepack, reference, routes
 from qpn.kernels.atoms import atom_for_arch, block_maps, geometry
 from tests import _format_cases as fc
 
@@ -94,15 +94,15 @@ def test_fp8_roundtrip_byte_identical(n, k, per_channel):
 def test_reference_on_m16n8k16_buffers_equals_the_sm70_atom_and_float64():
     g = torch.Generator().manual_seed(11)
     w = torch.randn((70, 320), generator=g) * 0.05
-    q, s, gs = formats.quantize_nvfp4(w)
+    q, s, gs = codecs.quantize_nvfp4(w)
     x = torch.randn((9, 320), generator=g).half()
     x[:, 5] = 3000.0
     a, b = prepack.prepack_nvfp4(q, s, gs), prepack.prepack_nvfp4(q, s, gs, atom=ATOM)
     assert torch.equal(reference.linear_f64(x, a), reference.linear_f64(x, b))
-    assert torch.equal(reference.linear_f64(x, b), x.double() @ formats.dequantize_nvfp4_f64(q, s, gs).t())
+    assert torch.equal(reference.linear_f64(x, b), x.double() @ codecs.dequantize_nvfp4_f64(q, s, gs).t())
     # qpn_linear on CPU (the custom op, atom passed through) is the reference on those buffers
     assert torch.equal(ops.qpn_linear(x, b), reference.linear_nvfp4(x, b))
-    f, fs = formats.quantize_fp8(w, per_channel=True)
+    f, fs = codecs.quantize_fp8(w, per_channel=True)
     c = prepack.prepack_fp8(f, fs, atom=ATOM)
     assert torch.equal(ops.qpn_linear(x, c), reference.linear_fp8(x, c))
 
@@ -162,7 +162,7 @@ def _exact_f16_mul(a, b):
 def _scales_sm89(sp):
     """Frag16NVFP4::step_scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 of the step's byte pair, * 2^7;
     the two halves (rows g, g+8) are then broadcast (dup_lo / dup_hi)."""
-    e4 = formats.e4m3_table(torch.float64)
+    e4 = codecs.e4m3_table(torch.float64)
     return e4[sp & 0xFF] * 128.0, e4[(sp >> 8) & 0xFF] * 128.0
 
 
@@ -197,7 +197,7 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
         sp = sc[..., 0] | (sc[..., 1] << 8)                              # [tiles, kb, g, step]
     A = torch.zeros((tiles, kblocks, 4, 16, 16), dtype=torch.float64)
     B = torch.zeros((kblocks, 4, 16, 8), dtype=torch.float64)
-    e4 = formats.e4m3_table(torch.float64)
+    e4 = codecs.e4m3_table(torch.float64)
     for lane in range(32):
         gq, t = lane >> 2, lane & 3
         for s in range(4):
@@ -233,7 +233,7 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
     y = D.reshape(tiles * 16, 8).t()[:m, : packed.n]
     if nv:
         return y * (packed.global_scale.double() * 128.0)   # Frag16NVFP4::OUT_MULT
-    return y * formats.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
+    return y * codecs.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
 
 
 @pytest.mark.fast

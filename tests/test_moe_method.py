@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from qpn.fork_patches import moe_method  # noqa: E402
 from qpn.fork_patches.linear_method import QPNCheckpointError  # noqa: E402
-from qpn.kernels import formats, moe, moe_reference  # noqa: E402
+from qpn.kernels import codecs, moe, moe_reference  # noqa: E402
 from tests._moe_cases import activations, routing  # noqa: E402
 from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group)
 
@@ -46,7 +46,7 @@ def _checkpoint(gen):
     out = []
     for e in range(E):
         for shard, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            q, s, s2 = formats.quantize_nvfp4(torch.randn((n, k), generator=gen) * 0.1)
+            q, s, s2 = codecs.quantize_nvfp4(torch.randn((n, k), generator=gen) * 0.1)
             stem = "w2" if shard == "w2" else "w13"
             out += [(f"{stem}_weight", q, shard, e), (f"{stem}_weight_scale", s, shard, e),
                     (f"{stem}_weight_scale_2", s2, shard, e),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import formats, moe, moe_reference, prepack, reference, routes
+from qpn.kernels import codecs, formats, moe, moe_reference, prepack, reference, routes
 from tests._moe_cases import ROUTINGS, activations, random_moe, routing
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
@@ -144,7 +144,7 @@ def test_swiglu_rounding_point_is_the_documented_one():
 def test_stack_prepack_is_per_expert_dense_prepack_with_verified_inverse():
     gen = torch.Generator().manual_seed(16)
     w = torch.randn((3, 40, 64), generator=gen) * 0.1
-    q = [formats.quantize_nvfp4(w[e]) for e in range(3)]
+    q = [codecs.quantize_nvfp4(w[e]) for e in range(3)]
     codes = torch.stack([a for a, _, _ in q])
     sc = torch.stack([b for _, b, _ in q])
     gs = torch.stack([c for _, _, c in q])
@@ -156,7 +156,7 @@ def test_stack_prepack_is_per_expert_dense_prepack_with_verified_inverse():
         back_w, back_s = prepack.unprepack_nvfp4(st.expert(e))
         assert torch.equal(back_w, codes[e]) and torch.equal(back_s.view(torch.uint8), sc[e].view(torch.uint8))
     # FP8, per channel and per tensor
-    q8 = [formats.quantize_fp8(w[e], per_channel=True) for e in range(3)]
+    q8 = [codecs.quantize_fp8(w[e], per_channel=True) for e in range(3)]
     st8 = moe.prepack_expert_stack("fp8", torch.stack([a for a, _ in q8]), torch.stack([b for _, b in q8]))
     assert st8.per_channel and st8.chscale.shape == (3, 40)
     assert torch.equal(prepack.unprepack_fp8(st8.expert(1))[0].view(torch.uint8), q8[1][0].view(torch.uint8))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import formats, prepack
+from qpn.kernels import codecs, formats, prepack
 from qpn.kernels.atoms import block_maps, geometry
 
 
@@ -30,8 +30,8 @@ def test_nvfp4_roundtrip_byte_identical(n, k):
     assert s2.dtype == torch.float8_e4m3fn
     # only addresses move: the packed buffer holds the same multiset of nibbles plus zero padding
     pad_nibbles = (p.n_pad * p.k_pad) - n * k
-    src_hist = torch.bincount(formats.unpack_nvfp4_codes(w).reshape(-1).long(), minlength=16)
-    dst_hist = torch.bincount(formats.unpack_nvfp4_codes(p.codes.view(1, -1)).reshape(-1).long(), minlength=16)
+    src_hist = torch.bincount(codecs.unpack_nvfp4_codes(w).reshape(-1).long(), minlength=16)
+    dst_hist = torch.bincount(codecs.unpack_nvfp4_codes(p.codes.view(1, -1)).reshape(-1).long(), minlength=16)
     src_hist[0] += pad_nibbles
     assert torch.equal(src_hist, dst_hist)
 
@@ -70,7 +70,7 @@ def test_fragment_positions_pin_the_kernel_contract():
     codes[0, 0], codes[0, 1], codes[0, 2], codes[0, 7] = 1, 2, 3, 5  # row 0 -> lane 0
     codes[4, 0] = 6                                                  # row 4 -> lane 16
     codes[8, 8] = 7                                                  # row 8 -> lane 4, second word
-    p = prepack.prepack_nvfp4(formats.pack_nvfp4_codes(codes), torch.zeros((n, 2), dtype=torch.uint8), 1.0)
+    p = prepack.prepack_nvfp4(codecs.pack_nvfp4_codes(codes), torch.zeros((n, 2), dtype=torch.uint8), 1.0)
     word = lambda lane, j: int.from_bytes(bytes(p.codes[16 * lane + 4 * j: 16 * lane + 4 * j + 4].tolist()), "little")
     nib = lambda v, i: (v >> (4 * i)) & 0xF
     w0 = word(0, 0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qpn.fork_patches import tp_sharding as tps
-from qpn.kernels import formats, prepack
+from qpn.kernels import codecs, prepack
 from qpn.kernels.atoms import KNOWN_ATOMS
 from qpn.scripts.launcher import serve_preflight
 
@@ -92,7 +92,7 @@ def test_row_parallel_nvfp4_keeps_whole_groups_and_k_blocks(tp, tp_rank):
 
     n, k = 32, I  # down_proj's real K, a few rows
     codes, scales = _nvfp4(n, k, seed=tp)
-    full = formats.dequantize_nvfp4(codes, scales, torch.tensor(0.5))
+    full = codecs.dequantize_nvfp4(codes, scales, torch.tensor(0.5))
     pieces = []
     for rank in range(tp):
         tp_rank(rank, tp)
@@ -103,7 +103,7 @@ def test_row_parallel_nvfp4_keeps_whole_groups_and_k_blocks(tp, tp_rank):
         p_codes.load_row_parallel_weight(codes)
         p_scales.load_row_parallel_weight(scales)
         # whole groups: this rank's codes and scales describe exactly its slice of the weight
-        mine = formats.dequantize_nvfp4(p_codes.data, p_scales.data, torch.tensor(0.5))
+        mine = codecs.dequantize_nvfp4(p_codes.data, p_scales.data, torch.tensor(0.5))
         assert torch.equal(mine, full[:, rank * k // tp:(rank + 1) * k // tp])
         for atom in KNOWN_ATOMS:  # whole k-blocks: no padding inside the rank's K
             packed = prepack.prepack_nvfp4(p_codes.data, p_scales.data, torch.tensor(0.5), atom=atom)

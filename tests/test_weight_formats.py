@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import formats, prepack
+from qpn.kernels import codecs, formats, prepack
 from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, NVFP4, WEIGHT_FORMATS
 
 pytestmark = pytest.mark.fast
 
-E2M1 = torch.tensor(formats.E2M1_VALUES, dtype=torch.float64)
+E2M1 = torch.tensor(codecs.E2M1_VALUES, dtype=torch.float64)
 
 
 def _e4m3_f64(b: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ def _nvfp4_every_byte():
     base = [c for c in range(16) if c != 8] + [7]                            # 16 codes
     rows = [base[r % 16:] + base[:r % 16] for r in range(scale_bytes.numel())]
     codes = torch.tensor(rows, dtype=torch.uint8)                            # [126, 16]
-    return (formats.pack_nvfp4_codes(codes), scale_bytes.view(torch.float8_e4m3fn).reshape(-1, 1),
+    return (codecs.pack_nvfp4_codes(codes), scale_bytes.view(torch.float8_e4m3fn).reshape(-1, 1),
             torch.tensor(2.0 ** -4, dtype=torch.float32)), codes
 
 

@@ -3,7 +3,7 @@
     python -m qpn.scripts.checkpoints.make_checkpoint OUT_DIR [--seed S] [--malformed KIND] [--embed-config]
 
 The checkpoint has the layout NVIDIA ModelOpt's ``export_hf_checkpoint`` writes for a mixed
-FP8/NVFP4 model, with true encodings (qpn.kernels.formats.quantize_fp8 / quantize_nvfp4):
+FP8/NVFP4 model, with true encodings (qpn.kernels.codecs.quantize_fp8 / quantize_nvfp4):
 
 * FP8 (e4m3, per-tensor ``weight_scale``, static ``input_scale``): ``linear_attn.in_proj_qkv``,
   ``linear_attn.in_proj_z``, ``linear_attn.out_proj``, ``self_attn.q_proj/k_proj/v_proj``,
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from qpn.kernels import formats
+from qpn.kernels import codecs, formats
 from qpn.scripts.checkpoints import tiny_hybrid, tiny_tokenizer
 
 MODELOPT_VERSION_FORM = "0.47.0"  # the ModelOpt release whose export layout this mirrors
@@ -100,10 +100,10 @@ def encode_nvfp4_padded(w: torch.Tensor, global_amax: float | None = None):
         aug = torch.zeros(n + 1, k_pad)
         aug[:n] = wp
         aug[n, 0] = global_amax
-        q, s, s2 = formats.quantize_nvfp4(aug)
+        q, s, s2 = codecs.quantize_nvfp4(aug)
         q, s = q[:n], s[:n]
     else:
-        q, s, s2 = formats.quantize_nvfp4(wp)
+        q, s, s2 = codecs.quantize_nvfp4(wp)
     if k_pad != k:
         q, s = q[:, : -(-k // 2)], s[:, : -(-k // formats.GROUP_SIZE)]
     return q.contiguous(), s.contiguous(), s2

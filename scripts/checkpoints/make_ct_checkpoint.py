@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from qpn.fork_patches.conventions import COMPRESSED_TENSORS, E2M1_MAX, E4M3_MAX, GROUP_SIZE
-from qpn.kernels import formats
+from qpn.kernels import codecs
 from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
 
 CT_VERSION_FORM = "0.17.0"  # the compressed-tensors release whose layout this mirrors
@@ -88,9 +88,9 @@ def encode_nvfp4(w: torch.Tensor, global_amax: float | None = None) -> dict[str,
     x = (groups / (scale / g).unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX).view(n, k)
     # round half to even with the sign bit set for x < 0: a negative value that rounds to 0 keeps
     # it (code 8), -0.0 does not (code 0), exactly as the library's cast_to_fp4 + pack does
-    codes = formats.round_to_e2m1_codes(x)
+    codes = codecs.round_to_e2m1_codes(x)
     names = COMPRESSED_TENSORS.nvfp4
-    return {names.codes: formats.pack_nvfp4_codes(codes), names.group_scales: scale.to(torch.float8_e4m3fn),
+    return {names.codes: codecs.pack_nvfp4_codes(codes), names.group_scales: scale.to(torch.float8_e4m3fn),
             names.global_scale: g}
 
 
