@@ -343,7 +343,7 @@ def sweep(names, ms, read, gen, path, provenance):
     source, graph-timed on the same weights, plus the split-K minimum-items knob."""
     rows = []
     kernels = jit.sm80_kernels()
-    saved = dict(ops.SM80_MIN_ITEMS)
+    saved = {f.family: v for f, v in jit.SM80_MIN_ITEMS.items()}
     for name in names:
         fmt, n, k = SHAPES[name]
         src0 = _weights(fmt, n, k, gen)
@@ -355,12 +355,12 @@ def sweep(names, ms, read, gen, path, provenance):
             x = x_all[:m]
             mt = 1 if m <= 8 else 2
             route = str(routes.route_for(fmt, m, n, k, arch="sm80"))
-            default = jit.SM80_ROUTE_KERNELS[(fmt, mt)]
+            default = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], mt)]
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
                       if c.fmt == fmt and c.mt == mt]
             trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
             for kn, mi in trials:
-                ops.SM80_MIN_ITEMS[fmt] = mi
+                jit.SM80_MIN_ITEMS[formats.FAMILIES[fmt]] = mi
                 ops._sm80_plans.clear()
                 t = time_graph(lambda i: ops.run_sm80_kernel(x, packs[i % n_q], kn, route), target_ms=15)
                 gbps = p0.nbytes / (t * 1e-3) / 1e9
@@ -370,7 +370,7 @@ def sweep(names, ms, read, gen, path, provenance):
                                  gbps=gbps, pct_read=100 * gbps / read))
                 print(f"sweep {name:22s} M={m:3d} {kn:34s} min_items={mi} {t * 1e3:8.1f} us "
                       f"{100 * gbps / read:5.1f}% read", flush=True)
-            ops.SM80_MIN_ITEMS.update(saved)
+            jit.SM80_MIN_ITEMS.update({formats.FAMILIES[f]: v for f, v in saved.items()})
             ops._sm80_plans.clear()
         del packs
         torch.cuda.empty_cache()
@@ -392,18 +392,19 @@ def sweep(names, ms, read, gen, path, provenance):
 
 
 def sweep_winners(rows) -> dict:
-    """(fmt, mt) -> the route-capable kernel (variant 0) with the best mean share of the read
-    ceiling over the swept shapes and M, at the default split-K setting."""
+    """(format family's WeightFormat, mt), the keys of jit.SM80_ROUTE_KERNELS -> the route-capable
+    kernel (variant 0) with the best mean share of the read ceiling over the swept shapes and M, at
+    the default split-K setting."""
     kernels = jit.sm80_kernels()
     best = {}
     for key in {(r["fmt"], 1 if r["m"] <= 8 else 2) for r in rows}:
         scores = {}
         for r in rows:
             if (r["fmt"], 1 if r["m"] <= 8 else 2) == key and kernels[r["kernel"]].variant == 0 \
-                    and r["min_items"] == ops.SM80_MIN_ITEMS[r["fmt"]]:
+                    and r["min_items"] == jit.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
                 scores.setdefault(r["kernel"], []).append(r["pct_read"])
         if scores:
-            best[key] = max(scores, key=lambda kn: statistics.mean(scores[kn]))
+            best[(formats.FAMILIES[key[0]], key[1])] = max(scores, key=lambda kn: statistics.mean(scores[kn]))
     return best
 
 
@@ -432,9 +433,9 @@ def provenance(args, atom) -> list[str]:
         f"# command: {' '.join(shlex.quote(a) for a in [os.path.basename(sys.executable), '-m', 'qpn.benchmarks.kernel_matched_bench'] + sys.argv[1:])}",
         f"# date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         f"# qpn atom: {atom}; sm_80+ route kernels: "
-        + ", ".join(f"{f}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
-        + "".join(f"; {f}/mt{mt} with N >= {jit.SM80_LARGE_N}={k}" for (f, mt), k in jit.SM80_LARGE_N_KERNELS.items())
-        + f"; split-K min items {ops.SM80_MIN_ITEMS}",
+        + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
+        + "".join(f"; {f.family}/mt{mt} with N >= {jit.SM80_LARGE_N}={k}" for (f, mt), k in jit.SM80_LARGE_N_KERNELS.items())
+        + f"; split-K min items { {f.family: v for f, v in jit.SM80_MIN_ITEMS.items()} }",
     ]
     if cap >= (8, 0) and atom == "m8n8k4":
         lines.append(f"# NOTE: {EMULATION_NOTE}")
@@ -657,7 +658,8 @@ def main(argv=None) -> int:
             jit.SM80_ROUTE_KERNELS.update(win)
             jit.SM80_LARGE_N_KERNELS.clear()   # the sweep's winners serve every layer size
             ops._sm80_plans.clear()
-            print("adopted from the sweep: " + ", ".join(f"{f}/mt{mt}={k}" for (f, mt), k in sorted(win.items())))
+            print("adopted from the sweep: " + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in
+                                                     sorted(win.items(), key=lambda it: (it[0][0].family, it[0][1]))))
             prov = provenance(args, atom) + extra
     if not args.out:
         return 0

@@ -7,8 +7,8 @@ how the output scale applies) and which route family and kernels serve it, and i
 entry point to the format's numerics: ``decode_f64`` (exact), ``quantize`` (for the checkpoint
 generators), ``prepack`` / ``unprepack`` / ``verify_roundtrip`` (the fragment-order buffers and
 their proven inverse), ``reference_linear`` (the CPU reference over the packed bytes) and
-``kernel_tensors`` / ``packed_from_tensors`` (a packed weight as the three buffers a kernel
-reads, and back).
+``packed_tensors`` / ``kernel_tensors`` / ``packed_from_tensors`` (a packed weight as the three
+buffers a kernel reads, and back).
 
 A weight's *source* is the tuple of checkpoint tensors in the format's ``roles`` order:
 NVFP4 (codes uint8 [N, K/2], group_scales float8_e4m3fn [N, K/16], global_scale float32, the
@@ -149,9 +149,19 @@ class WeightFormat:
         [N]) from the packed bytes: y = (x @ values^T) * row_scale."""
         raise NotImplementedError
 
+    def packed_tensors(self, packed) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The packed weight's own buffers in kernel-argument order: (codes, group scales or None,
+        output scale as stored). The same tensor objects, no copies: kernels/ops.py builds a
+        weight's operands from them and checks by identity that a cached launch still points
+        at them."""
+        raise NotImplementedError
+
     def kernel_tensors(self, packed) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(codes, group scales or None, float32 output scale: [1] or [N]) a kernel reads."""
-        raise NotImplementedError
+        import torch
+
+        codes, scales, out_scale = self.packed_tensors(packed)
+        return codes, scales, out_scale.to(torch.float32).reshape(-1)
 
     def packed_from_tensors(self, codes, scales, chscale, n: int, k: int, atom: str):
         """The inverse of ``kernel_tensors``: a packed weight (views, no copy)."""
@@ -237,10 +247,8 @@ class NVFP4Format(WeightFormat):
         w = (vals.view(packed.n, -1, self.group_size) * gscales.unsqueeze(-1)).view(packed.n, packed.k)
         return w, torch.ones(packed.n, dtype=torch.float32, device=w.device)
 
-    def kernel_tensors(self, packed):
-        import torch
-
-        return packed.codes, packed.scales, packed.global_scale.to(torch.float32).reshape(1)
+    def packed_tensors(self, packed):
+        return packed.codes, packed.scales, packed.global_scale
 
     def packed_from_tensors(self, codes, scales, chscale, n, k, atom):
         from .prepack import PackedNVFP4
@@ -278,10 +286,8 @@ class FP8Format(WeightFormat):
 
         return reference.decode_packed_fp8(packed)
 
-    def kernel_tensors(self, packed):
-        import torch
-
-        return packed.codes, None, packed.scale.to(torch.float32).reshape(-1)
+    def packed_tensors(self, packed):
+        return packed.codes, None, packed.scale
 
     def packed_from_tensors(self, codes, scales, chscale, n, k, atom):
         from .prepack import PackedFP8

@@ -18,25 +18,23 @@ import re
 import threading
 from dataclasses import dataclass
 
-from . import nvrtc
+from . import formats, nvrtc
 
 COMPILE_FLAGS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")
-# Every kernel entry point the family must export, per atom. ops.build() fails naming any that
-# is missing.
-ENTRY_POINTS = {
-    "m8n8k4": (
-        "qpn2_mt1_m8n8k4", "qpn2_mt2_m8n8k4", "qpn8_mt1_m8n8k4", "qpn8_mt2_m8n8k4",
-        "qpn2_reconstruct_ws_m8n8k4", "qpn8_reconstruct_ws_m8n8k4",
-    ),
-}
+# Every kernel entry point the family must export, per atom (each format family's dense entry
+# points, from kernels/formats.py; on m16n8k16 also the configured kernels the tables below name).
+# ops.build() fails naming any that is missing.
+ENTRY_POINTS = {atom: tuple(e for f in formats.FAMILIES.values() for e in f.dense_entry_points(atom))
+                for atom in ("m8n8k4", "m16n8k16")}
 MAIN_SOURCE = "qpn_kernels.cu"
 # The dense QPN family, one source per tensor-core atom (the m16n8k16 source needs sm_80+).
 ATOM_SOURCES = {"m8n8k4": MAIN_SOURCE, "m16n8k16": "qpn_kernels_sm80.cu"}
 ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 
 # sm_80+ (m16n8k16): which configured kernel of csrc/qpn_kernels_sm80.cu serves each packed route,
-# by (format, token tiles per weight pass). Chosen on the H200 among the spill-free configurations
-# (benchmarks/kernel_matched_bench.py --sweep); a change here needs no recompilation.
+# by (the format family's WeightFormat, formats.FAMILIES; token tiles per weight pass). Chosen on
+# the H200 among the spill-free configurations (benchmarks/kernel_matched_bench.py --sweep); a
+# change here needs no recompilation.
 # (H200 sweeps 2026-11-30, results/kernel_sm80_ring_sweep_h200_20261130.csv (TP1 shapes) and
 # results/kernel_sm80_ring3_sweep_h200_20261130.csv (FP8, down, TP4 down, after the batched split-K
 # finish): the register ring t2d4p0 is best for NVFP4 M <= 8 on every measured shape except the
@@ -46,27 +44,34 @@ ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 # Run 6 (results/kernel_sm80_fp8swizzle_sweep_h200_20261130.csv): once the FP8 ring's copies were
 # coalesced (chunk_pos in the .cu), the ring t2s3x has the best mean for FP8 M 9-16: in_proj 57.8%
 # vs 53.0% for the register t1d4p0, out_proj 36.8% vs 37.5%; FP8 M <= 8 stays on the register ring.)
+_NVFP4, _FP8 = formats.FAMILIES["nvfp4"], formats.FAMILIES["fp8"]
 SM80_ROUTE_KERNELS = {
-    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p0",
-    ("nvfp4", 2): "qpn2_mt2_m16n8k16_t2s4x",
-    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p0",
-    ("fp8", 2): "qpn8_mt2_m16n8k16_t2s3x",
+    (_NVFP4, 1): "qpn2_mt1_m16n8k16_t2d4p0",
+    (_NVFP4, 2): "qpn2_mt2_m16n8k16_t2s4x",
+    (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2p0",
+    (_FP8, 2): "qpn8_mt2_m16n8k16_t2s3x",
 }
 # Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
 SM80_LARGE_N = 100_000
-SM80_LARGE_N_KERNELS = {("nvfp4", 1): "qpn2_mt1_m16n8k16_t4s4"}
+SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # The register-ring kernels (no shared memory) serve a route when the GPU cannot give a block the
 # ring kernel's shared memory (sm_86 / sm_89 allow about 99 KB per block).
 SM80_ROUTE_KERNELS_NO_SMEM = {
-    ("nvfp4", 1): "qpn2_mt1_m16n8k16_t2d4p0",
-    ("nvfp4", 2): "qpn2_mt2_m16n8k16_t1d4p8",
-    ("fp8", 1): "qpn8_mt1_m16n8k16_t2d2p0",
-    ("fp8", 2): "qpn8_mt2_m16n8k16_t1d4p0",
+    (_NVFP4, 1): "qpn2_mt1_m16n8k16_t2d4p0",
+    (_NVFP4, 2): "qpn2_mt2_m16n8k16_t1d4p8",
+    (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2p0",
+    (_FP8, 2): "qpn8_mt2_m16n8k16_t1d4p0",
 }
+# Fewest work items (k-blocks of one weight group) per warp, per format family: below about the
+# ring depth a warp spends its time filling the ring and reducing, so small layers get fewer,
+# longer runs (ops.sm80_partition).
+SM80_MIN_ITEMS = {_NVFP4: 4, _FP8: 2}
+# The fragment decoder each family's kernels are configured with (QPN80*_ENTRY's second field starts
+# with it).
+SM80_FRAGMENTS = {"Frag16NVFP4": _NVFP4, "Frag16FP8": _FP8}
 ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_ROUTE_KERNELS.values())
                                                + list(SM80_LARGE_N_KERNELS.values())
-                                               + list(SM80_ROUTE_KERNELS_NO_SMEM.values()))) + (
-    "qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16")
+                                               + list(SM80_ROUTE_KERNELS_NO_SMEM.values()))) + ENTRY_POINTS["m16n8k16"]
 
 
 @dataclass(frozen=True)
@@ -84,21 +89,29 @@ class Sm80Kernel:
     x_global: bool = False  # ring kernel reading the activations from global memory (QPN80RX_ENTRY)
 
     @property
+    def weight_format(self) -> formats.WeightFormat:
+        """The format family the kernel decodes (from its fragment decoder, SM80_FRAGMENTS)."""
+        for prefix, f in SM80_FRAGMENTS.items():
+            if self.frag.startswith(prefix):
+                return f
+        raise ValueError(f"kernel {self.name}: unknown fragment decoder {self.frag!r}; "
+                         f"known: {', '.join(SM80_FRAGMENTS)} (jit.SM80_FRAGMENTS)")
+
+    @property
     def fmt(self) -> str:
-        """Weight format the kernel decodes (from its fragment decoder: Frag16NVFP4*, Frag16FP8)."""
-        if self.frag.startswith("Frag16NVFP4"):
-            return "nvfp4"
-        if self.frag.startswith("Frag16FP8"):
-            return "fp8"
-        raise ValueError(f"kernel {self.name}: unknown fragment decoder {self.frag!r}")
+        """The kernel family's name ("nvfp4" | "fp8")."""
+        return self.weight_format.family
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per block of 256 threads (Qpn80Ring: 8 warps x S slots x STAGE)."""
+        """Dynamic shared memory per block of 256 threads (Qpn80Ring: 8 warps x S slots x STAGE;
+        a slot holds the codes and group scales of a 16-row x 64-input block per weight tile, and
+        1 KB of activations per token tile unless the kernel reads them from global memory)."""
         if not self.stages:
             return 0
-        nvfp4 = self.fmt == "nvfp4"
-        stage = self.tiles * ((16 if nvfp4 else 32) * 32 + (64 if nvfp4 else 0)) + (0 if self.x_global else self.mt * 1024)
+        f = self.weight_format
+        tile_block = 16 * f.code_cols(64) + 16 * (f.group_scale_cols(64) or 0)
+        stage = self.tiles * tile_block + (0 if self.x_global else self.mt * 1024)
         return 8 * self.stages * stage
 
 

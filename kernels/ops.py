@@ -22,7 +22,7 @@ import torch
 
 from . import formats, jit, routes
 from .atoms import atom_for_arch, geometry
-from .prepack import PackedFP8, PackedLayout, PackedNVFP4
+from .prepack import PackedLayout
 from .routes import Route
 
 THREADS = 256
@@ -114,20 +114,30 @@ class WeightOperands(NamedTuple):
     n_pad = PackedLayout.n_pad
     k_pad = PackedLayout.k_pad
 
+    @property
+    def format(self) -> formats.WeightFormat:
+        """The kernel family's description (``formats.FAMILIES``)."""
+        return formats.FAMILIES[self.fmt]
+
     def packed(self):
-        """The PackedNVFP4 / PackedFP8 these operands came from (what the reference reads)."""
-        return formats.FAMILIES[self.fmt].packed_from_tensors(self.codes, self.scales, self.chscale,
-                                                             self.n, self.k, self.atom)
+        """The packed weight (PackedNVFP4, PackedFP8, ...) these operands came from (what the
+        reference reads)."""
+        return self.format.packed_from_tensors(self.codes, self.scales, self.chscale, self.n, self.k, self.atom)
+
+
+# The packed dense weight class of each format family, resolved once (operands() runs under
+# torch.compile, which does not trace the import in formats.packed_type()).
+_DENSE_PACKED = tuple((f.packed_type(), f) for f in formats.FAMILIES.values())
 
 
 def operands(packed) -> WeightOperands:
-    """The WeightOperands of a PackedNVFP4 / PackedFP8 (the inverse of WeightOperands.packed)."""
-    if isinstance(packed, PackedNVFP4):
-        return WeightOperands(packed.codes, packed.scales, packed.global_scale, packed.n, packed.k, "nvfp4",
-                              packed.atom)
-    if isinstance(packed, PackedFP8):
-        return WeightOperands(packed.codes, None, packed.scale, packed.n, packed.k, "fp8", packed.atom)
-    raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
+    """The WeightOperands of a packed dense weight, from its format's ``packed_tensors`` (the
+    inverse of WeightOperands.packed)."""
+    for packed_type, f in _DENSE_PACKED:
+        if isinstance(packed, packed_type):
+            return WeightOperands(*f.packed_tensors(packed), packed.n, packed.k, f.family, packed.atom)
+    kinds = " or ".join(t.__name__ for t, _ in _DENSE_PACKED)
+    raise TypeError(f"expected a packed dense weight ({kinds}), got {type(packed).__name__}")
 
 
 def _route_kernel(route: Route, m: int) -> tuple[str, int, int]:
@@ -198,10 +208,6 @@ class Qpn80Args(ctypes.Structure):
     ]
 
 
-# Fewest work items (k-blocks of one weight group) per warp: below about the ring depth a warp
-# spends its time filling the ring and reducing, so small layers get fewer, longer runs.
-SM80_MIN_ITEMS = {"nvfp4": 4, "fp8": 2}
-
 # Scratch of the split-K reduction per (device, stream): FP32 partial sums and arrival counters.
 # The kernels leave every counter at zero, so the buffers are reused by every call on that
 # stream (calls on one stream never overlap). A buffer that grows is replaced, and the old one is
@@ -228,23 +234,31 @@ def _sm80_buffers(device, stream: int, n_floats: int, n_ints: int):
 _sm80_plans: dict = {}
 
 
-def _sm80_plan(mod, name: str, fmt: str, n: int, kblocks: int, chunks: int, device) -> tuple:
+def _sm80_no_smem_kernel(name: str) -> Optional[str]:
+    """The register-ring kernel (jit.SM80_ROUTE_KERNELS_NO_SMEM) of the route whose shared-memory
+    ring kernel is ``name``; None when no route table names ``name``."""
+    fallback = {v: jit.SM80_ROUTE_KERNELS_NO_SMEM[k] for table in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS)
+                for k, v in table.items()}
+    return fallback.get(name)
+
+
+def _sm80_plan(mod, name: str, fmt: formats.WeightFormat, n: int, kblocks: int, chunks: int, device) -> tuple:
     """(kernel name, grid, nwarps, n_groups, per-warp partial floats, dynamic shared memory bytes)
     for one kernel and layer shape. A shared-memory ring kernel whose ring does not fit a block on
     this GPU is replaced by the register-ring kernel of the same route (jit.SM80_ROUTE_KERNELS_NO_SMEM)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, name, n, kblocks, chunks, SM80_MIN_ITEMS[fmt])
+    min_items = jit.SM80_MIN_ITEMS[fmt]
+    key = (idx, name, n, kblocks, chunks, min_items)
     plan = _sm80_plans.get(key)
     if plan is None:
         kernels = jit.sm80_kernels()
         cfg = kernels[name]
         if cfg.smem_bytes > _smem_optin(idx):
-            fallback = {v: jit.SM80_ROUTE_KERNELS_NO_SMEM[k] for table in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS)
-                        for k, v in table.items()}
-            if name not in fallback:
+            fallback = _sm80_no_smem_kernel(name)
+            if fallback is None:
                 raise ValueError(f"kernel {name} needs {cfg.smem_bytes} bytes of shared memory per block; "
                                  f"cuda:{idx} allows {_smem_optin(idx)}")
-            cfg = kernels[fallback[name]]
+            cfg = kernels[fallback]
         smem = cfg.smem_bytes
         if smem > 48 * 1024:
             jit.allow_dynamic_smem(mod, cfg.name, smem)
@@ -252,8 +266,7 @@ def _sm80_plan(mod, name: str, fmt: str, n: int, kblocks: int, chunks: int, devi
         if sms is None:
             sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         resident_warps = sms * jit.occupancy(mod, cfg.name, THREADS, smem) * WARPS
-        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_warps,
-                                                SM80_MIN_ITEMS[fmt])
+        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_warps, min_items)
         plan = _sm80_plans[key] = (cfg.name, grid, nwarps, n_groups, 2 * 32 * cfg.tiles * cfg.mt * 4, smem)
     return plan
 
@@ -285,7 +298,7 @@ def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps
 def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
     """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows."""
     route.check_m(m)
-    key = (route.format, route.tiles_per_pass)
+    key = (route.weight_format, route.tiles_per_pass)
     if n >= jit.SM80_LARGE_N and key in jit.SM80_LARGE_N_KERNELS:
         return jit.SM80_LARGE_N_KERNELS[key], route.chunks(m)
     return jit.SM80_ROUTE_KERNELS[key], route.chunks(m)
@@ -316,12 +329,12 @@ def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
     name, chunks = _sm80_kernel_for(route, m, w.n)
     if kernel is not None:  # a measured variant of the same token tiling (benchmarks only)
         cfg = jit.sm80_kernels().get(kernel)
-        if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or cfg.fmt != w.fmt:
+        if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or cfg.weight_format != w.format:
             raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
         name = kernel
     mod = jit.module_for(device, "m16n8k16")
     kblocks = w.k_pad // 64
-    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, w.fmt, w.n, kblocks, chunks, device)
+    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, w.format, w.n, kblocks, chunks, device)
     partials, counters = _sm80_buffers(device, stream, chunks * nwarps * per_warp, chunks * n_groups)
     a = Qpn80Args(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
                   0, 0, 0, partials.data_ptr(), counters.data_ptr(),
@@ -396,7 +409,7 @@ def _fp32_scale(w: WeightOperands) -> WeightOperands:
 def _linear(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] -> fp16 [M, N] through ``route`` (CUDA) or the reference (CPU)."""
     if x.device.type != "cuda":
-        return formats.FAMILIES[w.fmt].reference_linear(x, w.packed(), bias)
+        return w.format.reference_linear(x, w.packed(), bias)
     w = _fp32_scale(w)
     xh = _prep_x(x, w.k, w.k_pad)
     b = _bias16(bias, w.n, x.device)
@@ -465,11 +478,12 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 class _EagerWeight:
     """A packed weight's cached launches, with the tensors they point at (checked by identity on
     every call, so a weight whose tensors are replaced is re-planned)."""
-    __slots__ = ("ref", "source", "device", "w", "plans")
+    __slots__ = ("ref", "source", "format", "device", "w", "plans")
 
     def __init__(self, packed, source: WeightOperands, w: WeightOperands, device: int):
         self.ref = weakref.ref(packed, lambda _, key=id(packed), table=_eager_weights: table.pop(key, None))
         self.source = (source.codes, source.scales, source.chscale)
+        self.format = source.format
         self.device, self.w, self.plans = device, w, {}
 
 
@@ -499,8 +513,8 @@ def _eager_tiled(x: torch.Tensor, packed, route, bias) -> Optional[torch.Tensor]
         _eager_weights[id(packed)] = ent
     w = ent.w
     codes, scales, chscale = ent.source
-    if (packed.codes is not codes or getattr(packed, "scales", None) is not scales
-            or (packed.global_scale if w.fmt == "nvfp4" else packed.scale) is not chscale):
+    now_codes, now_scales, now_chscale = ent.format.packed_tensors(packed)
+    if now_codes is not codes or now_scales is not scales or now_chscale is not chscale:
         _eager_weights.pop(id(packed), None)   # the weight's tensors were replaced: plan again next call
         return None
     m, k = x.shape

@@ -239,7 +239,7 @@ def _active_warps(k: KernelStats, gpu: Gpu, n: int, kdim: int) -> tuple[float, f
     w = resident_warps(k, gpu)
     if k.atom == "m16n8k16":
         kblocks = -(-kdim // 64)
-        _, nwarps, _ = ops.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w, ops.SM80_MIN_ITEMS[k.fmt])
+        _, nwarps, _ = ops.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w, jit.SM80_MIN_ITEMS[formats.FAMILIES[k.fmt]])
         return min(w, nwarps / gpu.sms), 1.0
     n_tiles, kblocks = -(-n // 32), -(-kdim // 32)
     ksplit = 1
@@ -293,7 +293,7 @@ def observations(csv_path: str, sweep_path: str | None) -> tuple[float, list[dic
     if sweep_path:
         _, srows = _read_csv(sweep_path)
         for r in srows:
-            if int(r["variant"]) == 0 and int(r["min_items"]) == ops.SM80_MIN_ITEMS[r["fmt"]]:
+            if int(r["variant"]) == 0 and int(r["min_items"]) == jit.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
                 mt = 1 if int(r["m"]) <= 8 else 2
                 obs.append(dict(kernel=r["kernel"], shape=r["shape"], n=int(r["n"]), k=int(r["k"]), m=int(r["m"]),
                                 route=str(routes.tiled_route(r["fmt"], mt)),

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from qpn.kernels import codecs, jit, nvrtc, ops, prepack, reference, routes
+from qpn.kernels import codecs, formats, jit, nvrtc, ops, prepack, reference, routes
 from qpn.kernels.atoms import atom_for_arch, block_maps, geometry
 from tests import _format_cases as fc
 
@@ -385,10 +385,11 @@ def test_sm80_kernel_table_and_route_kernels():
     configured = jit.sm80_kernels()
     for (fmt, mt), name in jit.SM80_ROUTE_KERNELS.items():
         cfg = configured[name]
-        assert cfg.mt == mt and cfg.variant == 0 and name.startswith(routes.ROUTE_PREFIX[fmt])
-        assert cfg.frag == ("Frag16NVFP4" if fmt == "nvfp4" else "Frag16FP8")
+        assert fmt is formats.FAMILIES[fmt.family]
+        assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.route_prefix)
+        assert cfg.frag == ("Frag16NVFP4" if fmt.family == "nvfp4" else "Frag16FP8")
     route = routes.as_route
-    assert ops._sm80_kernel_for(route("qpn2_chunked"), 40) == (jit.SM80_ROUTE_KERNELS[("nvfp4", 2)], 3)
+    assert ops._sm80_kernel_for(route("qpn2_chunked"), 40) == (jit.SM80_ROUTE_KERNELS[(formats.NVFP4, 2)], 3)
     with pytest.raises(ValueError, match="M <= 8"):
         ops._sm80_kernel_for(route("qpn8"), 9)
     assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "fp8") for c in configured.values())
@@ -451,9 +452,9 @@ def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
 def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fallback():
     small = ops._sm80_kernel_for(routes.as_route("qpn2"), 1, 5120)
     large = ops._sm80_kernel_for(routes.as_route("qpn2"), 1, jit.SM80_LARGE_N)
-    assert small == (jit.SM80_ROUTE_KERNELS[("nvfp4", 1)], 1)
-    assert large == (jit.SM80_LARGE_N_KERNELS[("nvfp4", 1)], 1)
-    assert ops._sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == (jit.SM80_ROUTE_KERNELS[("fp8", 1)], 1)
+    assert small == (jit.SM80_ROUTE_KERNELS[(formats.NVFP4, 1)], 1)
+    assert large == (jit.SM80_LARGE_N_KERNELS[(formats.NVFP4, 1)], 1)
+    assert ops._sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == (jit.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 1)], 1)
     kernels = jit.sm80_kernels()
     for key, name in list(jit.SM80_ROUTE_KERNELS.items()) + list(jit.SM80_LARGE_N_KERNELS.items()):
         fb = kernels[jit.SM80_ROUTE_KERNELS_NO_SMEM[key]]

@@ -104,8 +104,15 @@ def test_weight_operands_are_the_custom_ops_weight_arguments():
                 assert a == b
         x = torch.randn((3, 64), generator=g)
         assert torch.equal(ops.qpn_linear(x, back), ops.qpn_linear(x, packed))
-    with pytest.raises(TypeError, match="PackedNVFP4 or PackedFP8"):
+    with pytest.raises(TypeError, match=r"packed dense weight \(PackedNVFP4 or PackedFP8\), got object"):
         ops.operands(object())
+    # an expert stack names a format family too, but is no dense weight
+    from qpn.kernels import moe
+
+    stack = moe.PackedExpertStack("fp8", packed.codes[None], None, packed.scale.reshape(1, -1), packed.n,
+                                  packed.k, packed.atom)
+    with pytest.raises(TypeError, match="got PackedExpertStack"):
+        ops.operands(stack)
     # a dense layer refuses a route of another format or of the MoE kernels
     for wrong in ("qpn2_moe", "qpn2"):
         with pytest.raises(ValueError, match="the weight is a dense fp8 layer"):
@@ -131,3 +138,78 @@ def test_no_route_name_parsing_outside_routes_py():
                     offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, "route names parsed outside kernels/routes.py:\n" + "\n".join(offenders)
     assert ROUTE_PARSING.search('if route.endswith("_reconstruct"):')  # the pattern sees the old code
+
+
+# The kernel each dense route runs, captured from the code at a7ff7cb (before the sm_80+ tables
+# were keyed by the WeightFormat instead of the family name): (route, atom) -> the symbol for
+# (N < jit.SM80_LARGE_N, ring fits a block), (N small, ring too large for the GPU's block),
+# (N >= SM80_LARGE_N, fits), (N large, too large). A deliberate route->kernel change (a new sweep
+# winner) updates this table in the same commit.
+_M4 = "m8n8k4"
+KERNEL_SYMBOLS = {
+    ("qpn2", _M4): ("qpn2_mt1_m8n8k4",) * 4,
+    ("qpn2_mt2", _M4): ("qpn2_mt2_m8n8k4",) * 4,
+    ("qpn2_chunked", _M4): ("qpn2_mt2_m8n8k4",) * 4,
+    ("qpn2_reconstruct", _M4): ("qpn2_reconstruct_ws_m8n8k4",) * 4,
+    ("qpn8", _M4): ("qpn8_mt1_m8n8k4",) * 4,
+    ("qpn8_mt2", _M4): ("qpn8_mt2_m8n8k4",) * 4,
+    ("qpn8_chunked", _M4): ("qpn8_mt2_m8n8k4",) * 4,
+    ("qpn8_reconstruct", _M4): ("qpn8_reconstruct_ws_m8n8k4",) * 4,
+    ("qpn2", "m16n8k16"): ("qpn2_mt1_m16n8k16_t2d4p0", "qpn2_mt1_m16n8k16_t2d4p0",
+                           "qpn2_mt1_m16n8k16_t4s4", "qpn2_mt1_m16n8k16_t2d4p0"),
+    ("qpn2_mt2", "m16n8k16"): ("qpn2_mt2_m16n8k16_t2s4x", "qpn2_mt2_m16n8k16_t1d4p8") * 2,
+    ("qpn2_chunked", "m16n8k16"): ("qpn2_mt2_m16n8k16_t2s4x", "qpn2_mt2_m16n8k16_t1d4p8") * 2,
+    ("qpn2_reconstruct", "m16n8k16"): ("qpn2_reconstruct_ws_m16n8k16",) * 4,
+    ("qpn8", "m16n8k16"): ("qpn8_mt1_m16n8k16_t2d2p0",) * 4,
+    ("qpn8_mt2", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,
+    ("qpn8_chunked", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,
+    ("qpn8_reconstruct", "m16n8k16"): ("qpn8_reconstruct_ws_m16n8k16",) * 4,
+}
+
+
+def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bool) -> tuple[str, int]:
+    """(kernel symbol, chunk planes) the launchers of ops.py run for one call, from the same
+    pieces: _launch_reconstruct, _route_kernel (m8n8k4), _sm80_kernel_for and the shared-memory
+    fallback of _sm80_plan (m16n8k16)."""
+    if route.kernel == routes.RECONSTRUCT:
+        return f"{route.prefix}_reconstruct_ws_{atom}", 1
+    if atom == "m8n8k4":
+        name, _, chunks = ops._route_kernel(route, m)
+        return f"{name}_{atom}", chunks
+    from qpn.kernels import jit
+
+    name, chunks = ops._sm80_kernel_for(route, m, n)
+    if not ring_fits and jit.sm80_kernels()[name].smem_bytes:
+        name = ops._sm80_no_smem_kernel(name)
+    return name, chunks
+
+
+def test_every_format_route_and_arch_runs_the_same_kernel_as_before():
+    from qpn.kernels import jit
+    from qpn.kernels.atoms import atom_for_arch
+
+    checked = 0
+    for fmt in formats.WEIGHT_FORMATS:
+        for route in (routes.ALL_ROUTES[n] for n in sorted(routes.QPN_ROUTES)):
+            if route.weight_format.family != fmt.family:
+                continue
+            for arch in routes.KNOWN_ARCHS:
+                atom = atom_for_arch(jit.arch_number(arch))
+                want = dict(zip([(False, True), (False, False), (True, True), (True, False)],
+                                KERNEL_SYMBOLS[(str(route), atom)]))
+                for m in (1, 8, 9, 16, 17, 96, 97, 4096):
+                    for n in (5120, jit.SM80_LARGE_N):
+                        for fits in (True, False):
+                            if route.kernel_max_m is not None and m > route.kernel_max_m:
+                                with pytest.raises(ValueError, match=f"serves M <= {route.kernel_max_m}"):
+                                    _kernel_symbol(route, m, n, atom, fits)
+                                continue
+                            got = _kernel_symbol(route, m, n, atom, fits)
+                            assert got == (want[(n >= jit.SM80_LARGE_N, fits)], route.chunks(m)), (
+                                fmt.key, str(route), arch, m, n, fits)
+                            checked += 1
+    assert checked == 1584  # 3 formats x 4 routes x 6 archs x 32 cases, less the M a route refuses
+    # every kernel the sm_80+ tables name is one of the symbols above
+    named = {k for t in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS, jit.SM80_ROUTE_KERNELS_NO_SMEM)
+             for k in t.values()}
+    assert named <= {s for v in KERNEL_SYMBOLS.values() for s in v}
