@@ -209,6 +209,7 @@ class Census:
         self.hooks_skipped: dict[str, dict] = {}
         self._engine_config = None  # the engine's VllmConfig, read at snapshot time
         self.engine_quantized_layers: list[str] | None = None
+        self.checkpoint_modules: dict[str, str | None] | None = None
         self._dirty = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -297,6 +298,13 @@ class Census:
             self.engine_quantized_layers = [str(n) for n in names]
             self._mark_dirty()
 
+    def set_checkpoint_modules(self, names: dict) -> None:
+        """{checkpoint module name: the engine's name for it (None: dropped by the mapper)} of the
+        modules a compressed-tensors checkpoint declares quantized (ct_config)."""
+        with self._lock:
+            self.checkpoint_modules = {str(k): (None if v is None else str(v)) for k, v in names.items()}
+            self._mark_dirty()
+
     def set_kv_cache(self, checkpoint_requested: str | None, resolved: str, policy: str) -> None:
         with self._lock:
             self.kv_cache = {"checkpoint_requested": checkpoint_requested, "resolved": resolved,
@@ -323,6 +331,8 @@ class Census:
                 "lm_head": dict(self.lm_head) if self.lm_head else None,
                 "engine_quantized_layers": (list(self.engine_quantized_layers)
                                             if self.engine_quantized_layers is not None else None),
+                "checkpoint_modules": (dict(self.checkpoint_modules)
+                                       if self.checkpoint_modules is not None else None),
                 "fallbacks": [{"module": m, "reason": r, "count": c}
                               for (m, r), c in sorted(self.fallbacks.items())],
                 "hooks_skipped": [dict(v) for _, v in sorted(self.hooks_skipped.items())],

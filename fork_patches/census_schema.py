@@ -17,13 +17,17 @@ Version history:
   3: every module route count carries the route's M band (``m_min``, ``m_max``: the rows per
      call the route table gives that route; ``m_max`` null: no upper bound; both null for a
      route outside the table).
+  4: adds ``checkpoint_modules`` ({checkpoint module name: the engine's name for it, null when the
+     engine's mapper drops it}: the modules a compressed-tensors checkpoint declares quantized,
+     renamed in the engine by the model's own mapper, so the gates can pair the checkpoint's
+     names with the per-module ``declared`` names the engine records).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class CensusSchemaError(ValueError):
@@ -136,6 +140,9 @@ class RankCensus:
     # the config's quantized_layers names as the engine holds them (vLLM renames the
     # checkpoint's keys with the model's hf_to_vllm_mapper, keeping their order and count)
     engine_quantized_layers: list[str] | None = None
+    # compressed-tensors: {checkpoint module declared quantized: its engine name (None: the
+    # engine's mapper drops the module)}, renamed in the engine (ct_config.record_checkpoint_modules)
+    checkpoint_modules: dict[str, str | None] | None = None
     fallbacks: list[dict] = field(default_factory=list)  # {module, reason, count}
     hooks_skipped: list[HookSkipped] = field(default_factory=list)
 
@@ -241,5 +248,5 @@ RANK_SUMMARY_KEYS = (
     "rank", "pid", "engine_version", "platform", "device_capability", "backend", "updated",
     "tensor_parallel_size", "serving", "kv_cache", "attention_layers", "attention_routes",
     "hooks_skipped", "declared_on_qpn", "declared_off_qpn", "modules_total", "modules_on_qpn",
-    "engine_quantized_layers",
+    "engine_quantized_layers", "checkpoint_modules",
 )

@@ -218,9 +218,23 @@ class Convention:
             return "fp8"
         return None
 
-    def module_schemes(self, quant_cfg: Mapping, modules: list[str]) -> dict[str, ModuleScheme | None]:
-        """{checkpoint module name: its declared scheme, or None (not quantized)}."""
-        return (_modelopt_schemes if self.name == "modelopt" else _ct_schemes)(quant_cfg, modules)
+    def module_schemes(self, quant_cfg: Mapping, modules: list[str],
+                       tensors: Mapping[str, str] | None = None) -> dict[str, ModuleScheme | None]:
+        """{checkpoint module name: its declared scheme, or None (not quantized)}. ``tensors``
+        ({checkpoint tensor name: safetensors dtype}, ``tensor_dtypes``) lets a
+        compressed-tensors class target (``Linear``) cover the modules that hold its scheme's
+        codes; without it a class target matches nothing."""
+        if self.name == "modelopt":
+            return _modelopt_schemes(quant_cfg, modules)
+        return _ct_schemes(quant_cfg, modules, tensors)
+
+    def listed_modules(self, quant_cfg: Mapping) -> list[str]:
+        """The module names the config lists itself, in its order (ModelOpt ``quantized_layers``;
+        a compressed-tensors config names modules by targets, not by a list: [])."""
+        if self.name != "modelopt":
+            return []
+        inner = quant_cfg.get("quantization", quant_cfg)
+        return list(inner.get("quantized_layers") or {})
 
 
 def _local(tensors: Mapping[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
@@ -286,10 +300,30 @@ def _modelopt_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, Modul
 def target_matches(name: str, target: str) -> bool:
     """compressed-tensors target matching on a module name: exact, or ``re:`` + a regex matched
     at the start (as vLLM's is_equal_or_regex_match does). Class-name targets (``Linear``) match
-    nothing here: they need the module's class, which only the engine knows."""
+    no name: see ``class_target_covers``."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     return target == name
+
+
+# Class-name targets llm-compressor writes for the layers that hold quantized weights. A module's
+# class is not in the checkpoint; what is there is the scheme's codes tensor in its dtype, which a
+# class-targeted module the library quantized holds and an untouched module (norm, embedding,
+# BF16 router) does not.
+CLASS_TARGETS = ("Linear",)
+_SAFETENSORS_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3"}  # torch dtype name -> header dtype
+
+
+def class_target_covers(module: str, target: str, scheme: ModuleScheme,
+                        tensors: Mapping[str, str] | None) -> bool:
+    """Whether the class target ``target`` of a group declaring ``scheme`` covers checkpoint module
+    ``module``: a class QPN serves (CLASS_TARGETS) and the module holds the scheme's codes tensor
+    (compressed-tensors names) stored in the format's code dtype."""
+    if tensors is None or target not in CLASS_TARGETS:
+        return False
+    fmt = scheme.format
+    codes = COMPRESSED_TENSORS.names(fmt).codes
+    return tensors.get(f"{module}.{codes}") == _SAFETENSORS_DTYPE[fmt.code_dtype]
 
 
 def ct_scheme_of(weights: Mapping, fmt_name: str | None, src: str) -> ModuleScheme:
@@ -331,10 +365,24 @@ def ct_declared_formats(quant_cfg: Mapping) -> set[str]:
     return out
 
 
-def _ct_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, ModuleScheme | None]:
+def _ct_schemes(quant_cfg: Mapping, modules: list[str],
+                tensors: Mapping[str, str] | None = None) -> dict[str, ModuleScheme | None]:
+    """As vLLM's find_matched_target orders them: the first target (groups in config order) that
+    names the module, exactly or by ``re:``; only then a class target (``class_target_covers``).
+    ``ignore`` entries (names or ``re:``) win over both."""
     ignore = list(quant_cfg.get("ignore") or [])
     groups = quant_cfg.get("config_groups") or {}
     global_fmt = quant_cfg.get("format")
+
+    def scheme(gname: str, g: Mapping, hit: str) -> ModuleScheme:
+        return ct_scheme_of(g.get("weights") or {}, g.get("format") or global_fmt,
+                            f"config_groups[{gname!r}] target {hit!r}")
+
+    # one scheme per class target, the last group naming it (vLLM's target_scheme_map is keyed by
+    # the target string, so a later group overrides an earlier one)
+    by_class = {t: (gname, g) for gname, g in groups.items() if g.get("weights")
+                for t in g.get("targets", []) if t in CLASS_TARGETS}
+    class_targets = [(gname, g, t) for t, (gname, g) in by_class.items()]
     out: dict[str, ModuleScheme | None] = {}
     for m in modules:
         if any(target_matches(m, t) for t in ignore):
@@ -344,11 +392,48 @@ def _ct_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, ModuleSchem
         for gname, g in groups.items():
             hit = next((t for t in g.get("targets", []) if target_matches(m, t)), None)
             if hit is not None:
-                found = ct_scheme_of(g.get("weights") or {}, g.get("format") or global_fmt,
-                                     f"config_groups[{gname!r}] target {hit!r}")
+                found = scheme(gname, g, hit)
                 break
+        if found is None:
+            for gname, g, t in class_targets:
+                s = scheme(gname, g, t)
+                if class_target_covers(m, t, s, tensors):
+                    found = s
+                    break
         out[m] = found
     return out
+
+
+# ------------------------------------------------------------------- the checkpoint's own modules
+def tensor_headers(ckpt_dir: str | Path) -> dict[str, dict]:
+    """{tensor name: {"dtype", "shape"}} from the folder's safetensors headers (no tensor read)."""
+    import struct
+
+    out: dict[str, dict] = {}
+    for path in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        out.update({k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items()
+                    if k != "__metadata__"})
+    return out
+
+
+def declared_modules(ckpt_dir: str | Path) -> tuple[Convention, dict[str, ModuleScheme]]:
+    """(convention, {checkpoint module name: ModuleScheme}) of every module the checkpoint's
+    convention declares quantized: ModelOpt ``quantized_layers``; compressed-tensors
+    ``config_groups`` targets (names, ``re:`` patterns and class targets, the latter expanded
+    over the modules holding the scheme's codes) less ``ignore``, over the module names of the
+    safetensors headers. Names the config lists itself come first, in its order (the order the
+    engine keeps its renamed copy of ModelOpt's map in). Raises ConventionError (a ValueError)
+    for a folder without a known quantization config."""
+    convention, quant_cfg = detect(ckpt_dir)
+    headers = tensor_headers(ckpt_dir)
+    in_files = sorted({name.rsplit(".", 1)[0] for name in headers if "." in name})
+    names = list(dict.fromkeys([*convention.listed_modules(quant_cfg), *in_files]))
+    dtypes = {name: h["dtype"] for name, h in headers.items()}
+    schemes = convention.module_schemes(quant_cfg, names, dtypes)
+    return convention, {name: s for name, s in schemes.items() if s is not None}
 
 
 # ------------------------------------------------------------------------------ detection

@@ -95,6 +95,66 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
         declared=names, convention=COMPRESSED_TENSORS, fp8_scale=scheme.fp8_scale)
 
 
+# ------------------------------------------------------------ checkpoint names for the census
+_NAMES_RECORDED = False
+
+
+def engine_module_names(model_class, names: list[str]) -> dict[str, str | None]:
+    """{checkpoint module name: the engine's name for it} by the model class's hf_to_vllm_mapper,
+    applied the way the engine applies it to a quant config's module names (vLLM 0.32: its
+    rename-only variant ``get_rename_mapper``; 1Cat-vLLM 1.2.2 / 1.3.0, which have none: the
+    mapper itself; ``_map_name`` in all three). None: the mapper drops the module."""
+    mapper = getattr(model_class, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {n: n for n in names}
+    if hasattr(mapper, "get_rename_mapper"):
+        mapper = mapper.get_rename_mapper()
+    return {n: mapper._map_name(n) for n in names}
+
+
+def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
+    """Put in the census every module the checkpoint's compressed-tensors config declares
+    quantized (conventions.declared_modules over the served folder's safetensors headers) with
+    the engine's name for it, so that the qpn_routes gate can require each one on a QPN route
+    (the census's per-module ``declared`` lists carry engine names). The engine's config does not
+    keep the mapper it renamed its targets with; the model class it builds does."""
+    import os
+
+    from qpn.fork_patches import conventions
+    from qpn.fork_patches.census import CENSUS
+
+    model_config = getattr(vllm_config, "model_config", None)
+    path = getattr(model_config, "model", None)
+    if not path or not os.path.isdir(path):
+        logger.warning("volta-qpn: the served model %r is not a local folder; the census gets no "
+                       "checkpoint module names and the qpn_routes gate reports that", path)
+        return None
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    _, declared = conventions.declared_modules(path)
+    model_class, _ = get_model_architecture(model_config)
+    names = engine_module_names(model_class, list(declared))
+    CENSUS.set_checkpoint_modules(names)
+    return names
+
+
+def _record_checkpoint_modules_once() -> None:
+    global _NAMES_RECORDED
+    if _NAMES_RECORDED:
+        return
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:
+        return
+    _NAMES_RECORDED = True
+    try:
+        record_checkpoint_modules(vllm_config)
+    except (ImportError, AttributeError, OSError, ValueError) as e:  # the gate fails on the gap
+        logger.error("volta-qpn: could not record the checkpoint's module names for the census "
+                     "(%s: %s); the qpn_routes gate will fail this boot", type(e).__name__, e)
+
+
 def wrap_get_quant_method(original):
     def get_quant_method(self, layer, prefix: str):
         from qpn.fork_patches.platform_gate import serving_target
@@ -108,6 +168,7 @@ def wrap_get_quant_method(original):
         from qpn.fork_patches.quant_config import _record_kv_once
 
         _record_kv_once()
+        _record_checkpoint_modules_once()
         if isinstance(layer, (LinearBase, ParallelLMHead)):
             method = qpn_method_for(self, layer, prefix, target)
             if method is not None:

@@ -237,7 +237,10 @@ REGISTRY: list[Hook] = [
         "FP8 (float-quantized, per tensor or per channel) a QPN8 method, fed through the "
         "compressed-tensors convention (weight_packed, 1 / weight_global_scale per shard; "
         "qpn.fork_patches.ct_config, conventions); every fused shard must declare the same scheme; "
-        "a scheme QPN does not serve fails the load naming the module and its config group",
+        "a scheme QPN does not serve fails the load naming the module and its config group; "
+        "once per rank, records in the census every module the checkpoint declares quantized with "
+        "the engine's name for it (the model class's hf_to_vllm_mapper, from get_model_architecture: "
+        "the engine's config keeps no list of module names), which the qpn_routes gate pairs by name",
         remove_when="never on SM70 (the QPN kernels are the point); on CPU, when vLLM serves NVFP4 "
         "compressed-tensors checkpoints natively",
         apply="qpn.fork_patches.ct_config:wrap_get_quant_method",
@@ -261,6 +264,11 @@ REGISTRY: list[Hook] = [
         "QPNCompressedTensorsMoEMethod (qpn.fork_patches.moe_method): the QPN MoE method fed through the "
         "compressed-tensors convention (weight_packed, weight_scale, 1 / weight_global_scale per expert "
         "and shard: gate and up keep their own), loaded through the engine's generic expert loader, "
+        "which it reaches by its class name: the expert weight_loader of every engine (vLLM 0.32 "
+        "RoutedExperts, 1Cat FusedMoE) picks its scale handling only by substrings of the quant "
+        "method's class name ('ModelOpt': the ModelOpt scale path; 'compressed', any case: w1 and w3 "
+        "input scales must agree), so the name carries 'Compressed' and never 'ModelOpt' "
+        "(tests/test_moe_method_names.py checks both QPN names and each engine's loader); "
         "every expert prepacked with a byte-identical inverse check, both expert stacks counted in the "
         "census; gate/up/down declaring different schemes, output-activation quantization, transforms "
         "or another scheme fail the load naming the layer; ignored experts stay with the engine",
@@ -356,6 +364,62 @@ REGISTRY: list[Hook] = [
         "commits (qpn.fork_patches.spec_state)",
         remove_when="the engines guarantee num_accepted_tokens >= 1 for every speculating row",
         apply="qpn.fork_patches.spec_state:wrap_gdn_build",
+    ),
+    # ---- greedy output with speculation identical to without (runtime, cpu engine; issue 12)
+    Hook(
+        name="gdn-spec-cpp-conv-on-avx512-bf16",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:is_arm_bf16",
+        engines=("cpu",),
+        what="the predicate the CPU GDN speculative-aware paths (_spec_forward, _spec_aware_nonspec, "
+        "_spec_aware_nonspec_subset) use, with _is_amx_tile_supported(), to choose the engine's C++ "
+        "causal conv over its torch fallback",
+        why="the plain decode path runs the C++ conv (conv.cpp, VDPBF16PS) on every AVX-512-BF16 CPU "
+        "and the loader packs the conv weights for it on that condition, but the speculative paths "
+        "ask for AMX or Arm: on AVX-512-BF16 hosts without AMX they run a torch conv that rounds to "
+        "bf16 before the SiLU, so every prompt and decoded row of a speculating server differs from "
+        "the server without speculation (0.5-14 bf16 ulps) and greedy text drifts at near-ties",
+        how="return the engine's own answer or torch.cpu._is_avx512_bf16_supported() (the plain "
+        "path's condition); the function is used only as this predicate. The engine then takes the "
+        "branch it takes on AMX, whose K+1-token conv equals the one-token conv bitwise "
+        "(qpn.fork_patches.spec_identity)",
+        remove_when="vLLM's CPU GDN speculative paths test the same condition as the plain path",
+        apply="qpn.fork_patches.spec_identity:wrap_cpp_conv_predicate",
+    ),
+    Hook(
+        name="gdn-spec-ssm-one-token-op",
+        kind="runtime",
+        anchor="vllm._custom_ops:fused_sigmoid_gating_delta_rule_update_spec_cpu",
+        engines=("cpu",),
+        what="the CPU multi-slot gated-delta-rule update that the GDN speculative path runs over a "
+        "row's K+1 verified tokens",
+        why="it computes the same float32 recurrence as the one-token op of plain decode "
+        "(fused_sigmoid_gating_delta_rule_update_cpu) but sums the q/k L2 norms in another order, so "
+        "every verified token's output differs from the plain server's from the first token on",
+        how="keep the multi-slot contract (resume from slot num_accepted-1, the state after token t "
+        "in slot t) and compute each token position, for all rows at once, with the engine's "
+        "one-token op: copy the row's previous state into the token's slot and update it there "
+        "(qpn.fork_patches.spec_identity)",
+        remove_when="vLLM's CPU spec and one-token GDN ops share their arithmetic",
+        apply="qpn.fork_patches.spec_identity:wrap_spec_ssm_op",
+    ),
+    Hook(
+        name="cpu-attention-unsplit-kv",
+        kind="runtime",
+        anchor="vllm._custom_ops:cpu_attn_get_scheduler_metadata",
+        engines=("cpu",),
+        what="the CPU attention backend's per-batch work plan (scheduler metadata), built with "
+        "enable_kv_split=VLLM_CPU_ATTN_SPLIT_KV (default on)",
+        why="split-KV splits a request's KV across threads for some query shapes and merges the "
+        "partial softmaxes in another order, so a one-token decode and a K+1-row verify give the same "
+        "query different bits (measured from about 100 tokens of context): greedy text with "
+        "speculation would drift from the text without it",
+        how="build the plan with enable_kv_split=False; each query row then reduces over its KV in one "
+        "order, bitwise the same in a one-token decode and a verify batch "
+        "(qpn.fork_patches.spec_identity)",
+        remove_when="the cpu engine's split-KV merge is independent of the query count, or the cpu "
+        "engine stops being where greedy identity is proven",
+        apply="qpn.fork_patches.spec_identity:wrap_cpu_attn_scheduler_metadata",
     ),
 ]
 

@@ -17,9 +17,6 @@ asked TP before any engine starts, naming the module.
 """
 from __future__ import annotations
 
-import json
-import os
-import struct
 from dataclasses import dataclass
 
 from qpn.kernels import formats  # torch-free: the format descriptions only
@@ -102,15 +99,9 @@ def plan(modules: list[Module], tp: int) -> tuple[list[RankShape], list[str]]:
 # ------------------------------------------------------------------- from a checkpoint on disk
 def _headers(ckpt: str) -> dict[str, list[int]]:
     """tensor name -> shape, from the safetensors headers (no tensor is read)."""
-    shapes: dict[str, list[int]] = {}
-    for name in sorted(os.listdir(ckpt)):
-        if not name.endswith(".safetensors"):
-            continue
-        with open(os.path.join(ckpt, name), "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
-    return shapes
+    from qpn.fork_patches.conventions import tensor_headers
+
+    return {name: h["shape"] for name, h in tensor_headers(ckpt).items()}
 
 
 # vLLM's fused modules and the checkpoint shards they hold (Qwen3.5 / Qwen3-Next naming)

@@ -119,24 +119,35 @@ def check_controls(served, ref: dict, ckpt, ids: list[int], controls: dict[str, 
     assert not weak, f"controls {weak} would pass the bound: {report}"
 
 
-def check_census(served, ckpt, expert_format: str) -> dict:
+def check_census(served, ckpt, expert_format) -> dict:
     """Every module on QPN, no fallback, every expert stack (2 per MoE layer) proven and on the QPN
-    MoE route only, the shared experts on NVFP4 dense routes, lm_head from the checkpoint's codes.
-    Returns rank 0's modules for the caller's convention-specific checks."""
+    MoE route of its layer's expert format only, the shared experts on NVFP4 dense routes, lm_head
+    from the checkpoint's codes. ``expert_format``: 'nvfp4' | 'fp8', or {layer: format} for a
+    checkpoint that mixes them. Returns rank 0's modules for the caller's convention-specific checks."""
     from qpn.fork_patches import census
 
     agg = census.aggregate(str(served["census_dir"]))
     cfg = json.loads((ckpt / "config.json").read_text())
     n_layers = cfg["num_hidden_layers"]
+    per_layer = (expert_format if isinstance(expert_format, dict)
+                 else {n: expert_format for n in range(n_layers)})
+    assert sorted(per_layer) == list(range(n_layers))
     assert agg["modules_on_qpn"] == agg["modules_total"] > 0
     assert agg["fallback_calls"] == 0 and not agg["non_qpn_routes"]
-    route = {"nvfp4": "qpn2_moe", "fp8": "qpn8_moe"}[expert_format]
-    assert agg["route_counts"][route]["eager"] >= 2 * n_layers
+    moe_route = {"nvfp4": "qpn2_moe", "fp8": "qpn8_moe"}
+    for fmt, route in moe_route.items():
+        layers = sum(1 for f in per_layer.values() if f == fmt)
+        if layers:
+            assert agg["route_counts"][route]["eager"] >= 2 * layers, (route, agg["route_counts"].get(route))
+        else:
+            assert route not in agg["route_counts"], route
     modules = census.read_rank_files(str(served["census_dir"]))[0]["modules"]
     stacks = {name: m for name, m in modules.items() if name.endswith((".experts.w13", ".experts.w2"))}
     assert len(stacks) == 2 * n_layers
     for name, m in stacks.items():
-        assert m["region"] == expert_format and m["eligible"] and m["prepack_verified"], name
+        fmt = per_layer[int(name.split(".layers.")[1].split(".")[0])]
+        route = moe_route[fmt]
+        assert m["region"] == fmt and m["eligible"] and m["prepack_verified"], name
         assert set(m["routes"]) == {route} and m["routes"][route]["eager"] >= 1, name
     w13 = modules["model.layers.0.mlp.experts.w13"]
     assert (w13["n"], w13["k"]) == (2 * cfg["moe_intermediate_size"], cfg["hidden_size"])

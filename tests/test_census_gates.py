@@ -302,3 +302,137 @@ def test_skipped_moe_hook_fails_a_ct_moe_checkpoint(tiny_checkpoints):
     results = {r.name: r for r in boot_gates.evaluate(CPU, 0, {"ok": True, "completion_tokens": 1}, None,
                                                       census, set(), declared=dense)}
     assert not results[boot_gates.GATE_SKIPPED_HOOKS].failed
+
+
+# ---- compressed-tensors per-module coverage (issue 15) -----------------------------------------
+def _engine_module(engine_name: str) -> str:
+    """The vLLM module an engine-named checkpoint module is served by (fused as vLLM fuses them)."""
+    base, _, leaf = engine_name.rpartition(".")
+    if ".mlp.experts." in engine_name:
+        return engine_name.split(".mlp.experts.")[0] + ".mlp.experts." + ("w2" if leaf == "down_proj" else "w13")
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj", "in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz"}
+    return f"{base}.{fused[leaf]}" if leaf in fused else engine_name
+
+
+def _write_ct_rank(tmp_path, declared: dict, drop=(), off_qpn=(), unlisted=(), record=True) -> str:
+    """One rank's census as the cpu engine writes it for a compressed-tensors checkpoint: every
+    declared module served by its vLLM module (per-module ``declared`` in engine names) and the
+    overlay's {checkpoint name: engine name} record. ``drop``: vLLM modules not admitted;
+    ``off_qpn``: admitted on a non-QPN route; ``unlisted``: checkpoint names left out of the record."""
+    c = Census()
+    c.platform = _PLATFORM
+    c.rank, c.directory = 0, str(tmp_path)
+    c._engine_config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+        model_config=types.SimpleNamespace(max_model_len=1024, enforce_eager=True),
+        speculative_config=None, compilation_config=types.SimpleNamespace(static_forward_context={}))
+    names = {ck: _hub_to_vllm(ck) for ck in declared}
+    served: dict[str, list[str]] = {}
+    for ck, eng in names.items():
+        served.setdefault(_engine_module(eng), []).append(eng)
+    keep = []
+    for module, engine_names in served.items():
+        if module in drop:
+            continue
+        region = declared[next(ck for ck, e in names.items() if e == engine_names[0])].fmt
+        layer = object()
+        keep.append(layer)
+        n = c.register_module(layer, module, region, 64, 128, prepack_verified=True, declared=engine_names)
+        c.count(n, "marlin" if module in off_qpn else ("qpn8" if region == "fp8" else "qpn2"))
+    if record:
+        c.set_checkpoint_modules({ck: e for ck, e in names.items() if ck not in unlisted})
+    c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
+    c._stop.set()
+    return c.flush()
+
+
+def _ct_gate(tmp_path, declared):
+    return boot_gates.gate_qpn_routes(aggregate(str(tmp_path)), {"nvfp4", "fp8"}, boot_gates.qpn_route_names(),
+                                      checkpoint_modules=declared)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({}, None),
+    (dict(drop=("model.layers.6.mlp.experts.w2",)),
+     "8 of 243 checkpoint module(s) declared by config_groups not in the census, "
+     "e.g. ['model.language_model.layers.6.mlp.experts.0.down_proj (engine: model.layers.6.mlp.experts.0.down_proj)'"),
+    (dict(drop=("model.layers.3.self_attn.qkv_proj",)), "3 of 243 checkpoint module(s)"),
+    (dict(drop=("lm_head",)), "1 of 243 checkpoint module(s) declared by config_groups not in the census, e.g. ['lm_head']"),
+    (dict(off_qpn=("model.layers.2.linear_attn.in_proj_qkvz",)),
+     "2 checkpoint module(s) admitted but not on a QPN route, e.g. ['model.language_model.layers.2.linear_attn.in_proj_qkv'"),
+    (dict(unlisted=("model.language_model.layers.0.mlp.experts.5.up_proj",)),
+     "1 declared checkpoint module(s) missing from the engine's checkpoint_modules, "
+     "e.g. ['model.language_model.layers.0.mlp.experts.5.up_proj']"),
+    (dict(record=False), "the census has no checkpoint_modules"),
+])
+def test_ct_coverage_pairs_every_declared_module_by_name(tiny_checkpoints, tmp_path, change, needle):
+    """qpn_routes on a compressed-tensors checkpoint: each module config_groups declare must be on a
+    QPN route, found through the overlay's {checkpoint name: engine name} record. One vLLM module
+    left off QPN (not admitted, or on a foreign route), one checkpoint name the record lacks, or no
+    record at all fails naming the checkpoint modules."""
+    _, declared = boot_gates.declared_modules(str(tiny_checkpoints / "ct-moe"))
+    assert len(declared) == 243
+    _write_ct_rank(tmp_path, declared, **change)
+    gate = _ct_gate(tmp_path, declared)
+    if needle is None:
+        assert gate.status == boot_gates.PASS, gate.observed
+        assert "config_groups (243)" in gate.expected
+    else:
+        assert gate.failed and needle in gate.observed, gate.observed
+
+
+def test_ct_coverage_is_what_the_launcher_asks_for_a_ct_checkpoint(tiny_checkpoints, tmp_path):
+    """evaluate() checks the coverage only when given the CT modules (run_gates passes them for a
+    compressed-tensors checkpoint): the same census minus one expert stack passes the gate without
+    them (module counts alone cannot see a module that never reached the census) and fails with."""
+    _, declared = boot_gates.declared_modules(str(tiny_checkpoints / "ct-moe"))
+    _write_ct_rank(tmp_path, declared, drop=("model.layers.1.mlp.experts.w13",))
+
+    def qpn_routes(**kw):
+        return {r.name: r for r in boot_gates.evaluate(CPU, 0, {"ok": True, "completion_tokens": 1}, None,
+                                                       aggregate(str(tmp_path)), {"nvfp4", "fp8"},
+                                                       tp=1, declared=declared, **kw)}["qpn_routes"]
+    assert not qpn_routes().failed
+    g = qpn_routes(checkpoint_modules=declared)
+    assert g.failed and "16 of 243 checkpoint module(s)" in g.observed, g.observed
+
+
+def _schemes(declared: dict) -> dict[str, tuple[str, str]]:
+    return {name: (s.fmt, s.fp8_scale) for name, s in declared.items()}
+
+
+def test_ct_class_targets_expand_over_the_checkpoints_own_tensors(tiny_checkpoints, tmp_path):
+    """llm-compressor's usual form names the class Linear instead of modules: the declared set is
+    then every module holding the scheme's codes in its dtype (weight_packed uint8 for NVFP4, an
+    e4m3 weight for FP8), less ``ignore`` (names and re: patterns); name targets still come first.
+    The class form must declare exactly the modules, formats and layouts the name form does: a
+    dropped module (class targets matching nothing) or an added one (a BF16 router, norm,
+    embedding or drafter weight taken for a Linear) fails."""
+    src = tiny_checkpoints / "ct-moe"
+    _, by_name = boot_gates.declared_modules(str(src))
+
+    def nvfp4_linear(q):
+        q["config_groups"]["group_0"]["targets"] = ["Linear"]
+        q["ignore"] = [r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", "re:^mtp\\."]
+    _, by_class = boot_gates.declared_modules(_ct_copy(src, tmp_path / "nvfp4", nvfp4_linear))
+    assert _schemes(by_class) == _schemes(by_name)
+    assert len(by_class) == 243 and sum(s.fmt == "nvfp4" for s in by_class.values()) == 217
+
+    def fp8_linear(q):  # FP8 per tensor as the class target; the per-channel GDN group by name
+        q["config_groups"]["group_1"]["targets"] = ["Linear"]
+    _, fp8_class = boot_gates.declared_modules(_ct_copy(src, tmp_path / "fp8", fp8_linear))
+    assert _schemes(fp8_class) == _schemes(by_name)
+
+    def ignored(q):
+        nvfp4_linear(q)
+        q["ignore"] += ["lm_head", r"re:.*layers\.0\.mlp\.experts\."]
+    _, fewer = boot_gates.declared_modules(_ct_copy(src, tmp_path / "ign", ignored))
+    gone = set(by_name) - set(fewer)
+    assert set(fewer) <= set(by_name) and "lm_head" in gone and len(gone) == 1 + 24
+    assert all(n == "lm_head" or ".layers.0.mlp.experts." in n for n in gone)
+
+    def unknown_class(q):  # a class QPN serves no codes for declares nothing by class
+        q["config_groups"]["group_0"]["targets"] = ["Embedding"]
+    _, none = boot_gates.declared_modules(_ct_copy(src, tmp_path / "emb", unknown_class))
+    assert not any(s.fmt == "nvfp4" for s in none.values())

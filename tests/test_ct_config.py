@@ -108,4 +108,67 @@ def test_the_launcher_reads_the_regions_a_ct_checkpoint_declares():
     assert boot_gates.declared_regions(q) == {"nvfp4", "fp8"}
     del q["config_groups"]["group_0"]
     assert boot_gates.declared_regions(q) == {"fp8"}
-    assert boot_gates.declared_layers(q) == {}  # per-module coverage stays ModelOpt-only (issue 15)
+    assert boot_gates.declared_layers(q) == {}  # no quantized_layers map: coverage pairs by name (declared_modules)
+
+
+def test_the_hook_records_every_declared_module_with_the_engines_name(tmp_path, monkeypatch):
+    """ct_config.record_checkpoint_modules (run once, from the quant-method hook) puts in the census
+    each module the served folder's config_groups declare, renamed by the model class's own
+    hf_to_vllm_mapper (Qwen3.5 drops model.language_model.); the qpn_routes gate pairs the
+    checkpoint's names with the census through it. A served model that is not a local folder
+    records nothing (the gate then reports the gap)."""
+    import types
+
+    from vllm.model_executor.model_loader import utils as loader_utils
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    from qpn.fork_patches import census, ct_config
+    from qpn.scripts.checkpoints import make_ct_checkpoint
+
+    ckpt = tmp_path / "ct"
+    make_ct_checkpoint.make_ct_checkpoint(ckpt, seed=0)
+    monkeypatch.setattr(census, "CENSUS", census.Census())
+    monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
+    seen = []
+    monkeypatch.setattr(loader_utils, "get_model_architecture",
+                        lambda mc: seen.append(mc) or (Qwen3_5ForCausalLM, "Qwen3_5ForCausalLM"))
+    model_config = types.SimpleNamespace(model=str(ckpt))
+    names = ct_config.record_checkpoint_modules(types.SimpleNamespace(model_config=model_config))
+    _, declared = cv.declared_modules(ckpt)
+    assert seen == [model_config] and census.CENSUS.checkpoint_modules == names
+    assert list(names) == list(declared) and len(names) == 51
+    assert names["model.language_model.layers.3.self_attn.q_proj"] == "model.layers.3.self_attn.q_proj"
+    assert names["lm_head"] == "lm_head"
+    assert all(e == c.replace("model.language_model.", "model.", 1) for c, e in names.items())
+    missing = types.SimpleNamespace(model_config=types.SimpleNamespace(model="org/some-hub-id"))
+    assert ct_config.record_checkpoint_modules(missing) is None
+
+
+def _engine_sources():
+    from pathlib import Path
+
+    from qpn.fork_patches import engine_lock, engine_source
+    from tests._ci import onecat_archive
+
+    import vllm
+    yield engine_source.open_source(Path(vllm.__file__).parent.parent)  # the installed cpu engine
+    for version in engine_lock.versions("sm70"):
+        yield engine_source.open_source(onecat_archive(version))
+
+
+def test_what_the_name_record_calls_exists_in_every_engine():
+    """record_checkpoint_modules asks the engine for the model class (model_loader.utils.
+    get_model_architecture(model_config)) and renames with its WeightsMapper's _map_name, as the
+    engine renames a quant config's names (configure_quant_config -> apply_vllm_mapper); vLLM 0.32
+    passes the rename-only get_rename_mapper, 1Cat-vLLM the mapper itself (both handled)."""
+    from qpn.fork_patches import engine_source
+
+    for src in _engine_sources():
+        resolver = engine_source._Resolver(src)
+        arch = resolver.find("vllm.model_executor.model_loader.utils:get_model_architecture")
+        assert [a.arg for a in arch.node.args.args] == ["model_config"], src.key
+        resolver.find("vllm.model_executor.models.utils:WeightsMapper._map_name")
+        assert resolver.calls("vllm.model_executor.model_loader.utils:configure_quant_config",
+                              "apply_vllm_mapper"), src.key
+        text = src.text("model_executor/models/utils.py")
+        assert ("def get_rename_mapper" in text) == src.key.startswith("cpu@"), src.key

@@ -59,10 +59,44 @@ FP8_TENSOR_TARGETS = [_TRUNK + r"self_attn\.(q|k|v|o)_proj$"]
 FP8_CHANNEL_TARGETS = [_TRUNK + r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$"]
 # the MoE family: routed experts and the shared expert in place of the dense MLP
 NVFP4_MOE_TARGETS = [_TRUNK + r"mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj$", "lm_head"]
+_EXPERTS = r"mlp\.experts\.\d+\.(gate|up|down)_proj$"
+FP8_EXPERT_LAYOUTS = ("tensor", "channel")
 
 
-def fp8_layout(module: str) -> str:
+def _expert_layer(module: str) -> int | None:
+    """The decoder layer of a routed expert's module name (None: not a routed expert)."""
+    head, sep, _ = module.partition(".mlp.experts.")
+    return int(head.rsplit(".", 1)[-1]) if sep and not head.startswith("mtp.") else None
+
+
+def fp8_layout(module: str, fp8_experts: dict[int, str] | None = None) -> str:
+    """The FP8 scale layout of an FP8 module: per channel for the GDN projections and for the
+    routed experts of a layer ``fp8_experts`` ({layer: layout}) says so; per tensor otherwise."""
+    layer = _expert_layer(module)
+    if layer is not None and fp8_experts and layer in fp8_experts:
+        return fp8_experts[layer]
     return "channel" if ".linear_attn." in f".{module}" else "tensor"
+
+
+def _layers(layers) -> str:
+    return "(" + "|".join(str(n) for n in sorted(layers)) + r")\."
+
+
+def moe_targets(fp8_experts: dict[int, str] | None) -> tuple[list[str], dict[str, list[str]]]:
+    """(NVFP4 targets, {FP8 layout: extra FP8 targets}) of the MoE family: the routed experts of
+    the layers in ``fp8_experts`` ({layer: 'tensor' | 'channel'}) in FP8, every other routed
+    expert, the shared experts and lm_head in NVFP4. Without FP8 experts: NVFP4_MOE_TARGETS."""
+    if not fp8_experts:
+        return list(NVFP4_MOE_TARGETS), {}
+    bad = {n: v for n, v in fp8_experts.items() if v not in FP8_EXPERT_LAYOUTS}
+    if bad:
+        raise ValueError(f"FP8 expert layout(s) {bad}: choose from {FP8_EXPERT_LAYOUTS}")
+    trunk = r"re:^model\.(language_model\.)?layers\."
+    nvfp4 = [trunk + r"(?!" + _layers(fp8_experts) + r")\d+\." + _EXPERTS,
+             _TRUNK + r"mlp\.shared_expert\.(gate|up|down)_proj$", "lm_head"]
+    fp8 = {layout: [trunk + _layers(n for n, v in fp8_experts.items() if v == layout) + _EXPERTS]
+           for layout in FP8_EXPERT_LAYOUTS if layout in fp8_experts.values()}
+    return nvfp4, fp8
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -118,9 +152,11 @@ def _args(bits: int, strategy: str, dynamic, group_size=None, observer="minmax",
     return d
 
 
-def quantization_config(moe: bool = False) -> dict:
+def quantization_config(moe: bool = False, fp8_experts: dict[int, str] | None = None) -> dict:
     """config.json ``quantization_config`` as llm-compressor writes it for this recipe (``moe``:
-    the MoE family's NVFP4 targets)."""
+    the MoE family's NVFP4 targets; ``fp8_experts``: the routed experts of those layers in the FP8
+    groups, per tensor or per channel, as a recipe naming them in the FP8 schemes' targets would)."""
+    nvfp4, fp8 = moe_targets(fp8_experts) if moe else (list(NVFP4_TARGETS), {})
     return {
         "quant_method": "compressed-tensors",
         "format": "mixed-precision",
@@ -128,17 +164,17 @@ def quantization_config(moe: bool = False) -> dict:
         "version": CT_VERSION_FORM,
         "global_compression_ratio": None,
         "config_groups": {
-            "group_0": {"targets": list(NVFP4_MOE_TARGETS if moe else NVFP4_TARGETS),
+            "group_0": {"targets": nvfp4,
                         "format": "nvfp4-pack-quantized",
                         "weights": _args(4, "tensor_group", False, GROUP_SIZE, fp4=True),
                         "input_activations": _args(4, "tensor_group", "local", GROUP_SIZE,
                                                    observer="static_minmax", fp4=True),
                         "output_activations": None},
-            "group_1": {"targets": list(FP8_TENSOR_TARGETS), "format": "float-quantized",
+            "group_1": {"targets": list(FP8_TENSOR_TARGETS) + fp8.get("tensor", []), "format": "float-quantized",
                         "weights": _args(8, "tensor", False),
                         "input_activations": _args(8, "tensor", False, observer="static_minmax"),
                         "output_activations": None},
-            "group_2": {"targets": list(FP8_CHANNEL_TARGETS), "format": "float-quantized",
+            "group_2": {"targets": list(FP8_CHANNEL_TARGETS) + fp8.get("channel", []), "format": "float-quantized",
                         "weights": _args(8, "channel", False),
                         "input_activations": _args(8, "token", True, observer=None),
                         "output_activations": None},
@@ -154,9 +190,10 @@ def quantization_config(moe: bool = False) -> dict:
 
 def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
                    input_amax: dict[str, float], kv_amax: dict[str, float],
-                   shared: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+                   shared: dict[str, float] | None = None,
+                   fp8_experts: dict[int, str] | None = None) -> dict[str, torch.Tensor]:
     """``shared``: {module: the global amax it shares with its fused siblings} (default: the
-    dense MLP's gate and up)."""
+    dense MLP's gate and up); ``fp8_experts``: {layer: FP8 layout} of FP8 routed experts."""
     shared = make_checkpoint._shared_global_amax(weights) if shared is None else shared
     out: dict[str, torch.Tensor] = {}
     for key, w in weights.items():
@@ -167,7 +204,7 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
             continue
         m = make_checkpoint.hub_name(module)
         if region == "fp8":
-            layout = fp8_layout(module)
+            layout = fp8_layout(module, fp8_experts)
             for name, t in encode_fp8(w, layout).items():
                 out[f"{m}.{name}"] = t.contiguous()
             if layout == "tensor":  # static activations; per-channel FP8 runs dynamic ones
@@ -184,13 +221,20 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
 
 
 def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
-                       spec: tiny_hybrid.TinyHybridSpec | None = None, moe: bool = False) -> dict:
+                       spec: tiny_hybrid.TinyHybridSpec | None = None, moe: bool = False,
+                       fp8_experts: dict[int, str] | None = None) -> dict:
     """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict.
-    ``moe``: the MoE family (make_moe_checkpoint's float model, NVFP4 experts)."""
+    ``moe``: the MoE family (make_moe_checkpoint's float model, NVFP4 experts); ``fp8_experts``
+    ({layer: 'tensor' | 'channel'}, MoE only): those layers' routed experts in FP8 instead, every
+    other layer's in NVFP4 (one checkpoint, both expert formats)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
     out = Path(out_dir)
+    fp8_experts = dict(fp8_experts or {})
+    if fp8_experts and not moe:
+        raise ValueError("FP8 experts need the MoE family (--moe)")
+    moe_targets(fp8_experts)  # refuses an unknown layout before anything is written
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a new folder (the generator never overwrites)")
     from qpn.scripts.checkpoints import make_moe_checkpoint
@@ -203,6 +247,11 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
         if moe:
             weights = make_moe_checkpoint.float_weights(spec, seed)
             quantized = make_moe_checkpoint.quantized_modules(weights, "nvfp4")
+            layers = {_expert_layer(m) for m in quantized} - {None}
+            if set(fp8_experts) - layers:
+                raise ValueError(f"FP8 expert layer(s) {sorted(set(fp8_experts) - layers)} are not MoE "
+                                 f"layers of this model (0..{max(layers)})")
+            quantized.update({m: "fp8" for m in quantized if _expert_layer(m) in fp8_experts})
             input_amax, kv_amax = make_moe_checkpoint.calibrate(spec, weights, quantized, calib_ids)
             shared = make_moe_checkpoint.shared_global_amax(weights, quantized)
         else:
@@ -210,9 +259,9 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
             quantized = tiny_hybrid.quantized_modules(weights)
             input_amax, kv_amax = make_checkpoint.calibrate(spec, weights, sorted(quantized), calib_ids)
             shared = None
-        tensors = export_tensors(weights, quantized, input_amax, kv_amax, shared)
+        tensors = export_tensors(weights, quantized, input_amax, kv_amax, shared, fp8_experts)
         config = spec.config_dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-        config["quantization_config"] = quantization_config(moe)
+        config["quantization_config"] = quantization_config(moe, fp8_experts)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({
             "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -223,8 +272,22 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
             "architecture": config["architectures"][0], "layer_types": spec.layer_types(),
             "quantized_modules": {r: sum(1 for v in quantized.values() if v == r) for r in ("fp8", "nvfp4")},
             "tensors": len(tensors), "bytes": (tmp / "model.safetensors").stat().st_size,
+            "fp8_experts": {str(n): v for n, v in sorted(fp8_experts.items())},
         }
     return summary
+
+
+def parse_fp8_experts(text: str) -> dict[int, str]:
+    """'5,6:tensor' -> {5: 'channel', 6: 'tensor'} (a layer without a layout: per channel)."""
+    out: dict[int, str] = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        layer, _, layout = item.partition(":")
+        if not layer.strip().isdigit():
+            raise ValueError(f"--fp8-experts entry {item!r}: expected LAYER or LAYER:LAYOUT")
+        out[int(layer)] = layout.strip() or "channel"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
     p.add_argument("--moe", action="store_true",
                    help="the Qwen3.5 MoE family (NVFP4 routed and shared experts) instead of the dense hybrid")
+    p.add_argument("--fp8-experts", default="", metavar="LAYER[:LAYOUT],...",
+                   help="with --moe: these layers' routed experts in FP8 (LAYOUT tensor or channel, default "
+                        "channel, the FP8_DYNAMIC preset), the other layers' in NVFP4; e.g. 5,6:tensor")
     args = p.parse_args(argv)
     try:
-        summary = make_ct_checkpoint(args.out_dir, seed=args.seed, moe=args.moe)
+        fp8_experts = parse_fp8_experts(args.fp8_experts)
+        summary = make_ct_checkpoint(args.out_dir, seed=args.seed, moe=args.moe, fp8_experts=fp8_experts)
     except (FileExistsError, ValueError) as e:
         print(f"make_ct_checkpoint: {e}", file=sys.stderr)
         return 2

@@ -11,9 +11,10 @@ the census writer validates against). What each census gate proves:
 
 - ``census_platform``: one census per tensor-parallel rank (ranks 0..TP-1, each reporting that TP),
   on the expected platform and backend;
-- ``qpn_routes``: every module the checkpoint's own ``quantized_layers`` lists is served on a QPN
-  route on every rank (the loader records which checkpoint names each module serves), with zero
-  fallbacks and route calls after the warm request;
+- ``qpn_routes``: every module the checkpoint declares quantized (ModelOpt ``quantized_layers``;
+  compressed-tensors ``config_groups`` less ``ignore``) is served on a QPN route on every rank (the
+  loader records which checkpoint names each module serves), with zero fallbacks and route calls
+  after the warm request;
 - ``lm_head_from_codes``: every rank's head reports what the loader did (codes and scales
   received from the checkpoint and proven byte-identical after prepacking);
 - ``served_depth``: the engine exports K draft positions and has proposed draft tokens since
@@ -104,30 +105,22 @@ def declared_layers(quant_config: dict | None) -> dict:
     return dict(layers or {})
 
 
-def checkpoint_module_names(ckpt: str) -> list[str]:
-    """Every module name that holds a tensor in the checkpoint's safetensors headers (the part of
-    each tensor name before its last dot; no tensor is read)."""
-    from qpn.fork_patches.tp_sharding import _headers
-
-    return sorted({name.rsplit(".", 1)[0] for name in _headers(ckpt) if "." in name})
-
-
 def declared_modules(ckpt: str) -> tuple[object | None, dict]:
     """(convention, {checkpoint module name: ModuleScheme}) of the modules the checkpoint's
-    convention declares quantized (qpn.fork_patches.conventions: ModelOpt ``quantized_layers``;
-    compressed-tensors ``config_groups`` targets less ``ignore``, matched on the module names of
-    the safetensors headers). Names the config lists itself come first, in its order (the order
-    the engine keeps its renamed copy of ModelOpt's map in). (None, {}) when the folder carries
-    no quantization config of a known convention."""
-    from qpn.fork_patches.conventions import ConventionError, detect
+    convention declares quantized (qpn.fork_patches.conventions.declared_modules: ModelOpt
+    ``quantized_layers``; compressed-tensors ``config_groups`` targets less ``ignore``, matched on
+    the module names of the safetensors headers, a class target such as ``Linear`` expanded over
+    the modules that hold its scheme's codes). Names the config lists itself come first, in its
+    order (the order the engine keeps its renamed copy of ModelOpt's map in). (None, {}) when the
+    folder carries no quantization config of a known convention; a scheme QPN does not serve
+    raises ConventionError naming the config group (the preflight refuses on it)."""
+    from qpn.fork_patches import conventions
 
     try:
-        convention, quant_cfg = detect(ckpt)
-    except (ConventionError, OSError, ValueError):
+        conventions.detect(ckpt)
+    except (conventions.ConventionError, OSError, ValueError):
         return None, {}
-    names = list(dict.fromkeys([*declared_layers(quant_cfg), *checkpoint_module_names(ckpt)]))
-    schemes = convention.module_schemes(quant_cfg, names)
-    return convention, {name: s for name, s in schemes.items() if s is not None}
+    return conventions.declared_modules(ckpt)
 
 
 def declared_regions(quant_config: dict | None) -> set[str]:
@@ -220,43 +213,73 @@ def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResu
     return GateResult(GATE_PLATFORM, FAIL if problems else PASS, expected, observed)
 
 
-def _coverage_problems(census: dict, quantized_layers: dict) -> list[str]:
-    """Checkpoint modules (its quantized_layers) not served on QPN, per rank. The engine renames
+def _coverage_problems(census: dict, quantized_layers: dict | None = None,
+                       checkpoint_modules: dict | None = None) -> list[str]:
+    """Checkpoint modules the checkpoint declares quantized that are not served on QPN, per rank.
+    Each checkpoint name is paired with the engine's name for it, which the per-module
+    ``declared`` lists of the census carry. ModelOpt (``quantized_layers``): the engine renames
     the map's keys with the model's hf_to_vllm_mapper (``apply_dict``: same order, one name per
-    name), so the checkpoint's n-th name is the engine's n-th name; a changed count is reported.
-    compressed-tensors checkpoints are not covered per module yet: their engine holds no list of
-    module names to pair with (the census records engine names only, and the mapper renames hub
-    names such as ``model.language_model.layers.N``), so ``run_gates`` passes ModelOpt's map only."""
+    name), so the checkpoint's n-th name is the engine's n-th name (``engine_quantized_layers``);
+    a changed count is reported. compressed-tensors (``checkpoint_modules``: the modules
+    ``declared_modules`` gives): the engine holds no list of module names, so the overlay records
+    one, {checkpoint name: engine name}, renamed by the model's own mapper
+    (ct_config.record_checkpoint_modules; census ``checkpoint_modules``)."""
     problems = []
-    names = list(quantized_layers)
     for rank in _rank_dicts(census):
-        engine = rank.get("engine_quantized_layers")
-        if engine is None:
-            problems.append(f"rank {rank['rank']}: the census has no engine_quantized_layers (the "
-                            "quant config never reached the QPN hook)")
-            continue
-        if len(engine) != len(names):
-            problems.append(f"rank {rank['rank']}: the engine holds {len(engine)} quantized_layers "
-                            f"names, the checkpoint lists {len(names)}")
-            continue
+        rid = rank["rank"]
+        if quantized_layers:
+            names = list(quantized_layers)
+            engine = rank.get("engine_quantized_layers")
+            if engine is None:
+                problems.append(f"rank {rid}: the census has no engine_quantized_layers (the "
+                                "quant config never reached the QPN hook)")
+                continue
+            if len(engine) != len(names):
+                problems.append(f"rank {rid}: the engine holds {len(engine)} quantized_layers "
+                                f"names, the checkpoint lists {len(names)}")
+                continue
+            pairs = list(zip(names, engine))
+            listed = "in quantized_layers"
+        else:
+            engine_of = rank.get("checkpoint_modules")
+            if engine_of is None:
+                problems.append(f"rank {rid}: the census has no checkpoint_modules (the "
+                                "compressed-tensors quant config never reached the QPN hook, or the "
+                                "hook could not read the checkpoint: see the engine log)")
+                continue
+            unknown = [c for c in checkpoint_modules if c not in engine_of]
+            if unknown:
+                problems.append(f"rank {rid}: {len(unknown)} declared checkpoint module(s) missing from "
+                                f"the engine's checkpoint_modules, e.g. {unknown[:3]}")
+            pairs = [(c, engine_of[c]) for c in checkpoint_modules if c in engine_of]
+            listed = "declared by config_groups"
         drafting = int((rank.get("serving") or {}).get("num_speculative_tokens") or 0) > 0
         on = set(rank.get("declared_on_qpn") or [])
         off = set(rank.get("declared_off_qpn") or [])
-        needed = [(c, e) for c, e in zip(names, engine)
-                  if drafting or not (c.startswith(DRAFTER_PREFIXES) or e.startswith(DRAFTER_PREFIXES))]
-        not_on = [c for c, e in needed if e in off]
-        absent = [c if c == e else f"{c} (engine: {e})" for c, e in needed if e not in on and e not in off]
+        needed = [(c, e) for c, e in pairs
+                  if drafting or not (c.startswith(DRAFTER_PREFIXES) or (e or "").startswith(DRAFTER_PREFIXES))]
+        dropped = [c for c, e in needed if e is None]
+        not_on = [c for c, e in needed if e is not None and e in off]
+        absent = [c if c == e else f"{c} (engine: {e})" for c, e in needed
+                  if e is not None and e not in on and e not in off]
+        if dropped:
+            problems.append(f"rank {rid}: {len(dropped)} declared checkpoint module(s) the engine's "
+                            f"mapper drops, e.g. {dropped[:3]}")
         if not_on:
-            problems.append(f"rank {rank['rank']}: {len(not_on)} checkpoint module(s) admitted but "
+            problems.append(f"rank {rid}: {len(not_on)} checkpoint module(s) admitted but "
                             f"not on a QPN route, e.g. {not_on[:3]}")
         if absent:
-            problems.append(f"rank {rank['rank']}: {len(absent)} of {len(needed)} checkpoint "
-                            f"module(s) in quantized_layers not in the census, e.g. {absent[:3]}")
+            problems.append(f"rank {rid}: {len(absent)} of {len(needed)} checkpoint "
+                            f"module(s) {listed} not in the census, e.g. {absent[:3]}")
     return problems
 
 
 def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | None,
-                    quantized_layers: dict | None = None) -> GateResult:
+                    quantized_layers: dict | None = None,
+                    checkpoint_modules: dict | None = None) -> GateResult:
+    """``quantized_layers``: ModelOpt's map; ``checkpoint_modules``: the modules a
+    compressed-tensors checkpoint declares (``declared_modules``). Either makes the gate require
+    each listed module on a QPN route on every rank (``_coverage_problems``)."""
     total = int(census.get("modules_total", 0))
     on_qpn = int(census.get("modules_on_qpn", 0))
     by_region = {k: int(v) for k, v in census.get("modules_by_region", {}).items()}
@@ -281,15 +304,16 @@ def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | Non
         problems.append(f"declared region(s) {missing_regions} have no admitted module")
     if total and calls == 0:
         problems.append("no QPN route calls recorded after the warm request")
-    if quantized_layers:
-        problems += _coverage_problems(census, quantized_layers)
+    if quantized_layers or checkpoint_modules:
+        problems += _coverage_problems(census, quantized_layers, checkpoint_modules)
     routes = ", ".join(f"{r}={total_calls({r: c})}" for r, c in sorted(route_counts.items()))
     observed = (f"{on_qpn}/{total} modules on QPN ({_fmt(by_region)}); calls: {routes or 'none'}"
                 f"; fallbacks {fallback_calls}")
     if problems:
         observed += " -- " + "; ".join(problems)
-    expected = ("every module of the checkpoint's quantized_layers"
-                f"{f' ({len(quantized_layers)})' if quantized_layers else ''} on a QPN route on "
+    listed = (f"quantized_layers ({len(quantized_layers)})" if quantized_layers else
+              f"config_groups ({len(checkpoint_modules)})" if checkpoint_modules else "quantized_layers")
+    expected = (f"every module of the checkpoint's {listed} on a QPN route on "
                 "every rank, 0 fallbacks" + (f", regions {sorted(regions)}" if regions else ""))
     return GateResult(GATE_QPN_ROUTES, FAIL if problems else PASS, expected, observed)
 
@@ -447,11 +471,13 @@ def _fmt(value: object) -> str:
 def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | None,
              census: dict | None, regions: set[str], *, tp: int | None = None,
              quantized_layers: dict | None = None, env: dict | None = None,
-             declared: dict | None = None) -> list[GateResult]:
+             declared: dict | None = None,
+             checkpoint_modules: dict | None = None) -> list[GateResult]:
     """Every gate. ``tp``: the tensor-parallel size asked for (None: what the ranks report);
     ``quantized_layers``: ModelOpt's own map (every listed module must be on QPN: the engine
-    keeps a renamed copy the census pairs with it; compressed-tensors has no such copy yet, see
-    _coverage_problems); ``declared``: the modules the checkpoint's convention declares
+    keeps a renamed copy the census pairs with it); ``checkpoint_modules``: a compressed-tensors
+    checkpoint's declared modules, each required on QPN (paired through the census's
+    ``checkpoint_modules``, see _coverage_problems); ``declared``: the modules the checkpoint's convention declares
     quantized (``declared_modules``; default ``quantized_layers``), which say what it needs;
     ``env``: the server's environment (the engine's XQA switches and thresholds)."""
     census = census or {}
@@ -472,7 +498,7 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
         elif name == GATE_PLATFORM:
             results[name] = gate_platform(spec.expected, census, tp)
         elif name == GATE_QPN_ROUTES:
-            result = gate_qpn_routes(census, regions, known, quantized_layers)
+            result = gate_qpn_routes(census, regions, known, quantized_layers, checkpoint_modules)
             backend = (spec.expected or {}).get("backend")
             wrong = sorted({str(r.get("backend")) for r in _rank_dicts(census)} - {backend})
             if backend and wrong and result.status == PASS:

@@ -517,10 +517,12 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     metrics = read_metrics(launch)
     quantized_layers = boot_gates.declared_layers(
         _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt)))
-    _, declared = boot_gates.declared_modules(launch.ckpt)  # either convention: what it needs
+    convention, declared = boot_gates.declared_modules(launch.ckpt)  # either convention: what it needs
+    ct = getattr(convention, "name", None) == "compressed-tensors"  # its coverage pairs by name
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
-                               env=server_env(launch), declared=declared)
+                               env=server_env(launch), declared=declared,
+                               checkpoint_modules=declared if ct else None)
 
 
 # ---- after READY: the engine's health ---------------------------------------------------------
