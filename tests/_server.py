@@ -14,9 +14,30 @@ on stop; the log is kept in memory so that ``log_text()`` still works after it.
 ``census_dir`` sets QPN_CENSUS_DIR for the route census; ``plugins`` sets VLLM_PLUGINS ("" loads
 none: raw vLLM; None loads every installed plugin, ours included). Boot failures raise with the
 log tail.
+
+Two settings make every boot cheaper without changing what a test proves (measured on an idle
+2-core host, the mixed checkpoint: 35 s to /v1/models before, 17 s after):
+
+* The model in the engine-core process (``engine_worker_process=False``, the default). For one
+  rank the cpu engine otherwise starts a third process, a worker, only to pin its OpenMP threads
+  (vllm/platforms/cpu.py turns the "uni" executor into "mp" unless
+  VLLM_ENABLE_V1_MULTIPROCESSING=0); that costs a full interpreter and vLLM import (~8 s idle)
+  and pins every test server's worker to core 0, so two servers side by side share one core.
+  With the variable at 0 the API server still runs the engine core as its own process (the
+  OpenAI server always does), and the model runs there with the "uni" executor: the layout vLLM
+  uses for one rank on a GPU, i.e. on the V100. The worker-process layout stays covered where
+  it matters: tensor parallel (``--tensor-parallel-size`` > 1 always gets workers) and every
+  server the launcher starts (tests/test_launcher_*.py), whose engine-core health watch and
+  gates run on the layout users get.
+* vLLM's model-class inspection cached across the servers of one test process. Resolving the
+  architecture otherwise runs a subprocess that imports vLLM and the model module (~8 s idle);
+  vLLM caches the answer under $VLLM_CACHE_ROOT/modelinfos keyed by the model file's hash. Each
+  server keeps its own cache root; only that ``modelinfos`` folder is shared (a symlink to one
+  folder per test process, removed at exit).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -33,6 +54,18 @@ import uuid
 from qpn.scripts.launcher.launched import group_alive
 
 TAG_ENV = "QPN_E2E_TAG"
+
+
+_MODELINFOS: str | None = None
+
+
+def shared_modelinfos() -> str:
+    """One folder per test process for vLLM's cached model-class inspection (see the module doc)."""
+    global _MODELINFOS
+    if _MODELINFOS is None:
+        _MODELINFOS = tempfile.mkdtemp(prefix="qpn_vllm_modelinfos_")
+        atexit.register(shutil.rmtree, _MODELINFOS, True)
+    return _MODELINFOS
 
 
 def engine_python() -> str:
@@ -64,7 +97,8 @@ def tagged_pids(tag: str) -> list[int]:
 class VllmServer:
     def __init__(self, model_dir, extra_args: list[str] | tuple = (), served_model_name: str | None = None,
                  boot_timeout_s: float = 420.0, plugins: str | None = None, census_dir=None,
-                 max_model_len: int = 2048, max_num_seqs: int | None = 1, env: dict[str, str] | None = None):
+                 max_model_len: int = 2048, max_num_seqs: int | None = 1, env: dict[str, str] | None = None,
+                 engine_worker_process: bool = False):
         self.model_dir = os.path.abspath(str(model_dir))
         self.extra_args = list(extra_args or [])
         self.served_model_name = served_model_name
@@ -73,6 +107,7 @@ class VllmServer:
         self.census_dir = None if census_dir is None else str(census_dir)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.extra_env = dict(env or {})
+        self.engine_worker_process = engine_worker_process
         self.port = free_port()
         self.tag = uuid.uuid4().hex
         self.proc: subprocess.Popen | None = None
@@ -96,8 +131,14 @@ class VllmServer:
     def launch(self) -> "VllmServer":
         """Start the process and return at once (``wait_ready()`` or ``wait_exit()`` next)."""
         env = dict(os.environ)
+        cache_root = os.path.join(self.tmp, "vllm_cache")
+        if not os.path.isdir(cache_root):  # launch() again (a restart) keeps the first link
+            os.makedirs(cache_root)
+            os.symlink(shared_modelinfos(), os.path.join(cache_root, "modelinfos"))
+        if not self.engine_worker_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in the engine core: module doc
         env.update(
-            VLLM_CACHE_ROOT=os.path.join(self.tmp, "vllm_cache"),
+            VLLM_CACHE_ROOT=cache_root,
             TORCHINDUCTOR_CACHE_DIR=os.path.join(self.tmp, "inductor"),
             TMPDIR=self.tmp,
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
