@@ -34,6 +34,7 @@ import torch
 
 from . import formats, jit, prepack, routes
 from .atoms import geometry
+from .ops import fp16_activations
 
 MOE_SOURCE = "qpn_moe.cu"
 # Source per atom: the sm_80+ file includes qpn_moe.cu (routing, combine, m8n8k4 entries) and adds
@@ -93,11 +94,6 @@ class PackedExpertStack(prepack.PackedLayout):
         """Expert e as a dense PackedNVFP4 / PackedFP8 (views of the stack, no copy)."""
         return self.format.packed_from_tensors(self.codes[e], None if self.scales is None else self.scales[e],
                                                self.chscale[e], self.n, self.k, self.atom)
-
-    def to(self, device) -> "PackedExpertStack":
-        return PackedExpertStack(self.fmt, self.codes.to(device),
-                                 None if self.scales is None else self.scales.to(device),
-                                 self.chscale.to(device), self.n, self.k, self.atom)
 
     def with_channel_scales(self) -> "PackedExpertStack":
         """The same stack with a per-channel [E, N] chscale (codes shared, not copied)."""
@@ -417,15 +413,6 @@ def _routed_down(mod, xh: torch.Tensor, ids32: torch.Tensor, top_k: int, packed:
     return h, d
 
 
-def _prep_x(x: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
-    xh = x.to(torch.float16)
-    if k_pad != k:
-        xh = torch.nn.functional.pad(xh, (0, k_pad - k))
-    if not xh.is_contiguous() or xh.data_ptr() % 16:
-        xh = xh.contiguous().clone()
-    return xh
-
-
 def _moe_cuda(x, topk_ids, topk_weights, packed: PackedMoE, shared: Optional[PackedMoE],
               shared_weight: Optional[torch.Tensor], stages: Optional[dict] = None) -> torch.Tensor:
     tokens, top_k = topk_ids.shape
@@ -436,7 +423,7 @@ def _moe_cuda(x, topk_ids, topk_weights, packed: PackedMoE, shared: Optional[Pac
     stream = torch.cuda.current_stream(x.device).cuda_stream
     ids32 = topk_ids.reshape(-1).to(torch.int32).contiguous()
     w32 = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    xh = _prep_x(x, packed.hidden, packed.gate.k_pad)
+    xh = fp16_activations(x, packed.hidden, packed.gate.k_pad)
     h, d = _routed_down(mod, xh, ids32, top_k, packed, stream)
     if stages is not None:
         stages.update(h=h[:, :packed.intermediate], d=d)

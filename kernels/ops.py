@@ -163,7 +163,9 @@ def _split(n_tiles: int, kblocks: int, m_chunks: int, device) -> tuple[int, int]
     return ksplit, WARPS // ksplit
 
 
-def _prep_x(x2: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
+def fp16_activations(x2: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
+    """x [M, K] as the kernels read it (dense and MoE alike): FP16, K zero-padded to ``k_pad``,
+    contiguous and 16-byte aligned."""
     xh = x2.to(torch.float16)
     if k_pad != k:
         xh = torch.nn.functional.pad(xh, (0, k_pad - k))
@@ -363,7 +365,7 @@ def run_sm80_kernel(x: torch.Tensor, packed, kernel: str, route: Route | str | N
     x2 = x.reshape(-1, packed.k)
     route = routes.as_route(route) if route is not None else routes.route_for(
         w.fmt, x2.shape[0], packed.n, packed.k, arch="sm80")
-    return _launch_sm80(route, _prep_x(x2, w.k, w.k_pad), w, None, kernel)
+    return _launch_sm80(route, fp16_activations(x2, w.k, w.k_pad), w, None, kernel)
 
 
 def _mm_f32(xh: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -411,7 +413,7 @@ def _linear(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[tor
     if x.device.type != "cuda":
         return w.format.reference_linear(x, w.packed(), bias)
     w = _fp32_scale(w)
-    xh = _prep_x(x, w.k, w.k_pad)
+    xh = fp16_activations(x, w.k, w.k_pad)
     b = _bias16(bias, w.n, x.device)
     if route.kernel == routes.RECONSTRUCT:
         return _launch_reconstruct(route, xh, w, b)

@@ -14,6 +14,7 @@ holds a second full copy of itself in any intermediate form.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,8 @@ class PrepackMismatch(ValueError):
 
 class PackedLayout:
     """What every packed weight (and expert stack) answers alike from its ``n``, ``k``, ``atom``
-    and ``codes``: sizes padded to its atom's tiles, its device and its WeightFormat."""
+    and its tensor fields: sizes padded to its atom's tiles, its device, its WeightFormat, its
+    buffers and their size, and a copy on another device."""
 
     n: int
     k: int
@@ -54,6 +56,19 @@ class PackedLayout:
     def format(self) -> formats.WeightFormat:
         return formats.format_of(self)
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The tensors it holds (codes, scales, output scale), by field name."""
+        return {f.name: t for f in dataclasses.fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all its buffers (what a kernel reads for the whole weight)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers().values())
+
+    def to(self, device):
+        """The same packed weight with every buffer on ``device``."""
+        return dataclasses.replace(self, **{name: t.to(device) for name, t in self.buffers().items()})
+
 
 @dataclass
 class PackedNVFP4(PackedLayout):
@@ -65,14 +80,6 @@ class PackedNVFP4(PackedLayout):
     atom: str = "m8n8k4"
 
     fmt = formats.NVFP4.family
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() + 4
-
-    def to(self, device) -> "PackedNVFP4":
-        return PackedNVFP4(self.codes.to(device), self.scales.to(device),
-                           self.global_scale.to(device), self.n, self.k, self.atom)
 
 
 @dataclass
@@ -89,12 +96,6 @@ class PackedFP8(PackedLayout):
     def per_channel(self) -> bool:
         return self.scale.numel() != 1
 
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scale.numel() * 4
-
-    def to(self, device) -> "PackedFP8":
-        return PackedFP8(self.codes.to(device), self.scale.to(device), self.n, self.k, self.atom)
 
 
 def _chunk_rows(rows_per_chunk: int, tile_n: int) -> int:

@@ -119,6 +119,35 @@ def test_kernel_tensors_and_reference_agree_with_decode(fmt):
     assert y.dtype == torch.float16 and y.shape == (5, 40)
 
 
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
+def test_packed_tensors_buffers_size_and_copy(fmt):
+    """A packed weight's own buffers in kernel order (the same objects: the eager launch cache
+    checks them by identity), its size in bytes, and a copy through ``to`` that keeps every
+    field and copies no buffer twice; an expert stack copies alike."""
+    from qpn.kernels import moe
+
+    packed = fmt.prepack(*_random_source(fmt, n=40, k=64, seed=3))
+    codes, scales, out_scale = fmt.packed_tensors(packed)
+    assert codes is packed.codes and out_scale is (packed.global_scale if fmt is NVFP4 else packed.scale)
+    assert scales is (packed.scales if fmt.has_group_scales else None)
+    kc, ks, ko = fmt.kernel_tensors(packed)
+    assert ko.dtype == torch.float32 and ko.dim() == 1 and torch.equal(ko, out_scale.float().reshape(-1))
+    # codes and group scales are bytes; the output scale float32, one value or one per row
+    want = codes.numel() + (scales.numel() if scales is not None else 0) + 4 * out_scale.numel()
+    assert packed.nbytes == want
+    assert set(packed.buffers()) == ({"codes", "scales", "global_scale"} if fmt is NVFP4 else {"codes", "scale"})
+    moved = packed.to("cpu")
+    assert type(moved) is type(packed) and (moved.n, moved.k, moved.atom) == (packed.n, packed.k, packed.atom)
+    for a, b in zip(fmt.packed_tensors(moved), fmt.packed_tensors(packed)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    stack = moe.PackedExpertStack(fmt.family, codes[None], None if scales is None else scales[None],
+                                  out_scale.float().reshape(1, -1), packed.n, packed.k, packed.atom)
+    moved = stack.to("cpu")
+    assert (moved.fmt, moved.n, moved.k, moved.atom) == (stack.fmt, stack.n, stack.k, stack.atom)
+    assert torch.equal(moved.codes, stack.codes) and torch.equal(moved.chscale, stack.chscale)
+    assert (moved.scales is None) == (scales is None)
+
+
 def test_lookup_by_key_family_and_algo():
     assert formats.weight_format("nvfp4") is NVFP4
     assert formats.weight_format("NVFP4") is NVFP4 and formats.weight_format("w4a16_nvfp4") is NVFP4
