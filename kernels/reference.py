@@ -76,29 +76,51 @@ def _finish(y32: torch.Tensor, bias) -> torch.Tensor:
     return y32.to(torch.float16)
 
 
+# On CPU, batches of up to this many rows (decode and speculative verification: sequences x
+# (K+1)) are computed one row at a time. float32 matmul on CPU (MKL / oneDNN) sums in an order that
+# depends on the batch shape (measured: with FP8 every row of a 2-64 row batch differs from the same
+# row alone in float32, about 1% after the bf16 cast), and a speculating server must give each
+# verified token the bits the server without speculation gives it alone (docs/serving.md). Larger
+# batches (prefill) are the same on both servers and stay batched.
+ROW_INVARIANT_MAX_M = 64
+
+
+def _row_invariant(x: torch.Tensor, rows_fn):
+    """``rows_fn(x)``, computed row by row for CPU batches of 2..ROW_INVARIANT_MAX_M rows."""
+    m = x.shape[0]
+    if x.device.type == "cpu" and 1 < m <= ROW_INVARIANT_MAX_M:
+        return torch.cat([rows_fn(x[i:i + 1]) for i in range(m)])
+    return rows_fn(x)
+
+
 def linear_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T with the per-16 FP32 flush; x [M, K] fp16/bf16/fp32 -> fp16 [M, N]."""
     _check_x(x, packed.k)
     vals, scales = decode_packed_nvfp4(packed)
-    m, k, n = x.shape[0], packed.k, packed.n
+    k, n = packed.k, packed.n
     groups = k // formats.GROUP_SIZE
-    xg = x.to(torch.float32).reshape(m, groups, formats.GROUP_SIZE).transpose(0, 1)  # [G, M, 16]
-    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
-    nc = max(1, min(n, _CHUNK_ELEMS // max(1, groups * m)))
-    for n0 in range(0, n, nc):
-        n1 = min(n, n0 + nc)
-        wg = vals[n0:n1].reshape(n1 - n0, groups, formats.GROUP_SIZE).permute(1, 2, 0)  # [G, 16, n]
-        partial = torch.bmm(xg, wg)                                                       # [G, M, n] fp32
-        partial *= scales[n0:n1].t().unsqueeze(1)                                         # flush: * scale
-        out[:, n0:n1] = partial.sum(dim=0)
-    return _finish(out, bias)
+
+    def rows_y32(xr: torch.Tensor) -> torch.Tensor:
+        m = xr.shape[0]
+        xg = xr.to(torch.float32).reshape(m, groups, formats.GROUP_SIZE).transpose(0, 1)  # [G, M, 16]
+        out = torch.empty((m, n), dtype=torch.float32, device=xr.device)
+        nc = max(1, min(n, _CHUNK_ELEMS // max(1, groups * m)))
+        for n0 in range(0, n, nc):
+            n1 = min(n, n0 + nc)
+            wg = vals[n0:n1].reshape(n1 - n0, groups, formats.GROUP_SIZE).permute(1, 2, 0)  # [G, 16, n]
+            partial = torch.bmm(xg, wg)                                                       # [G, M, n] fp32
+            partial *= scales[n0:n1].t().unsqueeze(1)                                         # flush: * scale
+            out[:, n0:n1] = partial.sum(dim=0)
+        return out
+
+    return _finish(_row_invariant(x, rows_y32), bias)
 
 
 def linear_fp8(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = (x @ e4m3^T) * scale in FP32; x [M, K] -> fp16 [M, N]."""
     _check_x(x, packed.k)
     vals, scale = decode_packed_fp8(packed)
-    y32 = (x.to(torch.float32) @ vals.t()) * scale.reshape(1, -1)
+    y32 = _row_invariant(x, lambda xr: xr.to(torch.float32) @ vals.t()) * scale.reshape(1, -1)
     return _finish(y32, bias)
 
 
