@@ -2,7 +2,9 @@
 # The demonstration on any machine (no GPU needed): builds the cpu engine if absent, writes a
 # small mixed NVFP4/FP8 checkpoint, serves it through serve-qwen38-native.sh with MTP and the
 # boot gates, sends a chat and a streaming request, prints the answer, the route census and the
-# gate table, and shuts everything down. Logic: scripts/launcher/demo.py.
+# gate table, and shuts everything down. Settings: CONVENTION=modelopt (default) or
+# compressed-tensors (the checkpoint family), MOE=1 (the MoE model family), K (MTP depth, default 3),
+# DEMO_DIR, ENV_PREFIX, PORT. Logic: scripts/launcher/demo.py.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"

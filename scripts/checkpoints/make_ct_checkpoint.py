@@ -28,6 +28,10 @@ every routed expert's ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and the sh
 NVFP4 (gate and up of each expert share one global scale, as llm-compressor unifies them), the
 router and the shared-expert gate in BF16, attention and lm_head as above. vLLM fuses the
 experts into ``w13_weight_packed`` / ``w2_weight_packed`` stacks (hook ``ct-qpn-moe-method``).
+``--fp8-experts 5,6:tensor`` puts the routed experts of those layers in FP8 instead (per channel,
+the FP8_DYNAMIC preset, unless ``:tensor``; named in the FP8 config groups' targets, the other
+layers' experts in NVFP4's): one checkpoint carries both expert formats, as a recipe that keeps
+some layers at 8 bits writes it.
 
 Every code and scale is byte-identical to what compressed-tensors 0.17's own quantizer
 (calculate_qparams, generate_gparam) and compressors (NVFP4PackedCompressor,

@@ -4,7 +4,10 @@
    bootstrap when it is not there;
 2. a small mixed NVFP4/FP8 checkpoint of the Qwen3.8 family (``qpn.scripts.checkpoints.make_checkpoint``;
    ``CONVENTION=compressed-tensors``: ``qpn.scripts.checkpoints.make_ct_checkpoint``), reused from DEMO_DIR
-   (default <repo>/.cache/demo) when already written;
+   (default <repo>/.cache/demo) when already written; ``MOE=1``: the MoE family instead (routed
+   experts on the QPN MoE kernels: ``make_moe_checkpoint``, NVFP4 experts; compressed-tensors:
+   ``make_ct_checkpoint --moe --fp8-experts 5,6:tensor``, NVFP4 experts in six layers and FP8 in
+   two, so both MoE routes serve);
 3. the same launcher a V100 user runs (``serve-qwen38-native.sh``), with MTP speculation at
    K (default 3) and its boot gates;
 4. one chat request and one streaming request through the official ``openai`` client;
@@ -58,23 +61,34 @@ def engine_python(env: dict[str, str]) -> str:
     return python
 
 
-# CONVENTION picks the checkpoint family the demo writes and serves (qpn.fork_patches.conventions).
-CHECKPOINT_MAKERS = {"modelopt": ("qwen38-mini-mixed", "qpn.scripts.checkpoints.make_checkpoint"),
-                     "compressed-tensors": ("qwen38-mini-ct", "qpn.scripts.checkpoints.make_ct_checkpoint")}
+# CONVENTION picks the checkpoint family the demo writes and serves (qpn.fork_patches.conventions);
+# MOE=1 the MoE model family: (folder name, generator module, generator arguments).
+CHECKPOINT_MAKERS = {
+    ("modelopt", False): ("qwen38-mini-mixed", "qpn.scripts.checkpoints.make_checkpoint", []),
+    ("compressed-tensors", False): ("qwen38-mini-ct", "qpn.scripts.checkpoints.make_ct_checkpoint", []),
+    ("modelopt", True): ("qwen38-mini-moe", "qpn.scripts.checkpoints.make_moe_checkpoint", []),
+    ("compressed-tensors", True): ("qwen38-mini-ct-moe", "qpn.scripts.checkpoints.make_ct_checkpoint",
+                                   ["--moe", "--fp8-experts", "5,6:tensor"]),
+}
+CONVENTIONS = sorted({c for c, _ in CHECKPOINT_MAKERS})
 
 
 def checkpoint(python: str, demo_dir: str, env: dict[str, str]) -> str:
     convention = env.get("CONVENTION") or "modelopt"
-    if convention not in CHECKPOINT_MAKERS:
-        raise SystemExit(f"[demo] CONVENTION={convention!r} is not one of {', '.join(CHECKPOINT_MAKERS)}")
-    name, maker = CHECKPOINT_MAKERS[convention]
+    if convention not in CONVENTIONS:
+        raise SystemExit(f"[demo] CONVENTION={convention!r} is not one of {', '.join(CONVENTIONS)}")
+    moe = env.get("MOE", "0")
+    if moe not in ("0", "1"):
+        raise SystemExit(f"[demo] MOE={moe!r}: set MOE=1 for the MoE family, 0 (default) for the dense one")
+    name, maker, args = CHECKPOINT_MAKERS[(convention, moe == "1")]
     ckpt = os.path.join(demo_dir, name)
     if os.path.isfile(os.path.join(ckpt, "config.json")):
         say(f"checkpoint: reusing {ckpt}")
         return ckpt
-    say(f"checkpoint: writing a small mixed NVFP4/FP8 {convention} checkpoint to {ckpt}")
+    family = "MoE " if moe == "1" else ""
+    say(f"checkpoint: writing a small mixed NVFP4/FP8 {family}{convention} checkpoint to {ckpt}")
     os.makedirs(demo_dir, exist_ok=True)
-    subprocess.run([python, "-m", maker, ckpt], env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([python, "-m", maker, ckpt, *args], env=env, check=True, stdout=subprocess.DEVNULL)
     return ckpt
 
 
