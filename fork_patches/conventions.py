@@ -46,6 +46,13 @@ on the attention module):
   symmetric, static) ``weight`` / ``weight_scale`` ([1] per tensor, [N, 1] per channel; amax /
   448, a multiplier, stored in the model's dtype) / ``input_scale`` (static activations only).
 
+Which modules a compressed-tensors config declares (``declared_modules``): its targets are module
+names, ``re:`` patterns or class names. Names and patterns are matched on the checkpoint's module
+names first, in group order (vLLM's find_matched_target); a class target (``Linear``, what
+llm-compressor recipes usually write) covers the modules holding that group's codes tensor in its
+dtype (``weight_packed`` uint8 for NVFP4, an e4m3 ``weight`` for FP8), since a module's class is not
+in the checkpoint; ``ignore`` (names and patterns) wins over all.
+
 vLLM 0.32 resolves an FP8 KV cache from a ModelOpt directive (``get_kv_cache_quant_algo_string``
 reads modelopt configs only); a compressed-tensors ``kv_cache_scheme`` leaves ``--kv-cache-dtype
 auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked for explicitly.

@@ -81,25 +81,32 @@ def test_every_quantized_module_is_byte_identical_to_the_library(ckpt):
     assert not any(k.endswith(("weight_scale_2", "k_proj.k_scale")) for k in tensors)
 
 
-@pytest.fixture(scope="module")
-def moe_ckpt(tmp_path_factory):
+MIXED_EXPERTS = {5: "channel", 6: "tensor"}  # --fp8-experts 5,6:tensor (tests/test_e2e_ct_moe.py serves it)
+
+
+@pytest.fixture(scope="module", params=[{}, MIXED_EXPERTS], ids=["nvfp4-experts", "fp8-experts-5-6"])
+def moe_ckpt(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("ct_moe") / "ckpt"
-    mct.make_ct_checkpoint(out, seed=0, moe=True)
-    return out
+    mct.make_ct_checkpoint(out, seed=0, moe=True, fp8_experts=request.param)
+    return out, request.param
 
 
 def test_every_expert_is_byte_identical_to_the_library(moe_ckpt):
-    """The MoE checkpoint (make_ct_checkpoint --moe): every routed expert's gate, up and down, the
-    shared expert, attention and lm_head, byte for byte what the library makes from the same
-    float32 weights; gate and up of each expert share one global scale, down has its own."""
+    """The MoE checkpoint (make_ct_checkpoint --moe, and with --fp8-experts 5,6:tensor): every
+    routed expert's gate, up and down (NVFP4, or FP8 per channel / per tensor in the FP8 layers),
+    the shared expert, attention and lm_head, byte for byte what the library makes from the same
+    float32 weights; gate and up of each NVFP4 expert share one global scale, down has its own;
+    the config declares each expert in the format and FP8 layout it is stored in."""
     from safetensors.torch import load_file
 
     from qpn.scripts.checkpoints import make_moe_checkpoint as mmc
 
+    moe_ckpt, fp8_experts = moe_ckpt
     tensors = load_file(str(moe_ckpt / "model.safetensors"))
     spec = mmc.TinyMoeSpec()
     weights = mmc.float_weights(spec, 0)
     quantized = mmc.quantized_modules(weights, "nvfp4")
+    quantized.update({m: "fp8" for m in quantized if mct.expert_layer(m) in fp8_experts})
     shared = mmc.shared_global_amax(weights, quantized)
     counts: dict[str, int] = {}
     for module, region in quantized.items():
@@ -107,7 +114,12 @@ def test_every_expert_is_byte_identical_to_the_library(moe_ckpt):
         if region == "nvfp4":
             lib = ct_nvfp4(weights[f"{module}.weight"], shared.get(module))
         else:
-            lib = ct_fp8(weights[f"{module}.weight"], mct.fp8_layout(module))
+            lib = ct_fp8(weights[f"{module}.weight"], mct.fp8_layout(module, fp8_experts))
+        if mct.expert_layer(module) in fp8_experts:
+            layout = fp8_experts[mct.expert_layer(module)]
+            assert lib["weight_scale"].numel() == (1 if layout == "tensor" else lib["weight"].shape[0])
+            # static activations per tensor; FP8_DYNAMIC (per channel) has no input scale
+            assert (f"{m}.input_scale" in tensors) == (layout == "tensor"), m
         kind = "routed" if ".experts." in module else "shared" if ".shared_expert." in module else region
         counts[kind] = counts.get(kind, 0) + 1
         for k, v in lib.items():
@@ -116,7 +128,7 @@ def test_every_expert_is_byte_identical_to_the_library(moe_ckpt):
     assert counts == {"routed": 3 * spec.num_experts * layers, "shared": 3 * layers, "nvfp4": 1,
                       "fp8": 4 * spec.layer_types().count("full_attention")
                       + 3 * spec.layer_types().count("linear_attention")}
-    e = "model.language_model.layers.5.mlp.experts.6"
+    e = "model.language_model.layers.4.mlp.experts.6"
     g, u, d = (tensors[f"{e}.{p}.weight_global_scale"] for p in ("gate_proj", "up_proj", "down_proj"))
     assert torch.equal(g, u) and not torch.equal(g, d)
     # the router and the shared-expert gate stay BF16; no ModelOpt names
@@ -128,6 +140,10 @@ def test_every_expert_is_byte_identical_to_the_library(moe_ckpt):
     for m, scheme in conv.module_schemes(qcfg, modules).items():
         assert (scheme is not None) == (f"{m}.weight_packed" in tensors or tensors[f"{m}.weight"].dtype
                                         == torch.float8_e4m3fn), m
+        layer = mct.expert_layer(m)
+        if layer is not None:
+            want = ("fp8", fp8_experts[layer]) if layer in fp8_experts else ("nvfp4", "tensor")
+            assert (scheme.fmt, scheme.fp8_scale) == want, m
 
 
 def test_declaration_and_convention_cover_every_tensor(ckpt):

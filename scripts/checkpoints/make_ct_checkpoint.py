@@ -67,7 +67,7 @@ _EXPERTS = r"mlp\.experts\.\d+\.(gate|up|down)_proj$"
 FP8_EXPERT_LAYOUTS = ("tensor", "channel")
 
 
-def _expert_layer(module: str) -> int | None:
+def expert_layer(module: str) -> int | None:
     """The decoder layer of a routed expert's module name (None: not a routed expert)."""
     head, sep, _ = module.partition(".mlp.experts.")
     return int(head.rsplit(".", 1)[-1]) if sep and not head.startswith("mtp.") else None
@@ -76,7 +76,7 @@ def _expert_layer(module: str) -> int | None:
 def fp8_layout(module: str, fp8_experts: dict[int, str] | None = None) -> str:
     """The FP8 scale layout of an FP8 module: per channel for the GDN projections and for the
     routed experts of a layer ``fp8_experts`` ({layer: layout}) says so; per tensor otherwise."""
-    layer = _expert_layer(module)
+    layer = expert_layer(module)
     if layer is not None and fp8_experts and layer in fp8_experts:
         return fp8_experts[layer]
     return "channel" if ".linear_attn." in f".{module}" else "tensor"
@@ -251,11 +251,11 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
         if moe:
             weights = make_moe_checkpoint.float_weights(spec, seed)
             quantized = make_moe_checkpoint.quantized_modules(weights, "nvfp4")
-            layers = {_expert_layer(m) for m in quantized} - {None}
+            layers = {expert_layer(m) for m in quantized} - {None}
             if set(fp8_experts) - layers:
                 raise ValueError(f"FP8 expert layer(s) {sorted(set(fp8_experts) - layers)} are not MoE "
                                  f"layers of this model (0..{max(layers)})")
-            quantized.update({m: "fp8" for m in quantized if _expert_layer(m) in fp8_experts})
+            quantized.update({m: "fp8" for m in quantized if expert_layer(m) in fp8_experts})
             input_amax, kv_amax = make_moe_checkpoint.calibrate(spec, weights, quantized, calib_ids)
             shared = make_moe_checkpoint.shared_global_amax(weights, quantized)
         else:
