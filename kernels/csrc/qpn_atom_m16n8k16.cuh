@@ -105,6 +105,33 @@ QPN_DEV u32 dup_hi(u32 v) {
   return d;
 }
 
+// e2m1x2_quad (qpn_family.cuh) with fewer integer-pipe instructions, bit for bit the same four
+// registers (h_r from nibbles 3-r and 7-r). On sm_90 the NVFP4 kernels are bound by the integer
+// (ALU) pipe: Nsight Compute on gate_up, M = 1 (2026-12-01): ALU the busiest pipe, 49.6% at 45% of
+// DRAM, i.e. the pipe would saturate before the memory does; ptxas turned the quad into about 12
+// ALU instructions per word (LOP3 and right shifts) plus 5 IMAD.SHL. Here the gap between a
+// nibble's sign (bit 3) and its magnitude (bits 0-2), 3 in e2m1 and 6 in the FP16 pattern
+// (bit 15 vs bits 9-11), is closed once per word and nibble parity with a carry-free add on the
+// FMA pipe: the even nibbles' sign moves up 3 (Me + Se * 8: fields 7 bits wide in their byte,
+// no overlap), the odd nibbles' magnitude moves down 3 (Mo >> 3 as the high word of Mo * 2^29,
+// plus So). Each register is then one left shift (IMAD.SHL) of its parity's word and one mask:
+// 8 LOP3 per word on the ALU, the rest on the FMA pipe (ptxas 13.0, sm_90, t2d4p0 main loop: 370
+// ALU instructions per 4 k-blocks instead of 444, 904 instructions in all instead of 972). Used
+// on sm_89+ (Frag16NVFP4::frag); sm_80-86 keep e2m1x2_quad, whose registers fit there. Checked
+// against e2m1x2_quad on all 2^32 words on the H200 (2026-12-01).
+QPN_DEV void e2m1x2_quad_fma(u32 v, u32& h0, u32& h1, u32& h2, u32& h3) {
+  const u32 mo = v & 0x70707070u, so = v & 0x80808080u;   // odd nibbles: magnitude, sign
+  const u32 ve = v & 0x0F0F0F0Fu, se = v & 0x08080808u;   // even nibbles: whole, sign
+  // mo >> 3 as the high word of mo * (2^29 + 1): exact, since mo / 8 is an integer and mo < 2^32
+  // adds less than 1 (a power-of-two factor would be turned back into an ALU shift by ptxas).
+  const u32 yo = __umulhi(mo, 0x20000001u) + so;   // odd nibble n: sign 4n+3, magnitude 4n-3 .. 4n-1
+  const u32 ye = se * 7u + ve;                     // even nibble n: sign 4n+6, magnitude 4n .. 4n+2
+  h0 = yo & 0x8E008E00u;                        // nibbles 3, 7: already in place
+  h2 = (yo << 8) & 0x8E008E00u;                 // nibbles 1, 5
+  h1 = (ye << 1) & 0x8E008E00u;                 // nibbles 2, 6
+  h3 = (ye << 9) & 0x8E008E00u;                 // nibbles 0, 4
+}
+
 // NVFP4 layout on m16n8k16: MMA step s of a k-block is NVFP4 group s (inputs 16s .. 16s+15) of the
 // tile's 16 rows; lane (g, t) supplies inputs 16s + 4t .. 16s + 4t + 3 of rows g and g+8 (atoms.py).
 // Why one group per MMA: the tensor core adds its 16 products (and the running sum) with limited
@@ -151,7 +178,11 @@ struct Frag16NVFP4 {
     const u32 p = step_scales(sc, s);
     const u32 sg = dup_lo(p), sg8 = dup_hi(p);
     u32 h0, h1, h2, h3;
-    e2m1x2_quad(w[s], h0, h1, h2, h3);
+#if __CUDA_ARCH__ >= 890
+    e2m1x2_quad_fma(w[s], h0, h1, h2, h3);
+#else
+    e2m1x2_quad(w[s], h0, h1, h2, h3);   // sm_80-86: the FMA form costs the t2d4p0 kernel a spill there
+#endif
     a0 = hmul2(h0, sg);
     a1 = hmul2(h1, sg8);
     a2 = hmul2(h2, sg);

@@ -43,7 +43,32 @@ struct Qpn80Args {
 
 // VAR: 0 the kernel; measured variants that drop one stage (results are NOT the product):
 // 1 no decode (raw code words, masked finite, as operands), 2 no MMA (decode only),
-// 3 loads only (weights, scales, activations; nothing computed).
+// 3 loads only (weights, scales, activations; nothing computed), 4 loads only and no split-K
+// finish (partial groups stored as if whole: no counter, no reduction), 5 empty (every warp
+// returns at once: launch and graph cost alone), 6 the kernel without the split-K finish;
+// 7 the kernel WITH the programmatic-dependent-launch hooks below (same results, bit for bit).
+//
+// Programmatic dependent launch (sm_90), VAR 7 (the *_pdl kernels): the kernel signals
+// griddepcontrol.launch_dependents at its start, so the next kernel of the stream, when launched
+// with the PDL attribute, may start on an SM as soon as this one's blocks leave it; and it waits
+// (griddepcontrol.wait) for the previous kernel to complete before it reads anything a kernel may
+// have written (x, the split-K partials and counters, y). Before that wait it only reads the
+// weight: its chscale and the first k-blocks of its weight ring (register kernels: the first
+// segment's codes and scales; ring kernels with the activations out of the ring: the first S - 1
+// copies), so the ring fill overlaps the previous kernel's tail. Launched without the attribute,
+// the wait returns at once. Not yet the routes' kernels: the library launches with plain
+// cuLaunchKernel (ops / jit), and in that mode the hooks measured 0 to 1 us slower per call on
+// the H200 (results/kernel_sm80_pdl_notes_h200_20261201.md); with the attribute, 2 us faster.
+QPN_DEV void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+QPN_DEV void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 // Deepest register ring whose split-K finish reads four partials at a time without spilling
 // (see Qpn80::finish): sm_90 has the registers for D = 4, sm_80-89 only for D = 2.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -67,6 +92,11 @@ struct Qpn80 {
   static constexpr int LANE_BYTES = F::WORDS * 4;
   static constexpr int BLOCK_BYTES = LANE_BYTES * 32;
   static constexpr int PER_LANE = T * MT * 4;
+  static constexpr bool LOADS_ONLY = VAR == 3 || VAR == 4;
+  static constexpr bool SINK = VAR == 2 || LOADS_ONLY;
+  static constexpr bool NO_FINISH = VAR == 4 || VAR == 6;
+  static constexpr bool EMPTY = VAR == 5;
+  static constexpr bool PDL = VAR == 7;
 
   QPN_DEV static void load_w(const u8* const (&cp)[T], int kb, u32 (&w)[T][F::WORDS]) {
 #pragma unroll
@@ -98,7 +128,7 @@ struct Qpn80 {
                               float (&acc)[T][MT][4], u32& sink) {
 #pragma unroll
     for (int j = 0; j < T; ++j) {
-      if constexpr (VAR == 3) {
+      if constexpr (LOADS_ONLY) {
 #pragma unroll
         for (int q = 0; q < F::WORDS; ++q) sink ^= w[j][q];
         if constexpr (F::GROUPED) sink ^= sc[j][0] ^ sc[j][1];
@@ -129,7 +159,7 @@ struct Qpn80 {
 
   // k-blocks [kb0, kb1) of weight group grp into acc.
   QPN_DEV static void segment(const Qpn80Args& a, int grp, int kb0, int kb1, const u16* const (&xp)[MT],
-                              const bool (&xv)[MT], int lane, float (&acc)[T][MT][4]) {
+                              const bool (&xv)[MT], int lane, float (&acc)[T][MT][4], bool first) {
     const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
     const u8* cp[T];
     const u8* sp[T];
@@ -150,6 +180,9 @@ struct Qpn80 {
 #pragma unroll
     for (int d = 0; d < DS; ++d)
       if (kb0 + d < kb1) load_sc(sp, kb0 + d, sc[d]);
+    if constexpr (PDL) {
+      if (first) pdl_wait();   // the weight ring is in flight; x comes from the previous kernel
+    }
 #pragma unroll
     for (int d = 0; d < DX; ++d)
       if (kb0 + d < kb1) load_x(xp, xv, kb0 + d, xr[d]);
@@ -176,7 +209,7 @@ struct Qpn80 {
         }
       }
     }
-    if constexpr (VAR == 2 || VAR == 3) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+    if constexpr (SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
   }
 
   // cs_tensor: the per-tensor result scale times OUT_MULT (a power of two: exact), loaded once
@@ -218,6 +251,8 @@ struct Qpn80 {
     const int plane = blockIdx.x % a.chunks;
     const int gw = (blockIdx.x / a.chunks) * QPN80_WARPS + (threadIdx.x >> 5);
     if (gw >= a.nwarps) return;
+    if constexpr (EMPTY) return;
+    if constexpr (PDL) pdl_launch_dependents();
     const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
     const int items = a.n_groups * a.kblocks;
     const int q = items / a.nwarps, r = items % a.nwarps;
@@ -240,7 +275,7 @@ struct Qpn80 {
       item = gbase + kb1;
       float acc[T][MT][4];
       zero(acc);
-      segment(a, grp, kb0, kb1, xp, xv, lane, acc);
+      segment(a, grp, kb0, kb1, xp, xv, lane, acc, gbase + kb0 == lo);
       finish(a, grp, kb0, kb1, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor);
     }
   }
@@ -258,7 +293,7 @@ struct Qpn80 {
   // stored directly; a partial one is parked and the last contributor to arrive finishes it.
   QPN_DEV static void finish(const Qpn80Args& a, int grp, int kb0, int kb1, int first_grp, int gw, int q, int r,
                              int plane, int m0, int lane, const float (&acc)[T][MT][4], float cs_tensor) {
-    if (kb0 == 0 && kb1 == a.kblocks) {
+    if (NO_FINISH || (kb0 == 0 && kb1 == a.kblocks)) {
       store(a, grp, m0, lane, acc, cs_tensor);
       return;
     }
@@ -433,6 +468,8 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
     const int plane = blockIdx.x % a.chunks;
     const int gw = (blockIdx.x / a.chunks) * QPN80_WARPS + (threadIdx.x >> 5);
     if (gw >= a.nwarps) return;
+    if constexpr (B::EMPTY) return;
+    if constexpr (B::PDL) pdl_launch_dependents();
     const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * (S * STAGE);
     const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
     const int items = a.n_groups * a.kblocks;
@@ -459,6 +496,9 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
     // Issue cursor (item lo + issued) and consume cursor, both as (group, k-block).
     int ig = first_grp, ik = lo - first_grp * a.kblocks;
     int issued = 0;
+    // PDL: with the activations in the ring, nothing is copied before the wait; without them, the
+    // first S - 1 copies (weights only) go before it.
+    if constexpr (B::PDL && !XG) pdl_wait();
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
       if (lo + issued < hi) {
@@ -468,6 +508,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
       cp_async_commit();
       ++issued;
     }
+    if constexpr (B::PDL && XG) pdl_wait();
     int cg = first_grp, ck = lo - first_grp * a.kblocks, ck0 = ck;   // consume cursor
     float acc[T][MT][4];
     B::zero(acc);
@@ -507,7 +548,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
         B::compute(w, sc, xr, acc, sink);
       }
       if (++ck == a.kblocks || item + 1 == hi) {
-        if constexpr (VAR == 2 || VAR == 3) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+        if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
         B::finish(a, cg, ck0, ck, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor);
         B::zero(acc);
         ++cg;
@@ -631,3 +672,10 @@ QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4_loadonly, Frag16NVFP4, 1, 2, 4, 3, 3)
 QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s4x_loadonly, Frag16NVFP4, 1, 4, 4, 2, 3)
 QPN80R_ENTRY(qpn8_mt1_m16n8k16_t2s4_loadonly, Frag16FP8, 1, 2, 4, 2, 3)
 QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x_loadonly, Frag16FP8, 1, 2, 4, 3, 3)
+// Issue 14, 2026-12-01: the route kernels with the PDL hooks (VAR 7; bit for bit the same
+// results; launched with the PDL attribute by the matched bench's qpn_pdl arm).
+QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_pdl, Frag16NVFP4, 1, 2, 4, 0, 7)
+QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x_pdl, Frag16NVFP4, 2, 2, 4, 2, 7)
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_pdl, Frag16NVFP4, 1, 4, 4, 2, 7)
+QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_pdl, Frag16FP8, 1, 2, 2, 0, 7)
+QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
