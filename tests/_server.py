@@ -137,6 +137,9 @@ class VllmServer:
             os.symlink(shared_modelinfos(), os.path.join(cache_root, "modelinfos"))
         if not self.engine_worker_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in the engine core: module doc
+            # one OpenMP thread, as the worker process had (bound to one core): two servers side by
+            # side on two cores never spin-wait on each other's threads
+            env.setdefault("OMP_NUM_THREADS", "1")
         env.update(
             VLLM_CACHE_ROOT=cache_root,
             TORCHINDUCTOR_CACHE_DIR=os.path.join(self.tmp, "inductor"),
