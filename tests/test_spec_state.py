@@ -82,7 +82,9 @@ def _tokens(n, seed):
 def _run(spec_forward, layer, stream, rounds):
     """Feed ``rounds`` of (q, a): q tokens verified, the first a committed; rejected positions get
     other tokens (wrong drafts). Returns the output of every committed token, in order."""
-    conv_buf = torch.zeros(4, DIM, STATE_LEN, dtype=torch.bfloat16)
+    # the engine's default SD cache (slots, state_len, dim), seen as (slots, dim, state_len) the
+    # way _conv_buffer_view gives it to _spec_forward; the C++ conv accepts only this layout
+    conv_buf = torch.zeros(4, STATE_LEN, DIM, dtype=torch.bfloat16).transpose(1, 2)
     ssm = torch.zeros(4, HEADS, HEAD_DIM, HEAD_DIM, dtype=torch.float32)
     x, b, a = stream
     junk = _tokens(K + 1, seed=99)
@@ -108,12 +110,47 @@ ROUNDS = [(4, 2), (1, 1), (2, 2), (1, 1), (4, 4), (3, 1), (1, 1), (2, 1), (4, 3)
           (4, 1), (3, 3), (1, 1)]
 
 
-def test_cpu_spec_forward_matches_full_width_rounds():
+def _conv_path(g, lin, monkeypatch, conv):
+    """Pin which conv the engine's speculative function runs, whatever hooks earlier tests in
+    this process left on the module: "torch-loop" (the engine's own choice on CPUs without AMX or
+    Arm bf16) or "cpp" (what gdn-spec-cpp-conv-on-avx512-bf16 selects on AVX-512 BF16). The C++
+    conv reads a packed weight, as the engine's loader leaves it on those CPUs."""
+    layer = _layer(lin)
+    predicate = getattr(g.is_arm_bf16, "__wrapped__", g.is_arm_bf16)
+    if conv == "torch-loop":
+        if torch.cpu._is_amx_tile_supported():
+            pytest.skip("AMX CPUs always run the engine's C++ conv")
+        monkeypatch.setattr(g, "is_arm_bf16", lambda: False)
+        return layer
+    _needs_cpp_conv(g)
+    import vllm._custom_ops as ops
+    from qpn.fork_patches import spec_identity
+
+    monkeypatch.setattr(g, "is_arm_bf16", spec_identity.wrap_cpp_conv_predicate(predicate))
+    unpacked = layer.conv1d.weight.view(DIM, WIDTH).contiguous().clone()
+    layer.conv1d = types.SimpleNamespace(weight=ops.causal_conv1d_weight_pack(unpacked), bias=None,
+                                         _cpu_unpacked_conv_weight=unpacked)
+    cpp_conv = g._causal_conv1d_update_cpu
+    layer.cpp_conv_calls = []
+
+    def counted(*args, **kwargs):
+        layer.cpp_conv_calls.append(1)
+        return cpp_conv(*args, **kwargs)
+
+    monkeypatch.setattr(g, "_causal_conv1d_update_cpu", counted)
+    return layer
+
+
+CONV_PATHS = pytest.mark.parametrize("conv", ["torch-loop", "cpp"])
+
+
+@CONV_PATHS
+def test_cpu_spec_forward_matches_full_width_rounds(monkeypatch, conv):
     g, lin = _gdn()
     from qpn.fork_patches import spec_state
 
     original = getattr(g._spec_forward, "__wrapped__", g._spec_forward)
-    layer = _layer(lin)
+    layer = _conv_path(g, lin, monkeypatch, conv)
     committed = sum(min(q, a) for q, a in ROUNDS)
     stream = _tokens(committed + 8, seed=1)
     # reference: the engine's path with its invariant held (K+1 rows, every token committed)
@@ -122,6 +159,8 @@ def test_cpu_spec_forward_matches_full_width_rounds():
 
     fixed = _run(spec_state.wrap_cpu_spec_forward(original), layer, stream, ROUNDS)
     assert fixed.shape == ref.shape
+    # the hooked rounds are padded to K+1 rows, so the C++ conv takes every one of them
+    assert len(getattr(layer, "cpp_conv_calls", [])) == (len(full) + len(ROUNDS) if conv == "cpp" else 0)
     torch.testing.assert_close(fixed, ref, atol=2e-2, rtol=2e-2)
 
     # the engine's own function on the same rounds: dies (a round shorter than the last
@@ -134,12 +173,13 @@ def test_cpu_spec_forward_matches_full_width_rounds():
         assert not torch.allclose(raw, ref, atol=2e-2, rtol=2e-2), "unhooked path did not drift"
 
 
-def test_cpu_spec_forward_zero_count_resumes_from_first_token():
+@CONV_PATHS
+def test_cpu_spec_forward_zero_count_resumes_from_first_token(monkeypatch, conv):
     g, lin = _gdn()
     from qpn.fork_patches import spec_state
 
     original = getattr(g._spec_forward, "__wrapped__", g._spec_forward)
-    layer = _layer(lin)
+    layer = _conv_path(g, lin, monkeypatch, conv)
     stream = _tokens(16, seed=2)
     ref = _run(original, layer, stream, [(4, 1), (4, 1)])
     before = spec_state.STATS["counts_floored"]
