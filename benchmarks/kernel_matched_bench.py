@@ -14,11 +14,10 @@ Arms (all on the same weight values; each timed twice, the same way for every ar
                  quantization is NOT timed: the most favourable timing for this peer)
   dequant_matmul dequantize the checkpoint tensors with torch ops (a byte -> two-value FP16 lookup
                  for NVFP4, a cast for FP8), then x @ W^T: the naive path
-  qpn_pdl        sm_90+ only: the route's kernel in its *_pdl form (csrc/qpn_kernels_sm80.cu, VAR 7:
-                 griddepcontrol hooks, same results bit for bit) launched here with the programmatic
-                 dependent launch attribute (cuLaunchKernelEx), so each call may start while the
-                 previous one drains. A bench-only launch: the library (ops / jit) launches without
-                 it, so the targets table reads the qpn arm only
+  qpn_plain      sm_90+ only, where the qpn arm's route kernel has a *_pdl form (ops._pdl_form: one
+                 8-token tile per pass): the route's kernel without the programmatic-dependent-launch
+                 hooks, launched with plain cuLaunchKernel, as the library did before; the qpn arm
+                 minus this one is what PDL buys
 Columns: eager_* = CUDA events around a loop of calls (host launch cost included, as an engine
 without graphs sees it); graph_* = the same loop captured once as a CUDA graph and replayed
 (launch gaps removed; what a decode step under CUDA graphs sees). Weights are rotated over
@@ -33,7 +32,6 @@ The m8n8k4 atom of the SM70 kernels is emulated on sm_80 and later (DESIGN.md se
 from __future__ import annotations
 
 import argparse
-import ctypes
 import csv
 import datetime as _dt
 import math
@@ -277,15 +275,15 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
         route = str(routes.route_for(fmt, m, n, k, arch=arch))
         arms = [("qpn", route, qbytes, lambda i: ops.qpn_linear(x, packs[i % n_q])),
                 ("torch_fp16", "torch.matmul", fp16_bytes, lambda i: x @ w16[i % n_h].t())]
-        pdl_fn, pdl_name = qpn_pdl_call(fmt, m, n, k, packs, x)
-        if pdl_fn is not None:
-            y_ref, y_pdl = ops.qpn_linear(x, packs[0]), pdl_fn(0)
+        plain_fn, plain_name = qpn_plain_call(fmt, m, n, k, packs, x)
+        if plain_fn is not None:
+            y_ref, y_plain = ops.qpn_linear(x, packs[0]), plain_fn(0)
             torch.cuda.synchronize()
-            if torch.equal(y_ref, y_pdl):   # the hooks must not change a bit
-                arms.insert(1, ("qpn_pdl", pdl_name, qbytes, pdl_fn))
+            if torch.equal(y_ref, y_plain):   # the PDL hooks must not change a bit
+                arms.insert(1, ("qpn_plain", plain_name, qbytes, plain_fn))
             else:   # loud, and not timed: a wrong result has no speed
-                print(f"ERROR {name} M={m}: {pdl_name} differs from the qpn arm's result; qpn_pdl arm not timed",
-                      flush=True)
+                print(f"ERROR {name} M={m}: {plain_name} differs from the qpn arm's result; qpn_plain arm not "
+                      "timed", flush=True)
         if fmt == "fp8":
             mp = -(-m // 16) * 16
             xq = torch.zeros((mp, k), device="cuda", dtype=torch.float16)
@@ -318,53 +316,33 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
 GEMLITE = True
 
 
-class _LaunchAttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int)]
-
-
-class _LaunchAttr(ctypes.Structure):   # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
-
-
-class _LaunchConfig(ctypes.Structure):   # CUlaunchConfig
-    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
-                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
-
-
-_PDL_ATTR = _LaunchAttr()
-_PDL_ATTR.id = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_PDL_ATTR.value.i = 1
-
-
-def qpn_pdl_call(fmt, m, n, k, packs, x):
-    """The qpn_pdl arm's call for this shape and M, or None where it does not apply (before sm_90,
-    another atom, a route kernel without a *_pdl form): fn(i) launches the route kernel's *_pdl
-    form on packs[i % len(packs)] with the PDL attribute on torch's current stream."""
-    if torch.cuda.get_device_capability(0) < (9, 0) or packs[0].atom != "m16n8k16":
+def qpn_plain_call(fmt, m, n, k, packs, x):
+    """The qpn_plain arm's call for this shape and M, or None where the qpn arm launches without PDL
+    anyway: fn(i) runs the route's kernel on packs[i % len(packs)] with a plain launch, from plans
+    built here once (so the eager column times the launch, not the planning)."""
+    if packs[0].atom != "m16n8k16":
         return None, ""
     route = routes.route_for(fmt, m, n, k, arch="sm80")
     if route.kernel != routes.TILED:
         return None, ""
-    kname = ops._sm80_kernel_for(route, m, n)[0] + "_pdl"
-    if kname not in jit.sm80_kernels():
+    kname = ops._sm80_kernel_for(route, m, n)[0]
+    dev = x.device
+    if ops._pdl_form(kname, dev.index if dev.index is not None else torch.cuda.current_device()) is None:
         return None, ""
     ws = [ops._fp32_scale(ops.operands(p)) for p in packs]
-    lib = jit.driver().lib
-    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    plans = {}   # (weight, stream): graph capture runs on a stream of its own
     xc = x.contiguous()
 
     def fn(i):
-        y = torch.empty((m, n), dtype=torch.float16, device=xc.device)
-        plan = ops._sm80_launch(route, m, ws[i % len(ws)], xc.device, torch.cuda.current_stream().cuda_stream, kname)
-        plan.args.x, plan.args.y, plan.args.bias = xc.data_ptr(), y.data_ptr(), 0
-        cfg = _LaunchConfig(plan.grid, 1, 1, ops.THREADS, 1, 1, plan.smem, plan.stream, ctypes.pointer(_PDL_ATTR), 1)
-        rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), plan.func, plan.params, None)
-        if rc:
-            jit.driver().check(rc, f"cuLaunchKernelEx({kname}, PDL)")
+        stream = torch.cuda.current_stream().cuda_stream
+        plan = plans.get((i % len(ws), stream))
+        if plan is None:
+            plan = plans[i % len(ws), stream] = ops._sm80_launch(route, m, ws[i % len(ws)], dev, stream)
+            assert plan.pdl is None
+        y = torch.empty((m, n), dtype=torch.float16, device=dev)
+        plan.run(xc.data_ptr(), y.data_ptr(), 0)
         return y
-    return fn, f"{kname}+PDL"
+    return fn, kname
 
 
 def host_time_per_call(n: int = 256, k: int = 256, calls: int = 2000) -> dict:
@@ -596,7 +574,7 @@ def plot(csv_path: str, png_path: str) -> None:
     nrows = -(-len(shapes) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
     style = {"qpn": ("tab:red", "o"), "torch_fp16": ("tab:blue", "s"), "scaled_mm": ("tab:green", "^"),
-             "dequant_matmul": ("tab:gray", "x"), "gemlite": ("tab:purple", "D"), "qpn_pdl": ("tab:orange", "v")}
+             "dequant_matmul": ("tab:gray", "x"), "gemlite": ("tab:purple", "D"), "qpn_plain": ("tab:orange", "v")}
     for ax, shape in zip(axes.flat, shapes):
         sub = [r for r in rows if r["shape"] == shape]
         for arm, (color, marker) in style.items():

@@ -217,6 +217,11 @@ class _Driver:
                                      ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                      ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         L.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        # CUDA 12.0+ drivers; older ones lack it, and the library then never asks for PDL
+        self.has_launch_ex = hasattr(L, "cuLaunchKernelEx")
+        if self.has_launch_ex:
+            L.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            L.cuLaunchKernelEx.restype = ctypes.c_int
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -347,6 +352,45 @@ def launch(module: LoadedModule, name: str, grid: int, block: int, smem: int, st
     # of the eager call's host path (cProfile on the 2-core CPU host, 2026-11-30).
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     launch_raw(module.function(name), grid, block, smem, stream, params, name)
+
+
+# cuLaunchKernelEx's launch description (cuda.h CUlaunchConfig / CUlaunchAttribute; the attribute's
+# value is a 64-byte union, of which PDL uses the first int).
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int)]
+
+
+class LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", LaunchAttrValue)]
+
+
+class LaunchConfig(ctypes.Structure):
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+PDL_ATTR = LaunchAttr()
+PDL_ATTR.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+PDL_ATTR.value.i = 1
+
+
+def pdl_config(grid: int, block: int, smem: int, stream: int) -> LaunchConfig:
+    """A launch with programmatic dependent launch: the kernel may start while the stream's previous
+    kernel finishes. Only for kernels that wait (griddepcontrol.wait) before touching anything
+    another kernel may write -- the *_pdl forms of the sm_80+ route kernels."""
+    return LaunchConfig(grid, 1, 1, block, 1, 1, smem, stream, ctypes.pointer(PDL_ATTR), 1)
+
+
+def launch_raw_pdl(func, config: LaunchConfig, params, name: str = "") -> None:
+    """cuLaunchKernelEx of a resolved function with a prebuilt ``pdl_config`` and parameter array."""
+    lib = driver().lib
+    rc = lib.cuLaunchKernelEx(ctypes.byref(config), func, params, None)
+    if rc:
+        driver().check(rc, f"cuLaunchKernelEx({name or 'prebuilt QPN launch'}, programmatic dependent launch)")
 
 
 def launch_raw(func, grid: int, block: int, smem: int, stream: int, params, name: str = "") -> None:

@@ -22,14 +22,38 @@ pytestmark = pytest.mark.fast
 MODULES = (ops, moe, jit)
 
 
+# The CUDA driver's own launch description (cuda.h), not a kernel argument block: checked below
+# against the header's layout.
+DRIVER_STRUCTS = {"LaunchConfig", "LaunchAttr"}
+
+
 def ctypes_structs() -> dict[str, type]:
-    """Every ctypes.Structure class defined in the launcher modules, by name."""
+    """Every ctypes.Structure class defined in the launcher modules, by name (the driver API's
+    launch structs aside)."""
     out = {}
     for mod in MODULES:
         for name, obj in vars(mod).items():
-            if isinstance(obj, type) and issubclass(obj, ctypes.Structure) and obj.__module__ == mod.__name__:
+            if (isinstance(obj, type) and issubclass(obj, ctypes.Structure) and obj.__module__ == mod.__name__
+                    and name not in DRIVER_STRUCTS):
                 out[name] = obj
     return out
+
+
+def test_driver_launch_structs_have_the_cuda_h_layout():
+    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute (cuda.h, CUDA 12.0-13.0; the
+    attribute value is a 64-byte union): offsets and sizes on a 64-bit host. A wrong offset would
+    hand the driver a garbage stream or attribute list on the first PDL launch."""
+    cfg = {f: (getattr(jit.LaunchConfig, f).offset, getattr(jit.LaunchConfig, f).size)
+           for f, _ in jit.LaunchConfig._fields_}
+    assert list(cfg) == ["gx", "gy", "gz", "bx", "by", "bz", "smem", "stream", "attrs", "nattrs"]
+    assert [cfg[f][0] for f in cfg] == [0, 4, 8, 12, 16, 20, 24, 32, 40, 48]
+    assert ctypes.sizeof(jit.LaunchConfig) == 56
+    assert (jit.LaunchAttr.id.offset, jit.LaunchAttr.value.offset, ctypes.sizeof(jit.LaunchAttr)) == (0, 8, 72)
+    assert ctypes.sizeof(jit.LaunchAttrValue) == 64
+    c = jit.pdl_config(grid=7, block=256, smem=1024, stream=0x1234)
+    assert (c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.smem, c.stream, c.nattrs) == (7, 1, 1, 256, 1, 1, 1024, 0x1234, 1)
+    assert c.attrs[0].id == jit.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert c.attrs[0].value.i == 1
 
 
 def _strip_comments(text: str) -> str:

@@ -101,3 +101,54 @@ def test_cached_path_follows_the_current_stream():
     torch.cuda.synchronize()
     assert key in ops._eager_weights[id(packed)].plans
     assert torch.equal(y, ref)
+
+
+def _chain(layers, x):
+    """x through the layers in turn, each call's input written by the kernel just before it (a QPN
+    kernel, or a torch op between two): what a *_pdl kernel must wait for before it reads x."""
+    y = x
+    for i, packed in enumerate(layers):
+        y = ops.qpn_linear(y, packed)
+        if i % 2:
+            y = y * 0.03125
+    return y
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch: sm_90+ (H200 via the device tool)")
+@pytest.mark.parametrize("fmt,dims", [("nvfp4", (512, 1024, 768, 512)), ("fp8", (1536, 512, 1024, 1536)),
+                                      ("nvfp4", (256, 100_352))])
+@pytest.mark.parametrize("m", [1, 8])
+def test_pdl_launches_give_the_plain_launches_bits_eager_and_in_a_graph(monkeypatch, fmt, dims, m):
+    """On sm_90+ the mt1 route plans launch the *_pdl kernels with the PDL attribute (lm_head-sized
+    layers: the shared-memory ring's form). A chain in which every call's activations come from
+    the kernel right before it, QPN after QPN on the same split-K scratch, gives bit for bit the
+    plain launches' result (QPN_PDL=0), eagerly and replayed from a CUDA graph."""
+    gen = torch.Generator(device="cuda").manual_seed(sum(dims) + m)
+    layers = [_packed(fmt, n, k, gen) for k, n in zip(dims, dims[1:])]
+    x = fc.activations(m, dims[0], gen, outliers=True)
+    monkeypatch.setenv(ops.PDL_ENV, "0")
+    ops._eager_weights.clear()
+    plain = _chain(layers, x)
+    assert all(p.pdl is None for l in layers for p in ops._eager_weights[id(l)].plans.values())
+    monkeypatch.delenv(ops.PDL_ENV)
+    ops._eager_weights.clear()
+    eager = _chain(layers, x)
+    plans = [p for l in layers for p in ops._eager_weights[id(l)].plans.values()]
+    assert plans and all(p.pdl is not None for p in plans), "an mt1 route launched without PDL"
+    assert torch.equal(eager, plain)
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    static_x = x.clone()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up: the capture stream's plans built before capture
+        _chain(layers, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph, stream=side):
+        static_y = _chain(layers, static_x)
+    for _ in range(3):
+        static_y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, plain)
+    ops._eager_weights.clear()

@@ -56,9 +56,10 @@ struct Qpn80Args {
 // weight: its chscale and the first k-blocks of its weight ring (register kernels: the first
 // segment's codes and scales; ring kernels with the activations out of the ring: the first S - 1
 // copies), so the ring fill overlaps the previous kernel's tail. Launched without the attribute,
-// the wait returns at once. Not yet the routes' kernels: the library launches with plain
-// cuLaunchKernel (ops / jit), and in that mode the hooks measured 0 to 1 us slower per call on
-// the H200 (results/kernel_sm80_pdl_notes_h200_20261201.md); with the attribute, 2 us faster.
+// the wait returns at once (the hooks then cost 0 to 1 us per call on the H200,
+// results/kernel_sm80_pdl_notes_h200_20261201.md; with the attribute, up to 2.4 us faster). The
+// library launches the *_pdl form of its mt1 route kernels with the attribute on sm_90+
+// (ops._pdl_form, jit.launch_raw_pdl); the other kernels keep plain launches.
 QPN_DEV void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -673,7 +674,7 @@ QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s4x_loadonly, Frag16NVFP4, 1, 4, 4, 2, 3)
 QPN80R_ENTRY(qpn8_mt1_m16n8k16_t2s4_loadonly, Frag16FP8, 1, 2, 4, 2, 3)
 QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x_loadonly, Frag16FP8, 1, 2, 4, 3, 3)
 // Issue 14, 2026-12-01: the route kernels with the PDL hooks (VAR 7; bit for bit the same
-// results; launched with the PDL attribute by the matched bench's qpn_pdl arm).
+// results; the mt1 forms are what ops launches on sm_90+, the mt2 forms are measured only).
 QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_pdl, Frag16NVFP4, 1, 2, 4, 0, 7)
 QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x_pdl, Frag16NVFP4, 2, 2, 4, 2, 7)
 QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_pdl, Frag16NVFP4, 1, 4, 4, 2, 7)

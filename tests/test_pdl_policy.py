@@ -1,0 +1,73 @@
+"""Which launches use programmatic dependent launch (kernels/ops.py ``_pdl_form``), decided on the CPU.
+
+A *_pdl kernel reads the weight before it waits for the stream's previous kernel, and only the
+one-tile-per-pass (mt1) forms were measured faster on the H200; so the policy must give the *_pdl
+form exactly to mt1 route kernels on sm_90+ with a driver that has cuLaunchKernelEx, never to an
+sm_80-89 GPU, an mt2 kernel or a measured variant, and never when QPN_PDL=0. The numerics of the
+PDL launches themselves run on the H200 (tests/test_gpu_eager_launch.py).
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from qpn.kernels import jit, ops
+
+pytestmark = pytest.mark.fast
+
+ROUTE_KERNELS = sorted(set(jit.SM80_ROUTE_KERNELS.values()) | set(jit.SM80_LARGE_N_KERNELS.values()))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake cuda:0 of a chosen capability and a driver with or without cuLaunchKernelEx."""
+    state = {"cap": (9, 0), "ex": True}
+    monkeypatch.setattr(ops.torch.cuda, "get_device_capability", lambda idx=None: state["cap"])
+    monkeypatch.setattr(jit, "driver", lambda: types.SimpleNamespace(has_launch_ex=state["ex"]))
+    monkeypatch.setattr(ops, "_pdl_capable", {})
+    monkeypatch.delenv(ops.PDL_ENV, raising=False)
+    return state
+
+
+def test_every_mt1_route_kernel_has_a_pdl_form_that_sm90_launches(gpu):
+    kernels = jit.sm80_kernels()
+    mt1 = [k for k in ROUTE_KERNELS if kernels[k].mt == 1]
+    assert mt1, "no mt1 route kernel in the route tables"
+    for name in mt1:
+        form = ops._pdl_form(name, 0)
+        assert form == name + "_pdl", name
+        cfg, base = kernels[form], kernels[name]
+        # the same kernel, hooks added: same format, tiling, ring and token tiles
+        assert (cfg.frag, cfg.mt, cfg.tiles, cfg.depth, cfg.stages, cfg.x_global, cfg.variant) == \
+               (base.frag, base.mt, base.tiles, base.depth, base.stages, base.x_global, 7), name
+
+
+def test_mt2_kernels_variants_and_older_gpus_keep_plain_launches(gpu):
+    kernels = jit.sm80_kernels()
+    for name in ROUTE_KERNELS:
+        if kernels[name].mt != 1:
+            assert ops._pdl_form(name, 0) is None, name   # measured slower on small NVFP4 layers
+    variants = [k for k, c in kernels.items() if c.variant not in (0, 7)]
+    assert variants and all(ops._pdl_form(k, 0) is None for k in variants)
+    mt1 = [k for k in ROUTE_KERNELS if kernels[k].mt == 1]
+    for cap in ((8, 0), (8, 6), (8, 9)):
+        gpu["cap"] = cap
+        ops._pdl_capable.clear()
+        assert all(ops._pdl_form(k, 0) is None for k in mt1), cap
+    gpu["cap"], gpu["ex"] = (9, 0), False
+    ops._pdl_capable.clear()
+    assert all(ops._pdl_form(k, 0) is None for k in mt1), "a driver without cuLaunchKernelEx"
+
+
+@pytest.mark.parametrize("value,on", [("0", False), ("off", False), ("1", True), ("", True), ("yes", True)])
+def test_qpn_pdl_switch(gpu, monkeypatch, value, on):
+    monkeypatch.setenv(ops.PDL_ENV, value)
+    name = jit.SM80_ROUTE_KERNELS[(ops.formats.FAMILIES["nvfp4"], 1)]
+    assert (ops._pdl_form(name, 0) is not None) is on
+
+
+def test_a_bad_qpn_pdl_value_names_the_setting(gpu, monkeypatch):
+    monkeypatch.setenv(ops.PDL_ENV, "maybe")
+    with pytest.raises(ValueError, match="QPN_PDL='maybe'"):
+        ops._pdl_form(jit.SM80_ROUTE_KERNELS[(ops.formats.FAMILIES["fp8"], 1)], 0)
