@@ -132,3 +132,30 @@ def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
                                "route_family": "qpn2", "repack_fallback": False}]
     (kv,) = agg["kv_resolved"]
     assert kv["checkpoint_requested"] is None and kv["resolved"] == "auto"
+
+    # the qpn_routes gate's per-module coverage: every module config_groups declares, recorded with
+    # the engine's name for it (the model's mapper drops model.language_model.) and on QPN
+    from qpn.scripts.launcher import boot_gates
+
+    conv, declared = boot_gates.declared_modules(str(ckpt))
+    # per checkpoint tensor, not per fused engine module: GDN in_proj_qkv / in_proj_z / out_proj,
+    # attention q / k / v / o, MLP gate / up / down, and lm_head
+    n_ckpt = 3 * n_gdn + 4 * n_attn + 3 * config["num_hidden_layers"] + 1
+    assert conv.name == "compressed-tensors" and len(declared) == n_ckpt
+    assert rank["checkpoint_modules"] == {c: c.replace("model.language_model.", "model.", 1) for c in declared}
+    known = boot_gates.qpn_route_names()
+    gate = boot_gates.gate_qpn_routes(agg, {"nvfp4", "fp8"}, known, checkpoint_modules=declared)
+    assert gate.status == boot_gates.PASS and f"config_groups ({len(declared)})" in gate.expected, gate.observed
+    # the controls: one declared module off QPN, then missing from the census: each fails the gate
+    # naming the checkpoint module
+    bad = next(c for c in declared if c.endswith("mlp.down_proj"))
+    engine_name = rank["checkpoint_modules"][bad]
+    off = json.loads(json.dumps(agg))
+    r0 = off["ranks"][0]
+    r0["declared_on_qpn"].remove(engine_name)
+    r0["declared_off_qpn"] = [*(r0.get("declared_off_qpn") or []), engine_name]
+    gate = boot_gates.gate_qpn_routes(off, {"nvfp4", "fp8"}, known, checkpoint_modules=declared)
+    assert gate.failed and "not on a QPN route" in gate.observed and bad in gate.observed, gate.observed
+    r0["declared_off_qpn"].remove(engine_name)
+    gate = boot_gates.gate_qpn_routes(off, {"nvfp4", "fp8"}, known, checkpoint_modules=declared)
+    assert gate.failed and "not in the census" in gate.observed and bad in gate.observed, gate.observed
