@@ -14,8 +14,8 @@ Arms (all on the same weight values; each timed twice, the same way for every ar
                  quantization is NOT timed: the most favourable timing for this peer)
   dequant_matmul dequantize the checkpoint tensors with torch ops (a byte -> two-value FP16 lookup
                  for NVFP4, a cast for FP8), then x @ W^T: the naive path
-  qpn_plain      sm_90+ only, where the qpn arm's route kernel has a *_pdl form (ops._pdl_form: one
-                 8-token tile per pass): the route's kernel without the programmatic-dependent-launch
+  qpn_plain      sm_90+ only, where the qpn arm launches its route kernel's *_pdl form
+                 (jit.SM80_PDL_KERNELS): the route's kernel without the programmatic-dependent-launch
                  hooks, launched with plain cuLaunchKernel, as the library did before; the qpn arm
                  minus this one is what PDL buys
 Columns: eager_* = CUDA events around a loop of calls (host launch cost included, as an engine

@@ -308,10 +308,8 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
 
 # Programmatic dependent launch (sm_90+): a route kernel's *_pdl form, launched with the PDL
 # attribute, fills its weight ring while the stream's previous kernel finishes, and waits for that
-# kernel before it reads x or touches y and the split-K scratch. Measured on the H200 (graph replay,
-# results/kernel_sm80_pdl_notes_h200_20261201.md): 0.1 to 2.4 us faster per call on every shape
-# with one 8-token tile per pass (M 1-8), mixed with two (slower on the small NVFP4 layers), so
-# only the mt1 kernels take it. QPN_PDL=0 turns it off.
+# kernel before it reads x or touches y and the split-K scratch. Which route kernels take it, and
+# the measurements behind the choice: jit.SM80_PDL_KERNELS. QPN_PDL=0 turns it off.
 PDL_ENV = "QPN_PDL"
 _pdl_capable: dict = {}
 
@@ -335,7 +333,7 @@ def _pdl_form(name: str, idx: int) -> Optional[str]:
         ok = _pdl_capable[idx] = (torch.cuda.get_device_capability(idx) >= (9, 0)
                                   and jit.driver().has_launch_ex)
     cfg = jit.sm80_kernels().get(name + "_pdl")
-    return cfg.name if ok and cfg is not None and cfg.mt == 1 and cfg.variant == 7 else None
+    return cfg.name if ok and name in jit.SM80_PDL_KERNELS and cfg is not None and cfg.variant == 7 else None
 
 
 class _Launch:

@@ -1,10 +1,11 @@
 """Which launches use programmatic dependent launch (kernels/ops.py ``_pdl_form``), decided on the CPU.
 
-A *_pdl kernel reads the weight before it waits for the stream's previous kernel, and only the
-one-tile-per-pass (mt1) forms were measured faster on the H200; so the policy must give the *_pdl
-form exactly to mt1 route kernels on sm_90+ with a driver that has cuLaunchKernelEx, never to an
-sm_80-89 GPU, an mt2 kernel or a measured variant, and never when QPN_PDL=0. The numerics of the
-PDL launches themselves run on the H200 (tests/test_gpu_eager_launch.py).
+A *_pdl kernel reads the weight before it waits for the stream's previous kernel, and only some
+route kernels were measured faster with it on the H200 (jit.SM80_PDL_KERNELS: every mt1 kernel and
+the FP8 mt2 ring). The policy must give the *_pdl form exactly to those on sm_90+ with a driver
+that has cuLaunchKernelEx, never to an sm_80-89 GPU, the NVFP4 mt2 ring or a measured variant,
+and never when QPN_PDL=0. The numerics of the PDL launches themselves run on the H200
+(tests/test_gpu_eager_launch.py).
 """
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ def gpu(monkeypatch):
     return state
 
 
-def test_every_mt1_route_kernel_has_a_pdl_form_that_sm90_launches(gpu):
+def test_the_pdl_route_kernels_get_their_pdl_form_on_sm90(gpu):
     kernels = jit.sm80_kernels()
-    mt1 = [k for k in ROUTE_KERNELS if kernels[k].mt == 1]
-    assert mt1, "no mt1 route kernel in the route tables"
-    for name in mt1:
+    assert jit.SM80_PDL_KERNELS <= set(ROUTE_KERNELS)
+    assert {k for k in ROUTE_KERNELS if kernels[k].mt == 1} <= jit.SM80_PDL_KERNELS, "an mt1 kernel left out"
+    for name in jit.SM80_PDL_KERNELS:
         form = ops._pdl_form(name, 0)
         assert form == name + "_pdl", name
         cfg, base = kernels[form], kernels[name]
@@ -43,21 +44,20 @@ def test_every_mt1_route_kernel_has_a_pdl_form_that_sm90_launches(gpu):
                (base.frag, base.mt, base.tiles, base.depth, base.stages, base.x_global, 7), name
 
 
-def test_mt2_kernels_variants_and_older_gpus_keep_plain_launches(gpu):
+def test_other_kernels_and_older_gpus_keep_plain_launches(gpu):
     kernels = jit.sm80_kernels()
-    for name in ROUTE_KERNELS:
-        if kernels[name].mt != 1:
-            assert ops._pdl_form(name, 0) is None, name   # measured slower on small NVFP4 layers
+    nvfp4_mt2 = jit.SM80_ROUTE_KERNELS[(ops.formats.FAMILIES["nvfp4"], 2)]
+    assert nvfp4_mt2 + "_pdl" in kernels and ops._pdl_form(nvfp4_mt2, 0) is None   # slower on small layers
     variants = [k for k, c in kernels.items() if c.variant not in (0, 7)]
     assert variants and all(ops._pdl_form(k, 0) is None for k in variants)
-    mt1 = [k for k in ROUTE_KERNELS if kernels[k].mt == 1]
+    chosen = sorted(jit.SM80_PDL_KERNELS)
     for cap in ((8, 0), (8, 6), (8, 9)):
         gpu["cap"] = cap
         ops._pdl_capable.clear()
-        assert all(ops._pdl_form(k, 0) is None for k in mt1), cap
+        assert all(ops._pdl_form(k, 0) is None for k in chosen), cap
     gpu["cap"], gpu["ex"] = (9, 0), False
     ops._pdl_capable.clear()
-    assert all(ops._pdl_form(k, 0) is None for k in mt1), "a driver without cuLaunchKernelEx"
+    assert all(ops._pdl_form(k, 0) is None for k in chosen), "a driver without cuLaunchKernelEx"
 
 
 @pytest.mark.parametrize("value,on", [("0", False), ("off", False), ("1", True), ("", True), ("yes", True)])
