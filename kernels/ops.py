@@ -71,17 +71,26 @@ def arch_for_atom(atom: str) -> str:
 SM80_OPT_IN_ENV = "QPN_SM80_OPT_IN"
 
 
+def env_switch(name: str, default: bool, on_means: str, off_means: str) -> bool:
+    """An on/off setting from the environment (1/true/yes/on, 0/false/no/off, unset: ``default``);
+    any other value is an error naming the setting and what each value does."""
+    v = os.environ.get(name, "").strip().lower()
+    if v == "":
+        return default
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={v!r}: expected 1 ({on_means}) or 0 ({off_means}); unset means "
+                     f"{1 if default else 0}")
+
+
 def sm80_opt_in() -> bool:
     """True when the operator asked for QPN kernels on sm_80+ GPUs (``QPN_SM80_OPT_IN=1``).
     Off by default: on sm_80+ vLLM has its own NVFP4 / FP8 paths, and the QPN m16n8k16 kernels
     replace them only once measured against those paths on the same GPU."""
-    v = os.environ.get(SM80_OPT_IN_ENV, "").strip().lower()
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    if v in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{SM80_OPT_IN_ENV}={v!r}: expected 1 (route ModelOpt NVFP4/FP8 layers to the QPN "
-                     "kernels on sm_80+) or 0 / unset (leave them to vLLM)")
+    return env_switch(SM80_OPT_IN_ENV, False, "route ModelOpt NVFP4/FP8 layers to the QPN kernels on sm_80+",
+                      "leave them to vLLM")
 
 
 def serving_target(capability) -> Optional[dict]:
@@ -315,13 +324,8 @@ _pdl_capable: dict = {}
 
 
 def pdl_enabled() -> bool:
-    v = os.environ.get(PDL_ENV, "").strip().lower()
-    if v in ("", "1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{PDL_ENV}={v!r}: expected 1 / unset (launch the sm_90+ route kernels with "
-                     "programmatic dependent launch) or 0 (plain launches)")
+    return env_switch(PDL_ENV, True, "launch the sm_90+ route kernels with programmatic dependent launch",
+                      "plain launches")
 
 
 def _pdl_form(name: str, idx: int) -> Optional[str]:
