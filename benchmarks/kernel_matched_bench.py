@@ -611,6 +611,70 @@ def plot(csv_path: str, png_path: str) -> None:
 
 
 # -------------------------------------------------------------------------------- main
+_PLAIN_LAUNCHES = [False]   # set while the mlp_block_time plain arm plans its launches
+ROUNDS = 4
+
+
+def mlp_block_time(ms=(1, 8), read: float = 0.0) -> dict:
+    """Graph-replay microseconds (median of ROUNDS alternating rounds) of one MLP block as a model runs it -- an RMS norm in torch, gate_up
+    on QPN, SiLU-and-mul in torch, down on QPN -- for TP1 and TP4, with the library's launches
+    (programmatic dependent launch where jit.SM80_PDL_KERNELS says), with plain launches, and with
+    FP16 weights through torch. Unlike the per-shape arms, where each QPN call follows another,
+    here the kernel before each QPN call is torch's: what PDL buys in a model."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    atom = ops.atom_for_device(0)
+    out = {}
+    library_switch = ops.pdl_enabled
+    ops.pdl_enabled = lambda: (not _PLAIN_LAUNCHES[0]) and library_switch()
+    try:
+        _mlp_blocks(ms, read, gen, atom, out)
+    finally:
+        ops.pdl_enabled = library_switch
+    return out
+
+
+def _mlp_blocks(ms, read, gen, atom, out) -> None:
+    for tp in ("tp1", "tp4"):
+        fmt, n_gu, hidden = SHAPES[f"{tp}_mlp_gate_up"]
+        inter = n_gu // 2
+        gu_src = _weights(fmt, n_gu, hidden, gen)
+        dn_src = _weights(fmt, hidden, inter, gen)
+        nbytes = _pack(fmt, gu_src, atom).nbytes + _pack(fmt, dn_src, atom).nbytes
+        copies = _copies(nbytes)
+        layers = {arm: [(_pack(fmt, gu_src, atom), _pack(fmt, dn_src, atom)) for _ in range(copies)]
+                  for arm in ("qpn", "qpn_plain")}
+        w16 = [(_fp16_copy(fmt, gu_src, None), _fp16_copy(fmt, dn_src, None)) for _ in range(_copies(2 * (n_gu * hidden + hidden * inter)))]
+        norm_w = torch.ones(hidden, device="cuda", dtype=torch.float16)
+        for m in ms:
+            x = torch.randn((m, hidden), device="cuda", generator=gen).to(torch.float16)
+
+            def block(gate_up, down):
+                h = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).half() * norm_w
+                g = gate_up(h)
+                return down(torch.nn.functional.silu(g[:, :inter]) * g[:, inter:])
+
+            arms = {arm: (lambda i, ls=ls: block(lambda h: ops.qpn_linear(h, ls[i % len(ls)][0]),
+                                                 lambda a: ops.qpn_linear(a, ls[i % len(ls)][1])))
+                    for arm, ls in layers.items()}
+            arms["torch_fp16"] = lambda i: block(lambda h: h @ w16[i % len(w16)][0].t(),
+                                                 lambda a: a @ w16[i % len(w16)][1].t())
+            y, times = {}, {arm: [] for arm in arms}
+            for rnd in range(ROUNDS):   # the arms alternate, in turned order every other round
+                for arm in (list(arms) if rnd % 2 == 0 else list(arms)[::-1]):
+                    _PLAIN_LAUNCHES[0] = arm == "qpn_plain"
+                    try:
+                        y[arm] = arms[arm](0)
+                        times[arm].append(time_graph(arms[arm]) * 1e3)
+                    finally:
+                        _PLAIN_LAUNCHES[0] = False
+            for arm, ts in times.items():
+                out[f"{tp}_M{m}_{arm}"] = statistics.median(ts)
+            if not torch.equal(y["qpn"], y["qpn_plain"]):
+                raise RuntimeError(f"MLP block {tp} M={m}: PDL and plain launches differ")
+            if read:
+                out[f"{tp}_M{m}_qpn_pct_read"] = 100 * nbytes / (out[f"{tp}_M{m}_qpn"] * 1e-6) / 1e9 / read
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="CSV path (results/kernel_matched_<gpu>_<date>.csv)")
@@ -623,6 +687,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-gemlite", action="store_true", help="leave the gemlite arm out")
     ap.add_argument("--host-time", action="store_true",
                     help="measure host time per eager call (qpn_linear vs x @ w.t(), 256 x 256, M=1) into the header")
+    ap.add_argument("--mlp-block", action="store_true",
+                    help="time one MLP block (norm, gate_up, activation, down) at TP1 and TP4, M 1 and 8, with and "
+                         "without programmatic dependent launch, into the header")
     ap.add_argument("--sweep", default="", help="sm_80+: first time every configured kernel and variant of the "
                                                "m16n8k16 source on --sweep-shapes / --sweep-m, into this CSV")
     ap.add_argument("--adopt-sweep", action="store_true",
@@ -689,6 +756,12 @@ def main(argv=None) -> int:
         print("host time per eager call (us): " + ", ".join(f"{k}={v:.1f}" for k, v in ht.items()), flush=True)
         extra.append("# host_us_per_call (256x256, M=1, host clock over 2000 calls, best of 3): "
                      + ", ".join(f"{k}={v:.1f}" for k, v in ht.items()))
+    if args.mlp_block:
+        mb = mlp_block_time(read=read)
+        print("MLP block, graph us: " + ", ".join(f"{k}={v:.1f}" for k, v in mb.items()), flush=True)
+        extra.append("# mlp_block_graph_us (RMS norm, gate_up, SiLU-and-mul, down; qpn = the library's launches, "
+                     "qpn_plain = no PDL, torch_fp16 = FP16 weights; pct_read = both layers' packed bytes against "
+                     "the read ceiling): " + ", ".join(f"{k}={v:.1f}" for k, v in mb.items()))
     prov = provenance(args, atom) + extra
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.sweep:
