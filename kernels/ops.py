@@ -320,7 +320,8 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
 # kernel before it reads x or touches y and the split-K scratch. Which route kernels take it, and
 # the measurements behind the choice: jit.SM80_PDL_KERNELS. QPN_PDL=0 turns it off.
 PDL_ENV = "QPN_PDL"
-_pdl_capable: dict = {}
+_pdl_capable: dict = {}   # device index -> sm_90+ and a driver with cuLaunchKernelEx
+_pdl_names: dict = {}     # route kernel -> its *_pdl form where SM80_PDL_KERNELS lists it, else None
 
 
 def pdl_enabled() -> bool:
@@ -336,8 +337,12 @@ def _pdl_form(name: str, idx: int) -> Optional[str]:
     if ok is None:
         ok = _pdl_capable[idx] = (torch.cuda.get_device_capability(idx) >= (9, 0)
                                   and jit.driver().has_launch_ex)
-    cfg = jit.sm80_kernels().get(name + "_pdl")
-    return cfg.name if ok and name in jit.SM80_PDL_KERNELS and cfg is not None and cfg.variant == 7 else None
+    if not ok:
+        return None
+    if name not in _pdl_names:   # parsing the kernel source is far dearer than a launch: once per kernel
+        cfg = jit.sm80_kernels().get(name + "_pdl")
+        _pdl_names[name] = cfg.name if name in jit.SM80_PDL_KERNELS and cfg is not None and cfg.variant == 7 else None
+    return _pdl_names[name]
 
 
 class _Launch:
