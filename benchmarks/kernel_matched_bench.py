@@ -611,39 +611,30 @@ def plot(csv_path: str, png_path: str) -> None:
 
 
 # -------------------------------------------------------------------------------- main
-_PLAIN_LAUNCHES = [False]   # set while the mlp_block_time plain arm plans its launches
-ROUNDS = 4
+MLP_BLOCK_ROUNDS = 4
 
 
 def mlp_block_time(ms=(1, 8), read: float = 0.0) -> dict:
-    """Graph-replay microseconds (median of ROUNDS alternating rounds) of one MLP block as a model runs it -- an RMS norm in torch, gate_up
-    on QPN, SiLU-and-mul in torch, down on QPN -- for TP1 and TP4, with the library's launches
-    (programmatic dependent launch where jit.SM80_PDL_KERNELS says), with plain launches, and with
-    FP16 weights through torch. Unlike the per-shape arms, where each QPN call follows another,
-    here the kernel before each QPN call is torch's: what PDL buys in a model."""
+    """Graph-replay microseconds (median of MLP_BLOCK_ROUNDS alternating rounds) of one MLP block as
+    a model runs it -- an RMS norm in torch, gate_up on QPN, SiLU-and-mul in torch, down on QPN --
+    for TP1 and TP4: with the library's launches (programmatic dependent launch where
+    jit.SM80_PDL_KERNELS says), with plain launches (the library's own switch, QPN_PDL=0, while
+    that arm plans its launches on its own copies of the weights), and with FP16 weights through
+    torch. Unlike the per-shape arms, where each QPN call follows another, here the kernel before
+    each QPN call is torch's: what PDL buys in a model."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     atom = ops.atom_for_device(0)
     out = {}
-    library_switch = ops.pdl_enabled
-    ops.pdl_enabled = lambda: (not _PLAIN_LAUNCHES[0]) and library_switch()
-    try:
-        _mlp_blocks(ms, read, gen, atom, out)
-    finally:
-        ops.pdl_enabled = library_switch
-    return out
-
-
-def _mlp_blocks(ms, read, gen, atom, out) -> None:
     for tp in ("tp1", "tp4"):
         fmt, n_gu, hidden = SHAPES[f"{tp}_mlp_gate_up"]
         inter = n_gu // 2
         gu_src = _weights(fmt, n_gu, hidden, gen)
         dn_src = _weights(fmt, hidden, inter, gen)
         nbytes = _pack(fmt, gu_src, atom).nbytes + _pack(fmt, dn_src, atom).nbytes
-        copies = _copies(nbytes)
-        layers = {arm: [(_pack(fmt, gu_src, atom), _pack(fmt, dn_src, atom)) for _ in range(copies)]
+        layers = {arm: [(_pack(fmt, gu_src, atom), _pack(fmt, dn_src, atom)) for _ in range(_copies(nbytes))]
                   for arm in ("qpn", "qpn_plain")}
-        w16 = [(_fp16_copy(fmt, gu_src, None), _fp16_copy(fmt, dn_src, None)) for _ in range(_copies(2 * (n_gu * hidden + hidden * inter)))]
+        w16 = [(_fp16_copy(fmt, gu_src, None), _fp16_copy(fmt, dn_src, None))
+               for _ in range(_copies(2 * (n_gu * hidden + hidden * inter)))]
         norm_w = torch.ones(hidden, device="cuda", dtype=torch.float16)
         for m in ms:
             x = torch.randn((m, hidden), device="cuda", generator=gen).to(torch.float16)
@@ -659,20 +650,26 @@ def _mlp_blocks(ms, read, gen, atom, out) -> None:
             arms["torch_fp16"] = lambda i: block(lambda h: h @ w16[i % len(w16)][0].t(),
                                                  lambda a: a @ w16[i % len(w16)][1].t())
             y, times = {}, {arm: [] for arm in arms}
-            for rnd in range(ROUNDS):   # the arms alternate, in turned order every other round
+            for rnd in range(MLP_BLOCK_ROUNDS):   # the arms alternate, in turned order every other round
                 for arm in (list(arms) if rnd % 2 == 0 else list(arms)[::-1]):
-                    _PLAIN_LAUNCHES[0] = arm == "qpn_plain"
+                    saved = os.environ.get(ops.PDL_ENV)
+                    if arm == "qpn_plain":
+                        os.environ[ops.PDL_ENV] = "0"
                     try:
                         y[arm] = arms[arm](0)
                         times[arm].append(time_graph(arms[arm]) * 1e3)
                     finally:
-                        _PLAIN_LAUNCHES[0] = False
+                        if saved is None:
+                            os.environ.pop(ops.PDL_ENV, None)
+                        else:
+                            os.environ[ops.PDL_ENV] = saved
             for arm, ts in times.items():
                 out[f"{tp}_M{m}_{arm}"] = statistics.median(ts)
             if not torch.equal(y["qpn"], y["qpn_plain"]):
                 raise RuntimeError(f"MLP block {tp} M={m}: PDL and plain launches differ")
             if read:
                 out[f"{tp}_M{m}_qpn_pct_read"] = 100 * nbytes / (out[f"{tp}_M{m}_qpn"] * 1e-6) / 1e9 / read
+    return out
 
 
 def main(argv=None) -> int:

@@ -55,13 +55,13 @@ SM80_ROUTE_KERNELS = {
 SM80_LARGE_N = 100_000
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # Route kernels whose *_pdl form (VAR 7) ops launches with programmatic dependent launch on sm_90+
-# (ops._pdl_form): every mt1 kernel and the FP8 mt2 ring, 1.5-4.5 us faster per call (graph replay)
-# on every H200 shape at M 1-8 and on all four FP8 shapes at M 16, against the same kernels launched
-# plainly in the same run (results/kernel_matched_sm80_pdlfp8_h200_20261201.csv, qpn vs qpn_plain;
-# back-to-back calls: in a model's MLP block, torch kernels between, no measurable change, see
-# docs/architecture.md);
-# the NVFP4 mt2 ring stays on plain launches (slower with PDL on the small
-# layers: down 33.8 -> 34.2 us, TP4 down 17.9 -> 19.0 us; results/kernel_sm80_pdl_notes_h200_20261201.md).
+# (ops._pdl_form): every mt1 kernel and the FP8 mt2 ring. Called back to back, they are 1.5-4.5 us
+# faster per call (graph replay) on every H200 shape at M 1-8 and on all four FP8 shapes at M 16,
+# against the same kernels launched plainly in the same run
+# (results/kernel_matched_sm80_pdlfp8_h200_20261201.csv, qpn vs qpn_plain); in a model's MLP
+# block, torch kernels between, no measurable change (docs/architecture.md). The NVFP4 mt2 ring
+# stays on plain launches (slower with PDL on the small layers: down 33.8 -> 34.2 us, TP4 down
+# 17.9 -> 19.0 us; results/kernel_sm80_pdl_notes_h200_20261201.md).
 SM80_PDL_KERNELS = frozenset({SM80_ROUTE_KERNELS[_NVFP4, 1], SM80_LARGE_N_KERNELS[_NVFP4, 1],
                               SM80_ROUTE_KERNELS[_FP8, 1], SM80_ROUTE_KERNELS[_FP8, 2]})
 # The register-ring kernels (no shared memory) serve a route when the GPU cannot give a block the

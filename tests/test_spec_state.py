@@ -116,7 +116,6 @@ def _conv_path(g, lin, monkeypatch, conv):
     Arm bf16) or "cpp" (what gdn-spec-cpp-conv-on-avx512-bf16 selects on AVX-512 BF16). The C++
     conv reads a packed weight, as the engine's loader leaves it on those CPUs."""
     layer = _layer(lin)
-    predicate = getattr(g.is_arm_bf16, "__wrapped__", g.is_arm_bf16)
     if conv == "torch-loop":
         if torch.cpu._is_amx_tile_supported():
             pytest.skip("AMX CPUs always run the engine's C++ conv")
@@ -126,6 +125,7 @@ def _conv_path(g, lin, monkeypatch, conv):
     import vllm._custom_ops as ops
     from qpn.fork_patches import spec_identity
 
+    predicate = getattr(g.is_arm_bf16, "__wrapped__", g.is_arm_bf16)
     monkeypatch.setattr(g, "is_arm_bf16", spec_identity.wrap_cpp_conv_predicate(predicate))
     unpacked = layer.conv1d.weight.view(DIM, WIDTH).contiguous().clone()
     layer.conv1d = types.SimpleNamespace(weight=ops.causal_conv1d_weight_pack(unpacked), bias=None,
