@@ -14,6 +14,9 @@ Arms (all on the same weight values; each timed twice, the same way for every ar
                  quantization is NOT timed: the most favourable timing for this peer)
   dequant_matmul dequantize the checkpoint tensors with torch ops (a byte -> two-value FP16 lookup
                  for NVFP4, a cast for FP8), then x @ W^T: the naive path
+  read_limit     no weights, no compute: the fastest of a few pure-read kernels (benchmarks/read_probe.py,
+                 LIMIT_CONFIGS; chosen per shape in the same run) over as many bytes as the qpn arm
+                 streams: how close to the read ceiling ANY single kernel of this layer's size gets
   qpn_plain      sm_90+ only, where the qpn arm launches its route kernel's *_pdl form
                  (jit.SM80_PDL_KERNELS): the route's kernel without the programmatic-dependent-launch
                  hooks, launched with plain cuLaunchKernel, as the library did before; the qpn arm
@@ -270,6 +273,16 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
                 gl = []
                 break
             gl.append(layer)
+    limit = None
+    if READ_LIMIT:
+        # the read_limit arm: the fastest pure-read kernel over as many bytes as the qpn arm streams
+        from qpn.benchmarks import read_probe
+        global _READ_LIMIT
+        if _READ_LIMIT is None:
+            _READ_LIMIT = read_probe.ReadLimit()
+        rbufs = [torch.empty(-(-qbytes // 8192) * 8192, dtype=torch.uint8, device="cuda").random_(0, 256)
+                 for _ in range(n_q)]
+        limit = _READ_LIMIT.best(rbufs, lambda fn: time_graph(fn, target_ms=10, repeats=2))
     for m in ms:
         x = x_all[:m]
         route = str(routes.route_for(fmt, m, n, k, arch=arch))
@@ -298,6 +311,8 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
             arms.append(("dequant_matmul", "torch", qbytes, lambda i: x @ naive.nvfp4(*srcs[i % n_q]).t()))
             if gl:
                 arms.append(("gemlite", f"gemlite {gmode}", gbytes, lambda i: gl[i % len(gl)](x)))
+        if limit is not None:
+            arms.append(("read_limit", f"pure read: {limit[0]}", qbytes, limit[1]))
         for arm, rname, wbytes, fn in arms:
             slow = arm == "dequant_matmul"
             te = time_eager(fn, target_ms=8 if slow else 20, repeats=2 if slow else 3, max_iters=50 if slow else 200)
@@ -310,10 +325,14 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
                   f"{r['eager_pct_read']:5.1f}%  graph {r['graph_us']:9.1f} us {r['graph_gbps']:7.1f} GB/s "
                   f"{r['graph_pct_read']:5.1f}% read", flush=True)
     del srcs, packs, w16, gl
+    if limit is not None:
+        del rbufs, limit
     torch.cuda.empty_cache()
 
 
 GEMLITE = True
+READ_LIMIT = True
+_READ_LIMIT = None
 
 
 def qpn_plain_call(fmt, m, n, k, packs, x):
@@ -380,7 +399,7 @@ def host_time_per_call(n: int = 256, k: int = 256, calls: int = 2000) -> dict:
 
 
 # ------------------------------------------------------------------------------- sweep
-def sweep(names, ms, read, gen, path, provenance):
+def sweep(names, ms, read, gen, path, provenance, only=()):
     """sm_80+ only: every configured kernel and every stage-dropping variant of the m16n8k16
     source, graph-timed on the same weights, plus the split-K minimum-items knob."""
     rows = []
@@ -399,8 +418,9 @@ def sweep(names, ms, read, gen, path, provenance):
             route = str(routes.route_for(fmt, m, n, k, arch="sm80"))
             default = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], mt)]
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
-                      if c.fmt == fmt and c.mt == mt]
-            trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
+                      if c.fmt == fmt and c.mt == mt and (kn == default or not only or any(o in kn for o in only))]
+            if not only:
+                trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
             for kn, mi in trials:
                 jit.SM80_MIN_ITEMS[formats.FAMILIES[fmt]] = mi
                 ops._sm80_plans.clear()
@@ -513,6 +533,11 @@ def targets(rows) -> list[dict]:
              if r["shape"] == shape and r["arm"] == "qpn" and m_lo <= r["m"] <= m_hi]
         return min(v) if v else None
 
+    def limit(shape, m_lo, m_hi, col):
+        v = [r[f"{col}_pct_read"] for r in rows
+             if r["shape"] == shape and r["arm"] == "read_limit" and m_lo <= r["m"] <= m_hi]
+        return max(v) if v else None
+
     def ratio(shape, peer, m_lo, m_hi, col):
         v = []
         for r in rows:
@@ -526,22 +551,24 @@ def targets(rows) -> list[dict]:
         for shape, fmt in (("tp1_mlp_gate_up", "nvfp4"), ("tp1_mlp_down", "nvfp4"), ("tp1_lm_head", "nvfp4"),
                            ("tp1_gdn_in_proj_qkvz", "fp8"), ("tp1_gdn_out_proj", "fp8")):
             lo_target = 90.0 if shape == "tp1_lm_head" else 85.0
-            checks = [(f"% read ceiling, M 1-8 (min)", pct(shape, 1, 8, col), lo_target)]
+            checks = [(f"% read ceiling, M 1-8 (min)", pct(shape, 1, 8, col), lo_target, limit(shape, 1, 8, col))]
             if shape != "tp1_lm_head":
-                checks.append((f"% read ceiling, M 9-16 (min)", pct(shape, 9, 16, col), 75.0))
+                checks.append((f"% read ceiling, M 9-16 (min)", pct(shape, 9, 16, col), 75.0, limit(shape, 9, 16, col)))
             if fmt == "nvfp4":
-                checks.append(("x faster than torch FP16 GEMM, M=1", ratio(shape, "torch_fp16", 1, 1, col), 3.0))
+                checks.append(("x faster than torch FP16 GEMM, M=1", ratio(shape, "torch_fp16", 1, 1, col), 3.0, None))
             else:
-                checks.append(("x faster than torch._scaled_mm, M<=16 (min)", ratio(shape, "scaled_mm", 1, 16, col), 1.0))
-            for what, val, goal in checks:
+                checks.append(("x faster than torch._scaled_mm, M<=16 (min)", ratio(shape, "scaled_mm", 1, 16, col),
+                               1.0, None))
+            for what, val, goal, lim in checks:
                 if val is None:
                     continue
-                out.append(dict(column=col, shape=shape, target=what, goal=goal, measured=val, met=val >= goal))
+                out.append(dict(column=col, shape=shape, target=what, goal=goal, measured=val, met=val >= goal,
+                                read_limit=lim))
         for shape in ("tp4_mlp_gate_up", "tp4_mlp_down", "tp4_lm_head"):
             val = pct(shape, 1, 8, col)
             if val is not None:
                 out.append(dict(column=col, shape=shape, target="% read ceiling, M 1-8 (min)", goal=75.0,
-                                measured=val, met=val >= 75.0))
+                                measured=val, met=val >= 75.0, read_limit=limit(shape, 1, 8, col)))
     return out
 
 
@@ -549,10 +576,16 @@ def targets_markdown(tg, header) -> str:
     lines = [f"# Issue 14 targets on {header.get('gpu', '?')}", "",
              f"commit {header.get('commit', '?')}, {header.get('date', '?')}; read ceiling "
              f"{header.get('read_ceiling_gbps', '?')} GB/s measured in the same run", "",
-             "| timing | shape | target | goal | measured | met |", "|---|---|---|---:|---:|---|"]
+             "read limit: the read_limit arm of the same run (the fastest kernel that only reads this layer's "
+             "bytes, nothing computed), best over the M range; a goal above it is out of reach for any single "
+             "kernel per layer under this timing", "",
+             "| timing | shape | target | goal | measured | met | read limit |",
+             "|---|---|---|---:|---:|---|---:|"]
     for t in tg:
+        lim = t.get("read_limit")
+        lim_s = "-" if lim is None else f"{lim:.2f}" + (" (below goal)" if lim < t["goal"] else "")
         lines.append(f"| {t['column']} | {t['shape']} | {t['target']} | {t['goal']:g} | {t['measured']:.2f} | "
-                     f"{'met' if t['met'] else 'MISSED'} |")
+                     f"{'met' if t['met'] else 'MISSED'} | {lim_s} |")
     for key, val in header.items():
         if key.startswith("host_us_per_call"):
             lines += ["", f"Host time per eager call, {key[len('host_us_per_call'):].strip()}: {val} "
@@ -682,6 +715,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="", help="also write a PNG of GB/s against M per shape")
     ap.add_argument("--targets", default="", help="also write the issue 14 target table (Markdown)")
     ap.add_argument("--no-gemlite", action="store_true", help="leave the gemlite arm out")
+    ap.add_argument("--no-read-limit", action="store_true", help="leave the read_limit arm out")
     ap.add_argument("--host-time", action="store_true",
                     help="measure host time per eager call (qpn_linear vs x @ w.t(), 256 x 256, M=1) into the header")
     ap.add_argument("--mlp-block", action="store_true",
@@ -694,6 +728,9 @@ def main(argv=None) -> int:
                          "the run (recorded in the CSV header)")
     ap.add_argument("--sweep-shapes", default="tp1")
     ap.add_argument("--sweep-m", default="1,8,16")
+    ap.add_argument("--sweep-kernels", default="",
+                    help="comma list of name fragments: sweep only the kernels whose names contain one (and the "
+                         "routes' own kernels, for the same-run comparison)")
     ap.add_argument("--plot-only", default="", help="only draw --plot from this existing CSV (no GPU needed)")
     ap.add_argument("--profile", default="", help="for Nsight Compute: one qpn call per 'shape:M' (or 'shape:M:kernel', a named "
                                                  "sm_80+ kernel) in this comma list (after one warm-up call each), "
@@ -701,6 +738,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global GEMLITE
     GEMLITE = not args.no_gemlite
+    global READ_LIMIT
+    READ_LIMIT = not args.no_read_limit
     if args.plot_only:
         if not args.plot:
             ap.error("--plot-only needs --plot PNG")
@@ -764,7 +803,8 @@ def main(argv=None) -> int:
     if args.sweep:
         if cap < (8, 0):
             ap.error("--sweep times the m16n8k16 kernels: needs an sm_80+ GPU")
-        srows = sweep(pick(args.sweep_shapes), [int(v) for v in args.sweep_m.split(",")], read, gen, args.sweep, prov)
+        srows = sweep(pick(args.sweep_shapes), [int(v) for v in args.sweep_m.split(",")], read, gen, args.sweep, prov,
+                      only=tuple(s for s in args.sweep_kernels.split(",") if s))
         if args.adopt_sweep:
             win = sweep_winners(srows)
             jit.SM80_ROUTE_KERNELS.update(win)

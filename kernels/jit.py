@@ -126,13 +126,18 @@ class Sm80Kernel:
 
 
 def sm80_kernels() -> dict[str, Sm80Kernel]:
-    """Every QPN80_ENTRY / QPN80R_ENTRY / QPN80RX_ENTRY of the sm_80+ source, parsed from the source itself."""
+    """Every QPN80_ENTRY / QPN80M_ENTRY / QPN80R_ENTRY / QPN80RX_ENTRY of the sm_80+ source, parsed from the
+    source itself."""
     src = nvrtc.read_sources()[ATOM_SOURCES["m16n8k16"]]
     out = {}
     for m in re.finditer(r"^QPN80_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
                          src, re.M):
         name, frag, mt, t, d, pf, var = m.groups()
         out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var))
+    for m in re.finditer(r"^QPN80M_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
+                         src, re.M):
+        name, frag, mt, t, d, pf, minb, var = m.groups()
+        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var), min_blocks=int(minb))
     for m in re.finditer(r"^QPN80R(X?)_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
                          src, re.M):
         xg, name, frag, mt, t, st, minb, var = m.groups()

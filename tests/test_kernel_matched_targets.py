@@ -26,6 +26,23 @@ def test_issue14_targets_use_the_issue14_goals():
     assert "Issue 14 targets on X" in md and "Host time per eager call" in md and "qpn=40.0" in md
 
 
+def test_targets_carry_the_same_runs_read_limit_and_flag_goals_above_it():
+    rows = [_row("tp4_mlp_down", "qpn", 1, 24.0, 12.0), _row("tp4_mlp_down", "qpn", 8, 23.0, 12.5),
+            _row("tp4_mlp_down", "read_limit", 1, 58.0, 5.0), _row("tp4_mlp_down", "read_limit", 8, 60.0, 4.9),
+            _row("tp4_mlp_down", "read_limit", 16, 99.0, 3.0),   # outside M 1-8: not this target's limit
+            _row("tp1_mlp_gate_up", "qpn", 1, 56.0, 40.0), _row("tp1_mlp_gate_up", "read_limit", 1, 94.0, 24.0),
+            _row("tp1_mlp_gate_up", "torch_fp16", 1, 95.0, 90.0)]
+    got = {(t["column"], t["shape"], t["target"]): t for t in kb.targets(rows)}
+    down = got[("graph", "tp4_mlp_down", "% read ceiling, M 1-8 (min)")]
+    assert down["read_limit"] == 60.0 and not down["met"]        # the best pure read over M 1-8
+    assert got[("graph", "tp1_mlp_gate_up", "% read ceiling, M 1-8 (min)")]["read_limit"] == 94.0
+    assert got[("graph", "tp1_mlp_gate_up", "x faster than torch FP16 GEMM, M=1")]["read_limit"] is None
+    md = kb.targets_markdown(kb.targets(rows), {"gpu": "X"})
+    assert "| 60.00 (below goal) |" in md       # 75 % goal, no single kernel reads that layer that fast
+    assert "| 94.00 |" in md and "| 94.00 (below goal)" not in md
+    assert kb.targets([r for r in rows if r["arm"] != "read_limit"])[0]["read_limit"] is None
+
+
 def test_gemlite_arm_is_skipped_with_the_reason_when_not_importable(monkeypatch):
     import builtins
     real_import = builtins.__import__

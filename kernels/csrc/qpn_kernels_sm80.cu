@@ -78,7 +78,7 @@ QPN_DEV void pdl_wait() {
 #define QPN80_WIDE_FINISH_D 2
 #endif
 
-template <class F, int MT, int T, int D, int PF, int VAR>
+template <class F, int MT, int T, int D, int PF, int VAR, int MINB = 2>
 struct Qpn80 {
   using A = AtomM16N8K16;
   static constexpr int DX = D >= 2 ? 2 : 1;
@@ -327,7 +327,7 @@ struct Qpn80 {
     // round trips instead of 7. Elsewhere RB = 4 spills (ptxas 12.9: on sm_90 the ring kernels
     // with their tighter register caps, the PF > 0 kernels and T * MT = 4; on sm_80-89 also the
     // D = 4 kernels, hence QPN80_WIDE_FINISH_D); RB = 8 spills everywhere.
-    constexpr int RB = (D > 1 && D <= QPN80_WIDE_FINISH_D && PF == 0 && T * MT <= 2) ? 4 : 2;
+    constexpr int RB = (MINB <= 2 && D > 1 && D <= QPN80_WIDE_FINISH_D && PF == 0 && T * MT <= 2) ? 4 : 2;
     for (int w0 = fw; w0 <= lw; w0 += RB) {
       float v[RB][T][MT][4];
 #pragma unroll
@@ -596,6 +596,13 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
     Qpn80<F, MT, T, D, PF, VAR>::run(a);                                                     \
   }
 
+// The same with a register cap sized for MINB blocks of 256 threads per SM (MINB = 3: 80 registers,
+// 24 warps per SM; 4: 64 registers, 32 warps per SM).
+#define QPN80M_ENTRY(NAME, F, MT, T, D, PF, MINB, VAR)                                     \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
+    Qpn80<F, MT, T, D, PF, VAR, MINB>::run(a);                                               \
+  }
+
 // Ring kernels: dynamic shared memory of QPN80_WARPS * S * STAGE bytes (ops computes the same from
 // jit.Sm80Kernel.smem_bytes); MINB = blocks per SM the register cap is sized for.
 #define QPN80R_ENTRY(NAME, F, MT, T, S, MINB, VAR)                                          \
@@ -680,3 +687,14 @@ QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x_pdl, Frag16NVFP4, 2, 2, 4, 2, 7)
 QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_pdl, Frag16NVFP4, 1, 4, 4, 2, 7)
 QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_pdl, Frag16FP8, 1, 2, 2, 0, 7)
 QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
+// Issue 14, 2026-12-01: more warps per SM for the register ring. A pure-read kernel of the register
+// ring's access pattern reads gate_up at 79% of the ceiling with 16 warps per SM and 91% with 32
+// (results/read_probe_blocks_h200_20261201.csv). With one tile per warp the ring fits 80 registers without
+// spills (24 warps per SM): its loads alone, without the split-K finish, reach 72% on gate_up at
+// M = 1 (the two-tile route kernel's loads with their finish: 67%), but the kernel is slower (47.1
+// vs 43.2 us; down 27.7 vs 27.2;
+// results/kernel_sm80_occupancy_sweep_h200_20261201.csv): the decode and MMA, which the second
+// tile's shared activation loads made cheaper, take back what the loads gain. Measured only; the
+// two-tile D = 2 and 64-register forms spill.
+QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3, Frag16NVFP4, 1, 1, 4, 0, 3, 0)
+QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4)
