@@ -97,6 +97,7 @@ class Sm80Kernel:
     stages: int = 0     # shared-memory ring slots per warp (QPN80R_ENTRY); 0: the register ring
     min_blocks: int = 2  # blocks of SM80_THREADS per SM its register cap is sized for
     x_global: bool = False  # ring kernel reading the activations from global memory (QPN80RX_ENTRY)
+    coop: bool = False  # block-cooperative (QPN80C_ENTRY): the split-K partition counts blocks, not warps
 
     @property
     def weight_format(self) -> formats.WeightFormat:
@@ -126,8 +127,8 @@ class Sm80Kernel:
 
 
 def sm80_kernels() -> dict[str, Sm80Kernel]:
-    """Every QPN80_ENTRY / QPN80M_ENTRY / QPN80R_ENTRY / QPN80RX_ENTRY of the sm_80+ source, parsed from the
-    source itself."""
+    """Every QPN80_ENTRY / QPN80M_ENTRY / QPN80C_ENTRY / QPN80R_ENTRY / QPN80RX_ENTRY of the sm_80+ source,
+    parsed from the source itself."""
     src = nvrtc.read_sources()[ATOM_SOURCES["m16n8k16"]]
     out = {}
     for m in re.finditer(r"^QPN80_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
@@ -138,6 +139,9 @@ def sm80_kernels() -> dict[str, Sm80Kernel]:
                          src, re.M):
         name, frag, mt, t, d, pf, minb, var = m.groups()
         out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var), min_blocks=int(minb))
+    for m in re.finditer(r"^QPN80C_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src, re.M):
+        name, frag, mt, t, d, var = m.groups()
+        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), 0, int(var), coop=True)
     for m in re.finditer(r"^QPN80R(X?)_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
                          src, re.M):
         xg, name, frag, mt, t, st, minb, var = m.groups()

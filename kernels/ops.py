@@ -276,8 +276,13 @@ def _sm80_plan(mod, name: str, fmt: formats.WeightFormat, n: int, kblocks: int, 
         sms = _sm_count.get(idx)
         if sms is None:
             sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        resident_warps = sms * jit.occupancy(mod, cfg.name, THREADS, smem) * WARPS
-        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_warps, min_items)
+        resident_blocks = sms * jit.occupancy(mod, cfg.name, THREADS, smem)
+        if cfg.coop:   # the block is the unit of the partition (Qpn80Coop): nwarps counts blocks
+            _, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_blocks, WARPS * min_items)
+            grid = nwarps * chunks
+        else:
+            grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_blocks * WARPS,
+                                                    min_items)
         plan = _sm80_plans[key] = (cfg.name, grid, nwarps, n_groups, 2 * 32 * cfg.tiles * cfg.mt * 4, smem)
     return plan
 

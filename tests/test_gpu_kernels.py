@@ -399,3 +399,37 @@ def test_sm80_every_configuration_is_correct_and_every_variant_runs(fmt):
             RESULTS.append(dict(atom="m16n8k16", shape=f"config_{name}", n=n, k=k, route=route, m=m, rel=rel,
                                 bad=0, ok=rel <= BOUND))
             assert rel <= BOUND, (name, m, rel)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("n,k", [(48, 64), (1040, 192), (16, 8192), (4000, 5120)])
+def test_sm80_block_cooperative_kernels_on_edge_partitions(fmt, n, k):
+    """Qpn80Coop: one k-block per group (every warp flushes groups it has no item in), a single
+    tile row split over many blocks, rows past N in the last group; bound met, and the same bits
+    on a second run (the in-block and the cross-block sums both go in a fixed order)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(31)
+    if fmt == "nvfp4":
+        w, s, gs = _nvfp4_weight(n, k, dev, gen)
+        packed = prepack.prepack_nvfp4(w, s, gs, atom="m16n8k16")
+    else:
+        w, scale = _fp8_weight(n, k, dev, gen, True)
+        packed = prepack.prepack_fp8(w, scale, atom="m16n8k16")
+    x = _activations(40, k, dev, gen)
+    y64 = reference.linear_f64(x, packed)
+    prefix = routes.ROUTE_PREFIX[fmt]
+    coop = [name for name, cfg in jit.sm80_kernels().items()
+            if cfg.coop and cfg.variant == 0 and name.startswith(prefix)]
+    assert coop
+    for name in coop:
+        cfg = jit.sm80_kernels()[name]
+        for m in ((1, 8) if cfg.mt == 1 else (9, 16, 40)):
+            route = prefix if cfg.mt == 1 else (prefix + "_mt2" if m <= 16 else prefix + "_chunked")
+            y = ops.run_sm80_kernel(x[:m], packed, name, route)
+            y2 = ops.run_sm80_kernel(x[:m], packed, name, route)
+            torch.cuda.synchronize()
+            rel = reference.relative_error(y, y64[:m])
+            assert rel <= BOUND, (name, n, k, m, rel)
+            assert torch.equal(y, y2), (name, n, k, m)

@@ -560,6 +560,148 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
   }
 };
 
+// The block-cooperative register ring (issue 14): the same work items, decoders and split-K finish
+// as Qpn80, but the unit of the stream-K partition is a block of 8 warps, and its warps interleave
+// along K inside the block's run (warp i takes items lo + i, lo + i + 8, ...). Why: at any moment
+// the 8 warps read one contiguous window of each weight tile instead of 8 separate streams; a pure
+// read with this pattern reaches 88% of the H200's read ceiling on gate_up at 16 warps per SM
+// against 79% for the per-warp runs (results/read_probe_blocks_h200_20261201.csv). Each warp's ring
+// runs across group boundaries. When the warps leave a group, each parks its FP32 sums in shared
+// memory and the block meets at a barrier; one warp (a different one per group) adds the 8 in warp
+// order -- deterministic -- and finishes the group as Qpn80::finish does for a warp (a whole group
+// is stored; a partial one goes to the split-K scratch, where the last block to arrive adds the
+// blocks' sums in block order). The barrier waits for no load: every warp's next k-blocks are
+// already in flight. Shared memory: 2 x 8 warps x 32 lanes x T * MT * 4 floats (double-buffered
+// by group parity, so one group's reduction can run while the warps fill the next one's slots).
+template <class F, int MT, int T, int D, int VAR>
+struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
+  using B = Qpn80<F, MT, T, 1, 0, VAR>;
+  using A = AtomM16N8K16;
+  static constexpr int DX = D >= 2 ? 2 : 1;
+  static constexpr int DS = B::DS;
+  static constexpr int PER_LANE = B::PER_LANE;
+  static constexpr int LANE_BYTES = B::LANE_BYTES, BLOCK_BYTES = B::BLOCK_BYTES;
+  static constexpr int SLOT_FLOATS = QPN80_WARPS * 32 * PER_LANE;   // one group parity
+
+  QPN_DEV static void pointers(const Qpn80Args& a, int grp, int n_tiles, int lane, const u8* (&cp)[T],
+                               const u8* (&sp)[T]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      const int tile = min(grp * T + j, n_tiles - 1);   // past the last tile: re-read it, never stored
+      cp[j] = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
+      sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + F::scale_offset(lane);
+    }
+  }
+
+  // Warp wib leaves group g (relative index rel in the block's run): park, meet, reduce, finish.
+  QPN_DEV static void flush(const Qpn80Args& a, float* red, int g, int rel, int lo, int hi, int unit, int q, int r,
+                            int plane, int m0, int lane, int wib, float (&acc)[T][MT][4], float cs_tensor) {
+    float* slots = red + (rel & 1) * SLOT_FLOATS;
+#pragma unroll
+    for (int j = 0; j < T; ++j)
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) slots[((wib * 32 + lane) * PER_LANE) + (j * MT + t) * 4 + i] = acc[j][t][i];
+    // bar.sync counts the block's threads wherever each warp calls it from (sm_70+); every warp
+    // flushes every group of the block's run exactly once, in order, so the counts always match.
+    asm volatile("bar.sync 1, %0;" :: "n"(QPN80_THREADS) : "memory");
+    B::zero(acc);
+    if (wib != rel % QPN80_WARPS) return;
+    float sum[T][MT][4];
+    B::zero(sum);
+    for (int w = 0; w < QPN80_WARPS; ++w)   // warp order: the same sums on every run
+#pragma unroll
+      for (int j = 0; j < T; ++j)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sum[j][t][i] += slots[((w * 32 + lane) * PER_LANE) + (j * MT + t) * 4 + i];
+    const int gbase = g * a.kblocks;
+    B::finish(a, g, max(lo, gbase) - gbase, min(hi, gbase + a.kblocks) - gbase, lo / a.kblocks, unit, q, r, plane,
+              m0, lane, sum, cs_tensor);
+  }
+
+  QPN_DEV static void run(const Qpn80Args& a, float* red) {
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int plane = blockIdx.x % a.chunks;
+    const int unit = blockIdx.x / a.chunks;   // a.nwarps counts blocks here
+    if (unit >= a.nwarps) return;             // the whole block: no barrier is left waiting
+    if constexpr (B::EMPTY) return;
+    const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
+    const int items = a.n_groups * a.kblocks;
+    const int q = items / a.nwarps, r = items % a.nwarps;
+    const int lo = B::run_start(unit, q, r), hi = B::run_start(unit + 1, q, r);
+    const int m0 = plane * MT * A::TOKENS;
+    const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
+    const u16* xp[MT];
+    bool xv[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const int tok = m0 + t * A::TOKENS + A::b_token(lane);
+      xv[t] = tok < a.m;
+      xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
+    }
+    const int g_first = lo / a.kblocks, g_last = (hi - 1) / a.kblocks;
+    // This warp's items: lo + wib + 8 j, j < mine.
+    const int mine = hi - lo > wib ? (hi - lo - wib + QPN80_WARPS - 1) / QPN80_WARPS : 0;
+    u32 w[D][T][F::WORDS];
+    u32 sc[DS][T][2];
+    u32 xr[DX][MT][8];
+    u32 sink = 0u;
+    const u8* cp[T];
+    const u8* sp[T];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (d < mine) {
+        const int it = lo + wib + QPN80_WARPS * d, g = it / a.kblocks;
+        pointers(a, g, n_tiles, lane, cp, sp);
+        B::load_w(cp, it - g * a.kblocks, w[d]);
+        if (d < DS) B::load_sc(sp, it - g * a.kblocks, sc[d]);
+      }
+    }
+#pragma unroll
+    for (int d = 0; d < DX; ++d) {
+      if (d < mine) {
+        const int it = lo + wib + QPN80_WARPS * d;
+        B::load_x(xp, xv, it % a.kblocks, xr[d]);
+      }
+    }
+    float acc[T][MT][4];
+    B::zero(acc);
+    int cur = g_first;   // the group acc belongs to
+    for (int j0 = 0; j0 < mine; j0 += D) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int j = j0 + d;
+        if (j < mine) {
+          const int g = (lo + wib + QPN80_WARPS * j) / a.kblocks;
+          while (cur < g) {
+            if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+            flush(a, red, cur, cur - g_first, lo, hi, unit, q, r, plane, m0, lane, wib, acc, cs_tensor);
+            ++cur;
+          }
+          B::compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
+          if (j + D < mine) {
+            const int it = lo + wib + QPN80_WARPS * (j + D), gn = it / a.kblocks;
+            pointers(a, gn, n_tiles, lane, cp, sp);
+            B::load_w(cp, it - gn * a.kblocks, w[d]);
+          }
+          if (j + DS < mine) {
+            const int it = lo + wib + QPN80_WARPS * (j + DS), gn = it / a.kblocks;
+            pointers(a, gn, n_tiles, lane, cp, sp);
+            B::load_sc(sp, it - gn * a.kblocks, sc[d % DS]);
+          }
+          if (j + DX < mine) B::load_x(xp, xv, (lo + wib + QPN80_WARPS * (j + DX)) % a.kblocks, xr[d % DX]);
+        }
+      }
+    }
+    if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+    for (; cur <= g_last; ++cur)
+      flush(a, red, cur, cur - g_first, lo, hi, unit, q, r, plane, m0, lane, wib, acc, cs_tensor);
+  }
+};
+
 // Reconstruct pass for the *_reconstruct route: packed codes -> FP16 workspace ws[N_pad, K_pad]
 // (row-major) holding the exact FP16 values e2m1 x e4m3 (NVFP4) or e4m3 (FP8). One thread per
 // (tile, k-block, lane): the lane's 16 inputs of rows g and g+8 (where they lie is the fragment's
@@ -615,6 +757,14 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
   extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
     extern __shared__ __align__(16) u8 qpn80_smem[];                                         \
     Qpn80Ring<F, MT, T, S, 1, VAR>::run(a, qpn80_smem);                                       \
+  }
+
+// Block-cooperative kernels (Qpn80Coop): static shared memory for the in-block reduction; the
+// split-K partition counts blocks (ops passes blocks as Qpn80Args.nwarps).
+#define QPN80C_ENTRY(NAME, F, MT, T, D, VAR)                                                \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, 2) NAME(Qpn80Args a) {        \
+    __shared__ __align__(16) float qpn80_red[2 * QPN80_WARPS * 32 * T * MT * 4];             \
+    Qpn80Coop<F, MT, T, D, VAR>::run(a, qpn80_red);                                          \
   }
 
 #define QPN80_RECONSTRUCT_ENTRY(NAME, F)                                                    \
@@ -698,3 +848,10 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
 // two-tile D = 2 and 64-register forms spill.
 QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3, Frag16NVFP4, 1, 1, 4, 0, 3, 0)
 QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4)
+// Block-cooperative register ring (Qpn80Coop): <format>_mt<MT>_m16n8k16_t<T>d<D>c.
+QPN80C_ENTRY(qpn2_mt1_m16n8k16_t2d4c, Frag16NVFP4, 1, 2, 4, 0)
+QPN80C_ENTRY(qpn2_mt1_m16n8k16_t2d4c_loadonly, Frag16NVFP4, 1, 2, 4, 3)
+QPN80C_ENTRY(qpn2_mt2_m16n8k16_t1d4c, Frag16NVFP4, 2, 1, 4, 0)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 0)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 3)
+QPN80C_ENTRY(qpn8_mt2_m16n8k16_t1d2c, Frag16FP8, 2, 1, 2, 0)
