@@ -48,9 +48,12 @@ _NVFP4, _FP8 = formats.FAMILIES["nvfp4"], formats.FAMILIES["fp8"]
 SM80_ROUTE_KERNELS = {
     (_NVFP4, 1): "qpn2_mt1_m16n8k16_t2d4p0",
     (_NVFP4, 2): "qpn2_mt2_m16n8k16_t2s4x",
-    (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2p0",
+    (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2c",
     (_FP8, 2): "qpn8_mt2_m16n8k16_t2s3x",
 }
+# (2026-12-01: FP8 M <= 8 moved from the per-warp register ring t2d2p0 to its block-cooperative
+# form t2d2c, 3 points of the read ceiling faster on average over the TP1 FP8 shapes at M 1 and 8,
+# results/kernel_sm80_coop2_sweep_h200_20261201.csv; see QPN80C_ENTRY in the .cu.)
 # Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
 SM80_LARGE_N = 100_000
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
@@ -69,7 +72,7 @@ SM80_PDL_KERNELS = frozenset({SM80_ROUTE_KERNELS[_NVFP4, 1], SM80_LARGE_N_KERNEL
 SM80_ROUTE_KERNELS_NO_SMEM = {
     (_NVFP4, 1): "qpn2_mt1_m16n8k16_t2d4p0",
     (_NVFP4, 2): "qpn2_mt2_m16n8k16_t1d4p8",
-    (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2p0",
+    (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2c",   # 16 KB of static shared memory: fits every sm_80+ GPU
     (_FP8, 2): "qpn8_mt2_m16n8k16_t1d4p0",
 }
 # Fewest work items (k-blocks of one weight group) per warp, per format family: below about the

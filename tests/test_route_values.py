@@ -160,7 +160,7 @@ KERNEL_SYMBOLS = {
     ("qpn2_mt2", "m16n8k16"): ("qpn2_mt2_m16n8k16_t2s4x", "qpn2_mt2_m16n8k16_t1d4p8") * 2,
     ("qpn2_chunked", "m16n8k16"): ("qpn2_mt2_m16n8k16_t2s4x", "qpn2_mt2_m16n8k16_t1d4p8") * 2,
     ("qpn2_reconstruct", "m16n8k16"): ("qpn2_reconstruct_ws_m16n8k16",) * 4,
-    ("qpn8", "m16n8k16"): ("qpn8_mt1_m16n8k16_t2d2p0",) * 4,
+    ("qpn8", "m16n8k16"): ("qpn8_mt1_m16n8k16_t2d2c",) * 4,
     ("qpn8_mt2", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,
     ("qpn8_chunked", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,
     ("qpn8_reconstruct", "m16n8k16"): ("qpn8_reconstruct_ws_m16n8k16",) * 4,

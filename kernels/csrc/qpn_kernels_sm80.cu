@@ -565,7 +565,8 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
 // along K inside the block's run (warp i takes items lo + i, lo + i + 8, ...). Why: at any moment
 // the 8 warps read one contiguous window of each weight tile instead of 8 separate streams; a pure
 // read with this pattern reaches 88% of the H200's read ceiling on gate_up at 16 warps per SM
-// against 79% for the per-warp runs (results/read_probe_blocks_h200_20261201.csv). Each warp's ring
+// against 79% for the per-warp runs (results/read_probe_h200_20261201.csv); in the kernels the gain
+// is smaller, and only FP8 keeps it (QPN80C_ENTRY below). Each warp's ring
 // runs across group boundaries. When the warps leave a group, each parks its FP32 sums in shared
 // memory and the block meets at a barrier; one warp (a different one per group) adds the 8 in warp
 // order -- deterministic -- and finishes the group as Qpn80::finish does for a warp (a whole group
@@ -582,6 +583,14 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
   static constexpr int PER_LANE = B::PER_LANE;
   static constexpr int LANE_BYTES = B::LANE_BYTES, BLOCK_BYTES = B::BLOCK_BYTES;
   static constexpr int SLOT_FLOATS = QPN80_WARPS * 32 * PER_LANE;   // one group parity
+
+  struct Cursor {   // item g * kblocks + k of the work list
+    int g, k;
+    QPN_DEV void step(int kblocks) {
+      k += QPN80_WARPS;
+      while (k >= kblocks) { k -= kblocks; ++g; }
+    }
+  };
 
   QPN_DEV static void pointers(const Qpn80Args& a, int grp, int n_tiles, int lane, const u8* (&cp)[T],
                                const u8* (&sp)[T]) {
@@ -628,6 +637,7 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
     const int unit = blockIdx.x / a.chunks;   // a.nwarps counts blocks here
     if (unit >= a.nwarps) return;             // the whole block: no barrier is left waiting
     if constexpr (B::EMPTY) return;
+    if constexpr (B::PDL) pdl_launch_dependents();
     const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
     const int items = a.n_groups * a.kblocks;
     const int q = items / a.nwarps, r = items % a.nwarps;
@@ -643,7 +653,8 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
       xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
     }
     const int g_first = lo / a.kblocks, g_last = (hi - 1) / a.kblocks;
-    // This warp's items: lo + wib + 8 j, j < mine.
+    // This warp's items: lo + wib + 8 j, j < mine, walked by cursors (group, k-block) that step 8
+    // items without a division (a division per item doubled the integer work of the loads).
     const int mine = hi - lo > wib ? (hi - lo - wib + QPN80_WARPS - 1) / QPN80_WARPS : 0;
     u32 w[D][T][F::WORDS];
     u32 sc[DS][T][2];
@@ -651,20 +662,23 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
     u32 sink = 0u;
     const u8* cp[T];
     const u8* sp[T];
+    Cursor cc{(lo + wib) / a.kblocks, (lo + wib) % a.kblocks};   // the item consumed next
+    Cursor cw = cc, cs = cc, cx = cc;                             // the next weight / scale / x load
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       if (d < mine) {
-        const int it = lo + wib + QPN80_WARPS * d, g = it / a.kblocks;
-        pointers(a, g, n_tiles, lane, cp, sp);
-        B::load_w(cp, it - g * a.kblocks, w[d]);
-        if (d < DS) B::load_sc(sp, it - g * a.kblocks, sc[d]);
+        pointers(a, cw.g, n_tiles, lane, cp, sp);
+        B::load_w(cp, cw.k, w[d]);
+        if (d < DS) { B::load_sc(sp, cw.k, sc[d]); cs.step(a.kblocks); }
+        cw.step(a.kblocks);
       }
     }
+    if constexpr (B::PDL) pdl_wait();   // the weight ring is in flight; x comes from the previous kernel
 #pragma unroll
     for (int d = 0; d < DX; ++d) {
       if (d < mine) {
-        const int it = lo + wib + QPN80_WARPS * d;
-        B::load_x(xp, xv, it % a.kblocks, xr[d]);
+        B::load_x(xp, xv, cx.k, xr[d]);
+        cx.step(a.kblocks);
       }
     }
     float acc[T][MT][4];
@@ -675,24 +689,27 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
       for (int d = 0; d < D; ++d) {
         const int j = j0 + d;
         if (j < mine) {
-          const int g = (lo + wib + QPN80_WARPS * j) / a.kblocks;
-          while (cur < g) {
+          while (cur < cc.g) {
             if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
             flush(a, red, cur, cur - g_first, lo, hi, unit, q, r, plane, m0, lane, wib, acc, cs_tensor);
             ++cur;
           }
           B::compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
+          cc.step(a.kblocks);
           if (j + D < mine) {
-            const int it = lo + wib + QPN80_WARPS * (j + D), gn = it / a.kblocks;
-            pointers(a, gn, n_tiles, lane, cp, sp);
-            B::load_w(cp, it - gn * a.kblocks, w[d]);
+            pointers(a, cw.g, n_tiles, lane, cp, sp);
+            B::load_w(cp, cw.k, w[d]);
+            cw.step(a.kblocks);
           }
           if (j + DS < mine) {
-            const int it = lo + wib + QPN80_WARPS * (j + DS), gn = it / a.kblocks;
-            pointers(a, gn, n_tiles, lane, cp, sp);
-            B::load_sc(sp, it - gn * a.kblocks, sc[d % DS]);
+            pointers(a, cs.g, n_tiles, lane, cp, sp);
+            B::load_sc(sp, cs.k, sc[d % DS]);
+            cs.step(a.kblocks);
           }
-          if (j + DX < mine) B::load_x(xp, xv, (lo + wib + QPN80_WARPS * (j + DX)) % a.kblocks, xr[d % DX]);
+          if (j + DX < mine) {
+            B::load_x(xp, xv, cx.k, xr[d % DX]);
+            cx.step(a.kblocks);
+          }
         }
       }
     }
@@ -839,7 +856,7 @@ QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_pdl, Frag16FP8, 1, 2, 2, 0, 7)
 QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
 // Issue 14, 2026-12-01: more warps per SM for the register ring. A pure-read kernel of the register
 // ring's access pattern reads gate_up at 79% of the ceiling with 16 warps per SM and 91% with 32
-// (results/read_probe_blocks_h200_20261201.csv). With one tile per warp the ring fits 80 registers without
+// (results/read_probe_h200_20261201.csv). With one tile per warp the ring fits 80 registers without
 // spills (24 warps per SM): its loads alone, without the split-K finish, reach 72% on gate_up at
 // M = 1 (the two-tile route kernel's loads with their finish: 67%), but the kernel is slower (47.1
 // vs 43.2 us; down 27.7 vs 27.2;
@@ -848,10 +865,14 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
 // two-tile D = 2 and 64-register forms spill.
 QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3, Frag16NVFP4, 1, 1, 4, 0, 3, 0)
 QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4)
-// Block-cooperative register ring (Qpn80Coop): <format>_mt<MT>_m16n8k16_t<T>d<D>c.
-QPN80C_ENTRY(qpn2_mt1_m16n8k16_t2d4c, Frag16NVFP4, 1, 2, 4, 0)
-QPN80C_ENTRY(qpn2_mt1_m16n8k16_t2d4c_loadonly, Frag16NVFP4, 1, 2, 4, 3)
-QPN80C_ENTRY(qpn2_mt2_m16n8k16_t1d4c, Frag16NVFP4, 2, 1, 4, 0)
+// Block-cooperative register ring (Qpn80Coop): <format>_mt<MT>_m16n8k16_t<T>d<D>c. FP8 M <= 8 only:
+// there it beats the per-warp ring t2d2p0 on every TP1 FP8 shape, by 3 points of the read ceiling
+// on average (in_proj M = 1 27.5 vs 28.7 us, out_proj 15.2 vs 16.3 us;
+// results/kernel_sm80_coop2_sweep_h200_20261201.csv). Measured and dropped: the NVFP4 forms
+// (t2d4c: lm_head 49.5% vs 62.3%, gate_up and down slower too: with the NVFP4 decode the kernel is
+// issue-bound and the block's meeting points cost more than the loads gain) and the M 9-16 forms
+// (t1d4c / t1d2c, slower than the shared-memory rings on the large layers) -- commit 221380d and
+// the same CSV.
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 0)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 3)
-QPN80C_ENTRY(qpn8_mt2_m16n8k16_t1d2c, Frag16FP8, 2, 1, 2, 0)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 7)
