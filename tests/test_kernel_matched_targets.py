@@ -41,6 +41,8 @@ def test_targets_carry_the_same_runs_read_limit_and_flag_goals_above_it():
     assert "| 60.00 (below goal) |" in md       # 75 % goal, no single kernel reads that layer that fast
     assert "| 94.00 |" in md and "| 94.00 (below goal)" not in md
     assert kb.targets([r for r in rows if r["arm"] != "read_limit"])[0]["read_limit"] is None
+    # eager rows carry none: there the probe's host launch path is timed too
+    assert got[("eager", "tp4_mlp_down", "% read ceiling, M 1-8 (min)")]["read_limit"] is None
 
 
 def test_gemlite_arm_is_skipped_with_the_reason_when_not_importable(monkeypatch):

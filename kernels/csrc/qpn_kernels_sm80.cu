@@ -564,8 +564,8 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
 // as Qpn80, but the unit of the stream-K partition is a block of 8 warps, and its warps interleave
 // along K inside the block's run (warp i takes items lo + i, lo + i + 8, ...). Why: at any moment
 // the 8 warps read one contiguous window of each weight tile instead of 8 separate streams; a pure
-// read with this pattern reaches 88% of the H200's read ceiling on gate_up at 16 warps per SM
-// against 79% for the per-warp runs (results/read_probe_h200_20261201.csv); in the kernels the gain
+// read with this pattern reaches 87% of the H200's read ceiling on gate_up at 16 warps per SM
+// against 80% for the per-warp runs (results/read_probe_h200_20261201.csv); in the kernels the gain
 // is smaller, and only FP8 keeps it (QPN80C_ENTRY below). Each warp's ring
 // runs across group boundaries. When the warps leave a group, each parks its FP32 sums in shared
 // memory and the block meets at a barrier; one warp (a different one per group) adds the 8 in warp
@@ -855,7 +855,7 @@ QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_pdl, Frag16NVFP4, 1, 4, 4, 2, 7)
 QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_pdl, Frag16FP8, 1, 2, 2, 0, 7)
 QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
 // Issue 14, 2026-12-01: more warps per SM for the register ring. A pure-read kernel of the register
-// ring's access pattern reads gate_up at 79% of the ceiling with 16 warps per SM and 91% with 32
+// ring's access pattern reads gate_up at 80% of the ceiling with 16 warps per SM and 93% with 32
 // (results/read_probe_h200_20261201.csv). With one tile per warp the ring fits 80 registers without
 // spills (24 warps per SM): its loads alone, without the split-K finish, reach 72% on gate_up at
 // M = 1 (the two-tile route kernel's loads with their finish: 67%), but the kernel is slower (47.1
