@@ -142,9 +142,10 @@ def sm80_kernels() -> dict[str, Sm80Kernel]:
                          src, re.M):
         name, frag, mt, t, d, pf, minb, var = m.groups()
         out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var), min_blocks=int(minb))
-    for m in re.finditer(r"^QPN80C_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src, re.M):
-        name, frag, mt, t, d, var = m.groups()
-        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), 0, int(var), coop=True)
+    for m in re.finditer(r"^QPN80C_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src,
+                         re.M):
+        name, frag, mt, t, d, minb, var = m.groups()
+        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), 0, int(var), min_blocks=int(minb), coop=True)
     for m in re.finditer(r"^QPN80R(X?)_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
                          src, re.M):
         xg, name, frag, mt, t, st, minb, var = m.groups()

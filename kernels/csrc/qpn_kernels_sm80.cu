@@ -778,8 +778,8 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
 
 // Block-cooperative kernels (Qpn80Coop): static shared memory for the in-block reduction; the
 // split-K partition counts blocks (ops passes blocks as Qpn80Args.nwarps).
-#define QPN80C_ENTRY(NAME, F, MT, T, D, VAR)                                                \
-  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, 2) NAME(Qpn80Args a) {        \
+#define QPN80C_ENTRY(NAME, F, MT, T, D, MINB, VAR)                                          \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
     __shared__ __align__(16) float qpn80_red[2 * QPN80_WARPS * 32 * T * MT * 4];             \
     Qpn80Coop<F, MT, T, D, VAR>::run(a, qpn80_red);                                          \
   }
@@ -873,6 +873,10 @@ QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4
 // issue-bound and the block's meeting points cost more than the loads gain) and the M 9-16 forms
 // (t1d4c / t1d2c, slower than the shared-memory rings on the large layers) -- commit 221380d and
 // the same CSV.
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 0)
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 3)
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 7)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 2, 0)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 2, 3)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t1d4c, Frag16FP8, 1, 1, 4, 2, 0)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t1d2c, Frag16FP8, 1, 1, 2, 2, 0)
+QPN80C_ENTRY(qpn8_mt1_m16n8k16_t1d2c_b3, Frag16FP8, 1, 1, 2, 3, 0)
+QPN80C_ENTRY(qpn2_mt1_m16n8k16_t1d4c, Frag16NVFP4, 1, 1, 4, 2, 0)
