@@ -872,11 +872,9 @@ QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4
 // (t2d4c: lm_head 49.5% vs 62.3%, gate_up and down slower too: with the NVFP4 decode the kernel is
 // issue-bound and the block's meeting points cost more than the loads gain) and the M 9-16 forms
 // (t1d4c / t1d2c, slower than the shared-memory rings on the large layers) -- commit 221380d and
-// the same CSV.
+// the same CSV; and one tile per warp (FP8 t1d4c / t1d2c, also at 3 blocks per SM; NVFP4 t1d4c),
+// none faster on the TP1 shapes (results/kernel_sm80_coop3_sweep_h200_20261201.csv, the commit
+// before the one that dropped them).
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 2, 0)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 2, 3)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t1d4c, Frag16FP8, 1, 1, 4, 2, 0)
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t1d2c, Frag16FP8, 1, 1, 2, 2, 0)
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t1d2c_b3, Frag16FP8, 1, 1, 2, 3, 0)
-QPN80C_ENTRY(qpn2_mt1_m16n8k16_t1d4c, Frag16NVFP4, 1, 1, 4, 2, 0)
