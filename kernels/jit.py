@@ -61,8 +61,9 @@ SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # (ops._pdl_form): every mt1 kernel and the FP8 mt2 ring. Called back to back, they are 1.5-4.5 us
 # faster per call (graph replay) on every H200 shape at M 1-8 and on all four FP8 shapes at M 16,
 # against the same kernels launched plainly in the same run
-# (results/kernel_matched_sm80_pdlfp8_h200_20261201.csv, qpn vs qpn_plain); in a model's MLP
-# block, torch kernels between, no measurable change (docs/architecture.md). The NVFP4 mt2 ring
+# (results/kernel_matched_sm80_pdlfp8_h200_20261201.csv, qpn vs qpn_plain; the block-cooperative
+# FP8 M <= 8 kernel since: 1.6-2.8 us, results/kernel_matched_sm80_readlimit_h200_20261201.csv); in
+# a model's MLP block, torch kernels between, no measurable change (docs/architecture.md). The NVFP4 mt2 ring
 # stays on plain launches (slower with PDL on the small layers: down 33.8 -> 34.2 us, TP4 down
 # 17.9 -> 19.0 us; results/kernel_sm80_pdl_notes_h200_20261201.md).
 SM80_PDL_KERNELS = frozenset({SM80_ROUTE_KERNELS[_NVFP4, 1], SM80_LARGE_N_KERNELS[_NVFP4, 1],
