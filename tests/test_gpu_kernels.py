@@ -368,6 +368,15 @@ def test_sm80_subnormal_operand_products_are_exact():
         assert ok, (route, m, rel, bad)
 
 
+def _packed_m16n8k16(fmt, n, k, dev, gen):
+    """A random weight of the format (FP8: per-channel scales), prepacked for the sm_80+ atom."""
+    if fmt == "nvfp4":
+        w, s, gs = _nvfp4_weight(n, k, dev, gen)
+        return prepack.prepack_nvfp4(w, s, gs, atom="m16n8k16")
+    w, scale = _fp8_weight(n, k, dev, gen, True)
+    return prepack.prepack_fp8(w, scale, atom="m16n8k16")
+
+
 @pytest.mark.gpu
 @needs_sm80
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -377,12 +386,7 @@ def test_sm80_every_configuration_is_correct_and_every_variant_runs(fmt):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(23)
     n, k = 1000, 4160
-    if fmt == "nvfp4":
-        w, s, gs = _nvfp4_weight(n, k, dev, gen)
-        packed = prepack.prepack_nvfp4(w, s, gs, atom="m16n8k16")
-    else:
-        w, scale = _fp8_weight(n, k, dev, gen, True)
-        packed = prepack.prepack_fp8(w, scale, atom="m16n8k16")
+    packed = _packed_m16n8k16(fmt, n, k, dev, gen)
     x = _activations(48, k, dev, gen)
     y64 = reference.linear_f64(x, packed)
     prefix = routes.ROUTE_PREFIX[fmt]
@@ -411,12 +415,7 @@ def test_sm80_block_cooperative_kernels_on_edge_partitions(fmt, n, k):
     on a second run (the in-block and the cross-block sums both go in a fixed order)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(31)
-    if fmt == "nvfp4":
-        w, s, gs = _nvfp4_weight(n, k, dev, gen)
-        packed = prepack.prepack_nvfp4(w, s, gs, atom="m16n8k16")
-    else:
-        w, scale = _fp8_weight(n, k, dev, gen, True)
-        packed = prepack.prepack_fp8(w, scale, atom="m16n8k16")
+    packed = _packed_m16n8k16(fmt, n, k, dev, gen)
     x = _activations(40, k, dev, gen)
     y64 = reference.linear_f64(x, packed)
     prefix = routes.ROUTE_PREFIX[fmt]

@@ -113,6 +113,17 @@ struct Qpn80 {
       if constexpr (F::GROUPED) F::load_scales(sp[j] + (size_t)kb * A::SCALE_BLOCK_BYTES, sc[j]);
   }
 
+  // The lane's activation row of each token tile starting at token m0 (a row past M reads row 0
+  // and is masked: xv false, loaded as zeros).
+  QPN_DEV static void x_rows(const Qpn80Args& a, int m0, int lane, const u16* (&xp)[MT], bool (&xv)[MT]) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const int tok = m0 + t * A::TOKENS + A::b_token(lane);
+      xv[t] = tok < a.m;
+      xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
+    }
+  }
+
   QPN_DEV static void load_x(const u16* const (&xp)[MT], const bool (&xv)[MT], int kb, u32 (&xr)[MT][8]) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
@@ -261,12 +272,7 @@ struct Qpn80 {
     const int m0 = plane * MT * A::TOKENS;
     const u16* xp[MT];
     bool xv[MT];
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      const int tok = m0 + t * A::TOKENS + A::b_token(lane);
-      xv[t] = tok < a.m;
-      xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
-    }
+    x_rows(a, m0, lane, xp, xv);
     const int first_grp = lo / a.kblocks;
     for (int item = lo; item < hi;) {
       const int grp = item / a.kblocks;
@@ -519,12 +525,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
     bool xv[MT];
     u32 xn[MT][8];
     if constexpr (XG) {
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const int tok = m0 + t * A::TOKENS + A::b_token(lane);
-        xv[t] = tok < a.m;
-        xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
-      }
+      B::x_rows(a, m0, lane, xp, xv);
       B::load_x(xp, xv, ck, xn);
     }
     for (int item = lo; item < hi; ++item) {
@@ -646,12 +647,7 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
     const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
     const u16* xp[MT];
     bool xv[MT];
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      const int tok = m0 + t * A::TOKENS + A::b_token(lane);
-      xv[t] = tok < a.m;
-      xp[t] = a.x + (size_t)(xv[t] ? tok : 0) * a.ldx + F::x_offset(lane);
-    }
+    B::x_rows(a, m0, lane, xp, xv);
     const int g_first = lo / a.kblocks, g_last = (hi - 1) / a.kblocks;
     // This warp's items: lo + wib + 8 j, j < mine, walked by cursors (group, k-block) that step 8
     // items without a division (a division per item doubled the integer work of the loads).
