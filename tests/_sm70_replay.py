@@ -301,8 +301,19 @@ def load_loop(body_src: str, what: str) -> LoopRules:
             raise ReplayParseError(f"{what}: the main loop no longer matches {pattern!r}; update the replay")
         return m.group(1).strip()
 
+    def x_offset():
+        # either load_x(xrow[t] + OFFSET, ...) per pair, or a pointer set per k-block
+        # (xk[t] = xrow[t] + KB_OFFSET) that load_x(xk[t], ...) reads and xk[t] += STEP advances
+        if re.search(r"Atom::load_x\(xrow", s):
+            return one(r"Atom::load_x\(xrow(?:\[t\])?\s*\+\s*([^,]+),")
+        kb_off = one(r"(\w+)\[t\]\s*=\s*xrow\[t\]\s*\+\s*[^;]+;")
+        base = one(kb_off + r"\[t\]\s*=\s*xrow\[t\]\s*\+\s*([^;]+);")
+        one(r"Atom::load_x\((" + kb_off + r")\[t\],")
+        step = one(kb_off + r"\[t\]\s*\+=\s*([^;]+);")
+        return f"({base}) + p * ({step})"
+
     return LoopRules(
-        x_offset=one(r"Atom::load_x\(xrow(?:\[t\])?\s*\+\s*([^,]+),"),
+        x_offset=x_offset(),
         scale_pick=one(r"const u32 s\s*=\s*([^;]+);"),
         a0=one(r"u32 a0\s*=\s*Dec::front_half2\(w,\s*([^)]+)\);"),
         a1=one(r"u32 a1\s*=\s*Dec::front_half2\(w,\s*([^)]+)\);"),

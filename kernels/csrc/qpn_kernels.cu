@@ -88,14 +88,20 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
           ldg128(cptr + (size_t)kn * BLOCK_BYTES + 4 * j, wn[j], wn[j + 1], wn[j + 2], wn[j + 3]);
         if constexpr (Dec::GROUPED) sp = ldg16(sptr + (size_t)kn * Atom::SCALE_BLOCK_BYTES);
       }
-      // Rolled on purpose: one pair of MMAs per iteration keeps the live activation registers
-      // at X_REGS per tile (an unrolled loop hoists every load of the k-block and spills at MT=2).
-#pragma unroll 1
+      // Rolled at MT = 2 on purpose: one pair of MMAs per iteration keeps the live activation
+      // registers at X_REGS per tile (an unrolled loop hoists every load of the k-block and spills
+      // there). At MT = 1 it is unrolled: the word rotation and the loop control then cost nothing.
+      const u16* xk[MT];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) xk[t] = xrow[t] + kb * Atom::K_BLOCK;
+#pragma unroll(MT == 1 ? PAIRS : 1)
       for (int p = 0; p < PAIRS; ++p) {
         u32 xr[MT][Atom::X_REGS];
 #pragma unroll
-        for (int t = 0; t < MT; ++t)
-          Atom::load_x(xrow[t] + kb * Atom::K_BLOCK + p * 2 * Atom::K_STEP, xvalid[t], xr[t]);
+        for (int t = 0; t < MT; ++t) {
+          Atom::load_x(xk[t], xvalid[t], xr[t]);
+          xk[t] += 2 * Atom::K_STEP;
+        }
         const u32 s = (2 * p * Atom::K_STEP < 16) ? sc2[0] : sc2[1];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {

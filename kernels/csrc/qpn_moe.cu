@@ -183,7 +183,9 @@ __device__ __forceinline__ void qpn_moe_gemm_body(const MoeGemmArgs& a) {
         sc2[0] = Dec::scale_h2(sp & 0xFFu);
         sc2[1] = Dec::scale_h2(sp >> 8);
       }
-#pragma unroll 1
+      // Unrolled (one token tile): the word rotation and the loop control cost nothing, 11% fewer
+      // instructions per k-block (ptxas 12.9, sm_70), within the 64-register cap.
+#pragma unroll
       for (int p = 0; p < PAIRS; ++p) {
         u32 xr[Atom::X_REGS];
         Atom::load_x(xrow + kb * Atom::K_BLOCK + p * 2 * Atom::K_STEP, xvalid, xr);
