@@ -90,7 +90,7 @@ ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_ROUTE_KERNELS.values())
 
 @dataclass(frozen=True)
 class Sm80Kernel:
-    """One configured kernel of csrc/qpn_kernels_sm80.cu (its QPN80_ENTRY line)."""
+    """One configured kernel of csrc/qpn_kernels_sm80.cu (its entry line, SM80_ENTRY_MACROS)."""
     name: str
     frag: str      # fragment decoder struct
     mt: int        # 8-token tiles per weight pass
@@ -130,27 +130,32 @@ class Sm80Kernel:
         return 8 * self.stages * stage
 
 
+# The numeric fields of each kernel-defining macro of the sm_80+ source, in order (the first two
+# arguments are always the name and the fragment decoder), and the fields the macro fixes.
+SM80_ENTRY_MACROS = {
+    "QPN80_ENTRY": (("mt", "tiles", "depth", "prefetch", "variant"), {}),
+    "QPN80M_ENTRY": (("mt", "tiles", "depth", "prefetch", "min_blocks", "variant"), {}),
+    "QPN80C_ENTRY": (("mt", "tiles", "depth", "min_blocks", "variant"), {"coop": True}),
+    "QPN80R_ENTRY": (("mt", "tiles", "stages", "min_blocks", "variant"), {}),
+    "QPN80RX_ENTRY": (("mt", "tiles", "stages", "min_blocks", "variant"), {"x_global": True}),
+}
+
+
 def sm80_kernels() -> dict[str, Sm80Kernel]:
-    """Every QPN80_ENTRY / QPN80M_ENTRY / QPN80C_ENTRY / QPN80R_ENTRY / QPN80RX_ENTRY of the sm_80+ source,
-    parsed from the source itself."""
+    """Every kernel the sm_80+ source defines with one of SM80_ENTRY_MACROS, parsed from the source
+    itself."""
     src = nvrtc.read_sources()[ATOM_SOURCES["m16n8k16"]]
     out = {}
-    for m in re.finditer(r"^QPN80_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
-                         src, re.M):
-        name, frag, mt, t, d, pf, var = m.groups()
-        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var))
-    for m in re.finditer(r"^QPN80M_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
-                         src, re.M):
-        name, frag, mt, t, d, pf, minb, var = m.groups()
-        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), int(pf), int(var), min_blocks=int(minb))
-    for m in re.finditer(r"^QPN80C_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src,
-                         re.M):
-        name, frag, mt, t, d, minb, var = m.groups()
-        out[name] = Sm80Kernel(name, frag, int(mt), int(t), int(d), 0, int(var), min_blocks=int(minb), coop=True)
-    for m in re.finditer(r"^QPN80R(X?)_ENTRY\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
-                         src, re.M):
-        xg, name, frag, mt, t, st, minb, var = m.groups()
-        out[name] = Sm80Kernel(name, frag, int(mt), int(t), 0, 0, int(var), int(st), int(minb), xg == "X")
+    for m in re.finditer(r"^(QPN80\w*_ENTRY)\((\w+),\s*(\w+),\s*([\d,\s]+)\)", src, re.M):
+        macro, name, frag, nums = m.groups()
+        if macro not in SM80_ENTRY_MACROS:
+            continue   # QPN80_RECONSTRUCT_ENTRY: not a configured GEMM kernel
+        fields, fixed = SM80_ENTRY_MACROS[macro]
+        values = [int(v) for v in nums.split(",")]
+        if len(values) != len(fields):
+            raise QpnBuildError(f"{macro}({name}, ...) has {len(values)} numeric arguments; "
+                                f"jit.SM80_ENTRY_MACROS expects {len(fields)} ({', '.join(fields)})")
+        out[name] = Sm80Kernel(name, frag, **{"depth": 0, "prefetch": 0, **dict(zip(fields, values)), **fixed})
     return out
 
 

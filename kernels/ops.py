@@ -276,13 +276,9 @@ def _sm80_plan(mod, name: str, fmt: formats.WeightFormat, n: int, kblocks: int, 
         sms = _sm_count.get(idx)
         if sms is None:
             sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        resident_blocks = sms * jit.occupancy(mod, cfg.name, THREADS, smem)
-        if cfg.coop:   # the block is the unit of the partition (Qpn80Coop): nwarps counts blocks
-            _, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_blocks, WARPS * min_items)
-            grid = nwarps * chunks
-        else:
-            grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_blocks * WARPS,
-                                                    min_items)
+        resident_warps = sms * jit.occupancy(mod, cfg.name, THREADS, smem) * WARPS
+        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_warps, min_items,
+                                                WARPS if cfg.coop else 1)
         plan = _sm80_plans[key] = (cfg.name, grid, nwarps, n_groups, 2 * 32 * cfg.tiles * cfg.mt * 4, smem)
     return plan
 
@@ -298,17 +294,20 @@ def _smem_optin(idx: int) -> int:
 
 
 def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps: int,
-                   min_items: int) -> tuple[int, int, int]:
-    """(grid blocks, warps per chunk plane, weight groups) of an sm_80+ launch. Items = weight
-    groups x k-blocks; as many warps as the GPU holds at once (shared by the chunk planes), but
-    never more than items / min_items, and at least one item per warp (the kernel relies on it)."""
+                   min_items: int, unit_warps: int = 1) -> tuple[int, int, int]:
+    """(grid blocks, runs per chunk plane, weight groups) of an sm_80+ launch. Items = weight
+    groups x k-blocks, split into contiguous runs, one per unit of ``unit_warps`` warps (1: the
+    per-warp kernels; WARPS: the block-cooperative ones, whose warps share their block's run). As
+    many units as the GPU holds at once (shared by the chunk planes), but never fewer than
+    ``min_items`` items per warp of a unit, and at least one item per unit (the kernel relies on it).
+    The kernels receive the run count as Qpn80Args.nwarps."""
     n_groups = -(-(-(-n // 16)) // tiles)
     items = n_groups * kblocks
     if items >= 2 ** 31:
         raise ValueError(f"layer too large for one launch: {n_groups} weight groups x {kblocks} k-blocks "
                          "exceeds 2^31 work items; split N across calls")
-    nwarps = max(1, min(items, resident_warps // chunks, items // max(1, min_items)))
-    return -(-nwarps // WARPS) * chunks, nwarps, n_groups
+    runs = max(1, min(items, resident_warps // unit_warps // chunks, items // max(1, unit_warps * min_items)))
+    return -(-runs * unit_warps // WARPS) * chunks, runs, n_groups
 
 
 def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:

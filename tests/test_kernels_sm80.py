@@ -303,6 +303,27 @@ def _kernel_partition(n_groups, kblocks, nwarps):
     return segs
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("n,kblocks,chunks,resident_blocks,min_items", [
+    (5120, 96, 1, 264, 2), (16384, 80, 1, 264, 2), (5120, 24, 1, 264, 2), (48, 1, 1, 264, 2), (16, 128, 2, 8, 2)])
+def test_block_cooperative_partition_gives_one_run_per_block(n, kblocks, chunks, resident_blocks, min_items):
+    """Qpn80Coop: one run per block of WARPS warps, at least WARPS * min_items items per run (each
+    warp of the block gets min_items), and as many runs as resident blocks at most."""
+    grid, runs, n_groups = ops.sm80_partition(n, kblocks, 2, chunks, resident_blocks * ops.WARPS, min_items,
+                                              unit_warps=ops.WARPS)
+    items = n_groups * kblocks
+    assert grid == runs * chunks                              # one block per run and plane
+    assert 1 <= runs <= max(1, resident_blocks // chunks)
+    assert runs == 1 or items // runs >= ops.WARPS * min_items
+    per_warp = ops.sm80_partition(n, kblocks, 2, chunks, resident_blocks * ops.WARPS, min_items)
+    assert per_warp[1] >= runs   # the same GPU holds WARPS times as many per-warp runs
+    segs = _kernel_partition(n_groups, kblocks, runs)          # the same run arithmetic, per block
+    covered = torch.zeros((n_groups, kblocks), dtype=torch.int32)
+    for sg in segs:
+        covered[sg["grp"], sg["kb0"]: sg["kb1"]] += 1
+    assert bool((covered == 1).all())
+
+
 @pytest.mark.parametrize("n,kblocks,tiles,chunks,resident,min_items", [
     *(pytest.param(*case, marks=pytest.mark.fast) for case in [
         (5120, 24, 2, 1, 2112, 4), (34816, 80, 2, 1, 2112, 4), (5120, 272, 2, 1, 2112, 2), (1, 1, 2, 1, 2112, 4),
@@ -380,6 +401,23 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     for name, cfg in configured.items():
         assert counts[name]["local"] == 0, name
         assert (counts[name]["hmma"] > 0) == (cfg.variant not in (2, 3, 4)), name   # 2-4: no MMA
+
+
+@pytest.mark.fast
+def test_sm80_entry_lines_parse_by_macro_and_a_wrong_argument_count_fails(monkeypatch):
+    src = ("QPN80C_ENTRY(k_coop, Frag16FP8, 1, 2, 2, 3, 7)\n"
+           "QPN80RX_ENTRY(k_ring, Frag16NVFP4, 2, 2, 4, 2, 0)\n"
+           "QPN80_RECONSTRUCT_ENTRY(k_recon, Frag16FP8)\n")
+    monkeypatch.setattr(jit.nvrtc, "read_sources", lambda: {jit.ATOM_SOURCES[ATOM]: src})
+    got = jit.sm80_kernels()
+    assert set(got) == {"k_coop", "k_ring"}
+    c, r = got["k_coop"], got["k_ring"]
+    assert (c.mt, c.tiles, c.depth, c.min_blocks, c.variant, c.coop, c.stages) == (1, 2, 2, 3, 7, True, 0)
+    assert (r.mt, r.tiles, r.stages, r.min_blocks, r.x_global, r.depth, r.coop) == (2, 2, 4, 2, True, 0, False)
+    monkeypatch.setattr(jit.nvrtc, "read_sources",
+                        lambda: {jit.ATOM_SOURCES[ATOM]: "QPN80C_ENTRY(k_bad, Frag16FP8, 1, 2, 2, 0)\n"})
+    with pytest.raises(jit.QpnBuildError, match="QPN80C_ENTRY.*k_bad.*4 numeric arguments.*expects 5"):
+        jit.sm80_kernels()
 
 
 @pytest.mark.fast
