@@ -279,7 +279,7 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
         from qpn.benchmarks import read_probe
         global _READ_LIMIT
         if _READ_LIMIT is None:
-            _READ_LIMIT = read_probe.ReadLimit()
+            _READ_LIMIT = read_probe.ReadProbe()
         rbufs = [torch.empty(-(-qbytes // 8192) * 8192, dtype=torch.uint8, device="cuda").random_(0, 256)
                  for _ in range(n_q)]
         limit = _READ_LIMIT.best(rbufs, lambda fn: time_graph(fn, target_ms=10, repeats=2))

@@ -242,25 +242,28 @@ LIMIT_CONFIGS = (("grid_stride_d4", 8), ("grid_stride_d8", 8), ("grid_stride_d4"
                  ("warp_runs_d16", 8), ("warp_runs_d8", 4))
 
 
-class ReadLimit:
-    """The fastest single kernel that only reads a given number of bytes (no compute), over rotated
-    copies: how close to the read ceiling any kernel of a layer's size gets, timed like the arms."""
+class ReadProbe:
+    """The probe kernels, built for this GPU; ``best``: the fastest single kernel that only reads a
+    given number of bytes (no compute), over rotated copies -- how close to the read ceiling any
+    kernel of a layer's size gets, timed like the arms."""
 
     def __init__(self):
         cap = torch.cuda.get_device_capability(0)
-        self.mod = build(cap[0] * 10 + cap[1])
+        self.arch = cap[0] * 10 + cap[1]
+        self.mod = build(self.arch)
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.out = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
 
-    def call(self, bufs, kernel: str, bps: int):
+    def call(self, bufs, kernel: str, grid: int, block: int = 256, smem: int = 0):
         """fn(i): one launch of ``kernel`` reading bufs[i % len(bufs)] (uint8, whole 8 KB chunks)."""
+        if smem > 48 * 1024:
+            jit.allow_dynamic_smem(self.mod, kernel, smem)
         nblk = ctypes.c_longlong(bufs[0].numel() // 512)
         optr = ctypes.c_void_p(self.out.data_ptr())
         ptrs = [ctypes.c_void_p(b.data_ptr()) for b in bufs]
-        grid = self.sms * bps
 
         def fn(i):
-            jit.launch(self.mod, kernel, grid, 256, 0, torch.cuda.current_stream().cuda_stream,
+            jit.launch(self.mod, kernel, grid, block, smem, torch.cuda.current_stream().cuda_stream,
                        [ptrs[i % len(ptrs)], nblk, optr])
         return fn
 
@@ -268,7 +271,7 @@ class ReadLimit:
         """(description, fn) of the fastest LIMIT_CONFIGS entry on these buffers under ``timer``."""
         timed = []
         for kernel, bps in LIMIT_CONFIGS:
-            fn = self.call(bufs, kernel, bps)
+            fn = self.call(bufs, kernel, self.sms * bps)
             timed.append((timer(fn), f"{kernel} {8 * bps} warps/SM", fn))
         t, desc, fn = min(timed, key=lambda x: x[0])
         return desc, fn
@@ -284,14 +287,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("read_probe: no CUDA device", file=sys.stderr)
         return 2
-    cap = torch.cuda.get_device_capability(0)
-    arch = cap[0] * 10 + cap[1]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     torch.cuda.current_stream().synchronize()
-    mod = build(arch)
+    probe = ReadProbe()
+    sms = probe.sms
     read, _copy = kmb.ceilings()
     print(f"read ceiling {read:.1f} GB/s", flush=True)
-    out = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
     rows = []
 
     def add(shape, nbytes, arm, kernel, wps, ms):
@@ -308,37 +308,26 @@ def main(argv=None) -> int:
                 for _ in range(kmb._copies(nbytes))]
         f32 = [b.view(torch.float32) for b in bufs]
         add(shape, nbytes, "torch_sum", "-", 0, kmb.time_graph(lambda i: f32[i % len(f32)].sum()))
-        nblk = ctypes.c_longlong(nbytes // 512)
-        optr = ctypes.c_void_p(out.data_ptr())
-        ptrs = [ctypes.c_void_p(b.data_ptr()) for b in bufs]
-
-        def launcher(name, grid, block, smem):
-            if smem > 48 * 1024:
-                jit.allow_dynamic_smem(mod, name, smem)
-
-            def fn(i):
-                jit.launch(mod, name, grid, block, smem, torch.cuda.current_stream().cuda_stream,
-                           [ptrs[i % len(ptrs)], nblk, optr])
-            return fn
-
         for arm, ks in KERNELS.items():
             for name, _d in ks:
                 for bps in (2, 4, 8):  # blocks of 256 threads per SM: 16 / 32 / 64 warps per SM
-                    add(shape, nbytes, arm, name, 8 * bps, kmb.time_graph(launcher(name, sms * bps, 256, 0)))
+                    add(shape, nbytes, arm, name, 8 * bps, kmb.time_graph(probe.call(bufs, name, sms * bps)))
         if fmt == "nvfp4" and k == 5120:
             for name, _d in QPN_PATTERN:
                 for bps in (2, 4):
-                    add(shape, nbytes, "qpn_pattern", name, 8 * bps, kmb.time_graph(launcher(name, sms * bps, 256, 0)))
-        if arch >= 90 and not args.no_bulk:
+                    add(shape, nbytes, "qpn_pattern", name, 8 * bps,
+                        kmb.time_graph(probe.call(bufs, name, sms * bps)))
+        if probe.arch >= 90 and not args.no_bulk:
             for name, s, c in BULK:
                 for warps in (4, 8):  # warps per block, one block per SM unless two fit
                     smem = warps * (s * c + 8 * s)
                     if smem > jit.max_smem_optin(0):
                         continue
-                    add(shape, nbytes, "bulk", name, warps, kmb.time_graph(launcher(name, sms, 32 * warps, smem)))
+                    add(shape, nbytes, "bulk", name, warps,
+                        kmb.time_graph(probe.call(bufs, name, sms, 32 * warps, smem)))
                     if 2 * smem <= 227 * 1024:
                         add(shape, nbytes, "bulk", name, 2 * warps,
-                            kmb.time_graph(launcher(name, 2 * sms, 32 * warps, smem)))
+                            kmb.time_graph(probe.call(bufs, name, 2 * sms, 32 * warps, smem)))
         del bufs, f32
         torch.cuda.empty_cache()
 
