@@ -169,19 +169,24 @@ struct Qpn80 {
     }
   }
 
-  // k-blocks [kb0, kb1) of weight group grp into acc.
-  QPN_DEV static void segment(const Qpn80Args& a, int grp, int kb0, int kb1, const u16* const (&xp)[MT],
-                              const bool (&xv)[MT], int lane, float (&acc)[T][MT][4], bool first) {
-    const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
-    const u8* cp[T];
-    const u8* sp[T];
+  // The lane's code and scale pointers of the T tiles of weight group grp, at k-block 0. A group may
+  // run past the last tile: it re-reads the last tile (those sums are never stored).
+  QPN_DEV static void pointers(const Qpn80Args& a, int grp, int n_tiles, int lane, const u8* (&cp)[T],
+                               const u8* (&sp)[T]) {
 #pragma unroll
     for (int j = 0; j < T; ++j) {
-      // A group may run past the last tile: re-read the last tile (its sums are never stored).
       const int tile = min(grp * T + j, n_tiles - 1);
       cp[j] = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
       sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + F::scale_offset(lane);
     }
+  }
+
+  // k-blocks [kb0, kb1) of weight group grp into acc.
+  QPN_DEV static void segment(const Qpn80Args& a, int grp, int kb0, int kb1, const u16* const (&xp)[MT],
+                              const bool (&xv)[MT], int lane, float (&acc)[T][MT][4], bool first) {
+    const u8* cp[T];
+    const u8* sp[T];
+    pointers(a, grp, (a.n + A::TILE_N - 1) / A::TILE_N, lane, cp, sp);
     u32 w[D][T][F::WORDS];
     u32 sc[DS][T][2];
     u32 xr[DX][MT][8];
@@ -254,6 +259,22 @@ struct Qpn80 {
     return x < b ? x / (q + 1) : r + (x - b) / q;
   }
 
+  // Run ``unit`` of the stream-K partition (Qpn80Args.nwarps runs: warps, or blocks for Qpn80Coop):
+  // items [lo, hi), and the q, r of items = q * runs + r that warp_of needs.
+  QPN_DEV static void run_of(const Qpn80Args& a, int unit, int& q, int& r, int& lo, int& hi) {
+    const int items = a.n_groups * a.kblocks;
+    q = items / a.nwarps;
+    r = items % a.nwarps;
+    lo = run_start(unit, q, r);
+    hi = run_start(unit + 1, q, r);
+  }
+
+  // The per-tensor result scale times OUT_MULT, read once before any main loop (0 for a
+  // per-channel scale, which store reads in the epilogue).
+  QPN_DEV static float result_scale(const Qpn80Args& a) {
+    return a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
+  }
+
   QPN_DEV static float* slot_ptr(const Qpn80Args& a, int plane, int warp, int slot, int lane) {
     return a.partials + ((((size_t)plane * a.nwarps + warp) * 2 + slot) * 32 + lane) * PER_LANE;
   }
@@ -265,10 +286,9 @@ struct Qpn80 {
     if (gw >= a.nwarps) return;
     if constexpr (EMPTY) return;
     if constexpr (PDL) pdl_launch_dependents();
-    const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
-    const int items = a.n_groups * a.kblocks;
-    const int q = items / a.nwarps, r = items % a.nwarps;
-    const int lo = run_start(gw, q, r), hi = run_start(gw + 1, q, r);
+    const float cs_tensor = result_scale(a);
+    int q, r, lo, hi;
+    run_of(a, gw, q, r, lo, hi);
     const int m0 = plane * MT * A::TOKENS;
     const u16* xp[MT];
     bool xv[MT];
@@ -478,10 +498,9 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
     if constexpr (B::EMPTY) return;
     if constexpr (B::PDL) pdl_launch_dependents();
     const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * (S * STAGE);
-    const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
-    const int items = a.n_groups * a.kblocks;
-    const int q = items / a.nwarps, r = items % a.nwarps;
-    const int lo = B::run_start(gw, q, r), hi = B::run_start(gw + 1, q, r);
+    const float cs_tensor = B::result_scale(a);
+    int q, r, lo, hi;
+    B::run_of(a, gw, q, r, lo, hi);
     const int m0 = plane * MT * A::TOKENS;
     const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
     // This lane's two 16-byte activation copies per token tile: chunk c = lane + 32 i is token
@@ -593,16 +612,6 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
     }
   };
 
-  QPN_DEV static void pointers(const Qpn80Args& a, int grp, int n_tiles, int lane, const u8* (&cp)[T],
-                               const u8* (&sp)[T]) {
-#pragma unroll
-    for (int j = 0; j < T; ++j) {
-      const int tile = min(grp * T + j, n_tiles - 1);   // past the last tile: re-read it, never stored
-      cp[j] = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
-      sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + F::scale_offset(lane);
-    }
-  }
-
   // Warp wib leaves group g (relative index rel in the block's run): park, meet, reduce, finish.
   QPN_DEV static void flush(const Qpn80Args& a, float* red, int g, int rel, int lo, int hi, int unit, int q, int r,
                             int plane, int m0, int lane, int wib, float (&acc)[T][MT][4], float cs_tensor) {
@@ -639,10 +648,9 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
     if (unit >= a.nwarps) return;             // the whole block: no barrier is left waiting
     if constexpr (B::EMPTY) return;
     if constexpr (B::PDL) pdl_launch_dependents();
-    const float cs_tensor = a.chscale_per_channel ? 0.f : ldgf(a.chscale) * F::OUT_MULT;
-    const int items = a.n_groups * a.kblocks;
-    const int q = items / a.nwarps, r = items % a.nwarps;
-    const int lo = B::run_start(unit, q, r), hi = B::run_start(unit + 1, q, r);
+    const float cs_tensor = B::result_scale(a);
+    int q, r, lo, hi;
+    B::run_of(a, unit, q, r, lo, hi);
     const int m0 = plane * MT * A::TOKENS;
     const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
     const u16* xp[MT];
@@ -663,7 +671,7 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       if (d < mine) {
-        pointers(a, cw.g, n_tiles, lane, cp, sp);
+        B::pointers(a, cw.g, n_tiles, lane, cp, sp);
         B::load_w(cp, cw.k, w[d]);
         if (d < DS) { B::load_sc(sp, cw.k, sc[d]); cs.step(a.kblocks); }
         cw.step(a.kblocks);
@@ -693,12 +701,12 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
           B::compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
           cc.step(a.kblocks);
           if (j + D < mine) {
-            pointers(a, cw.g, n_tiles, lane, cp, sp);
+            B::pointers(a, cw.g, n_tiles, lane, cp, sp);
             B::load_w(cp, cw.k, w[d]);
             cw.step(a.kblocks);
           }
           if (j + DS < mine) {
-            pointers(a, cs.g, n_tiles, lane, cp, sp);
+            B::pointers(a, cs.g, n_tiles, lane, cp, sp);
             B::load_sc(sp, cs.k, sc[d % DS]);
             cs.step(a.kblocks);
           }
