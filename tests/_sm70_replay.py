@@ -306,10 +306,10 @@ def load_loop(body_src: str, what: str) -> LoopRules:
         # (xk[t] = xrow[t] + KB_OFFSET) that load_x(xk[t], ...) reads and xk[t] += STEP advances
         if re.search(r"Atom::load_x\(xrow", s):
             return one(r"Atom::load_x\(xrow(?:\[t\])?\s*\+\s*([^,]+),")
-        kb_off = one(r"(\w+)\[t\]\s*=\s*xrow\[t\]\s*\+\s*[^;]+;")
-        base = one(kb_off + r"\[t\]\s*=\s*xrow\[t\]\s*\+\s*([^;]+);")
-        one(r"Atom::load_x\((" + kb_off + r")\[t\],")
-        step = one(kb_off + r"\[t\]\s*\+=\s*([^;]+);")
+        ptr = one(r"(\w+)\[t\]\s*=\s*xrow\[t\]\s*\+\s*[^;]+;")
+        base = one(ptr + r"\[t\]\s*=\s*xrow\[t\]\s*\+\s*([^;]+);")
+        one(r"Atom::load_x\((" + ptr + r")\[t\],")
+        step = one(ptr + r"\[t\]\s*\+=\s*([^;]+);")
         return f"({base}) + p * ({step})"
 
     return LoopRules(
