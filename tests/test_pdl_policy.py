@@ -40,9 +40,11 @@ def test_the_pdl_route_kernels_get_their_pdl_form_on_sm90(gpu):
         form = ops._pdl_form(name, 0)
         assert form == name + "_pdl", name
         cfg, base = kernels[form], kernels[name]
-        # the same kernel, hooks added: same format, tiling, ring and token tiles
-        assert (cfg.frag, cfg.mt, cfg.tiles, cfg.depth, cfg.stages, cfg.x_global, cfg.variant) == \
-               (base.frag, base.mt, base.tiles, base.depth, base.stages, base.x_global, 7), name
+        # the same kernel, hooks added: same format, tiling, ring, token tiles and partition unit
+        # (a per-warp *_pdl form of a block-cooperative kernel would get the wrong grid)
+        assert (cfg.frag, cfg.mt, cfg.tiles, cfg.depth, cfg.stages, cfg.x_global, cfg.coop, cfg.min_blocks,
+                cfg.variant) == (base.frag, base.mt, base.tiles, base.depth, base.stages, base.x_global, base.coop,
+                                 base.min_blocks, 7), name
 
 
 def test_other_kernels_and_older_gpus_keep_plain_launches(gpu):
