@@ -297,6 +297,11 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
             else:   # loud, and not timed: a wrong result has no speed
                 print(f"ERROR {name} M={m}: {plain_name} differs from the qpn arm's result; qpn_plain arm not "
                       "timed", flush=True)
+        if packs[0].atom == "m16n8k16" and routes.as_route(route).chunk_rows:
+            # the chunked route as it ran before the M-band kernel: the MT = 2 route kernel once per
+            # 16-row chunk, each chunk streaming the weights again
+            k16 = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
+            arms.insert(1, ("qpn_chunk16", k16, qbytes, lambda i: ops.run_sm80_kernel(x, packs[i % n_q], k16, route)))
         if fmt == "fp8":
             mp = -(-m // 16) * 16
             xq = torch.zeros((mp, k), device="cuda", dtype=torch.float16)
@@ -414,12 +419,18 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
         x_all = torch.randn((max(ms), k), device="cuda", generator=gen).to(torch.float16)
         for m in ms:
             x = x_all[:m]
-            mt = 1 if m <= 8 else 2
+            key = _sweep_key(m)
             route = str(routes.route_for(fmt, m, n, k, arch="sm80"))
-            default = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], mt)]
+            if key == BAND:   # the M-band kernels, beside the MT = 2 route kernel once per 16-row chunk
+                default = jit.SM80_BAND_KERNELS[formats.FAMILIES[fmt]]
+                old = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
+                fits = lambda kn, c: c.band or kn == old  # noqa: E731
+            else:
+                default = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], key)]
+                fits = lambda kn, c: c.mt == key and not c.band  # noqa: E731
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
-                      if c.fmt == fmt and c.mt == mt and (kn == default or not only or any(o in kn for o in only))]
-            if not only:
+                      if c.fmt == fmt and fits(kn, c) and (kn == default or not only or any(o in kn for o in only))]
+            if not only and key != BAND:
                 trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
             for kn, mi in trials:
                 jit.SM80_MIN_ITEMS[formats.FAMILIES[fmt]] = mi
@@ -445,12 +456,21 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
             w.writerow({c: (f"{r[c]:.3f}" if isinstance(r[c], float) else r[c]) for c in SWEEP_COLS})
     # summary: mean share of the read ceiling per kernel over the swept shapes, per (fmt, mt)
     print("\nsweep summary (mean % of read ceiling over shapes and M, default min_items):")
-    for key in sorted({(r["fmt"], 1 if r["m"] <= 8 else 2) for r in rows}):
-        sub = [r for r in rows if (r["fmt"], 1 if r["m"] <= 8 else 2) == key and r["min_items"] == saved[r["fmt"]]]
+    for key in sorted({(r["fmt"], str(_sweep_key(r["m"]))) for r in rows}):
+        sub = [r for r in rows if (r["fmt"], str(_sweep_key(r["m"]))) == key and r["min_items"] == saved[r["fmt"]]]
         for kn in sorted({r["kernel"] for r in sub}):
             v = [r["pct_read"] for r in sub if r["kernel"] == kn]
-            print(f"  {key[0]:5s} mt{key[1]} {kn:36s} {statistics.mean(v):6.1f}%")
+            print(f"  {key[0]:5s} {key[1]:5s} {kn:36s} {statistics.mean(v):6.1f}%")
     return rows
+
+
+BAND = "band"
+
+
+def _sweep_key(m: int):
+    """Which kernels a sweep compares at M: the route table's tiles per pass (1, 2), or BAND above
+    M = 16 (the chunked route: the M-band kernels)."""
+    return 1 if m <= routes.M_SINGLE_TILE_MAX else 2 if m <= routes.M_MT2_MAX else BAND
 
 
 def sweep_winners(rows) -> dict:
@@ -459,10 +479,10 @@ def sweep_winners(rows) -> dict:
     the default split-K setting."""
     kernels = jit.sm80_kernels()
     best = {}
-    for key in {(r["fmt"], 1 if r["m"] <= 8 else 2) for r in rows}:
+    for key in {(r["fmt"], _sweep_key(r["m"])) for r in rows if _sweep_key(r["m"]) != BAND}:
         scores = {}
         for r in rows:
-            if (r["fmt"], 1 if r["m"] <= 8 else 2) == key and kernels[r["kernel"]].variant == 0 \
+            if (r["fmt"], _sweep_key(r["m"])) == key and kernels[r["kernel"]].variant == 0 \
                     and r["min_items"] == jit.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
                 scores.setdefault(r["kernel"], []).append(r["pct_read"])
         if scores:
@@ -497,6 +517,7 @@ def provenance(args, atom) -> list[str]:
         f"# qpn atom: {atom}; sm_80+ route kernels: "
         + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
         + "".join(f"; {f.family}/mt{mt} with N >= {jit.SM80_LARGE_N}={k}" for (f, mt), k in jit.SM80_LARGE_N_KERNELS.items())
+        + "".join(f"; {f.family}/chunked (M band)={k}" for f, k in jit.SM80_BAND_KERNELS.items())
         + f"; split-K min items { {f.family: v for f, v in jit.SM80_MIN_ITEMS.items()} }",
     ]
     if cap >= (8, 0) and atom == "m8n8k4":
@@ -573,7 +594,37 @@ def targets(rows) -> list[dict]:
     return out
 
 
-def targets_markdown(tg, header) -> str:
+def band_table(rows) -> list[str]:
+    """Issue 14 item 1, the M band (the *_chunked route, M 17-96): graph microseconds per TP1 shape
+    and M of the qpn arm (one weight pass per 64 rows, the M-band kernel), of qpn_chunk16 (the same
+    route as it ran before: the MT = 2 kernel once per 16-row chunk) and of the torch peers, with
+    qpn's share of the read ceiling and its speed-up over the other arms. Empty without such rows."""
+    arms = ("qpn", "qpn_chunk16", "torch_fp16", "scaled_mm")
+    cells = {(r["shape"], int(r["m"]), r["arm"]): r for r in rows
+             if r["m"] > routes.M_MT2_MAX and r["arm"] in arms and r["shape"].startswith("tp1_")}
+    keys = sorted({(s, m) for s, m, _ in cells}, key=lambda sm: (list(SHAPES).index(sm[0]), sm[1]))
+    if not keys:
+        return []
+    lines = ["", "## M band (the *_chunked route), graph replay", "",
+             "qpn: one weight pass per 64 rows (the M-band kernel); qpn_chunk16: the same route as it ran before, "
+             "the MT = 2 kernel once per 16-row chunk, each chunk streaming the weights again", "",
+             "| shape | M | qpn us | qpn % read | qpn_chunk16 us | torch_fp16 us | scaled_mm us | "
+             "x vs qpn_chunk16 | x vs torch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for shape, m in keys:
+        q = cells.get((shape, m, "qpn"))
+        if q is None:
+            continue
+        us = {a: cells[(shape, m, a)]["graph_us"] for a in arms if (shape, m, a) in cells}
+        fmt_us = lambda a: f"{us[a]:.1f}" if a in us else "-"  # noqa: E731
+        best_torch = min((us[a] for a in ("torch_fp16", "scaled_mm") if a in us), default=None)
+        lines.append(f"| {shape} | {m} | {us['qpn']:.1f} | {q['graph_pct_read']:.1f} | {fmt_us('qpn_chunk16')} | "
+                     f"{fmt_us('torch_fp16')} | {fmt_us('scaled_mm')} | "
+                     + (f"{us['qpn_chunk16'] / us['qpn']:.2f}" if "qpn_chunk16" in us else "-") + " | "
+                     + (f"{best_torch / us['qpn']:.2f}" if best_torch else "-") + " |")
+    return lines
+
+
+def targets_markdown(tg, header, rows=()) -> str:
     lines = [f"# Issue 14 targets on {header.get('gpu', '?')}", "",
              f"commit {header.get('commit', '?')}, {header.get('date', '?')}; read ceiling "
              f"{header.get('read_ceiling_gbps', '?')} GB/s measured in the same run", "",
@@ -591,6 +642,7 @@ def targets_markdown(tg, header) -> str:
         if key.startswith("host_us_per_call"):
             lines += ["", f"Host time per eager call, {key[len('host_us_per_call'):].strip()}: {val} "
                       "(target: qpn_linear no more than torch's own matmul in the same run)"]
+    lines += band_table(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -609,7 +661,7 @@ def plot(csv_path: str, png_path: str) -> None:
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
     style = {"qpn": ("tab:red", "o"), "torch_fp16": ("tab:blue", "s"), "scaled_mm": ("tab:green", "^"),
              "dequant_matmul": ("tab:gray", "x"), "gemlite": ("tab:purple", "D"), "qpn_plain": ("tab:orange", "v"),
-             "read_limit": ("tab:brown", "*")}
+             "read_limit": ("tab:brown", "*"), "qpn_chunk16": ("tab:pink", "P")}
     for ax, shape in zip(axes.flat, shapes):
         sub = [r for r in rows if r["shape"] == shape]
         for arm, (color, marker) in style.items():
@@ -750,7 +802,7 @@ def main(argv=None) -> int:
         if args.targets:
             header, rows = read_csv(args.plot_only)
             with open(args.targets, "w") as f:
-                f.write(targets_markdown(targets(rows), header))
+                f.write(targets_markdown(targets(rows), header, rows))
         return 0
     if not args.out and not args.sweep and not args.profile:
         ap.error("give --out CSV (and/or --sweep CSV, --profile)")
@@ -839,7 +891,7 @@ def main(argv=None) -> int:
     print(f"wrote {args.out} ({len(rows)} rows)")
     header, rows_back = read_csv(args.out)
     tg = targets(rows_back)
-    md = targets_markdown(tg, header)
+    md = targets_markdown(tg, header, rows_back)
     print(md)
     if args.targets:
         with open(args.targets, "w") as f:

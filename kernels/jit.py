@@ -57,6 +57,13 @@ SM80_ROUTE_KERNELS = {
 # Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
 SM80_LARGE_N = 100_000
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
+# The *_chunked route (M 17-96) on sm_80+: the M-band kernel of each format family, one weight pass
+# per chunk of 8 x MT rows (ops._sm80_kernel_for). Before it, the route ran the (family, 2) kernel
+# above once per 16-row chunk.
+SM80_BAND_KERNELS = {
+    _NVFP4: "qpn2_mt8_m16n8k16_t1d4s4_b1",
+    _FP8: "qpn8_mt8_m16n8k16_t1d2s4_b1",
+}
 # Route kernels whose *_pdl form (VAR 7) ops launches with programmatic dependent launch on sm_90+
 # (ops._pdl_form): every mt1 kernel and the FP8 mt2 ring. Called back to back, they are 1.5-4.5 us
 # faster per call (graph replay) on every H200 shape at M 1-8 and on all four FP8 shapes at M 16,
@@ -85,7 +92,8 @@ SM80_MIN_ITEMS = {_NVFP4: 4, _FP8: 2}
 SM80_FRAGMENTS = {"Frag16NVFP4": _NVFP4, "Frag16FP8": _FP8}
 ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_ROUTE_KERNELS.values())
                                                + list(SM80_LARGE_N_KERNELS.values())
-                                               + list(SM80_ROUTE_KERNELS_NO_SMEM.values()))) + ENTRY_POINTS["m16n8k16"]
+                                               + list(SM80_ROUTE_KERNELS_NO_SMEM.values())
+                                               + list(SM80_BAND_KERNELS.values()))) + ENTRY_POINTS["m16n8k16"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class Sm80Kernel:
     min_blocks: int = 2  # blocks of SM80_THREADS per SM its register cap is sized for
     x_global: bool = False  # ring kernel reading the activations from global memory (QPN80RX_ENTRY)
     coop: bool = False  # block-cooperative (QPN80C_ENTRY): the split-K partition counts blocks, not warps
+    band: bool = False  # M-band (QPN80B_ENTRY): blocks of 8 warps on 8 x T tiles, activations shared per block
 
     @property
     def weight_format(self) -> formats.WeightFormat:
@@ -119,11 +128,14 @@ class Sm80Kernel:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per block of 256 threads (Qpn80Ring: 8 warps x S slots x STAGE;
+        """Dynamic shared memory per block of 256 threads (Qpn80Band: S slots of MT x 1 KB of
+        activations; Qpn80Ring: 8 warps x S slots x STAGE;
         a slot holds the codes and group scales of a 16-row x 64-input block per weight tile, and
         1 KB of activations per token tile unless the kernel reads them from global memory)."""
         if not self.stages:
             return 0
+        if self.band:   # one activation ring per block: S slots of MT x 1 KB
+            return self.stages * self.mt * 1024
         f = self.weight_format
         tile_block = 16 * f.code_cols(64) + 16 * (f.group_scale_cols(64) or 0)
         stage = self.tiles * tile_block + (0 if self.x_global else self.mt * 1024)
@@ -138,6 +150,7 @@ SM80_ENTRY_MACROS = {
     "QPN80C_ENTRY": (("mt", "tiles", "depth", "min_blocks", "variant"), {"coop": True}),
     "QPN80R_ENTRY": (("mt", "tiles", "stages", "min_blocks", "variant"), {}),
     "QPN80RX_ENTRY": (("mt", "tiles", "stages", "min_blocks", "variant"), {"x_global": True}),
+    "QPN80B_ENTRY": (("mt", "tiles", "depth", "stages", "min_blocks", "variant"), {"band": True}),
 }
 
 

@@ -254,9 +254,11 @@ def _sm80_no_smem_kernel(name: str) -> Optional[str]:
 
 
 def _sm80_plan(mod, name: str, fmt: formats.WeightFormat, n: int, kblocks: int, chunks: int, device) -> tuple:
-    """(kernel name, grid, nwarps, n_groups, per-warp partial floats, dynamic shared memory bytes)
-    for one kernel and layer shape. A shared-memory ring kernel whose ring does not fit a block on
-    this GPU is replaced by the register-ring kernel of the same route (jit.SM80_ROUTE_KERNELS_NO_SMEM)."""
+    """(kernel name, grid, nwarps, n_groups, partial floats per run, dynamic shared memory bytes,
+    counters per weight group and chunk) for one kernel and layer shape. A shared-memory ring kernel
+    whose ring does not fit a block on this GPU is replaced by the register-ring kernel of the same
+    route (jit.SM80_ROUTE_KERNELS_NO_SMEM). An M-band kernel's run is a block whose 8 warps hold
+    different tiles of its group: each warp has its own partial slots and counter (8 of each)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     min_items = jit.SM80_MIN_ITEMS[fmt]
     key = (idx, name, n, kblocks, chunks, min_items)
@@ -277,9 +279,13 @@ def _sm80_plan(mod, name: str, fmt: formats.WeightFormat, n: int, kblocks: int, 
         if sms is None:
             sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         resident_warps = sms * jit.occupancy(mod, cfg.name, THREADS, smem) * WARPS
-        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles, chunks, resident_warps, min_items,
-                                                WARPS if cfg.coop else 1)
-        plan = _sm80_plans[key] = (cfg.name, grid, nwarps, n_groups, 2 * 32 * cfg.tiles * cfg.mt * 4, smem)
+        per_block = cfg.coop or cfg.band
+        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles * (WARPS if cfg.band else 1), chunks,
+                                                resident_warps, min_items, WARPS if per_block else 1,
+                                                warps_split_items=not cfg.band)
+        planes = WARPS if cfg.band else 1
+        plan = _sm80_plans[key] = (cfg.name, grid, nwarps, n_groups, planes * 2 * 32 * cfg.tiles * cfg.mt * 4, smem,
+                                   planes)
     return plan
 
 
@@ -294,29 +300,42 @@ def _smem_optin(idx: int) -> int:
 
 
 def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps: int,
-                   min_items: int, unit_warps: int = 1) -> tuple[int, int, int]:
+                   min_items: int, unit_warps: int = 1, warps_split_items: bool = True) -> tuple[int, int, int]:
     """(grid blocks, runs per chunk plane, weight groups) of an sm_80+ launch. Items = weight
-    groups x k-blocks, split into contiguous runs, one per unit of ``unit_warps`` warps (1: the
-    per-warp kernels; WARPS: the block-cooperative ones, whose warps share their block's run). As
-    many units as the GPU holds at once (shared by the chunk planes), but never fewer than
-    ``min_items`` items per warp of a unit, and at least one item per unit (the kernel relies on it).
-    The kernels receive the run count as Qpn80Args.nwarps."""
+    groups (of ``tiles`` 16-row tiles) x k-blocks, split into contiguous runs, one per unit of
+    ``unit_warps`` warps (1: the per-warp kernels; WARPS: the block-cooperative ones, whose warps
+    share their block's run, and the M-band ones, whose warps each take their own tiles of every
+    item: ``warps_split_items`` False). As many units as the GPU holds at once (shared by the chunk
+    planes), but never fewer than ``min_items`` items per warp that splits them, and at least one item
+    per unit (the kernel relies on it). The kernels receive the run count as Qpn80Args.nwarps."""
     n_groups = -(-(-(-n // 16)) // tiles)
     items = n_groups * kblocks
     if items >= 2 ** 31:
         raise ValueError(f"layer too large for one launch: {n_groups} weight groups x {kblocks} k-blocks "
                          "exceeds 2^31 work items; split N across calls")
-    runs = max(1, min(items, resident_warps // unit_warps // chunks, items // max(1, unit_warps * min_items)))
+    per_unit = (unit_warps if warps_split_items else 1) * min_items
+    runs = max(1, min(items, resident_warps // unit_warps // chunks, items // max(1, per_unit)))
     return -(-runs * unit_warps // WARPS) * chunks, runs, n_groups
 
 
 def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
-    """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows."""
+    """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows. The
+    *_chunked route runs the M-band kernel (jit.SM80_BAND_KERNELS): one weight pass per 8 x MT rows."""
     route.check_m(m)
     key = (route.weight_format, route.tiles_per_pass)
-    if n >= jit.SM80_LARGE_N and key in jit.SM80_LARGE_N_KERNELS:
-        return jit.SM80_LARGE_N_KERNELS[key], route.chunks(m)
-    return jit.SM80_ROUTE_KERNELS[key], route.chunks(m)
+    if route.chunk_rows:
+        name = jit.SM80_BAND_KERNELS[route.weight_format]
+    elif n >= jit.SM80_LARGE_N and key in jit.SM80_LARGE_N_KERNELS:
+        name = jit.SM80_LARGE_N_KERNELS[key]
+    else:
+        name = jit.SM80_ROUTE_KERNELS[key]
+    return name, _sm80_chunks(route, m, jit.sm80_kernels()[name])
+
+
+def _sm80_chunks(route: Route, m: int, cfg: jit.Sm80Kernel) -> int:
+    """Grid planes of a launch: a chunked route cuts M into chunks of the kernel's 8 x MT rows (the
+    M-band kernel: 64; an MT = 2 kernel: 16, how the route ran before the band kernel); else 1."""
+    return -(-m // (routes.TILE_ROWS * cfg.mt)) if route.chunk_rows else 1
 
 
 # Programmatic dependent launch (sm_90+): a route kernel's *_pdl form, launched with the PDL
@@ -380,20 +399,23 @@ def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
     caller vouches that no kernel of this call wrote the weight's tensors (a *_pdl kernel reads
     them before it waits for the previous kernel), so the route's *_pdl form may serve it."""
     name, chunks = _sm80_kernel_for(route, m, w.n)
-    if kernel is not None:  # a measured variant of the same token tiling (benchmarks only)
+    if kernel is not None:  # another kernel of the same token tiling (benchmarks only)
         cfg = jit.sm80_kernels().get(kernel)
-        if cfg is None or cfg.mt != jit.sm80_kernels()[name].mt or cfg.weight_format != w.format:
+        # a chunked route takes any kernel of two or more token tiles (chunks follow its MT)
+        fits = cfg is not None and (cfg.mt >= 2 if route.chunk_rows else cfg.mt == jit.sm80_kernels()[name].mt)
+        if not fits or cfg.weight_format != w.format:
             raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
-        name = kernel
+        name, chunks = kernel, _sm80_chunks(route, m, cfg)
     mod = jit.module_for(device, "m16n8k16")
     kblocks = w.k_pad // 64
-    name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, name, w.format, w.n, kblocks, chunks, device)
+    name, grid, nwarps, n_groups, per_run, smem, planes = _sm80_plan(mod, name, w.format, w.n, kblocks, chunks,
+                                                                     device)
     pdl_name = _pdl_form(name, device.index if device.index is not None else torch.cuda.current_device()) \
         if pdl and kernel is None else None
     if pdl_name is not None:
-        name, grid, nwarps, n_groups, per_warp, smem = _sm80_plan(mod, pdl_name, w.format, w.n, kblocks, chunks,
-                                                                  device)
-    partials, counters = _sm80_buffers(device, stream, chunks * nwarps * per_warp, chunks * n_groups)
+        name, grid, nwarps, n_groups, per_run, smem, planes = _sm80_plan(mod, pdl_name, w.format, w.n, kblocks,
+                                                                         chunks, device)
+    partials, counters = _sm80_buffers(device, stream, chunks * nwarps * per_run, chunks * planes * n_groups)
     a = Qpn80Args(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
                   0, 0, 0, partials.data_ptr(), counters.data_ptr(),
                   m, w.n, kblocks, w.k_pad, n_groups, nwarps, chunks, int(w.chscale.numel() != 1))

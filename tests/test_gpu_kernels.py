@@ -41,7 +41,7 @@ import time
 import pytest
 import torch
 
-from qpn.kernels import codecs, jit, ops, prepack, reference, routes
+from qpn.kernels import codecs, formats, jit, ops, prepack, reference, routes
 from tests import _format_cases as fc
 from tests import _per_group as pg
 
@@ -394,7 +394,7 @@ def test_sm80_every_configuration_is_correct_and_every_variant_runs(fmt):
         if not name.startswith(prefix):
             continue
         for m in ((1, 8) if cfg.mt == 1 else (9, 16, 48)):
-            route = prefix if cfg.mt == 1 else (prefix + "_mt2" if m <= 16 else prefix + "_chunked")
+            route = prefix if cfg.mt == 1 else (prefix + "_mt2" if m <= 16 and not cfg.band else prefix + "_chunked")
             y = ops.run_sm80_kernel(x[:m], packed, name, route)
             torch.cuda.synchronize()
             if cfg.variant != 0:
@@ -432,3 +432,35 @@ def test_sm80_block_cooperative_kernels_on_edge_partitions(fmt, n, k):
             rel = reference.relative_error(y, y64[:m])
             assert rel <= BOUND, (name, n, k, m, rel)
             assert torch.equal(y, y2), (name, n, k, m)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("n,k", [(48, 64), (1040, 192), (16, 8192), (4000, 5120)])
+def test_sm80_band_kernels_on_edge_partitions(fmt, n, k):
+    """Qpn80Band (the *_chunked route, one weight pass per 64 rows): one k-block per group, a
+    single 16-row tile (7 of the block's 8 warps past N), groups split over many blocks, rows past
+    N in the last group; M from one row to two chunks with a partial token tile. Bound met, the same
+    bits on a second run, and the route itself (qpn_linear) gives the route kernel's bits."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(37)
+    packed = _packed_m16n8k16(fmt, n, k, dev, gen)
+    x = _activations(100, k, dev, gen)
+    y64 = reference.linear_f64(x, packed)
+    prefix = routes.ROUTE_PREFIX[fmt]
+    bands = [name for name, cfg in jit.sm80_kernels().items()
+             if cfg.band and cfg.variant == 0 and name.startswith(prefix)]
+    assert jit.SM80_BAND_KERNELS[formats.FAMILIES[fmt]] in bands
+    for name in bands:
+        for m in (1, 17, 40, 64, 65, 100):
+            y = ops.run_sm80_kernel(x[:m], packed, name, prefix + "_chunked")
+            y2 = ops.run_sm80_kernel(x[:m], packed, name, prefix + "_chunked")
+            torch.cuda.synchronize()
+            rel = reference.relative_error(y, y64[:m])
+            RESULTS.append(dict(atom="m16n8k16", shape=f"band_{name}", n=n, k=k, route=prefix + "_chunked", m=m,
+                                rel=rel, bad=0, ok=rel <= BOUND))
+            assert rel <= BOUND, (name, n, k, m, rel)
+            assert torch.equal(y, y2), (name, n, k, m)
+            if name == jit.SM80_BAND_KERNELS[formats.FAMILIES[fmt]] and 17 <= m <= routes.M_CHUNKED_MAX:
+                assert torch.equal(ops.qpn_linear(x[:m], packed), y), (name, n, k, m)

@@ -45,6 +45,20 @@ def test_targets_carry_the_same_runs_read_limit_and_flag_goals_above_it():
     assert got[("eager", "tp4_mlp_down", "% read ceiling, M 1-8 (min)")]["read_limit"] is None
 
 
+def test_band_table_compares_the_band_kernel_with_the_16_row_chunks_and_torch():
+    rows = [_row("tp1_mlp_gate_up", "qpn", 64, 70.0, 40.0), _row("tp1_mlp_gate_up", "qpn_chunk16", 64, 20.0, 160.0),
+            _row("tp1_mlp_gate_up", "torch_fp16", 64, 90.0, 90.0),
+            _row("tp1_mlp_gate_up", "qpn", 16, 40.0, 50.0),            # M 9-16: not the band
+            _row("tp4_mlp_down", "qpn", 32, 30.0, 20.0),               # TP4: not in the table
+            _row("tp1_gdn_out_proj", "qpn", 32, 50.0, 10.0), _row("tp1_gdn_out_proj", "scaled_mm", 32, 60.0, 12.5)]
+    lines = kb.band_table(rows)
+    body = [ln for ln in lines if ln.startswith("| tp")]
+    assert body == ["| tp1_mlp_gate_up | 64 | 40.0 | 70.0 | 160.0 | 90.0 | - | 4.00 | 2.25 |",
+                    "| tp1_gdn_out_proj | 32 | 10.0 | 50.0 | - | - | 12.5 | - | 1.25 |"]
+    assert kb.band_table([r for r in rows if r["m"] <= 16]) == []
+    assert "## M band" in kb.targets_markdown([], {"gpu": "X"}, rows)
+
+
 def test_gemlite_arm_is_skipped_with_the_reason_when_not_importable(monkeypatch):
     import builtins
     real_import = builtins.__import__

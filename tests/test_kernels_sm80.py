@@ -380,9 +380,10 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     for name, rep in sorted(reps.items()):
         lines.append(f"  {name:34s} regs {rep.registers:3d} spill {rep.spill_stores}/{rep.spill_loads} stack {rep.stack_frame}")
         assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, name
-        # within the register cap its blocks of 256 threads per SM leave (2 blocks: 128 registers)
+        # within the register cap its blocks of 256 threads per SM leave (2 blocks: 128 registers;
+        # 1 block, the M-band kernels at MT = 8: 255, the most a thread can address)
         blocks = configured[name].min_blocks if name in configured else 2
-        assert 0 < rep.registers <= min(128, 65536 // (256 * blocks)), name
+        assert 0 < rep.registers <= min(255, 65536 // (256 * blocks)), name
     with capsys.disabled():
         print(f"\nsm_{arch} (NVRTC {res.nvrtc_version[0]}.{res.nvrtc_version[1]}):\n" + "\n".join(lines))
     (tmp_path / "n.cubin").write_bytes(res.cubin)
@@ -429,7 +430,17 @@ def test_sm80_kernel_table_and_route_kernels():
         assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.route_prefix)
         assert cfg.frag == ("Frag16NVFP4" if fmt.family == "nvfp4" else "Frag16FP8")
     route = routes.as_route
-    assert ops._sm80_kernel_for(route("qpn2_chunked"), 40) == (jit.SM80_ROUTE_KERNELS[(formats.NVFP4, 2)], 3)
+    # the chunked route: the M-band kernel, one weight pass per 8 x MT rows; an MT = 2 kernel named
+    # for it (how the route ran before) takes one pass per 16 rows
+    for fmt, name in jit.SM80_BAND_KERNELS.items():
+        cfg = configured[name]
+        assert cfg.band and cfg.variant == 0 and cfg.mt == 8 and name.startswith(fmt.route_prefix)
+        chunked = route(fmt.route_prefix + "_chunked")
+        assert ops._sm80_kernel_for(chunked, 17) == (name, 1)
+        assert ops._sm80_kernel_for(chunked, 64) == (name, 1)
+        assert ops._sm80_kernel_for(chunked, 65) == (name, 2)
+        assert ops._sm80_chunks(chunked, 40, configured[jit.SM80_ROUTE_KERNELS[(fmt, 2)]]) == 3
+        assert ops._sm80_chunks(route(fmt.route_prefix + "_mt2"), 16, cfg) == 1
     with pytest.raises(ValueError, match="M <= 8"):
         ops._sm80_kernel_for(route("qpn8"), 9)
     assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "fp8") for c in configured.values())
@@ -478,7 +489,7 @@ def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
     """Each shared-memory ring kernel's ring (jit.Sm80Kernel.smem_bytes, what ops launches with)
     fits one block's opt-in limit on sm_90 (227 KB) and its MINB blocks fit an SM (228 KB); a
     kernel whose launch bound promised more blocks than the ring allows would waste registers."""
-    rings = {n: c for n, c in jit.sm80_kernels().items() if c.stages}
+    rings = {n: c for n, c in jit.sm80_kernels().items() if c.stages and not c.band}
     assert len(rings) >= 10
     for name, c in rings.items():
         assert c.smem_bytes % 16 == 0 and 0 < c.smem_bytes <= 227 * 1024, name
@@ -487,6 +498,56 @@ def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
         nvfp4 = c.frag.startswith("Frag16NVFP4")
         per_tile = 16 * 32 + 64 if nvfp4 else 32 * 32
         assert c.smem_bytes == 8 * c.stages * (c.tiles * per_tile + (0 if c.x_global else 1024 * c.mt)), name
+
+
+def test_band_kernels_shared_memory_is_one_activation_ring_per_block():
+    """Qpn80Band: S slots of MT token tiles x 1 KB (64 inputs x 8 tokens x 2 bytes), shared by the
+    block's 8 warps; within the default 48 KB (no opt-in) and MINB blocks per SM."""
+    bands = {n: c for n, c in jit.sm80_kernels().items() if c.band}
+    assert len(bands) >= 4 and set(jit.SM80_BAND_KERNELS.values()) <= set(bands)
+    for name, c in bands.items():
+        assert c.stages >= 2 and c.depth >= 1 and c.mt in (4, 8), name
+        assert c.smem_bytes == c.stages * c.mt * 1024 <= 48 * 1024, name
+        assert c.min_blocks * (c.smem_bytes + 1024) <= 228 * 1024, name
+
+
+def _band_partition(n, kblocks, tiles, chunks, resident_blocks, min_items):
+    """Qpn80Band's work split, replayed: ops' partition, then per block the run of items
+    (csrc Qpn80::run_of, as _kernel_partition) and per warp w of the block its tiles
+    T (8 g + w) + j of each item's group g. Returns (grid, runs, n_groups, segments)."""
+    grid, runs, n_groups = ops.sm80_partition(n, kblocks, tiles * ops.WARPS, chunks, resident_blocks * ops.WARPS,
+                                              min_items, unit_warps=ops.WARPS, warps_split_items=False)
+    return grid, runs, n_groups, _kernel_partition(n_groups, kblocks, runs)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("n,kblocks,tiles,chunks,resident_blocks,min_items", [
+    (34816, 80, 1, 1, 132, 4), (5120, 96, 1, 2, 132, 2), (5120, 272, 2, 1, 132, 4), (48, 1, 1, 1, 132, 2),
+    (16, 128, 1, 2, 8, 2), (1000, 65, 2, 1, 132, 4)])
+def test_band_partition_covers_every_tile_and_k_block_once_per_chunk(n, kblocks, tiles, chunks, resident_blocks,
+                                                                   min_items):
+    """Each (16-row tile, k-block) of the layer is decoded by exactly one warp per chunk plane; a
+    warp's split-K counter (plane chunk x 8 + warp, group g) is reached by exactly the blocks
+    fw..lw its finish waits for; a block never has fewer than min_items items unless the layer
+    has fewer items than blocks; the grid is one block per run and chunk."""
+    grid, runs, n_groups, segs = _band_partition(n, kblocks, tiles, chunks, resident_blocks, min_items)
+    n_tiles = -(-n // 16)
+    items = n_groups * kblocks
+    assert n_groups * tiles * ops.WARPS * 16 >= n > (n_groups - 1) * tiles * ops.WARPS * 16
+    assert grid == runs * chunks and 1 <= runs <= max(1, resident_blocks // chunks)
+    assert runs == 1 or items // runs >= min_items
+    covered = torch.zeros((n_groups * ops.WARPS * tiles, kblocks), dtype=torch.int32)
+    arrivals = {}
+    for sg in segs:
+        for w in range(ops.WARPS):
+            t0 = (sg["grp"] * ops.WARPS + w) * tiles
+            covered[t0: t0 + tiles, sg["kb0"]: sg["kb1"]] += 1
+            if not sg["full"]:
+                arrivals.setdefault((w, sg["grp"]), []).append(sg["warp"])
+    assert bool((covered[:n_tiles] == 1).all())   # tiles past N are read as the last tile, never stored
+    for (w, grp), blocks in arrivals.items():
+        part = next(sg for sg in segs if sg["grp"] == grp)
+        assert sorted(blocks) == list(range(part["fw"], part["lw"] + 1)), (w, grp)
 
 
 def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fallback():

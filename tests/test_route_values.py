@@ -144,7 +144,9 @@ def test_no_route_name_parsing_outside_routes_py():
 # were keyed by the WeightFormat instead of the family name): (route, atom) -> the symbol for
 # (N < jit.SM80_LARGE_N, ring fits a block), (N small, ring too large for the GPU's block),
 # (N >= SM80_LARGE_N, fits), (N large, too large). A deliberate route->kernel change (a new sweep
-# winner) updates this table in the same commit.
+# winner) updates this table in the same commit. The chunked route on m16n8k16 moved to the M-band
+# kernels (one weight pass per 64 rows; their 32 KB of shared memory fit any sm_80+ block without
+# opt-in, so they have no fallback), and its chunk planes follow the kernel: ceil(M / 64).
 _M4 = "m8n8k4"
 KERNEL_SYMBOLS = {
     ("qpn2", _M4): ("qpn2_mt1_m8n8k4",) * 4,
@@ -158,11 +160,11 @@ KERNEL_SYMBOLS = {
     ("qpn2", "m16n8k16"): ("qpn2_mt1_m16n8k16_t2d4p0", "qpn2_mt1_m16n8k16_t2d4p0",
                            "qpn2_mt1_m16n8k16_t4s4", "qpn2_mt1_m16n8k16_t2d4p0"),
     ("qpn2_mt2", "m16n8k16"): ("qpn2_mt2_m16n8k16_t2s4x", "qpn2_mt2_m16n8k16_t1d4p8") * 2,
-    ("qpn2_chunked", "m16n8k16"): ("qpn2_mt2_m16n8k16_t2s4x", "qpn2_mt2_m16n8k16_t1d4p8") * 2,
+    ("qpn2_chunked", "m16n8k16"): ("qpn2_mt8_m16n8k16_t1d4s4_b1",) * 4,   # the M-band kernel (issue 14)
     ("qpn2_reconstruct", "m16n8k16"): ("qpn2_reconstruct_ws_m16n8k16",) * 4,
     ("qpn8", "m16n8k16"): ("qpn8_mt1_m16n8k16_t2d2c",) * 4,
     ("qpn8_mt2", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,
-    ("qpn8_chunked", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,
+    ("qpn8_chunked", "m16n8k16"): ("qpn8_mt8_m16n8k16_t1d2s4_b1",) * 4,
     ("qpn8_reconstruct", "m16n8k16"): ("qpn8_reconstruct_ws_m16n8k16",) * 4,
 }
 
@@ -179,7 +181,7 @@ def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bo
     from qpn.kernels import jit
 
     name, chunks = ops._sm80_kernel_for(route, m, n)
-    if not ring_fits and jit.sm80_kernels()[name].smem_bytes:
+    if not ring_fits and jit.sm80_kernels()[name].smem_bytes and not jit.sm80_kernels()[name].band:
         name = ops._sm80_no_smem_kernel(name)
     return name, chunks
 
@@ -205,11 +207,12 @@ def test_every_format_route_and_arch_runs_the_same_kernel_as_before():
                                     _kernel_symbol(route, m, n, atom, fits)
                                 continue
                             got = _kernel_symbol(route, m, n, atom, fits)
-                            assert got == (want[(n >= jit.SM80_LARGE_N, fits)], route.chunks(m)), (
+                            chunks = -(-m // 64) if route.chunk_rows and atom == "m16n8k16" else route.chunks(m)
+                            assert got == (want[(n >= jit.SM80_LARGE_N, fits)], chunks), (
                                 fmt.key, str(route), arch, m, n, fits)
                             checked += 1
     assert checked == 1584  # 3 formats x 4 routes x 6 archs x 32 cases, less the M a route refuses
     # every kernel the sm_80+ tables name is one of the symbols above
-    named = {k for t in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS, jit.SM80_ROUTE_KERNELS_NO_SMEM)
-             for k in t.values()}
+    named = {k for t in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS, jit.SM80_ROUTE_KERNELS_NO_SMEM,
+                         jit.SM80_BAND_KERNELS) for k in t.values()}
     assert named <= {s for v in KERNEL_SYMBOLS.values() for s in v}

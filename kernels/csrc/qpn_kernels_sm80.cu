@@ -98,6 +98,7 @@ struct Qpn80 {
   static constexpr bool NO_FINISH = VAR == 4 || VAR == 6;
   static constexpr bool EMPTY = VAR == 5;
   static constexpr bool PDL = VAR == 7;
+  static constexpr bool WIDE_PARTIAL = T * MT > 4;   // see finish
 
   QPN_DEV static void load_w(const u8* const (&cp)[T], int kb, u32 (&w)[T][F::WORDS]) {
 #pragma unroll
@@ -232,6 +233,7 @@ struct Qpn80 {
   // cs_tensor: the per-tensor result scale times OUT_MULT (a power of two: exact), loaded once
   // before any main loop, so a per-tensor layer's epilogue does not wait on memory; per-channel
   // scales and the bias (both rare on the QPN path) are read in the epilogue.
+  // Rows of the T tiles of group grp (in a Qpn80Band block: the warp's own T tiles, group 8 g + w).
   QPN_DEV static void store(const Qpn80Args& a, int grp, int m0, int lane, const float (&v)[T][MT][4],
                             float cs_tensor) {
 #pragma unroll
@@ -303,7 +305,7 @@ struct Qpn80 {
       float acc[T][MT][4];
       zero(acc);
       segment(a, grp, kb0, kb1, xp, xv, lane, acc, gbase + kb0 == lo);
-      finish(a, grp, kb0, kb1, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor);
+      finish(a, grp, kb0, kb1, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor, grp);
     }
   }
 
@@ -317,11 +319,13 @@ struct Qpn80 {
   }
 
   // The end of one segment (k-blocks [kb0, kb1) of group grp) of warp gw's run: a whole group is
-  // stored directly; a partial one is parked and the last contributor to arrive finishes it.
+  // stored directly; a partial one is parked and the last contributor to arrive finishes it. The
+  // result goes to the rows of group out_grp (grp itself, except in the M-band kernel).
   QPN_DEV static void finish(const Qpn80Args& a, int grp, int kb0, int kb1, int first_grp, int gw, int q, int r,
-                             int plane, int m0, int lane, const float (&acc)[T][MT][4], float cs_tensor) {
+                             int plane, int m0, int lane, const float (&acc)[T][MT][4], float cs_tensor,
+                             int out_grp) {
     if (NO_FINISH || (kb0 == 0 && kb1 == a.kblocks)) {
-      store(a, grp, m0, lane, acc, cs_tensor);
+      store(a, out_grp, m0, lane, acc, cs_tensor);
       return;
     }
     const int gbase = grp * a.kblocks;
@@ -354,41 +358,58 @@ struct Qpn80 {
     // with their tighter register caps, the PF > 0 kernels and T * MT = 4; on sm_80-89 also the
     // D = 4 kernels, hence QPN80_WIDE_FINISH_D); RB = 8 spills everywhere.
     constexpr int RB = (MINB <= 2 && D > 1 && D <= QPN80_WIDE_FINISH_D && PF == 0 && T * MT <= 2) ? 4 : 2;
-    for (int w0 = fw; w0 <= lw; w0 += RB) {
-      float v[RB][T][MT][4];
+    if constexpr (WIDE_PARTIAL) {
+      // Partials of more than four 16x8 accumulators (the M-band kernels, Qpn80Band): one at a
+      // time, the warp's own re-read from its slot too, so acc is dead by then (else MT = 8 spills).
+      for (int wi = fw; wi <= lw; ++wi) {
+        const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
 #pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        const int wi = w0 + b;
-        if (wi <= lw && wi != gw) {
-          const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
+        for (int j = 0; j < T; ++j)
 #pragma unroll
-          for (int j = 0; j < T; ++j)
+          for (int t = 0; t < MT; ++t) {
+            float v[4];
+            ldcg128f(p + (j * MT + t) * 4, v[0], v[1], v[2], v[3]);
 #pragma unroll
-            for (int t = 0; t < MT; ++t)
-              ldcg128f(p + (j * MT + t) * 4, v[b][j][t][0], v[b][j][t][1], v[b][j][t][2], v[b][j][t][3]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < T; ++j)
-#pragma unroll
-            for (int t = 0; t < MT; ++t)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) v[b][j][t][i] = acc[j][t][i];
-        }
+            for (int i = 0; i < 4; ++i) sum[j][t][i] += v[i];
+          }
       }
+    } else {
+      for (int w0 = fw; w0 <= lw; w0 += RB) {
+        float v[RB][T][MT][4];
 #pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        if (w0 + b <= lw) {
+        for (int b = 0; b < RB; ++b) {
+          const int wi = w0 + b;
+          if (wi <= lw && wi != gw) {
+            const float* p = slot_ptr(a, plane, wi, run_start(wi, q, r) / a.kblocks == grp ? 0 : 1, lane);
 #pragma unroll
-          for (int j = 0; j < T; ++j)
+            for (int j = 0; j < T; ++j)
 #pragma unroll
-            for (int t = 0; t < MT; ++t)
+              for (int t = 0; t < MT; ++t)
+                ldcg128f(p + (j * MT + t) * 4, v[b][j][t][0], v[b][j][t][1], v[b][j][t][2], v[b][j][t][3]);
+          } else {
 #pragma unroll
-              for (int i = 0; i < 4; ++i) sum[j][t][i] += v[b][j][t][i];
+            for (int j = 0; j < T; ++j)
+#pragma unroll
+              for (int t = 0; t < MT; ++t)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v[b][j][t][i] = acc[j][t][i];
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+          if (w0 + b <= lw) {
+#pragma unroll
+            for (int j = 0; j < T; ++j)
+#pragma unroll
+              for (int t = 0; t < MT; ++t)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) sum[j][t][i] += v[b][j][t][i];
+          }
         }
       }
     }
     if (lane == 0) atomicExch(ctr, 0);
-    store(a, grp, m0, lane, sum, cs_tensor);
+    store(a, out_grp, m0, lane, sum, cs_tensor);
   }
 };
 
@@ -570,7 +591,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
       }
       if (++ck == a.kblocks || item + 1 == hi) {
         if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
-        B::finish(a, cg, ck0, ck, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor);
+        B::finish(a, cg, ck0, ck, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor, cg);
         B::zero(acc);
         ++cg;
         ck = ck0 = 0;
@@ -638,7 +659,7 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
           for (int i = 0; i < 4; ++i) sum[j][t][i] += slots[((w * 32 + lane) * PER_LANE) + (j * MT + t) * 4 + i];
     const int gbase = g * a.kblocks;
     B::finish(a, g, max(lo, gbase) - gbase, min(hi, gbase + a.kblocks) - gbase, lo / a.kblocks, unit, q, r, plane,
-              m0, lane, sum, cs_tensor);
+              m0, lane, sum, cs_tensor, g);
   }
 
   QPN_DEV static void run(const Qpn80Args& a, float* red) {
@@ -723,6 +744,190 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
   }
 };
 
+// The M-band kernel (issue 14, item 1): one pass over the weights for a chunk of up to MT token
+// tiles (64 rows at MT = 8). It serves the *_chunked route (M 17-96) on sm_80+, where the route
+// used to launch one grid plane per 16-row chunk, each plane streaming every weight again (the later
+// reads mostly from L2, still one decode per plane). The unit of the stream-K partition is a block
+// of 8 warps and an item is (group of 8 x T weight tiles, one k-block): warp w of the block decodes
+// tiles T (8 g + w) .. + T - 1 of group g, so all 8 warps consume the same k-block at the same time
+// and share its activations. The block copies them (MT x 1 KB per k-block, rows past M as zeros)
+// into a shared-memory ring S k-blocks ahead with cp.async, one barrier per k-block; per k-block a
+// block reads MT KB of activations from L2 next to 8 T weight tiles (4.5 KB of NVFP4 at T = 1).
+// Token tiles wholly past M are neither copied nor multiplied (mt_used), so one MT = 8 kernel serves
+// every M of the band. Weights and group scales go through each warp's register ring (Qpn80's
+// loads, D deep). The split-K finish is Qpn80::finish, per warp on its own tiles: counter and
+// partial-sum plane chunk x 8 + w, so a group's blocks are still added in a fixed order.
+// Shared memory: S x MT KB per block (dynamic; jit.Sm80Kernel.smem_bytes).
+template <class F, int MT, int T, int D, int S, int VAR>
+struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
+  using B = Qpn80<F, MT, T, 1, 0, VAR>;
+  using A = AtomM16N8K16;
+  static_assert(VAR == 0 || VAR == 3, "the band kernel has the plain and the loads-only forms");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  static constexpr int DS = (D % 2 == 0) ? 2 : D;   // as Qpn80::DS
+#else
+  static constexpr int DS = D;
+#endif
+  static constexpr int X_BYTES = A::TOKENS * A::K_BLOCK * 2;       // one token tile's k-block
+  static constexpr int STAGE = MT * X_BYTES;
+  static constexpr int COPIES = STAGE / 16;
+  static constexpr int PER_THREAD = (COPIES + QPN80_THREADS - 1) / QPN80_THREADS;
+  // Activation reads per token tile and k-block: NVFP4 8 bytes per MMA step (layout of Qpn80Ring:
+  // [step][token][8 B per lane quad]), FP8 16 bytes per two steps ([half][lane][16 B]); conflict-free.
+  static constexpr int XU = F::GROUPED ? 4 : 2;
+  static constexpr int XR = 8 / XU;
+  static constexpr int SPU = A::STEPS / XU;   // MMA steps per read
+
+  struct Cursor {   // item g * kblocks + k of the work list
+    int g, k;
+    QPN_DEV void step(int kblocks) {
+      if (++k == kblocks) { k = 0; ++g; }
+    }
+  };
+
+  // Codes (and NVFP4 scales) of this warp's tiles of item c.
+  QPN_DEV static void load_item(const Qpn80Args& a, const Cursor& c, int wib, int n_tiles, int lane,
+                                u32 (&w)[T][F::WORDS]) {
+    const u8* cp[T];
+    const u8* sp[T];
+    B::pointers(a, c.g * QPN80_WARPS + wib, n_tiles, lane, cp, sp);
+    B::load_w(cp, c.k, w);
+  }
+  QPN_DEV static void load_item_sc(const Qpn80Args& a, const Cursor& c, int wib, int n_tiles, int lane,
+                                   u32 (&sc)[T][2]) {
+    const u8* cp[T];
+    const u8* sp[T];
+    B::pointers(a, c.g * QPN80_WARPS + wib, n_tiles, lane, cp, sp);
+    B::load_sc(sp, c.k, sc);
+  }
+
+  QPN_DEV static void issue_x(u32 slot, int kb, const u16* const (&src)[PER_THREAD], const u32 (&dst)[PER_THREAD],
+                              const u32 (&bytes)[PER_THREAD], const bool (&on)[PER_THREAD]) {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i)
+      if (on[i]) cp_async16(slot + dst[i], src[i] + (size_t)kb * A::K_BLOCK, bytes[i]);
+  }
+
+  QPN_DEV static void compute(u32 xs, int lane, const u32 (&w)[T][F::WORDS], const u32 (&sc)[T][2], int mt_used,
+                              float (&acc)[T][MT][4], u32& sink) {
+#pragma unroll
+    for (int u = 0; u < XU; ++u) {
+      u32 xr[MT][XR];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        if (t < mt_used) {
+          const u32 p = xs + t * X_BYTES;
+          if constexpr (F::GROUPED) lds64(p + 256 * u + 32 * (lane >> 2) + 8 * (lane & 3), xr[t][0], xr[t][1]);
+          else lds128(p + 512 * u + 16 * lane, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
+        }
+      }
+      if constexpr (B::LOADS_ONLY) {
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+          if (t < mt_used) sink ^= xr[t][0];
+        continue;
+      }
+#pragma unroll
+      for (int ss = 0; ss < SPU; ++ss) {
+        const int s = u * SPU + ss;
+#pragma unroll
+        for (int j = 0; j < T; ++j) {
+          u32 a0, a1, a2, a3;
+          F::frag(w[j], s, sc[j], a0, a1, a2, a3);
+#pragma unroll
+          for (int t = 0; t < MT; ++t)
+            if (t < mt_used) A::mma(acc[j][t], a0, a1, a2, a3, xr[t][2 * ss], xr[t][2 * ss + 1]);
+        }
+      }
+    }
+    if constexpr (B::LOADS_ONLY) {
+#pragma unroll
+      for (int j = 0; j < T; ++j) {
+#pragma unroll
+        for (int q = 0; q < F::WORDS; ++q) sink ^= w[j][q];
+        sink ^= sc[j][0] ^ sc[j][1];
+      }
+    }
+  }
+
+  QPN_DEV static void run(const Qpn80Args& a, u8* smem) {
+    const int tid = threadIdx.x, lane = tid & 31, wib = tid >> 5;
+    const int chunk = blockIdx.x % a.chunks;
+    const int unit = blockIdx.x / a.chunks;   // a.nwarps counts blocks here
+    if (unit >= a.nwarps) return;             // the whole block: no barrier is left waiting
+    const float cs_tensor = B::result_scale(a);
+    int q, r, lo, hi;
+    B::run_of(a, unit, q, r, lo, hi);
+    const int m0 = chunk * MT * A::TOKENS;
+    const int mt_used = min(MT, (a.m - m0 + A::TOKENS - 1) / A::TOKENS);
+    const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
+    const int plane = chunk * QPN80_WARPS + wib;
+    // This thread's activation copies: copy c = tid + 256 i is token tile c >> 6, token (c >> 3) & 7,
+    // inputs 8 (c & 7) .. +7 of the k-block (the Qpn80Ring layout per token tile).
+    const u16* xsrc[PER_THREAD];
+    u32 xdst[PER_THREAD], xbytes[PER_THREAD];
+    bool xon[PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int c = tid + QPN80_THREADS * i, t = c >> 6, g = (c >> 3) & 7, qc = c & 7;
+      const int tok = m0 + t * A::TOKENS + g;
+      xon[i] = c < COPIES && t < mt_used;
+      xbytes[i] = tok < a.m ? 16u : 0u;
+      xsrc[i] = a.x + (size_t)(tok < a.m ? tok : 0) * a.ldx + 8 * qc;
+      xdst[i] = t * X_BYTES + (F::GROUPED ? 256 * (qc >> 1) + 32 * g + 16 * (qc & 1) : 512 * (qc & 1) + 16 * (4 * g + (qc >> 1)));
+    }
+    const u32 ring = smem_addr(smem);
+    const int first_grp = lo / a.kblocks;
+    Cursor cx{first_grp, lo - first_grp * a.kblocks};   // the next activation copy
+    Cursor cw = cx, cs = cx;                             // the next weight / scale load
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (lo + s < hi) issue_x(ring + s * STAGE, cx.k, xsrc, xdst, xbytes, xon);
+      cp_async_commit();
+      cx.step(a.kblocks);
+    }
+    u32 w[D][T][F::WORDS];
+    u32 sc[DS][T][2];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (lo + d < hi) {
+        load_item(a, cw, wib, n_tiles, lane, w[d]);
+        cw.step(a.kblocks);
+        if (d < DS) { load_item_sc(a, cs, wib, n_tiles, lane, sc[d]); cs.step(a.kblocks); }
+      }
+    }
+    float acc[T][MT][4];
+    B::zero(acc);
+    u32 sink = 0u;
+    int cg = first_grp, ck = lo - first_grp * a.kblocks, ck0 = ck;   // the item consumed
+    for (int base = lo; base < hi; base += D) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int item = base + d;
+        if (item < hi) {   // uniform over the block: every thread meets every barrier
+          cp_async_wait<S - 2>();
+          __syncthreads();   // item's activations are in; every warp is done with the slot refilled next
+          if (item + S - 1 < hi) issue_x(ring + ((item - lo + S - 1) % S) * STAGE, cx.k, xsrc, xdst, xbytes, xon);
+          cp_async_commit();
+          cx.step(a.kblocks);
+          compute(ring + ((item - lo) % S) * STAGE, lane, w[d], sc[d % DS], mt_used, acc, sink);
+          if (item + D < hi) { load_item(a, cw, wib, n_tiles, lane, w[d]); cw.step(a.kblocks); }
+          if (item + DS < hi) { load_item_sc(a, cs, wib, n_tiles, lane, sc[d % DS]); cs.step(a.kblocks); }
+          if (++ck == a.kblocks || item + 1 == hi) {
+            if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+            B::finish(a, cg, ck0, ck, first_grp, unit, q, r, plane, m0, lane, acc, cs_tensor,
+                      cg * QPN80_WARPS + wib);
+            B::zero(acc);
+            ++cg;
+            ck = ck0 = 0;
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+  }
+};
+
 // Reconstruct pass for the *_reconstruct route: packed codes -> FP16 workspace ws[N_pad, K_pad]
 // (row-major) holding the exact FP16 values e2m1 x e4m3 (NVFP4) or e4m3 (FP8). One thread per
 // (tile, k-block, lane): the lane's 16 inputs of rows g and g+8 (where they lie is the fragment's
@@ -786,6 +991,14 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
   extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
     __shared__ __align__(16) float qpn80_red[2 * QPN80_WARPS * 32 * T * MT * 4];             \
     Qpn80Coop<F, MT, T, D, VAR>::run(a, qpn80_red);                                          \
+  }
+
+// M-band kernels (Qpn80Band): dynamic shared memory of S * MT KB per block; the split-K partition
+// counts blocks, each owning a group of 8 x T weight tiles (ops passes blocks as Qpn80Args.nwarps).
+#define QPN80B_ENTRY(NAME, F, MT, T, D, S, MINB, VAR)                                       \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
+    extern __shared__ __align__(16) u8 qpn80_smem[];                                         \
+    Qpn80Band<F, MT, T, D, S, VAR>::run(a, qpn80_smem);                                       \
   }
 
 #define QPN80_RECONSTRUCT_ENTRY(NAME, F)                                                    \
@@ -882,3 +1095,15 @@ QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 2, 0)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 2, 3)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
+// M-band kernels (Qpn80Band): <format>_mt<MT>_m16n8k16_t<T>d<D>s<S>_b<MINB>; one weight pass for up
+// to MT x 8 rows (the *_chunked route on sm_80+, jit.SM80_BAND_KERNELS). At MT = 8 the accumulators
+// alone take 32 registers per tile: the spill-free forms run one block (8 warps) per SM.
+QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d4s4_b1, Frag16NVFP4, 8, 1, 4, 4, 1, 0)
+QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d8s4_b1, Frag16NVFP4, 8, 1, 8, 4, 1, 0)
+QPN80B_ENTRY(qpn2_mt8_m16n8k16_t2d4s4_b1, Frag16NVFP4, 8, 2, 4, 4, 1, 0)
+QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d4s4_b2, Frag16NVFP4, 4, 1, 4, 4, 2, 0)
+QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d4s4_b1_loadonly, Frag16NVFP4, 8, 1, 4, 4, 1, 3)
+QPN80B_ENTRY(qpn8_mt8_m16n8k16_t1d2s4_b1, Frag16FP8, 8, 1, 2, 4, 1, 0)
+QPN80B_ENTRY(qpn8_mt8_m16n8k16_t1d4s4_b1, Frag16FP8, 8, 1, 4, 4, 1, 0)
+QPN80B_ENTRY(qpn8_mt8_m16n8k16_t2d2s4_b1, Frag16FP8, 8, 2, 2, 4, 1, 0)
+QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d1s4_b2, Frag16FP8, 4, 1, 1, 4, 2, 0)
