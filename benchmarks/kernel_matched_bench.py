@@ -422,7 +422,7 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
             key = _sweep_key(m)
             route = str(routes.route_for(fmt, m, n, k, arch="sm80"))
             if key == BAND:   # the M-band kernels, beside the MT = 2 route kernel once per 16-row chunk
-                default = jit.SM80_BAND_KERNELS[formats.FAMILIES[fmt]]
+                default = ops._sm80_kernel_for(routes.as_route(route), m, n)[0]
                 old = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
                 fits = lambda kn, c: c.band or kn == old  # noqa: E731
             else:
@@ -517,7 +517,7 @@ def provenance(args, atom) -> list[str]:
         f"# qpn atom: {atom}; sm_80+ route kernels: "
         + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
         + "".join(f"; {f.family}/mt{mt} with N >= {jit.SM80_LARGE_N}={k}" for (f, mt), k in jit.SM80_LARGE_N_KERNELS.items())
-        + "".join(f"; {f.family}/chunked (M band)={k}" for f, k in jit.SM80_BAND_KERNELS.items())
+        + "".join(f"; {f.family}/chunked (M band)={'/'.join(k)}" for f, k in jit.SM80_BAND_KERNELS.items())
         + f"; split-K min items { {f.family: v for f, v in jit.SM80_MIN_ITEMS.items()} }",
     ]
     if cap >= (8, 0) and atom == "m8n8k4":

@@ -57,12 +57,15 @@ SM80_ROUTE_KERNELS = {
 # Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
 SM80_LARGE_N = 100_000
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
-# The *_chunked route (M 17-96) on sm_80+: the M-band kernel of each format family, one weight pass
-# per chunk of 8 x MT rows (ops._sm80_kernel_for). Before it, the route ran the (family, 2) kernel
-# above once per 16-row chunk.
+# The *_chunked route (M 17-96) on sm_80+: the M-band kernels of a format family, by token tiles (MT)
+# ascending; ops._sm80_kernel_for takes the first whose 8 x MT rows hold M, else the last: one weight
+# pass per chunk of its 8 x MT rows. A family not listed (FP8) runs its (family, 2) kernel above once
+# per 16-row chunk, as the route did before. H200 sweeps 2026-12-01
+# (results/kernel_sm80_band_sweep_h200_20261201.csv, _sweep2_): NVFP4 1.3-1.7x faster than the
+# 16-row chunks at M 17-64 on gate_up and down; the FP8 band forms tie on in_proj and lose on out_proj
+# (QPN80B_ENTRY in the .cu).
 SM80_BAND_KERNELS = {
-    _NVFP4: "qpn2_mt8_m16n8k16_t1d4s4_b1",
-    _FP8: "qpn8_mt8_m16n8k16_t1d2s4_b1",
+    _NVFP4: ("qpn2_mt4_m16n8k16_t1d4s4_b2", "qpn2_mt8_m16n8k16_t1d2s4_b2"),
 }
 # Route kernels whose *_pdl form (VAR 7) ops launches with programmatic dependent launch on sm_90+
 # (ops._pdl_form): every mt1 kernel and the FP8 mt2 ring. Called back to back, they are 1.5-4.5 us
@@ -93,7 +96,8 @@ SM80_FRAGMENTS = {"Frag16NVFP4": _NVFP4, "Frag16FP8": _FP8}
 ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_ROUTE_KERNELS.values())
                                                + list(SM80_LARGE_N_KERNELS.values())
                                                + list(SM80_ROUTE_KERNELS_NO_SMEM.values())
-                                               + list(SM80_BAND_KERNELS.values()))) + ENTRY_POINTS["m16n8k16"]
+                                               + [k for ks in SM80_BAND_KERNELS.values() for k in ks])
+                                 ) + ENTRY_POINTS["m16n8k16"]
 
 
 @dataclass(frozen=True)
@@ -129,15 +133,16 @@ class Sm80Kernel:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block of 256 threads (Qpn80Band: S slots of MT x 1 KB of
-        activations; Qpn80Ring: 8 warps x S slots x STAGE;
+        activations, and of the 8 warps' weight tiles when its register ring depth is 0; Qpn80Ring:
+        8 warps x S slots x STAGE;
         a slot holds the codes and group scales of a 16-row x 64-input block per weight tile, and
         1 KB of activations per token tile unless the kernel reads them from global memory)."""
         if not self.stages:
             return 0
-        if self.band:   # one activation ring per block: S slots of MT x 1 KB
-            return self.stages * self.mt * 1024
         f = self.weight_format
         tile_block = 16 * f.code_cols(64) + 16 * (f.group_scale_cols(64) or 0)
+        if self.band:   # one ring per block: S slots of MT x 1 KB, plus 8 warps' tiles when depth = 0
+            return self.stages * (self.mt * 1024 + (8 * self.tiles * tile_block if self.depth == 0 else 0))
         stage = self.tiles * tile_block + (0 if self.x_global else self.mt * 1024)
         return 8 * self.stages * stage
 

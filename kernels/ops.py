@@ -320,11 +320,14 @@ def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps
 
 def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
     """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows. The
-    *_chunked route runs the M-band kernel (jit.SM80_BAND_KERNELS): one weight pass per 8 x MT rows."""
+    *_chunked route runs an M-band kernel where jit.SM80_BAND_KERNELS lists one for the format (one
+    weight pass per 8 x MT rows), else the MT = 2 kernel once per 16-row chunk."""
     route.check_m(m)
     key = (route.weight_format, route.tiles_per_pass)
-    if route.chunk_rows:
-        name = jit.SM80_BAND_KERNELS[route.weight_format]
+    if route.chunk_rows and route.weight_format in jit.SM80_BAND_KERNELS:
+        bands = jit.SM80_BAND_KERNELS[route.weight_format]
+        kernels = jit.sm80_kernels()
+        name = next((k for k in bands if routes.TILE_ROWS * kernels[k].mt >= m), bands[-1])
     elif n >= jit.SM80_LARGE_N and key in jit.SM80_LARGE_N_KERNELS:
         name = jit.SM80_LARGE_N_KERNELS[key]
     else:

@@ -432,15 +432,21 @@ def test_sm80_kernel_table_and_route_kernels():
     route = routes.as_route
     # the chunked route: the M-band kernel, one weight pass per 8 x MT rows; an MT = 2 kernel named
     # for it (how the route ran before) takes one pass per 16 rows
-    for fmt, name in jit.SM80_BAND_KERNELS.items():
-        cfg = configured[name]
-        assert cfg.band and cfg.variant == 0 and cfg.mt == 8 and name.startswith(fmt.route_prefix)
+    for fmt, names in jit.SM80_BAND_KERNELS.items():
+        cfgs = [configured[n] for n in names]
+        assert all(c.band and c.variant == 0 and c.name.startswith(fmt.route_prefix) for c in cfgs)
+        assert [c.mt for c in cfgs] == sorted(c.mt for c in cfgs) and len({c.mt for c in cfgs}) == len(cfgs)
         chunked = route(fmt.route_prefix + "_chunked")
-        assert ops._sm80_kernel_for(chunked, 17) == (name, 1)
-        assert ops._sm80_kernel_for(chunked, 64) == (name, 1)
-        assert ops._sm80_kernel_for(chunked, 65) == (name, 2)
+        for m in (17, 32, 33, 48, 64, 65, 96):   # the fewest token tiles that hold M, else the widest
+            fit = [c for c in cfgs if 8 * c.mt >= m]
+            want = fit[0] if fit else cfgs[-1]
+            assert ops._sm80_kernel_for(chunked, m) == (want.name, -(-m // (8 * want.mt))), m
+        assert ops._sm80_kernel_for(chunked, 96)[1] == 2
         assert ops._sm80_chunks(chunked, 40, configured[jit.SM80_ROUTE_KERNELS[(fmt, 2)]]) == 3
-        assert ops._sm80_chunks(route(fmt.route_prefix + "_mt2"), 16, cfg) == 1
+        assert ops._sm80_chunks(route(fmt.route_prefix + "_mt2"), 16, cfgs[-1]) == 1
+    # a family without band kernels (FP8: measured slower) keeps the MT = 2 kernel per 16-row chunk
+    assert formats.NVFP4 in jit.SM80_BAND_KERNELS and formats.FP8_TENSOR not in jit.SM80_BAND_KERNELS
+    assert ops._sm80_kernel_for(route("qpn8_chunked"), 40) == (jit.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 2)], 3)
     with pytest.raises(ValueError, match="M <= 8"):
         ops._sm80_kernel_for(route("qpn8"), 9)
     assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "fp8") for c in configured.values())
@@ -502,13 +508,18 @@ def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
 
 def test_band_kernels_shared_memory_is_one_activation_ring_per_block():
     """Qpn80Band: S slots of MT token tiles x 1 KB (64 inputs x 8 tokens x 2 bytes), shared by the
-    block's 8 warps; within the default 48 KB (no opt-in) and MINB blocks per SM."""
+    block's 8 warps; MINB blocks fit an SM, and the route's band kernels fit the default 48 KB of a
+    block on any sm_80+ GPU (no opt-in, hence no fallback kernel: ops._sm80_plan)."""
     bands = {n: c for n, c in jit.sm80_kernels().items() if c.band}
-    assert len(bands) >= 4 and set(jit.SM80_BAND_KERNELS.values()) <= set(bands)
+    routed = {k for ks in jit.SM80_BAND_KERNELS.values() for k in ks}
+    assert len(bands) >= 4 and routed <= set(bands)
     for name, c in bands.items():
-        assert c.stages >= 2 and c.depth >= 1 and c.mt in (4, 8), name
-        assert c.smem_bytes == c.stages * c.mt * 1024 <= 48 * 1024, name
+        assert c.stages >= 2 and c.depth >= 0 and c.mt in (4, 8), name   # depth 0: weights in the ring
+        weights = 0 if c.depth else 8 * c.tiles * (16 * 32 + 64 if c.frag.startswith("Frag16NVFP4") else 32 * 32)
+        assert c.smem_bytes == c.stages * (c.mt * 1024 + weights) <= 227 * 1024, name
         assert c.min_blocks * (c.smem_bytes + 1024) <= 228 * 1024, name
+        if name in routed:
+            assert c.smem_bytes <= 48 * 1024, name
 
 
 def _band_partition(n, kblocks, tiles, chunks, resident_blocks, min_items):

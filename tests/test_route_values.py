@@ -145,8 +145,10 @@ def test_no_route_name_parsing_outside_routes_py():
 # (N < jit.SM80_LARGE_N, ring fits a block), (N small, ring too large for the GPU's block),
 # (N >= SM80_LARGE_N, fits), (N large, too large). A deliberate route->kernel change (a new sweep
 # winner) updates this table in the same commit. The chunked route on m16n8k16 moved to the M-band
-# kernels (one weight pass per 64 rows; their 32 KB of shared memory fit any sm_80+ block without
-# opt-in, so they have no fallback), and its chunk planes follow the kernel: ceil(M / 64).
+# kernels for NVFP4 (one weight pass per 32 or 64 rows; their 16-32 KB of shared memory fit any sm_80+
+# block without opt-in, so they have no fallback): the 4-tile kernel up to M = 32, above it the 8-tile
+# one, and the chunk planes follow the kernel: ceil(M / (8 x its token tiles)). FP8 kept its 16-row
+# chunks.
 _M4 = "m8n8k4"
 KERNEL_SYMBOLS = {
     ("qpn2", _M4): ("qpn2_mt1_m8n8k4",) * 4,
@@ -160,11 +162,12 @@ KERNEL_SYMBOLS = {
     ("qpn2", "m16n8k16"): ("qpn2_mt1_m16n8k16_t2d4p0", "qpn2_mt1_m16n8k16_t2d4p0",
                            "qpn2_mt1_m16n8k16_t4s4", "qpn2_mt1_m16n8k16_t2d4p0"),
     ("qpn2_mt2", "m16n8k16"): ("qpn2_mt2_m16n8k16_t2s4x", "qpn2_mt2_m16n8k16_t1d4p8") * 2,
-    ("qpn2_chunked", "m16n8k16"): ("qpn2_mt8_m16n8k16_t1d4s4_b1",) * 4,   # the M-band kernel (issue 14)
+    ("qpn2_chunked", "m16n8k16"): ("qpn2_mt4_m16n8k16_t1d4s4_b2",) * 4,   # M-band kernels (issue 14): M <= 32
+    ("qpn2_chunked", "m16n8k16", "M > 32"): ("qpn2_mt8_m16n8k16_t1d2s4_b2",) * 4,
     ("qpn2_reconstruct", "m16n8k16"): ("qpn2_reconstruct_ws_m16n8k16",) * 4,
     ("qpn8", "m16n8k16"): ("qpn8_mt1_m16n8k16_t2d2c",) * 4,
     ("qpn8_mt2", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,
-    ("qpn8_chunked", "m16n8k16"): ("qpn8_mt8_m16n8k16_t1d2s4_b1",) * 4,
+    ("qpn8_chunked", "m16n8k16"): ("qpn8_mt2_m16n8k16_t2s3x", "qpn8_mt2_m16n8k16_t1d4p0") * 2,   # 16-row chunks
     ("qpn8_reconstruct", "m16n8k16"): ("qpn8_reconstruct_ws_m16n8k16",) * 4,
 }
 
@@ -197,9 +200,10 @@ def test_every_format_route_and_arch_runs_the_same_kernel_as_before():
                 continue
             for arch in routes.KNOWN_ARCHS:
                 atom = atom_for_arch(jit.arch_number(arch))
-                want = dict(zip([(False, True), (False, False), (True, True), (True, False)],
-                                KERNEL_SYMBOLS[(str(route), atom)]))
-                for m in (1, 8, 9, 16, 17, 96, 97, 4096):
+                for m in (1, 8, 9, 16, 17, 32, 33, 96, 97, 4096):
+                    wide = (str(route), atom, "M > 32") in KERNEL_SYMBOLS and m > 32
+                    want = dict(zip([(False, True), (False, False), (True, True), (True, False)],
+                                    KERNEL_SYMBOLS[(str(route), atom) + (("M > 32",) if wide else ())]))
                     for n in (5120, jit.SM80_LARGE_N):
                         for fits in (True, False):
                             if route.kernel_max_m is not None and m > route.kernel_max_m:
@@ -207,12 +211,15 @@ def test_every_format_route_and_arch_runs_the_same_kernel_as_before():
                                     _kernel_symbol(route, m, n, atom, fits)
                                 continue
                             got = _kernel_symbol(route, m, n, atom, fits)
-                            chunks = -(-m // 64) if route.chunk_rows and atom == "m16n8k16" else route.chunks(m)
+                            band_rows = 64 if wide else 32
+                            banded = route.chunk_rows and atom == "m16n8k16" and fmt.family == "nvfp4"
+                            chunks = -(-m // band_rows) if banded else route.chunks(m)
                             assert got == (want[(n >= jit.SM80_LARGE_N, fits)], chunks), (
                                 fmt.key, str(route), arch, m, n, fits)
                             checked += 1
-    assert checked == 1584  # 3 formats x 4 routes x 6 archs x 32 cases, less the M a route refuses
+    assert checked == 1872  # 3 formats x 4 routes x 6 archs x 40 cases, less the M a route refuses
     # every kernel the sm_80+ tables name is one of the symbols above
     named = {k for t in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS, jit.SM80_ROUTE_KERNELS_NO_SMEM,
-                         jit.SM80_BAND_KERNELS) for k in t.values()}
+                         {k: v for k, v in enumerate(b for bs in jit.SM80_BAND_KERNELS.values() for b in bs)})
+             for k in t.values()}
     assert named <= {s for v in KERNEL_SYMBOLS.values() for s in v}

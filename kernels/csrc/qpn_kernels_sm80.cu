@@ -753,9 +753,9 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
 // and share its activations. The block copies them (MT x 1 KB per k-block, rows past M as zeros)
 // into a shared-memory ring S k-blocks ahead with cp.async, one barrier per k-block; per k-block a
 // block reads MT KB of activations from L2 next to 8 T weight tiles (4.5 KB of NVFP4 at T = 1).
-// Token tiles wholly past M are neither copied nor multiplied (mt_used), so one MT = 8 kernel serves
-// every M of the band. Weights and group scales go through each warp's register ring (Qpn80's
-// loads, D deep). The split-K finish is Qpn80::finish, per warp on its own tiles: counter and
+// Every token tile is multiplied, rows past M as zeros (a per-tile test in the inner loop cost
+// more than the tiles it saves: ops picks the smallest MT that holds M instead, jit.SM80_BAND_KERNELS).
+// Weights and group scales go through each warp's register ring (Qpn80's loads, D deep). The split-K finish is Qpn80::finish, per warp on its own tiles: counter and
 // partial-sum plane chunk x 8 + w, so a group's blocks are still added in a fixed order.
 // Shared memory: S x MT KB per block (dynamic; jit.Sm80Kernel.smem_bytes).
 template <class F, int MT, int T, int D, int S, int VAR>
@@ -763,14 +763,22 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
   using B = Qpn80<F, MT, T, 1, 0, VAR>;
   using A = AtomM16N8K16;
   static_assert(VAR == 0 || VAR == 3, "the band kernel has the plain and the loads-only forms");
+  // D = 0: the codes and scales go through the shared-memory ring too, S - 1 k-blocks ahead, with no
+  // register cost (the register ring's few warps per SM kept too few weight bytes in flight).
+  static constexpr bool WS = D == 0;
+  static constexpr int DR = WS ? 1 : D;   // register ring depth (array sizes; unused when WS)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
-  static constexpr int DS = (D % 2 == 0) ? 2 : D;   // as Qpn80::DS
+  static constexpr int DS = (DR % 2 == 0) ? 2 : DR;   // as Qpn80::DS
 #else
-  static constexpr int DS = D;
+  static constexpr int DS = DR;
 #endif
+  using R = Qpn80Ring<F, MT, T, 2, 1, VAR>;   // its chunk_pos: the conflict-free codes layout
   static constexpr int X_BYTES = A::TOKENS * A::K_BLOCK * 2;       // one token tile's k-block
-  static constexpr int STAGE = MT * X_BYTES;
-  static constexpr int COPIES = STAGE / 16;
+  static constexpr int X_PART = MT * X_BYTES;
+  static constexpr int W_BYTES = F::WORDS * 4 * 32, SC_BYTES = F::GROUPED ? A::SCALE_BLOCK_BYTES : 0;
+  static constexpr int W_TILE = W_BYTES + SC_BYTES;
+  static constexpr int STAGE = X_PART + (WS ? QPN80_WARPS * T * W_TILE : 0);
+  static constexpr int COPIES = X_PART / 16;
   static constexpr int PER_THREAD = (COPIES + QPN80_THREADS - 1) / QPN80_THREADS;
   // Activation reads per token tile and k-block: NVFP4 8 bytes per MMA step (layout of Qpn80Ring:
   // [step][token][8 B per lane quad]), FP8 16 bytes per two steps ([half][lane][16 B]); conflict-free.
@@ -785,20 +793,16 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
     }
   };
 
-  // Codes (and NVFP4 scales) of this warp's tiles of item c.
-  QPN_DEV static void load_item(const Qpn80Args& a, const Cursor& c, int wib, int n_tiles, int lane,
-                                u32 (&w)[T][F::WORDS]) {
+  // Codes and/or NVFP4 scales of this warp's tiles of item (g, k) (one address computation for both
+  // where the two rings are equally deep).
+  template <bool CODES, bool SCALES>
+  QPN_DEV static void load_item(const Qpn80Args& a, int g, int k, int wib, int n_tiles, int lane,
+                                u32 (&w)[T][F::WORDS], u32 (&sc)[T][2]) {
     const u8* cp[T];
     const u8* sp[T];
-    B::pointers(a, c.g * QPN80_WARPS + wib, n_tiles, lane, cp, sp);
-    B::load_w(cp, c.k, w);
-  }
-  QPN_DEV static void load_item_sc(const Qpn80Args& a, const Cursor& c, int wib, int n_tiles, int lane,
-                                   u32 (&sc)[T][2]) {
-    const u8* cp[T];
-    const u8* sp[T];
-    B::pointers(a, c.g * QPN80_WARPS + wib, n_tiles, lane, cp, sp);
-    B::load_sc(sp, c.k, sc);
+    B::pointers(a, g * QPN80_WARPS + wib, n_tiles, lane, cp, sp);
+    if constexpr (CODES) B::load_w(cp, k, w);
+    if constexpr (SCALES) B::load_sc(sp, k, sc);
   }
 
   QPN_DEV static void issue_x(u32 slot, int kb, const u16* const (&src)[PER_THREAD], const u32 (&dst)[PER_THREAD],
@@ -808,23 +812,51 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
       if (on[i]) cp_async16(slot + dst[i], src[i] + (size_t)kb * A::K_BLOCK, bytes[i]);
   }
 
-  QPN_DEV static void compute(u32 xs, int lane, const u32 (&w)[T][F::WORDS], const u32 (&sc)[T][2], int mt_used,
+  // WS: this warp's T tiles of item (g, k) into the stage at slot (codes in Qpn80Ring's layout).
+  QPN_DEV static void issue_w(const Qpn80Args& a, u32 slot, int g, int k, int wib, int n_tiles, int lane) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      const int tile = min((g * QPN80_WARPS + wib) * T + j, n_tiles - 1);
+      const size_t blk = (size_t)tile * a.kblocks + k;
+      const u32 base = slot + X_PART + (wib * T + j) * W_TILE;
+      const u8* c = a.codes + blk * W_BYTES;
+#pragma unroll
+      for (int h = 0; h < R::H; ++h) {
+        const int ch = lane + 32 * h;
+        cp_async16(base + 16 * R::chunk_pos(ch), c + 16 * ch, 16u);
+      }
+      if constexpr (F::GROUPED) {
+        if (lane < 4) cp_async16(base + W_BYTES + 16 * lane, a.scales + blk * A::SCALE_BLOCK_BYTES + 16 * lane, 16u);
+      }
+    }
+  }
+  QPN_DEV static void read_w(u32 slot, int wib, int lane, u32 (&w)[T][F::WORDS], u32 (&sc)[T][2]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      const u32 base = slot + X_PART + (wib * T + j) * W_TILE;
+#pragma unroll
+      for (int h = 0; h < R::H; ++h)
+        lds128(base + 16 * R::chunk_pos(R::H * lane + h), w[j][4 * h], w[j][4 * h + 1], w[j][4 * h + 2],
+               w[j][4 * h + 3]);
+      if constexpr (F::GROUPED) lds64(base + W_BYTES + 8 * (lane >> 2), sc[j][0], sc[j][1]);
+      else sc[j][0] = sc[j][1] = 0u;
+    }
+  }
+
+  QPN_DEV static void compute(u32 xs, int lane, const u32 (&w)[T][F::WORDS], const u32 (&sc)[T][2],
                               float (&acc)[T][MT][4], u32& sink) {
 #pragma unroll
     for (int u = 0; u < XU; ++u) {
       u32 xr[MT][XR];
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        if (t < mt_used) {
-          const u32 p = xs + t * X_BYTES;
-          if constexpr (F::GROUPED) lds64(p + 256 * u + 32 * (lane >> 2) + 8 * (lane & 3), xr[t][0], xr[t][1]);
-          else lds128(p + 512 * u + 16 * lane, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
-        }
+        const u32 p = xs + t * X_BYTES;
+        if constexpr (F::GROUPED) lds64(p + 256 * u + 32 * (lane >> 2) + 8 * (lane & 3), xr[t][0], xr[t][1]);
+        else lds128(p + 512 * u + 16 * lane, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
       }
       if constexpr (B::LOADS_ONLY) {
 #pragma unroll
-        for (int t = 0; t < MT; ++t)
-          if (t < mt_used) sink ^= xr[t][0];
+        for (int t = 0; t < MT; ++t) sink ^= xr[t][0];
         continue;
       }
 #pragma unroll
@@ -835,8 +867,7 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
           u32 a0, a1, a2, a3;
           F::frag(w[j], s, sc[j], a0, a1, a2, a3);
 #pragma unroll
-          for (int t = 0; t < MT; ++t)
-            if (t < mt_used) A::mma(acc[j][t], a0, a1, a2, a3, xr[t][2 * ss], xr[t][2 * ss + 1]);
+          for (int t = 0; t < MT; ++t) A::mma(acc[j][t], a0, a1, a2, a3, xr[t][2 * ss], xr[t][2 * ss + 1]);
         }
       }
     }
@@ -859,11 +890,10 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
     int q, r, lo, hi;
     B::run_of(a, unit, q, r, lo, hi);
     const int m0 = chunk * MT * A::TOKENS;
-    const int mt_used = min(MT, (a.m - m0 + A::TOKENS - 1) / A::TOKENS);
     const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
     const int plane = chunk * QPN80_WARPS + wib;
     // This thread's activation copies: copy c = tid + 256 i is token tile c >> 6, token (c >> 3) & 7,
-    // inputs 8 (c & 7) .. +7 of the k-block (the Qpn80Ring layout per token tile).
+    // inputs 8 (c & 7) .. +7 of the k-block (the Qpn80Ring layout per token tile); rows past M as zeros.
     const u16* xsrc[PER_THREAD];
     u32 xdst[PER_THREAD], xbytes[PER_THREAD];
     bool xon[PER_THREAD];
@@ -871,58 +901,74 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
     for (int i = 0; i < PER_THREAD; ++i) {
       const int c = tid + QPN80_THREADS * i, t = c >> 6, g = (c >> 3) & 7, qc = c & 7;
       const int tok = m0 + t * A::TOKENS + g;
-      xon[i] = c < COPIES && t < mt_used;
+      xon[i] = c < COPIES;
       xbytes[i] = tok < a.m ? 16u : 0u;
       xsrc[i] = a.x + (size_t)(tok < a.m ? tok : 0) * a.ldx + 8 * qc;
       xdst[i] = t * X_BYTES + (F::GROUPED ? 256 * (qc >> 1) + 32 * g + 16 * (qc & 1) : 512 * (qc & 1) + 16 * (4 * g + (qc >> 1)));
     }
     const u32 ring = smem_addr(smem);
     const int first_grp = lo / a.kblocks;
-    Cursor cx{first_grp, lo - first_grp * a.kblocks};   // the next activation copy
-    Cursor cw = cx, cs = cx;                             // the next weight / scale load
+    Cursor cx{first_grp, lo - first_grp * a.kblocks};   // the next activation copy (crosses groups)
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
-      if (lo + s < hi) issue_x(ring + s * STAGE, cx.k, xsrc, xdst, xbytes, xon);
+      if (lo + s < hi) {
+        issue_x(ring + s * STAGE, cx.k, xsrc, xdst, xbytes, xon);
+        if constexpr (WS) issue_w(a, ring + s * STAGE, cx.g, cx.k, wib, n_tiles, lane);
+      }
       cp_async_commit();
       cx.step(a.kblocks);
     }
-    u32 w[D][T][F::WORDS];
+    u32 w[DR][T][F::WORDS];
     u32 sc[DS][T][2];
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      if (lo + d < hi) {
-        load_item(a, cw, wib, n_tiles, lane, w[d]);
-        cw.step(a.kblocks);
-        if (d < DS) { load_item_sc(a, cs, wib, n_tiles, lane, sc[d]); cs.step(a.kblocks); }
-      }
-    }
-    float acc[T][MT][4];
-    B::zero(acc);
     u32 sink = 0u;
-    int cg = first_grp, ck = lo - first_grp * a.kblocks, ck0 = ck;   // the item consumed
-    for (int base = lo; base < hi; base += D) {
+    int rel = 0;   // items consumed: the activation slot is rel % S
+    // One segment per group of the run: the weight ring restarts per segment (as Qpn80::segment), so
+    // the split-K finish is emitted once, outside the unrolled loop (inside it, D copies of the finish
+    // made the loop body several times the instruction cache).
+    for (int g = first_grp; g * a.kblocks < hi; ++g) {
+      const int kb0 = max(lo - g * a.kblocks, 0), kb1 = min(hi - g * a.kblocks, a.kblocks);
 #pragma unroll
-      for (int d = 0; d < D; ++d) {
-        const int item = base + d;
-        if (item < hi) {   // uniform over the block: every thread meets every barrier
-          cp_async_wait<S - 2>();
-          __syncthreads();   // item's activations are in; every warp is done with the slot refilled next
-          if (item + S - 1 < hi) issue_x(ring + ((item - lo + S - 1) % S) * STAGE, cx.k, xsrc, xdst, xbytes, xon);
-          cp_async_commit();
-          cx.step(a.kblocks);
-          compute(ring + ((item - lo) % S) * STAGE, lane, w[d], sc[d % DS], mt_used, acc, sink);
-          if (item + D < hi) { load_item(a, cw, wib, n_tiles, lane, w[d]); cw.step(a.kblocks); }
-          if (item + DS < hi) { load_item_sc(a, cs, wib, n_tiles, lane, sc[d % DS]); cs.step(a.kblocks); }
-          if (++ck == a.kblocks || item + 1 == hi) {
-            if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
-            B::finish(a, cg, ck0, ck, first_grp, unit, q, r, plane, m0, lane, acc, cs_tensor,
-                      cg * QPN80_WARPS + wib);
-            B::zero(acc);
-            ++cg;
-            ck = ck0 = 0;
+      for (int d = 0; d < D; ++d) {   // (none when WS)
+        if (kb0 + d < kb1) {
+          if (d < DS) load_item<true, true>(a, g, kb0 + d, wib, n_tiles, lane, w[d], sc[d % DS]);
+          else load_item<true, false>(a, g, kb0 + d, wib, n_tiles, lane, w[d], sc[0]);
+        }
+      }
+      float acc[T][MT][4];
+      B::zero(acc);
+      for (int kb = kb0; kb < kb1; kb += DR) {
+#pragma unroll
+        for (int d = 0; d < DR; ++d) {
+          const int k = kb + d;
+          if (k < kb1) {   // uniform over the block: every thread meets every barrier
+            cp_async_wait<S - 2>();
+            __syncthreads();   // item's operands are in; every warp is done with the slot refilled next
+            if (lo + rel + S - 1 < hi) {
+              const u32 next = ring + ((rel + S - 1) % S) * STAGE;
+              issue_x(next, cx.k, xsrc, xdst, xbytes, xon);
+              if constexpr (WS) issue_w(a, next, cx.g, cx.k, wib, n_tiles, lane);
+            }
+            cp_async_commit();
+            cx.step(a.kblocks);
+            const u32 cur = ring + (rel % S) * STAGE;
+            ++rel;
+            if constexpr (WS) {
+              read_w(cur, wib, lane, w[0], sc[0]);
+              compute(cur, lane, w[0], sc[0], acc, sink);
+              continue;
+            }
+            compute(cur, lane, w[d], sc[d % DS], acc, sink);
+            if constexpr (DS == D) {   // codes and scales of the same item: one address computation
+              if (k + D < kb1) load_item<true, true>(a, g, k + D, wib, n_tiles, lane, w[d], sc[d]);
+            } else {
+              if (k + D < kb1) load_item<true, false>(a, g, k + D, wib, n_tiles, lane, w[d], sc[0]);
+              if (k + DS < kb1) load_item<false, true>(a, g, k + DS, wib, n_tiles, lane, w[d], sc[d % DS]);
+            }
           }
         }
       }
+      if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
+      B::finish(a, g, kb0, kb1, first_grp, unit, q, r, plane, m0, lane, acc, cs_tensor, g * QPN80_WARPS + wib);
     }
     cp_async_wait<0>();
   }
@@ -1095,15 +1141,24 @@ QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 2, 0)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 2, 3)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
-// M-band kernels (Qpn80Band): <format>_mt<MT>_m16n8k16_t<T>d<D>s<S>_b<MINB>; one weight pass for up
-// to MT x 8 rows (the *_chunked route on sm_80+, jit.SM80_BAND_KERNELS). At MT = 8 the accumulators
-// alone take 32 registers per tile: the spill-free forms run one block (8 warps) per SM.
-QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d4s4_b1, Frag16NVFP4, 8, 1, 4, 4, 1, 0)
+// M-band kernels (Qpn80Band): <format>_mt<MT>_m16n8k16_t<T>d<D>s<S>_b<MINB> (D = 0: the weights
+// through the shared ring too). H200 sweeps, 2026-12-01, against the MT = 2 route kernels once per
+// 16-row chunk (results/kernel_sm80_band_sweep_h200_20261201.csv, _sweep2_ the same with the D = 0
+// forms): NVFP4 gains at every M -- gate_up 68.5 vs 98.3 us at M = 17 and 32 (mt4 t1d4s4_b2),
+// 108 vs 188 us at M = 64 (mt8 t1d2s4_b2); down 41.5 vs 53.9 and 77.2 vs 97.8 us -- and serves the
+// chunked route (jit.SM80_BAND_KERNELS). FP8 does not: the best FP8 band form ties the 16-row chunks on
+// in_proj (40.0 vs 40.4 us at M = 17, 68.4 vs 71.0 at 64) and loses on out_proj (24.4 vs 21.9 us),
+// so FP8 keeps them; its forms stay as measured variants. Where the band kernel's time goes: every
+// warp reads the whole MT x 1 KB activation slot from shared memory per 16-row tile, 16 times the
+// tile's NVFP4 bytes at MT = 8, and the SM's shared-memory bandwidth caps the loop (the loads-only
+// form, no decode and no MMA, is as slow: 103 us on gate_up). Dropped after the sweeps (commit
+// history): one-block register rings at MT = 8 (t1d4s4_b1, t2d4s4_b1; FP8 t1d2s4_b1, t1d4s4_b1,
+// t1d1s4_b2) and the D = 0 forms at MT = 8 (t1d0s8_b2, t1d0s16_b1; FP8 t1d0s6_b2).
 QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d8s4_b1, Frag16NVFP4, 8, 1, 8, 4, 1, 0)
-QPN80B_ENTRY(qpn2_mt8_m16n8k16_t2d4s4_b1, Frag16NVFP4, 8, 2, 4, 4, 1, 0)
 QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d4s4_b2, Frag16NVFP4, 4, 1, 4, 4, 2, 0)
 QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d4s4_b1_loadonly, Frag16NVFP4, 8, 1, 4, 4, 1, 3)
-QPN80B_ENTRY(qpn8_mt8_m16n8k16_t1d2s4_b1, Frag16FP8, 8, 1, 2, 4, 1, 0)
-QPN80B_ENTRY(qpn8_mt8_m16n8k16_t1d4s4_b1, Frag16FP8, 8, 1, 4, 4, 1, 0)
 QPN80B_ENTRY(qpn8_mt8_m16n8k16_t2d2s4_b1, Frag16FP8, 8, 2, 2, 4, 1, 0)
 QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d1s4_b2, Frag16FP8, 4, 1, 1, 4, 2, 0)
+QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d2s4_b2, Frag16NVFP4, 8, 1, 2, 4, 2, 0)
+QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d0s12_b2, Frag16NVFP4, 4, 1, 0, 12, 2, 0)
+QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d0s8_b2, Frag16FP8, 4, 1, 0, 8, 2, 0)
