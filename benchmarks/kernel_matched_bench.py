@@ -297,9 +297,10 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
             else:   # loud, and not timed: a wrong result has no speed
                 print(f"ERROR {name} M={m}: {plain_name} differs from the qpn arm's result; qpn_plain arm not "
                       "timed", flush=True)
-        if packs[0].atom == "m16n8k16" and routes.as_route(route).chunk_rows:
-            # the chunked route as it ran before the M-band kernel: the MT = 2 route kernel once per
-            # 16-row chunk, each chunk streaming the weights again
+        if packs[0].atom == "m16n8k16" and routes.as_route(route).chunk_rows \
+                and formats.FAMILIES[fmt] in jit.SM80_BAND_KERNELS:
+            # the chunked route as it ran before the M-band kernels: the MT = 2 route kernel once per
+            # 16-row chunk, each chunk streaming the weights again (FP8 still runs it: no such arm)
             k16 = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
             arms.insert(1, ("qpn_chunk16", k16, qbytes, lambda i: ops.run_sm80_kernel(x, packs[i % n_q], k16, route)))
         if fmt == "fp8":
@@ -596,18 +597,23 @@ def targets(rows) -> list[dict]:
 
 def band_table(rows) -> list[str]:
     """Issue 14 item 1, the M band (the *_chunked route, M 17-96): graph microseconds per TP1 shape
-    and M of the qpn arm (one weight pass per 64 rows, the M-band kernel), of qpn_chunk16 (the same
-    route as it ran before: the MT = 2 kernel once per 16-row chunk) and of the torch peers, with
-    qpn's share of the read ceiling and its speed-up over the other arms. Empty without such rows."""
+    and M of the qpn arm (NVFP4: one weight pass per 32 or 64 rows, the M-band kernels; FP8: its
+    16-row chunks), of qpn_chunk16 (an NVFP4 route as it ran before: the MT = 2 kernel once per 16-row
+    chunk) and of the torch peers, with qpn's share of the read ceiling and its speed-up over the
+    other arms. A qpn_chunk16 row of a format without band kernels (FP8 runs the same kernel in both
+    arms) is left out. Empty without such rows."""
     arms = ("qpn", "qpn_chunk16", "torch_fp16", "scaled_mm")
+    banded = {f.family for f in jit.SM80_BAND_KERNELS}
     cells = {(r["shape"], int(r["m"]), r["arm"]): r for r in rows
-             if r["m"] > routes.M_MT2_MAX and r["arm"] in arms and r["shape"].startswith("tp1_")}
+             if r["m"] > routes.M_MT2_MAX and r["arm"] in arms and r["shape"].startswith("tp1_")
+             and (r["arm"] != "qpn_chunk16" or SHAPES[r["shape"]][0] in banded)}
     keys = sorted({(s, m) for s, m, _ in cells}, key=lambda sm: (list(SHAPES).index(sm[0]), sm[1]))
     if not keys:
         return []
     lines = ["", "## M band (the *_chunked route), graph replay", "",
-             "qpn: one weight pass per 64 rows (the M-band kernel); qpn_chunk16: the same route as it ran before, "
-             "the MT = 2 kernel once per 16-row chunk, each chunk streaming the weights again", "",
+             "qpn: the route (NVFP4: one weight pass per 32 or 64 rows, the M-band kernels; FP8: the MT = 2 kernel "
+             "once per 16-row chunk); qpn_chunk16: an NVFP4 route as it ran before, the MT = 2 kernel once per "
+             "16-row chunk, each chunk streaming the weights again", "",
              "| shape | M | qpn us | qpn % read | qpn_chunk16 us | torch_fp16 us | scaled_mm us | "
              "x vs qpn_chunk16 | x vs torch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for shape, m in keys:
