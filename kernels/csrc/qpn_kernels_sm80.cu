@@ -1143,17 +1143,19 @@ QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 2, 3)
 QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
 // M-band kernels (Qpn80Band): <format>_mt<MT>_m16n8k16_t<T>d<D>s<S>_b<MINB> (D = 0: the weights
 // through the shared ring too). H200 sweeps, 2026-12-01, against the MT = 2 route kernels once per
-// 16-row chunk (results/kernel_sm80_band_sweep_h200_20261201.csv, _sweep2_ the same with the D = 0
-// forms): NVFP4 gains at every M -- gate_up 68.5 vs 98.3 us at M = 17 and 32 (mt4 t1d4s4_b2),
+// 16-row chunk (results/kernel_sm80_band_sweep_h200_20261201.csv; _sweep2_ adds the D = 0 forms,
+// _sweep3_ the T = 2 forms): NVFP4 gains at every M -- gate_up 68.5 vs 98.3 us at M = 17 and 32 (mt4 t1d4s4_b2),
 // 108 vs 188 us at M = 64 (mt8 t1d2s4_b2); down 41.5 vs 53.9 and 77.2 vs 97.8 us -- and serves the
 // chunked route (jit.SM80_BAND_KERNELS). FP8 does not: the best FP8 band form ties the 16-row chunks on
 // in_proj (40.0 vs 40.4 us at M = 17, 68.4 vs 71.0 at 64) and loses on out_proj (24.4 vs 21.9 us),
-// so FP8 keeps them; its forms stay as measured variants. Where the band kernel's time goes: every
-// warp reads the whole MT x 1 KB activation slot from shared memory per 16-row tile, 16 times the
-// tile's NVFP4 bytes at MT = 8, and the SM's shared-memory bandwidth caps the loop (the loads-only
-// form, no decode and no MMA, is as slow: 103 us on gate_up). Dropped after the sweeps (commit
-// history): one-block register rings at MT = 8 (t1d4s4_b1, t2d4s4_b1; FP8 t1d2s4_b1, t1d4s4_b1,
-// t1d1s4_b2) and the D = 0 forms at MT = 8 (t1d0s8_b2, t1d0s16_b1; FP8 t1d0s6_b2).
+// so FP8 keeps them; its forms stay as measured variants. Where the band kernel's time goes is not
+// settled: its loads alone (the loads-only form, no decode, no MMA) take as long as the whole kernel
+// (103 vs 108 us on gate_up at M = 64, about 20% of the read ceiling), deeper weight rings (D = 8,
+// or the weights through the shared ring) do not help, and neither do two tiles per warp, which
+// halve the activation reads per weight byte (sweep3: at best 2% faster, slower on most shapes). Dropped
+// after the sweeps (commit history): one-block register rings at MT = 8 (t1d4s4_b1, t2d4s4_b1; FP8
+// t1d2s4_b1, t1d4s4_b1, t1d1s4_b2), the D = 0 forms at MT = 8 (t1d0s8_b2, t1d0s16_b1; FP8 t1d0s6_b2)
+// and the T = 2 forms (t2d2s4_b2, t2d0s6_b1; FP8 t2d1s4_b2, t2d0s5_b2).
 QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d8s4_b1, Frag16NVFP4, 8, 1, 8, 4, 1, 0)
 QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d4s4_b2, Frag16NVFP4, 4, 1, 4, 4, 2, 0)
 QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d4s4_b1_loadonly, Frag16NVFP4, 8, 1, 4, 4, 1, 3)
