@@ -413,12 +413,7 @@ def test_sm80_block_cooperative_kernels_on_edge_partitions(fmt, n, k):
     """Qpn80Coop: one k-block per group (every warp flushes groups it has no item in), a single
     tile row split over many blocks, rows past N in the last group; bound met, and the same bits
     on a second run (the in-block and the cross-block sums both go in a fixed order)."""
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(31)
-    packed = _packed_m16n8k16(fmt, n, k, dev, gen)
-    x = _activations(40, k, dev, gen)
-    y64 = reference.linear_f64(x, packed)
-    prefix = routes.ROUTE_PREFIX[fmt]
+    packed, x, y64, prefix = _edge_case(fmt, n, k, 31, 40)
     coop = [name for name, cfg in jit.sm80_kernels().items()
             if cfg.coop and cfg.variant == 0 and name.startswith(prefix)]
     assert coop
@@ -426,12 +421,28 @@ def test_sm80_block_cooperative_kernels_on_edge_partitions(fmt, n, k):
         cfg = jit.sm80_kernels()[name]
         for m in ((1, 8) if cfg.mt == 1 else (9, 16, 40)):
             route = prefix if cfg.mt == 1 else (prefix + "_mt2" if m <= 16 else prefix + "_chunked")
-            y = ops.run_sm80_kernel(x[:m], packed, name, route)
-            y2 = ops.run_sm80_kernel(x[:m], packed, name, route)
-            torch.cuda.synchronize()
-            rel = reference.relative_error(y, y64[:m])
-            assert rel <= BOUND, (name, n, k, m, rel)
-            assert torch.equal(y, y2), (name, n, k, m)
+            _twice_within_bound(x[:m], packed, name, route, y64[:m])
+
+
+def _edge_case(fmt, n, k, seed, rows):
+    """(packed weight, activations of ``rows`` rows, their float64 product, route prefix) of one
+    edge-partition case."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    packed = _packed_m16n8k16(fmt, n, k, dev, gen)
+    x = _activations(rows, k, dev, gen)
+    return packed, x, reference.linear_f64(x, packed), routes.ROUTE_PREFIX[fmt]
+
+
+def _twice_within_bound(x, packed, name, route, y64):
+    """Runs kernel ``name`` twice: the bound is met and the second run gives the same bits."""
+    y = ops.run_sm80_kernel(x, packed, name, route)
+    y2 = ops.run_sm80_kernel(x, packed, name, route)
+    torch.cuda.synchronize()
+    rel = reference.relative_error(y, y64)
+    assert rel <= BOUND, (name, packed.n, packed.k, x.shape[0], rel)
+    assert torch.equal(y, y2), (name, packed.n, packed.k, x.shape[0])
+    return y, rel
 
 
 @pytest.mark.gpu
@@ -439,29 +450,19 @@ def test_sm80_block_cooperative_kernels_on_edge_partitions(fmt, n, k):
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("n,k", [(48, 64), (1040, 192), (16, 8192), (4000, 5120)])
 def test_sm80_band_kernels_on_edge_partitions(fmt, n, k):
-    """Qpn80Band (the *_chunked route, one weight pass per 64 rows): one k-block per group, a
+    """Qpn80Band (the *_chunked route, one weight pass per 32 or 64 rows): one k-block per group, a
     single 16-row tile (7 of the block's 8 warps past N), groups split over many blocks, rows past
     N in the last group; M from one row to two chunks with a partial token tile. Bound met, the same
     bits on a second run, and the route itself (qpn_linear) gives the route kernel's bits."""
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(37)
-    packed = _packed_m16n8k16(fmt, n, k, dev, gen)
-    x = _activations(100, k, dev, gen)
-    y64 = reference.linear_f64(x, packed)
-    prefix = routes.ROUTE_PREFIX[fmt]
+    packed, x, y64, prefix = _edge_case(fmt, n, k, 37, 100)
     bands = [name for name, cfg in jit.sm80_kernels().items()
              if cfg.band and cfg.variant == 0 and name.startswith(prefix)]
     assert set(jit.SM80_BAND_KERNELS.get(formats.FAMILIES[fmt], ())) <= set(bands) and bands
     chunked = routes.as_route(prefix + "_chunked")
     for name in bands:
         for m in (1, 17, 40, 64, 65, 100):
-            y = ops.run_sm80_kernel(x[:m], packed, name, prefix + "_chunked")
-            y2 = ops.run_sm80_kernel(x[:m], packed, name, prefix + "_chunked")
-            torch.cuda.synchronize()
-            rel = reference.relative_error(y, y64[:m])
+            y, rel = _twice_within_bound(x[:m], packed, name, prefix + "_chunked", y64[:m])
             RESULTS.append(dict(atom="m16n8k16", shape=f"band_{name}", n=n, k=k, route=prefix + "_chunked", m=m,
-                                rel=rel, bad=0, ok=rel <= BOUND))
-            assert rel <= BOUND, (name, n, k, m, rel)
-            assert torch.equal(y, y2), (name, n, k, m)
+                                rel=rel, bad=0, ok=True))
             if name == ops._sm80_kernel_for(chunked, m, n)[0] and 17 <= m <= routes.M_CHUNKED_MAX:
                 assert torch.equal(ops.qpn_linear(x[:m], packed), y), (name, n, k, m)
