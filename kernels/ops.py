@@ -326,13 +326,24 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
     key = (route.weight_format, route.tiles_per_pass)
     if route.chunk_rows and route.weight_format in jit.SM80_BAND_KERNELS:
         bands = jit.SM80_BAND_KERNELS[route.weight_format]
-        kernels = jit.sm80_kernels()
-        name = next((k for k in bands if routes.TILE_ROWS * kernels[k].mt >= m), bands[-1])
+        name = next((k for k in bands if routes.TILE_ROWS * _sm80_config(k).mt >= m), bands[-1])
     elif n >= jit.SM80_LARGE_N and key in jit.SM80_LARGE_N_KERNELS:
         name = jit.SM80_LARGE_N_KERNELS[key]
     else:
         name = jit.SM80_ROUTE_KERNELS[key]
-    return name, _sm80_chunks(route, m, jit.sm80_kernels()[name])
+    return name, _sm80_chunks(route, m, _sm80_config(name))
+
+
+_sm80_configs: dict = {}
+
+
+def _sm80_config(name: str) -> jit.Sm80Kernel:
+    """jit.sm80_kernels()[name], parsed once per kernel: the parse reads every csrc/ file, and a
+    launch path that plans on each call (the custom op's) must not pay that per call."""
+    cfg = _sm80_configs.get(name)
+    if cfg is None:
+        cfg = _sm80_configs[name] = jit.sm80_kernels()[name]
+    return cfg
 
 
 def _sm80_chunks(route: Route, m: int, cfg: jit.Sm80Kernel) -> int:

@@ -365,7 +365,12 @@ def test_cpu_spec_path_equals_plain_decode(monkeypatch):
           f"neither {_rows_differing(engine_as_is[:PROMPT], plain[:PROMPT])}+{_rows_differing(engine_as_is[PROMPT:], plain[PROMPT:])}; "
           f"neither, max ~bf16 ulps per token {float(_ulps_per_token(engine_as_is, plain).max()):.2f}")
     assert _rows_differing(conv_only[PROMPT:], plain[PROMPT:]) == DECODED
-    assert _rows_differing(ssm_only[:PROMPT], plain[:PROMPT]) == PROMPT
+    if torch.cpu._is_amx_tile_supported():
+        # AMX CPUs: the engine's own predicate already picks the C++ conv, so without the conv hook
+        # nothing changes and the SSM op alone is the whole identity path (on the prompt rows)
+        assert _rows_differing(ssm_only[:PROMPT], plain[:PROMPT]) == 0
+    else:
+        assert _rows_differing(ssm_only[:PROMPT], plain[:PROMPT]) == PROMPT
     # the engine as it ships differs only by rounding (no state error) ...
     assert float(_ulps_per_token(engine_as_is, plain).max()) <= ROUNDING_ULPS
     # ... while the engine's own function on partly accepted rounds dies, or drifts far
