@@ -639,6 +639,8 @@ def targets_markdown(tg, header, rows=()) -> str:
              "any single kernel per layer under this timing", "",
              "| timing | shape | target | goal | measured | met | read limit |",
              "|---|---|---|---:|---:|---|---:|"]
+    if not tg:   # a run without M 1-16 rows (the M-band run): no target of item 2 to state
+        lines[-2:] = ["No row of this run falls in the M ranges of the targets (M 1-16)."]
     for t in tg:
         lim = t.get("read_limit")
         lim_s = "-" if lim is None else f"{lim:.2f}" + (" (below goal)" if lim < t["goal"] else "")
