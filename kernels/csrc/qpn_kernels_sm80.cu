@@ -753,18 +753,19 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
 // and share its activations. The block copies them (MT x 1 KB per k-block, rows past M as zeros)
 // into a shared-memory ring S k-blocks ahead with cp.async, one barrier per k-block; per k-block a
 // block reads MT KB of activations from L2 next to 8 T weight tiles (4.5 KB of NVFP4 at T = 1).
-// Every token tile is multiplied, rows past M as zeros (a per-tile test in the inner loop cost
-// more than the tiles it saves: ops picks the smallest MT that holds M instead, jit.SM80_BAND_KERNELS).
-// Weights and group scales go through each warp's register ring (Qpn80's loads, D deep). The split-K finish is Qpn80::finish, per warp on its own tiles: counter and
-// partial-sum plane chunk x 8 + w, so a group's blocks are still added in a fixed order.
-// Shared memory: S x MT KB per block (dynamic; jit.Sm80Kernel.smem_bytes).
+// Every token tile is multiplied, rows past M as zeros: no per-tile test in the inner loop; ops
+// picks the smallest MT that holds M instead (jit.SM80_BAND_KERNELS). Weights and group scales go
+// through each warp's register ring (Qpn80's loads, D deep). The split-K finish is Qpn80::finish,
+// per warp on its own tiles: counter and partial-sum plane chunk x 8 + w, so a group's blocks are
+// still added in a fixed order. Shared memory: S x MT KB per block, plus the 8 warps' weight tiles
+// per slot when D = 0 (dynamic; jit.Sm80Kernel.smem_bytes).
 template <class F, int MT, int T, int D, int S, int VAR>
 struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
   using B = Qpn80<F, MT, T, 1, 0, VAR>;
   using A = AtomM16N8K16;
   static_assert(VAR == 0 || VAR == 3, "the band kernel has the plain and the loads-only forms");
   // D = 0: the codes and scales go through the shared-memory ring too, S - 1 k-blocks ahead, with no
-  // register cost (the register ring's few warps per SM kept too few weight bytes in flight).
+  // register cost (tried for more weight bytes in flight per SM; not faster, see the entry lines).
   static constexpr bool WS = D == 0;
   static constexpr int DR = WS ? 1 : D;   // register ring depth (array sizes; unused when WS)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
