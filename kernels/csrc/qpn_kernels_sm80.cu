@@ -457,9 +457,21 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
   // FP8 ring's copies then reached the L2 as one request per 16 bytes (run 5's counters).
   QPN_DEV static constexpr int chunk_pos(int u) { return H == 1 ? u : (u ^ ((u >> 3) & 1)); }
 
-  // Copy item (grp, kb) into slot at shared address sl.
-  QPN_DEV static void issue(const Qpn80Args& a, u32 sl, int grp, int kb, int n_tiles, int lane,
-                            const u16* const (&xsrc)[MT][2], const u32 (&xbytes)[MT][2], const u32 (&xdst)[2]) {
+  // Activations of one token tile and k-block in a slot: where the 16-byte copy of token g's inputs
+  // 8 qc .. 8 qc + 7 goes, and lane's read u of XU (XR registers: NVFP4 MMA step u, FP8 steps 2u, 2u+1).
+  static constexpr int XU = F::GROUPED ? 4 : 2;
+  static constexpr int XR = 8 / XU;
+  QPN_DEV static u32 x_copy_pos(int g, int qc) {
+    return F::GROUPED ? 256 * (qc >> 1) + 32 * g + 16 * (qc & 1) : 512 * (qc & 1) + 16 * (4 * g + (qc >> 1));
+  }
+  QPN_DEV static void read_x(u32 xb, int u, int lane, u32 (&xr)[8]) {
+    if constexpr (F::GROUPED) lds64(xb + 256 * u + 32 * (lane >> 2) + 8 * (lane & 3), xr[XR * u], xr[XR * u + 1]);
+    else lds128(xb + 512 * u + 16 * lane, xr[XR * u], xr[XR * u + 1], xr[XR * u + 2], xr[XR * u + 3]);
+  }
+
+  // The codes and NVFP4 scales of the T tiles of weight group grp at k-block kb into the X_OFF bytes
+  // at shared address sl.
+  QPN_DEV static void issue_weights(const Qpn80Args& a, u32 sl, int grp, int kb, int n_tiles, int lane) {
 #pragma unroll
     for (int j = 0; j < T; ++j) {
       const int tile = min(grp * T + j, n_tiles - 1);
@@ -478,6 +490,12 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
                                  a.scales + blk * A::SCALE_BLOCK_BYTES + lane * 16, 16u);
       }
     }
+  }
+
+  // Copy item (grp, kb) into slot at shared address sl.
+  QPN_DEV static void issue(const Qpn80Args& a, u32 sl, int grp, int kb, int n_tiles, int lane,
+                            const u16* const (&xsrc)[MT][2], const u32 (&xbytes)[MT][2], const u32 (&xdst)[2]) {
+    issue_weights(a, sl, grp, kb, n_tiles, lane);
     if constexpr (!XG) {
 #pragma unroll
       for (int t = 0; t < MT; ++t)
@@ -487,7 +505,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
     }
   }
 
-  QPN_DEV static void read(u32 sl, int lane, u32 (&w)[T][F::WORDS], u32 (&sc)[T][2], u32 (&xr)[MT][8]) {
+  QPN_DEV static void read_weights(u32 sl, int lane, u32 (&w)[T][F::WORDS], u32 (&sc)[T][2]) {
 #pragma unroll
     for (int j = 0; j < T; ++j) {
 #pragma unroll
@@ -497,18 +515,15 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
       if constexpr (F::GROUPED) lds64(sl + SC_OFF + j * SC_BYTES + 8 * (lane >> 2), sc[j][0], sc[j][1]);
       else sc[j][0] = sc[j][1] = 0u;
     }
+  }
+
+  QPN_DEV static void read(u32 sl, int lane, u32 (&w)[T][F::WORDS], u32 (&sc)[T][2], u32 (&xr)[MT][8]) {
+    read_weights(sl, lane, w, sc);
     if constexpr (XG) return;
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      const u32 xb = sl + X_OFF + t * X_BYTES;
-      if constexpr (F::GROUPED) {
+    for (int t = 0; t < MT; ++t)
 #pragma unroll
-        for (int s = 0; s < 4; ++s) lds64(xb + 256 * s + 32 * (lane >> 2) + 8 * (lane & 3), xr[t][2 * s], xr[t][2 * s + 1]);
-      } else {
-        lds128(xb + lane * 16, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
-        lds128(xb + 512 + lane * 16, xr[t][4], xr[t][5], xr[t][6], xr[t][7]);
-      }
-    }
+      for (int u = 0; u < XU; ++u) read_x(sl + X_OFF + t * X_BYTES, u, lane, xr[t]);
   }
 
   QPN_DEV static void run(const Qpn80Args& a, u8* smem) {
@@ -531,7 +546,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int c = lane + 32 * i, g = c >> 3, qc = c & 7;
-      xdst[i] = F::GROUPED ? 256 * (qc >> 1) + 32 * g + 16 * (qc & 1) : 512 * (qc & 1) + 16 * (4 * g + (qc >> 1));
+      xdst[i] = x_copy_pos(g, qc);
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         const int tok = m0 + t * A::TOKENS + g;
@@ -768,24 +783,16 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
   // register cost (tried for more weight bytes in flight per SM; not faster, see the entry lines).
   static constexpr bool WS = D == 0;
   static constexpr int DR = WS ? 1 : D;   // register ring depth (array sizes; unused when WS)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
-  static constexpr int DS = (DR % 2 == 0) ? 2 : DR;   // as Qpn80::DS
-#else
-  static constexpr int DS = DR;
-#endif
-  using R = Qpn80Ring<F, MT, T, 2, 1, VAR>;   // its chunk_pos: the conflict-free codes layout
+  static constexpr int DS = Qpn80<F, MT, T, DR, 0, VAR>::DS;   // its scale ring depth
+  // Qpn80Ring without activations in its slots: its weight copies and reads (R::X_OFF bytes per
+  // warp and k-block) and its activation layout per token tile.
+  using R = Qpn80Ring<F, MT, T, 2, 1, VAR>;
   static constexpr int X_BYTES = A::TOKENS * A::K_BLOCK * 2;       // one token tile's k-block
   static constexpr int X_PART = MT * X_BYTES;
-  static constexpr int W_BYTES = F::WORDS * 4 * 32, SC_BYTES = F::GROUPED ? A::SCALE_BLOCK_BYTES : 0;
-  static constexpr int W_TILE = W_BYTES + SC_BYTES;
-  static constexpr int STAGE = X_PART + (WS ? QPN80_WARPS * T * W_TILE : 0);
+  static constexpr int STAGE = X_PART + (WS ? QPN80_WARPS * R::X_OFF : 0);
   static constexpr int COPIES = X_PART / 16;
   static constexpr int PER_THREAD = (COPIES + QPN80_THREADS - 1) / QPN80_THREADS;
-  // Activation reads per token tile and k-block: NVFP4 8 bytes per MMA step (layout of Qpn80Ring:
-  // [step][token][8 B per lane quad]), FP8 16 bytes per two steps ([half][lane][16 B]); conflict-free.
-  static constexpr int XU = F::GROUPED ? 4 : 2;
-  static constexpr int XR = 8 / XU;
-  static constexpr int SPU = A::STEPS / XU;   // MMA steps per read
+  static constexpr int SPU = A::STEPS / R::XU;   // MMA steps per activation read
 
   struct Cursor {   // item g * kblocks + k of the work list
     int g, k;
@@ -813,51 +820,19 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
       if (on[i]) cp_async16(slot + dst[i], src[i] + (size_t)kb * A::K_BLOCK, bytes[i]);
   }
 
-  // WS: this warp's T tiles of item (g, k) into the stage at slot (codes in Qpn80Ring's layout).
-  QPN_DEV static void issue_w(const Qpn80Args& a, u32 slot, int g, int k, int wib, int n_tiles, int lane) {
-#pragma unroll
-    for (int j = 0; j < T; ++j) {
-      const int tile = min((g * QPN80_WARPS + wib) * T + j, n_tiles - 1);
-      const size_t blk = (size_t)tile * a.kblocks + k;
-      const u32 base = slot + X_PART + (wib * T + j) * W_TILE;
-      const u8* c = a.codes + blk * W_BYTES;
-#pragma unroll
-      for (int h = 0; h < R::H; ++h) {
-        const int ch = lane + 32 * h;
-        cp_async16(base + 16 * R::chunk_pos(ch), c + 16 * ch, 16u);
-      }
-      if constexpr (F::GROUPED) {
-        if (lane < 4) cp_async16(base + W_BYTES + 16 * lane, a.scales + blk * A::SCALE_BLOCK_BYTES + 16 * lane, 16u);
-      }
-    }
-  }
-  QPN_DEV static void read_w(u32 slot, int wib, int lane, u32 (&w)[T][F::WORDS], u32 (&sc)[T][2]) {
-#pragma unroll
-    for (int j = 0; j < T; ++j) {
-      const u32 base = slot + X_PART + (wib * T + j) * W_TILE;
-#pragma unroll
-      for (int h = 0; h < R::H; ++h)
-        lds128(base + 16 * R::chunk_pos(R::H * lane + h), w[j][4 * h], w[j][4 * h + 1], w[j][4 * h + 2],
-               w[j][4 * h + 3]);
-      if constexpr (F::GROUPED) lds64(base + W_BYTES + 8 * (lane >> 2), sc[j][0], sc[j][1]);
-      else sc[j][0] = sc[j][1] = 0u;
-    }
-  }
+  // WS: where warp wib's weights of an item lie in a stage (R::X_OFF bytes after the activations).
+  QPN_DEV static u32 warp_weights(u32 slot, int wib) { return slot + X_PART + wib * R::X_OFF; }
 
   QPN_DEV static void compute(u32 xs, int lane, const u32 (&w)[T][F::WORDS], const u32 (&sc)[T][2],
                               float (&acc)[T][MT][4], u32& sink) {
 #pragma unroll
-    for (int u = 0; u < XU; ++u) {
-      u32 xr[MT][XR];
+    for (int u = 0; u < R::XU; ++u) {
+      u32 xr[MT][8];   // read u fills registers R::XR u .. R::XR (u + 1) - 1 of each token tile
 #pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const u32 p = xs + t * X_BYTES;
-        if constexpr (F::GROUPED) lds64(p + 256 * u + 32 * (lane >> 2) + 8 * (lane & 3), xr[t][0], xr[t][1]);
-        else lds128(p + 512 * u + 16 * lane, xr[t][0], xr[t][1], xr[t][2], xr[t][3]);
-      }
+      for (int t = 0; t < MT; ++t) R::read_x(xs + t * X_BYTES, u, lane, xr[t]);
       if constexpr (B::LOADS_ONLY) {
 #pragma unroll
-        for (int t = 0; t < MT; ++t) sink ^= xr[t][0];
+        for (int t = 0; t < MT; ++t) sink ^= xr[t][R::XR * u];
         continue;
       }
 #pragma unroll
@@ -868,7 +843,7 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
           u32 a0, a1, a2, a3;
           F::frag(w[j], s, sc[j], a0, a1, a2, a3);
 #pragma unroll
-          for (int t = 0; t < MT; ++t) A::mma(acc[j][t], a0, a1, a2, a3, xr[t][2 * ss], xr[t][2 * ss + 1]);
+          for (int t = 0; t < MT; ++t) A::mma(acc[j][t], a0, a1, a2, a3, xr[t][2 * s], xr[t][2 * s + 1]);
         }
       }
     }
@@ -905,7 +880,7 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
       xon[i] = c < COPIES;
       xbytes[i] = tok < a.m ? 16u : 0u;
       xsrc[i] = a.x + (size_t)(tok < a.m ? tok : 0) * a.ldx + 8 * qc;
-      xdst[i] = t * X_BYTES + (F::GROUPED ? 256 * (qc >> 1) + 32 * g + 16 * (qc & 1) : 512 * (qc & 1) + 16 * (4 * g + (qc >> 1)));
+      xdst[i] = t * X_BYTES + R::x_copy_pos(g, qc);
     }
     const u32 ring = smem_addr(smem);
     const int first_grp = lo / a.kblocks;
@@ -914,7 +889,8 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
     for (int s = 0; s < S - 1; ++s) {
       if (lo + s < hi) {
         issue_x(ring + s * STAGE, cx.k, xsrc, xdst, xbytes, xon);
-        if constexpr (WS) issue_w(a, ring + s * STAGE, cx.g, cx.k, wib, n_tiles, lane);
+        if constexpr (WS) R::issue_weights(a, warp_weights(ring + s * STAGE, wib), cx.g * QPN80_WARPS + wib, cx.k,
+                                           n_tiles, lane);
       }
       cp_async_commit();
       cx.step(a.kblocks);
@@ -947,14 +923,15 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
             if (lo + rel + S - 1 < hi) {
               const u32 next = ring + ((rel + S - 1) % S) * STAGE;
               issue_x(next, cx.k, xsrc, xdst, xbytes, xon);
-              if constexpr (WS) issue_w(a, next, cx.g, cx.k, wib, n_tiles, lane);
+              if constexpr (WS) R::issue_weights(a, warp_weights(next, wib), cx.g * QPN80_WARPS + wib, cx.k, n_tiles,
+                                                 lane);
             }
             cp_async_commit();
             cx.step(a.kblocks);
             const u32 cur = ring + (rel % S) * STAGE;
             ++rel;
             if constexpr (WS) {
-              read_w(cur, wib, lane, w[0], sc[0]);
+              R::read_weights(warp_weights(cur, wib), lane, w[0], sc[0]);
               compute(cur, lane, w[0], sc[0], acc, sink);
               continue;
             }
