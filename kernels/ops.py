@@ -279,11 +279,9 @@ def _sm80_plan(mod, name: str, fmt: formats.WeightFormat, n: int, kblocks: int, 
         if sms is None:
             sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         resident_warps = sms * jit.occupancy(mod, cfg.name, THREADS, smem) * WARPS
-        per_block = cfg.coop or cfg.band
-        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles * (WARPS if cfg.band else 1), chunks,
-                                                resident_warps, min_items, WARPS if per_block else 1,
-                                                warps_split_items=not cfg.band)
-        planes = WARPS if cfg.band else 1
+        planes = WARPS if cfg.band else 1   # a band block's group: 8 warps' tiles, a partial plane each
+        grid, nwarps, n_groups = sm80_partition(n, kblocks, cfg.tiles * planes, chunks, resident_warps, min_items,
+                                                WARPS if cfg.coop or cfg.band else 1, warps_split_items=not cfg.band)
         plan = _sm80_plans[key] = (cfg.name, grid, nwarps, n_groups, planes * 2 * 32 * cfg.tiles * cfg.mt * 4, smem,
                                    planes)
     return plan
@@ -416,7 +414,7 @@ def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
     if kernel is not None:  # another kernel of the same token tiling (benchmarks only)
         cfg = jit.sm80_kernels().get(kernel)
         # a chunked route takes any kernel of two or more token tiles (chunks follow its MT)
-        fits = cfg is not None and (cfg.mt >= 2 if route.chunk_rows else cfg.mt == jit.sm80_kernels()[name].mt)
+        fits = cfg is not None and (cfg.mt >= 2 if route.chunk_rows else cfg.mt == _sm80_config(name).mt)
         if not fits or cfg.weight_format != w.format:
             raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
         name, chunks = kernel, _sm80_chunks(route, m, cfg)
