@@ -425,10 +425,10 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
             if key == BAND:   # the M-band kernels, beside the MT = 2 route kernel once per 16-row chunk
                 default = ops._sm80_kernel_for(routes.as_route(route), m, n)[0]
                 old = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
-                fits = lambda kn, c: (c.band and c.mt >= 2) or kn == old  # noqa: E731
+                fits = lambda kn, c: c.band or kn == old  # noqa: E731
             else:
                 default = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], key)]
-                fits = lambda kn, c: c.mt == key and (not c.bulk or torch.cuda.get_device_capability() >= (9, 0))  # noqa: E731
+                fits = lambda kn, c: c.mt == key and not c.band  # noqa: E731
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
                       if c.fmt == fmt and fits(kn, c) and (kn == default or not only or any(o in kn for o in only))]
             if not only and key != BAND:

@@ -115,7 +115,6 @@ class Sm80Kernel:
     x_global: bool = False  # ring kernel reading the activations from global memory (QPN80RX_ENTRY)
     coop: bool = False  # block-cooperative (QPN80C_ENTRY): the split-K partition counts blocks, not warps
     band: bool = False  # M-band (QPN80B_ENTRY): blocks of 8 warps on 8 x T tiles, activations shared per block
-    bulk: bool = False  # bulk-copy ring (QPN80K_ENTRY, sm_90+): Qpn80Ring's slots filled by cp.async.bulk
 
     @property
     def weight_format(self) -> formats.WeightFormat:
@@ -145,7 +144,7 @@ class Sm80Kernel:
         if self.band:   # one ring per block: S slots of MT x 1 KB, plus 8 warps' tiles when depth = 0
             return self.stages * (self.mt * 1024 + (8 * self.tiles * tile_block if self.depth == 0 else 0))
         stage = self.tiles * tile_block + (0 if self.x_global else self.mt * 1024)
-        return 8 * self.stages * (stage + (8 if self.bulk else 0))   # Qpn80Bulk: an 8-byte mbarrier per slot
+        return 8 * self.stages * stage
 
 
 # The numeric fields of each kernel-defining macro of the sm_80+ source, in order (the first two
@@ -157,7 +156,6 @@ SM80_ENTRY_MACROS = {
     "QPN80R_ENTRY": (("mt", "tiles", "stages", "min_blocks", "variant"), {}),
     "QPN80RX_ENTRY": (("mt", "tiles", "stages", "min_blocks", "variant"), {"x_global": True}),
     "QPN80B_ENTRY": (("mt", "tiles", "depth", "stages", "min_blocks", "variant"), {"band": True}),
-    "QPN80K_ENTRY": (("mt", "tiles", "stages", "min_blocks", "variant"), {"x_global": True, "bulk": True}),
 }
 
 

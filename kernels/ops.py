@@ -417,8 +417,6 @@ def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
         fits = cfg is not None and (cfg.mt >= 2 if route.chunk_rows else cfg.mt == _sm80_config(name).mt)
         if not fits or cfg.weight_format != w.format:
             raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
-        if cfg.bulk and torch.cuda.get_device_capability(device) < (9, 0):
-            raise ValueError(f"kernel {kernel!r} uses the bulk-copy engine (cp.async.bulk): it needs sm_90 or later")
         name, chunks = kernel, _sm80_chunks(route, m, cfg)
     mod = jit.module_for(device, "m16n8k16")
     kblocks = w.k_pad // 64

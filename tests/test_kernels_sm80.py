@@ -160,17 +160,17 @@ def _exact_f16_mul(a, b):
 
 
 def _scales_sm89(sp):
-    """Frag16NVFP4::step_scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 of the step's byte pair, * 2^7;
-    the two halves (rows g, g+8) are then broadcast (dup_lo / dup_hi)."""
+    """Frag16NVFP4::step_scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 of the step's byte pair, the scales
+    as they are; the two halves (rows g, g+8) are then broadcast (dup_lo / dup_hi)."""
     e4 = codecs.e4m3_table(torch.float64)
-    return e4[sp & 0xFF] * 128.0, e4[(sp >> 8) & 0xFF] * 128.0
+    return e4[sp & 0xFF], e4[(sp >> 8) & 0xFF]
 
 
 def _scales_sm80(sp):
-    """Frag16NVFP4::step_scales, sm_80 path: prmt the pair to bytes 1 and 3, e4m3x2_bits, * 2^15."""
+    """Frag16NVFP4::step_scales, sm_80 path: prmt the pair to bytes 1 and 3, e4m3x2_bits, * 2^8."""
     b0, b1 = sp & 0xFF, (sp >> 8) & 0xFF
     lo, hi = _h2(_e4m3x2_bits((b0 << 8) | (b1 << 24)))
-    return _exact_f16_mul(lo, 32768.0), _exact_f16_mul(hi, 32768.0)
+    return _exact_f16_mul(lo, 256.0), _exact_f16_mul(hi, 256.0)
 
 
 def _fp8_pair_sm80(w, sel):
@@ -232,7 +232,7 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
     D = torch.einsum("tksij,ksjn->tin", A, B)                              # [tiles, 16 rows, 8 tokens]
     y = D.reshape(tiles * 16, 8).t()[:m, : packed.n]
     if nv:
-        return y * (packed.global_scale.double() * 128.0)   # Frag16NVFP4::OUT_MULT
+        return y * (packed.global_scale.double() * 16384.0)   # Frag16NVFP4::OUT_MULT
     return y * codecs.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
 
 
@@ -401,8 +401,7 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
             counts[cur]["local"] += bool(re.search(r"\b(LDL|STL)\b", line))
     for name, cfg in configured.items():
         assert counts[name]["local"] == 0, name
-        # 2-4: no MMA; a bulk-copy ring kernel below sm_90: an empty body (ops refuses to launch it)
-        assert (counts[name]["hmma"] > 0) == (cfg.variant not in (2, 3, 4) and not (cfg.bulk and arch < 90)), name
+        assert (counts[name]["hmma"] > 0) == (cfg.variant not in (2, 3, 4)), name   # 2-4: no MMA
 
 
 @pytest.mark.fast
@@ -502,12 +501,9 @@ def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
         assert c.smem_bytes % 16 == 0 and 0 < c.smem_bytes <= 227 * 1024, name
         assert c.min_blocks * (c.smem_bytes + 1024) <= 228 * 1024, (name, c.min_blocks, c.smem_bytes)
         # the slot layout: codes (+ NVFP4 scales) per tile, plus 1 KB of activations per token tile
-        # (Qpn80Bulk: the activations stay out, and each slot has an 8-byte mbarrier)
         nvfp4 = c.frag.startswith("Frag16NVFP4")
         per_tile = 16 * 32 + 64 if nvfp4 else 32 * 32
-        assert not c.bulk or c.x_global, name
-        assert c.smem_bytes == 8 * c.stages * (c.tiles * per_tile + (0 if c.x_global else 1024 * c.mt)
-                                               + (8 if c.bulk else 0)), name
+        assert c.smem_bytes == 8 * c.stages * (c.tiles * per_tile + (0 if c.x_global else 1024 * c.mt)), name
 
 
 def test_band_kernels_shared_memory_is_one_activation_ring_per_block():
@@ -518,7 +514,7 @@ def test_band_kernels_shared_memory_is_one_activation_ring_per_block():
     routed = {k for ks in jit.SM80_BAND_KERNELS.values() for k in ks}
     assert len(bands) >= 4 and routed <= set(bands)
     for name, c in bands.items():
-        assert c.stages >= 2 and c.depth >= 0 and c.mt in (1, 2, 4, 8), name   # depth 0: weights in the ring
+        assert c.stages >= 2 and c.depth >= 0 and c.mt in (4, 8), name   # depth 0: weights in the ring
         weights = 0 if c.depth else 8 * c.tiles * (16 * 32 + 64 if c.frag.startswith("Frag16NVFP4") else 32 * 32)
         assert c.smem_bytes == c.stages * (c.mt * 1024 + weights) <= 227 * 1024, name
         assert c.min_blocks * (c.smem_bytes + 1024) <= 228 * 1024, name

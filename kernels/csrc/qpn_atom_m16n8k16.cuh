@@ -143,18 +143,20 @@ QPN_DEV void e2m1x2_quad_fma(u32 v, u32& h0, u32& h1, u32& h2, u32& h3) {
 // Scales: a lane reads 8 bytes per (tile, k-block): (row g, group s), (row g+8, group s) for s =
 // 0..3, so word 0 holds steps 0 (low half) and 1, word 1 steps 2 and 3, each as one e4m3 pair.
 //
-// The fast form: f16x2 (s_g, s_g8) * 2^7 per step, one conversion + one multiply; each operand
-// register is e2m1x2_bits (value * 2^-14) times the row's scale: e2m1 * e4m3 * 2^-7, in ONE exact
-// FP16 multiply per register. Exact because e2m1 has at most 2 significant bits and e4m3 at most
-// 4, every product is a multiple of 2^-10 * 2^-7 = 2^-17 (FP16 represents multiples of 2^-24) and
-// at most 2688 * 2^-7 = 21, and s * 2^7 <= 448 * 128 = 57344 fits FP16. Products under 2^-14 are
-// FP16 subnormals, which the tensor cores take as they are (tests: all-subnormal-products case).
-// The 2^7 comes back in the FP32 epilogue (OUT_MULT), folded into the global scale.
-template <int UP>
-struct Frag16NVFP4Up {
+// The fast form: f16x2 (s_g, s_g8) per step, one conversion (sm_89+); each operand register is
+// e2m1x2_bits (value * 2^-14) times the row's scale as it is: e2m1 * e4m3 * 2^-14, in ONE exact FP16
+// multiply per register. Exact because e2m1 has at most 2 significant bits and e4m3 at most 4: every
+// product is a multiple of 2^-10 * 2^-14 = 2^-24, which FP16 represents (its subnormal step), and at
+// most 2688 * 2^-14 = 0.16. Most operands are FP16 subnormals, which the tensor cores take as they
+// are (tests: the every-byte replay checks each multiply is exact; the GPU tests include an
+// all-subnormal-products case). The 2^14 comes back in the FP32 epilogue (OUT_MULT), folded into
+// the global scale. The form before (scales * 2^7, operands e2m1 * e4m3 * 2^-7) took one more FP16
+// multiply per step; on the H200 this one is 0-4% faster (results/kernel_sm80_bulk_sweep_h200_20261201.csv,
+// the *_u kernels).
+struct Frag16NVFP4 {
   static constexpr bool GROUPED = true;
   static constexpr int WORDS = 4;            // 16 bytes of codes per lane per (tile, k-block)
-  static constexpr float OUT_MULT = float(1 << (14 - UP));
+  static constexpr float OUT_MULT = 16384.0f;
   // Activations: lane (g, t) reads token g's inputs 16s + 4t .. +3 for step s (4 x 8 bytes).
   QPN_DEV static int x_offset(int lane) { return 4 * (lane & 3); }
   QPN_DEV static void load_x(const u16* p, u32 (&xr)[8]) {
@@ -164,15 +166,13 @@ struct Frag16NVFP4Up {
   // Scales: 8 bytes per lane per (tile, k-block), at byte 8g (the lanes of one g read the same).
   QPN_DEV static int scale_offset(int lane) { return 8 * (lane >> 2); }
   QPN_DEV static void load_scales(const u8* p, u32 (&sc)[2]) { ldg64(p, sc[0], sc[1]); }
-  // (s_g, s_g8) * 2^UP of step s. UP = 0 on sm_89+ is the conversion alone, one FP16 multiply
-  // fewer per step (sm_80-86 multiply either way: their decode gives s * 2^-8).
+  // (s_g, s_g8) of step s, exact.
   QPN_DEV static u32 step_scales(const u32 (&sc)[2], int s) {
     const u32 w = sc[s >> 1];
 #if __CUDA_ARCH__ >= 890
-    const u32 p = (s & 1) ? cvt_e4m3x2_hi(w) : cvt_e4m3x2_lo(w);
-    return UP == 0 ? p : hmul2(p, (u32)(15 + UP) * 0x04000400u);   // * 2^UP
+    return (s & 1) ? cvt_e4m3x2_hi(w) : cvt_e4m3x2_lo(w);
 #else
-    return hmul2(e4m3x2_bits(prmt(w, 0u, (s & 1) ? 0x3424u : 0x1404u)), (u32)(23 + UP) * 0x04000400u);  // (s*2^-8)*2^(8+UP)
+    return hmul2(e4m3x2_bits(prmt(w, 0u, (s & 1) ? 0x3424u : 0x1404u)), 0x5C005C00u);  // (s*2^-8)*2^8
 #endif
   }
   // Step s: word s of the lane's k-block; half2 r comes from nibbles 3-r and 7-r (w << 4r).
@@ -192,13 +192,6 @@ struct Frag16NVFP4Up {
     a3 = hmul2(h3, sg8);
   }
 };
-
-// The route form: operands e2m1 * e4m3 * 2^-7 (see above).
-using Frag16NVFP4 = Frag16NVFP4Up<7>;
-// Operands e2m1 * e4m3 * 2^-14, the group scale as it is: still exact (every product is a multiple of
-// 2^-10 * 2^-14 = 2^-24, FP16's subnormal step, and at most 2688 * 2^-14); most operands are then FP16
-// subnormals. Measured variant (issue 14): one FP16 multiply fewer per MMA step on sm_89+.
-using Frag16NVFP4U = Frag16NVFP4Up<0>;
 
 // NVFP4, the exact-normal form: value restored first (* 2^14), then times the exact scale, so
 // every operand is the normal FP16 number e2m1 * e4m3. One more FP16 multiply per register than

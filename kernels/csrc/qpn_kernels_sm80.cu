@@ -616,136 +616,6 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
   }
 };
 
-// The bulk-copy ring (issue 14, sm_90+): Qpn80Ring's per-warp shared-memory ring, filled by the
-// bulk-copy engine (cp.async.bulk, completion counted in bytes by an mbarrier per slot) instead of
-// one 16-byte cp.async per lane. One lane issues a slot's copies: per weight tile, its codes (512 B
-// NVFP4 / 1 KB FP8) and NVFP4 group scales (64 B), each one contiguous range of the packed buffers.
-// Why: a read of these shapes through per-warp bulk rings reached 80-88% of the H200's read ceiling
-// at 4-16 warps per SM (read_probe), above the register rings' loads (at most 72% in the kernels),
-// and the ring holds no registers, so the bytes in flight per SM are set by S, not by the register
-// cap. The slot layout is the global one: lane l's codes are bytes LANE_BYTES l .. + LANE_BYTES of a
-// tile's block (NVFP4: conflict-free 16-byte reads; FP8: two 16-byte reads, 2 wavefronts each).
-// Activations come from global memory through L1 one k-block ahead (Qpn80Ring's XG = 1). A slot is
-// refilled only after the k-block read from it has been multiplied (its registers consumed), so no
-// copy can land on bytes a lane has yet to read. On sm_80-89 the body is empty: no route names
-// these kernels there (they are measured on sm_90 only; ops never launches them below sm_90).
-template <class F, int MT, int T, int S, int VAR>
-struct Qpn80Bulk : Qpn80<F, MT, T, 1, 0, VAR> {
-  using B = Qpn80<F, MT, T, 1, 0, VAR>;
-  using A = AtomM16N8K16;
-  static constexpr int H = B::LANE_BYTES / 16;
-  static constexpr int W_BYTES = B::BLOCK_BYTES;
-  static constexpr int SC_BYTES = F::GROUPED ? A::SCALE_BLOCK_BYTES : 0;
-  static constexpr int SC_OFF = T * W_BYTES;
-  static constexpr int STAGE = SC_OFF + T * SC_BYTES;   // the bytes one slot's mbarrier waits for
-  static constexpr int WARP_BYTES = S * STAGE + 8 * S;  // slots, then one 8-byte mbarrier per slot
-  static_assert(STAGE % 16 == 0, "bulk copies need 16-byte aligned slots");
-  static_assert(!B::PDL, "no PDL form of the bulk-copy ring");
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  QPN_DEV static void mbar_init(u32 bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory"); }
-  QPN_DEV static void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n .reg .pred p;\n QPN_BULK_WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 " @!p bra QPN_BULK_WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
-  }
-  QPN_DEV static void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-  }
-  // Lane 0: the codes and scales of the T tiles of group grp at k-block kb into the slot at sl.
-  QPN_DEV static void issue(const Qpn80Args& a, u32 sl, u32 bar, int grp, int kb, int n_tiles) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "n"(STAGE) : "memory");
-#pragma unroll
-    for (int j = 0; j < T; ++j) {
-      const size_t blk = (size_t)min(grp * T + j, n_tiles - 1) * a.kblocks + kb;
-      bulk_copy(sl + j * W_BYTES, a.codes + blk * W_BYTES, W_BYTES, bar);
-      if constexpr (F::GROUPED)
-        bulk_copy(sl + SC_OFF + j * SC_BYTES, a.scales + blk * A::SCALE_BLOCK_BYTES, SC_BYTES, bar);
-    }
-  }
-#endif
-
-  QPN_DEV static void run(const Qpn80Args& a, u8* smem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int lane = threadIdx.x & 31;
-    const int plane = blockIdx.x % a.chunks;
-    const int gw = (blockIdx.x / a.chunks) * QPN80_WARPS + (threadIdx.x >> 5);
-    if (gw >= a.nwarps) return;
-    if constexpr (B::EMPTY) return;
-    const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * WARP_BYTES;
-    const u32 bars = ring + S * STAGE;
-    const float cs_tensor = B::result_scale(a);
-    int q, r, lo, hi;
-    B::run_of(a, gw, q, r, lo, hi);
-    const int m0 = plane * MT * A::TOKENS;
-    const int n_tiles = (a.n + A::TILE_N - 1) / A::TILE_N;
-    const int first_grp = lo / a.kblocks;
-    if (lane == 0) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-    // Issue cursor: item `issued`, as (group, k-block); every lane keeps it, lane 0 issues.
-    int ig = first_grp, ik = lo - first_grp * a.kblocks, issued = lo;
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      if (issued < hi) {
-        if (lane == 0) issue(a, ring + s * STAGE, bars + 8 * s, ig, ik, n_tiles);
-        if (++ik == a.kblocks) { ik = 0; ++ig; }
-        ++issued;
-      }
-    }
-    int cg = first_grp, ck = lo - first_grp * a.kblocks, ck0 = ck;   // consume cursor
-    const u16* xp[MT];
-    bool xv[MT];
-    u32 xn[MT][8];
-    B::x_rows(a, m0, lane, xp, xv);
-    B::load_x(xp, xv, ck, xn);
-    float acc[T][MT][4];
-    B::zero(acc);
-    u32 sink = 0u;
-    int slot = 0;
-    u32 parity = 0u;
-    for (int item = lo; item < hi; ++item) {
-      const u32 sl = ring + slot * STAGE, bar = bars + 8 * slot;
-      mbar_wait(bar, parity);
-      u32 w[T][F::WORDS], sc[T][2], xr[MT][8];
-#pragma unroll
-      for (int j = 0; j < T; ++j) {
-#pragma unroll
-        for (int h = 0; h < H; ++h)
-          lds128(sl + j * W_BYTES + B::LANE_BYTES * lane + 16 * h, w[j][4 * h], w[j][4 * h + 1], w[j][4 * h + 2],
-                 w[j][4 * h + 3]);
-        if constexpr (F::GROUPED) lds64(sl + SC_OFF + j * SC_BYTES + F::scale_offset(lane), sc[j][0], sc[j][1]);
-        else sc[j][0] = sc[j][1] = 0u;
-      }
-#pragma unroll
-      for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xr[t][i] = xn[t][i];
-      if (item + 1 < hi) B::load_x(xp, xv, ck + 1 == a.kblocks ? 0 : ck + 1, xn);
-      B::compute(w, sc, xr, acc, sink);
-      // The slot's registers are consumed (compute used them): the slot can take the next copy.
-      __syncwarp();
-      if (issued < hi) {
-        if (lane == 0) issue(a, sl, bar, ig, ik, n_tiles);
-        if (++ik == a.kblocks) { ik = 0; ++ig; }
-        ++issued;
-      }
-      if (++slot == S) { slot = 0; parity ^= 1u; }
-      if (++ck == a.kblocks || item + 1 == hi) {
-        if constexpr (B::SINK) acc[0][0][0] += __uint_as_float(sink & 0x007FFFFFu);
-        B::finish(a, cg, ck0, ck, first_grp, gw, q, r, plane, m0, lane, acc, cs_tensor, cg);
-        B::zero(acc);
-        ++cg;
-        ck = ck0 = 0;
-      }
-    }
-#endif
-  }
-};
-
 // The block-cooperative register ring (issue 14): the same work items, decoders and split-K finish
 // as Qpn80, but the unit of the stream-K partition is a block of 8 warps, and its warps interleave
 // along K inside the block's run (warp i takes items lo + i, lo + i + 8, ...). Why: at any moment
@@ -1139,14 +1009,6 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
     Qpn80Ring<F, MT, T, S, 1, VAR>::run(a, qpn80_smem);                                       \
   }
 
-// Bulk-copy ring kernels (Qpn80Bulk, sm_90+): dynamic shared memory of QPN80_WARPS * S * STAGE
-// bytes plus 8 bytes of mbarrier per slot (jit.Sm80Kernel.smem_bytes).
-#define QPN80K_ENTRY(NAME, F, MT, T, S, MINB, VAR)                                          \
-  extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
-    extern __shared__ __align__(128) u8 qpn80_smem[];                                        \
-    Qpn80Bulk<F, MT, T, S, VAR>::run(a, qpn80_smem);                                          \
-  }
-
 // Block-cooperative kernels (Qpn80Coop): static shared memory for the in-block reduction; the
 // split-K partition counts blocks (ops passes blocks as Qpn80Args.nwarps).
 #define QPN80C_ENTRY(NAME, F, MT, T, D, MINB, VAR)                                          \
@@ -1207,6 +1069,13 @@ QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x, Frag16NVFP4, 2, 2, 4, 2, 0)
 QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x, Frag16FP8, 1, 2, 4, 3, 0)
 QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t4s3x, Frag16FP8, 1, 4, 3, 2, 0)
 QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
+// Issue 14, 2026-12-01 (session 3), measured and dropped (commit fb81b8a holds the code): the same
+// per-warp ring filled by the bulk-copy engine (cp.async.bulk, one mbarrier per slot, sm_90; one lane
+// copies a slot's tiles), 6-8 slots at 2-4 blocks per SM. Slower than the route kernels on every
+// TP1 shape at M 1-16 (results/kernel_sm80_bulk_sweep_h200_20261201.csv): FP8 in_proj M = 1 31.3-34.9
+// vs 27.2 us, NVFP4 gate_up M = 1 48.9-57.7 vs 42.8 us. Its loads alone read lm_head at 85% of the
+// ceiling (the whole route kernel: 62%); not profiled further: each k-block adds an mbarrier wait,
+// shared-memory reads and the copy issue to the already issue-bound decode.
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 
@@ -1280,25 +1149,3 @@ QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d1s4_b2, Frag16FP8, 4, 1, 1, 4, 2, 0)
 QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d2s4_b2, Frag16NVFP4, 8, 1, 2, 4, 2, 0)
 QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d0s12_b2, Frag16NVFP4, 4, 1, 0, 12, 2, 0)
 QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d0s8_b2, Frag16FP8, 4, 1, 0, 8, 2, 0)
-// Bulk-copy ring kernels (Qpn80Bulk): <format>_mt<MT>_m16n8k16_t<T>k<S>_b<MINB>, S = slots per warp.
-// sm_90+ only; measured variants, no route names them.
-QPN80K_ENTRY(qpn8_mt1_m16n8k16_t2k6_b2, Frag16FP8, 1, 2, 6, 2, 0)
-QPN80K_ENTRY(qpn8_mt1_m16n8k16_t1k8_b3, Frag16FP8, 1, 1, 8, 3, 0)
-QPN80K_ENTRY(qpn8_mt1_m16n8k16_t2k6_b2_loadonly, Frag16FP8, 1, 2, 6, 2, 3)
-QPN80K_ENTRY(qpn8_mt2_m16n8k16_t2k6_b2, Frag16FP8, 2, 2, 6, 2, 0)
-QPN80K_ENTRY(qpn2_mt1_m16n8k16_t2k8_b2, Frag16NVFP4, 1, 2, 8, 2, 0)
-QPN80K_ENTRY(qpn2_mt1_m16n8k16_t2k6_b3, Frag16NVFP4, 1, 2, 6, 3, 0)
-QPN80K_ENTRY(qpn2_mt1_m16n8k16_t2k8_b2_loadonly, Frag16NVFP4, 1, 2, 8, 2, 3)
-QPN80K_ENTRY(qpn2_mt2_m16n8k16_t2k8_b2, Frag16NVFP4, 2, 2, 8, 2, 0)
-QPN80K_ENTRY(qpn8_mt1_m16n8k16_t2k4_b3, Frag16FP8, 1, 2, 4, 3, 0)
-QPN80K_ENTRY(qpn8_mt1_m16n8k16_t1k6_b4, Frag16FP8, 1, 1, 6, 4, 0)
-QPN80K_ENTRY(qpn2_mt1_m16n8k16_t1k8_b4, Frag16NVFP4, 1, 1, 8, 4, 0)
-// Issue 14, 2026-12-01 (session 3), measured variants: *_u, NVFP4 with the group scale as it is
-// (Frag16NVFP4U: one FP16 multiply fewer per MMA step); M-band kernels at MT = 1, 2.
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_u, Frag16NVFP4U, 1, 2, 4, 0, 0)
-QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x_u, Frag16NVFP4U, 2, 2, 4, 2, 0)
-QPN80K_ENTRY(qpn2_mt1_m16n8k16_t2k6_b3_u, Frag16NVFP4U, 1, 2, 6, 3, 0)
-QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d4s4_b2_u, Frag16NVFP4U, 4, 1, 4, 4, 2, 0)
-QPN80B_ENTRY(qpn2_mt1_m16n8k16_t2d4s4_b2, Frag16NVFP4, 1, 2, 4, 4, 2, 0)
-QPN80B_ENTRY(qpn2_mt2_m16n8k16_t1d4s4_b2, Frag16NVFP4, 2, 1, 4, 4, 2, 0)
-QPN80B_ENTRY(qpn2_mt2_m16n8k16_t2d2s4_b2, Frag16NVFP4, 2, 2, 2, 4, 2, 0)
