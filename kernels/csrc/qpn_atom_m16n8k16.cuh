@@ -193,6 +193,27 @@ struct Frag16NVFP4 {
   }
 };
 
+// The form before 2026-12-01 (session 3), kept as a measured variant: scales * 2^7, operands
+// e2m1 * e4m3 * 2^-7 (one more FP16 multiply per MMA step on sm_89+).
+struct Frag16NVFP4S7 : Frag16NVFP4 {
+  static constexpr float OUT_MULT = 128.0f;
+  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, const u32 (&sc)[2],
+                           u32& a0, u32& a1, u32& a2, u32& a3) {
+    const u32 p = hmul2(step_scales(sc, s), 0x58005800u);   // * 2^7
+    const u32 sg = dup_lo(p), sg8 = dup_hi(p);
+    u32 h0, h1, h2, h3;
+#if __CUDA_ARCH__ >= 890
+    e2m1x2_quad_fma(w[s], h0, h1, h2, h3);
+#else
+    e2m1x2_quad(w[s], h0, h1, h2, h3);
+#endif
+    a0 = hmul2(h0, sg);
+    a1 = hmul2(h1, sg8);
+    a2 = hmul2(h2, sg);
+    a3 = hmul2(h3, sg8);
+  }
+};
+
 // NVFP4, the exact-normal form: value restored first (* 2^14), then times the exact scale, so
 // every operand is the normal FP16 number e2m1 * e4m3. One more FP16 multiply per register than
 // Frag16NVFP4. Same layout. Used by the reconstruct pass and as a measured variant.
