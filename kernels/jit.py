@@ -55,6 +55,8 @@ SM80_ROUTE_KERNELS = {
 # form t2d2c, 3 points of the read ceiling faster on average over the TP1 FP8 shapes at M 1 and 8,
 # results/kernel_sm80_coop2_sweep_h200_20261201.csv; see QPN80C_ENTRY in the .cu.)
 # Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
+# (2026-12-01, session 3: the NVFP4 operands lost their * 2^7 everywhere except in t4s4, where the
+# unit-scale form t4s4_u measured 2% slower; see Frag16NVFP4Scaled in qpn_atom_m16n8k16.cuh.)
 SM80_LARGE_N = 100_000
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # The *_chunked route (M 17-96) on sm_80+: the M-band kernels of a format family, by token tiles (MT)

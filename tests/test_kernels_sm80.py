@@ -159,18 +159,20 @@ def _exact_f16_mul(a, b):
     return p
 
 
-def _scales_sm89(sp):
-    """Frag16NVFP4::step_scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 of the step's byte pair, the scales
-    as they are; the two halves (rows g, g+8) are then broadcast (dup_lo / dup_hi)."""
+def _scales_sm89(sp, up):
+    """Frag16NVFP4Scaled<up>::step_scales, sm_89+ path: cvt.rn.f16x2.e4m3x2 of the step's byte pair,
+    times 2^up (up = 0: the scales as they are); the two halves (rows g, g+8) are then broadcast
+    (dup_lo / dup_hi)."""
     e4 = codecs.e4m3_table(torch.float64)
-    return e4[sp & 0xFF], e4[(sp >> 8) & 0xFF]
+    return _exact_f16_mul(e4[sp & 0xFF], 2.0 ** up), _exact_f16_mul(e4[(sp >> 8) & 0xFF], 2.0 ** up)
 
 
-def _scales_sm80(sp):
-    """Frag16NVFP4::step_scales, sm_80 path: prmt the pair to bytes 1 and 3, e4m3x2_bits, * 2^8."""
+def _scales_sm80(sp, up):
+    """Frag16NVFP4Scaled<up>::step_scales, sm_80 path: prmt the pair to bytes 1 and 3, e4m3x2_bits,
+    * 2^(8 + up)."""
     b0, b1 = sp & 0xFF, (sp >> 8) & 0xFF
     lo, hi = _h2(_e4m3x2_bits((b0 << 8) | (b1 << 24)))
-    return _exact_f16_mul(lo, 256.0), _exact_f16_mul(hi, 256.0)
+    return _exact_f16_mul(lo, 2.0 ** (8 + up)), _exact_f16_mul(hi, 2.0 ** (8 + up))
 
 
 def _fp8_pair_sm80(w, sel):
@@ -181,9 +183,10 @@ def _fp8_pair_sm80(w, sel):
     return _exact_f16_mul(lo, 256.0), _exact_f16_mul(hi, 256.0)
 
 
-def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
+def _replay(packed, x: torch.Tensor, sm80_paths: bool, up: int = 0) -> torch.Tensor:
     """y (float64) as the sm_80+ kernel computes it: per lane, the registers the decoders produce,
-    placed into A / B of mma.m16n8k16 by the PTX fragment layout, D = A B summed over k-blocks."""
+    placed into A / B of mma.m16n8k16 by the PTX fragment layout, D = A B summed over k-blocks.
+    NVFP4: ``up`` is Frag16NVFP4Scaled's UP (0: Frag16NVFP4, 7: Frag16NVFP4S7)."""
     g = geometry(ATOM)
     tiles, kblocks = packed.n_pad // 16, packed.k_pad // 64
     m = x.shape[0]
@@ -202,9 +205,9 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
         gq, t = lane >> 2, lane & 3
         for s in range(4):
             if nv:
-                sg, sg8 = (_scales_sm80 if sm80_paths else _scales_sm89)(sp[:, :, gq, s])
+                sg, sg8 = (_scales_sm80 if sm80_paths else _scales_sm89)(sp[:, :, gq, s], up)
                 if sm80_paths:
-                    assert torch.equal(torch.stack(_scales_sm89(sp[:, :, gq, s])), torch.stack((sg, sg8)))
+                    assert torch.equal(torch.stack(_scales_sm89(sp[:, :, gq, s], up)), torch.stack((sg, sg8)))
                 v = words[:, :, lane, s]
                 regs = []
                 for h, scale in zip(_e2m1x2_quad(v), (sg, sg8, sg, sg8)):
@@ -232,14 +235,15 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool) -> torch.Tensor:
     D = torch.einsum("tksij,ksjn->tin", A, B)                              # [tiles, 16 rows, 8 tokens]
     y = D.reshape(tiles * 16, 8).t()[:m, : packed.n]
     if nv:
-        return y * (packed.global_scale.double() * 16384.0)   # Frag16NVFP4::OUT_MULT
+        return y * (packed.global_scale.double() * 2.0 ** (14 - up))   # Frag16NVFP4Scaled<up>::OUT_MULT
     return y * codecs.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("up", [0, 7], ids=["unit_scale", "scale_x128"])
 @pytest.mark.parametrize("sm80_paths", [False, True], ids=["sm89_cvt", "sm80_bits"])
 @pytest.mark.parametrize("n,k,m", [(48, 1008, 5), (16, 64, 8), (33, 160, 1)])
-def test_replayed_nvfp4_fragments_give_the_exact_product(n, k, m, sm80_paths):
+def test_replayed_nvfp4_fragments_give_the_exact_product(n, k, m, sm80_paths, up):
     g = torch.Generator().manual_seed(n + k + m)
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     s = torch.randint(0x01, 0x7E, (n, k // 16), dtype=torch.uint8, generator=g)
@@ -247,7 +251,7 @@ def test_replayed_nvfp4_fragments_give_the_exact_product(n, k, m, sm80_paths):
     s[0, 0] = 0x7E                                                                      # 448
     p = prepack.prepack_nvfp4(w, s.view(torch.float8_e4m3fn), torch.tensor(0.013), atom=ATOM)
     x = torch.randn((m, k), generator=g).half()
-    y = _replay(p, x, sm80_paths)
+    y = _replay(p, x, sm80_paths, up)
     y64 = reference.linear_f64(x, p)
     assert float((y - y64).norm() / y64.norm()) < 1e-12
 

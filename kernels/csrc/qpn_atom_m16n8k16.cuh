@@ -150,13 +150,17 @@ QPN_DEV void e2m1x2_quad_fma(u32 v, u32& h0, u32& h1, u32& h2, u32& h3) {
 // most 2688 * 2^-14 = 0.16. Most operands are FP16 subnormals, which the tensor cores take as they
 // are (tests: the every-byte replay checks each multiply is exact; the GPU tests include an
 // all-subnormal-products case). The 2^14 comes back in the FP32 epilogue (OUT_MULT), folded into
-// the global scale. The form before (scales * 2^7, operands e2m1 * e4m3 * 2^-7) took one more FP16
-// multiply per step; on the H200 this one is 0-4% faster (results/kernel_sm80_bulk_sweep_h200_20261201.csv,
-// the *_u kernels).
-struct Frag16NVFP4 {
+// the global scale.
+// UP = 7 (Frag16NVFP4S7): the scales times 2^7, operands e2m1 * e4m3 * 2^-7 (multiples of 2^-17, at
+// most 21; s * 2^7 <= 57344 fits FP16), one more FP16 multiply per step on sm_89+. Measured side by
+// side on the H200 (results/kernel_sm80_scale_ab{1,2}_sweep_h200_20261201.csv, two runs within
+// 0.5%): UP = 0 is 3% faster in the M 9-16 ring kernel t2s4x and the same in t2d4p0, but 2% slower
+// in the large-N ring kernel t4s4 (TP1 lm_head M = 1: 234.1 vs 228.7 us), which therefore keeps UP = 7.
+template <int UP>
+struct Frag16NVFP4Scaled {
   static constexpr bool GROUPED = true;
   static constexpr int WORDS = 4;            // 16 bytes of codes per lane per (tile, k-block)
-  static constexpr float OUT_MULT = 16384.0f;
+  static constexpr float OUT_MULT = float(1 << (14 - UP));
   // Activations: lane (g, t) reads token g's inputs 16s + 4t .. +3 for step s (4 x 8 bytes).
   QPN_DEV static int x_offset(int lane) { return 4 * (lane & 3); }
   QPN_DEV static void load_x(const u16* p, u32 (&xr)[8]) {
@@ -166,13 +170,14 @@ struct Frag16NVFP4 {
   // Scales: 8 bytes per lane per (tile, k-block), at byte 8g (the lanes of one g read the same).
   QPN_DEV static int scale_offset(int lane) { return 8 * (lane >> 2); }
   QPN_DEV static void load_scales(const u8* p, u32 (&sc)[2]) { ldg64(p, sc[0], sc[1]); }
-  // (s_g, s_g8) of step s, exact.
+  // (s_g, s_g8) * 2^UP of step s, exact.
   QPN_DEV static u32 step_scales(const u32 (&sc)[2], int s) {
     const u32 w = sc[s >> 1];
 #if __CUDA_ARCH__ >= 890
-    return (s & 1) ? cvt_e4m3x2_hi(w) : cvt_e4m3x2_lo(w);
+    const u32 p = (s & 1) ? cvt_e4m3x2_hi(w) : cvt_e4m3x2_lo(w);
+    return UP == 0 ? p : hmul2(p, (u32)(15 + UP) * 0x04000400u);   // * 2^UP (FP16 exponent 15 + UP)
 #else
-    return hmul2(e4m3x2_bits(prmt(w, 0u, (s & 1) ? 0x3424u : 0x1404u)), 0x5C005C00u);  // (s*2^-8)*2^8
+    return hmul2(e4m3x2_bits(prmt(w, 0u, (s & 1) ? 0x3424u : 0x1404u)), (u32)(23 + UP) * 0x04000400u);  // (s*2^-8)*2^(8+UP)
 #endif
   }
   // Step s: word s of the lane's k-block; half2 r comes from nibbles 3-r and 7-r (w << 4r).
@@ -193,26 +198,8 @@ struct Frag16NVFP4 {
   }
 };
 
-// The form before 2026-12-01 (session 3), kept as a measured variant: scales * 2^7, operands
-// e2m1 * e4m3 * 2^-7 (one more FP16 multiply per MMA step on sm_89+).
-struct Frag16NVFP4S7 : Frag16NVFP4 {
-  static constexpr float OUT_MULT = 128.0f;
-  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, const u32 (&sc)[2],
-                           u32& a0, u32& a1, u32& a2, u32& a3) {
-    const u32 p = hmul2(step_scales(sc, s), 0x58005800u);   // * 2^7
-    const u32 sg = dup_lo(p), sg8 = dup_hi(p);
-    u32 h0, h1, h2, h3;
-#if __CUDA_ARCH__ >= 890
-    e2m1x2_quad_fma(w[s], h0, h1, h2, h3);
-#else
-    e2m1x2_quad(w[s], h0, h1, h2, h3);
-#endif
-    a0 = hmul2(h0, sg);
-    a1 = hmul2(h1, sg8);
-    a2 = hmul2(h2, sg);
-    a3 = hmul2(h3, sg8);
-  }
-};
+using Frag16NVFP4 = Frag16NVFP4Scaled<0>;
+using Frag16NVFP4S7 = Frag16NVFP4Scaled<7>;
 
 // NVFP4, the exact-normal form: value restored first (* 2^14), then times the exact scale, so
 // every operand is the normal FP16 number e2m1 * e4m3. One more FP16 multiply per register than

@@ -1057,7 +1057,7 @@ QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1p16, Frag16FP8, 2, 2, 1, 16, 0)
 // slots per warp (S - 1 k-blocks in flight while one is consumed); MINB = blocks per SM the
 // register cap is sized for (the shared memory per block is 8 x S x STAGE bytes).
 QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4, Frag16NVFP4, 1, 2, 4, 3, 0)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4, Frag16NVFP4, 1, 4, 4, 2, 0)
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4, Frag16NVFP4S7, 1, 4, 4, 2, 0)
 QPN80R_ENTRY(qpn2_mt2_m16n8k16_t2s4, Frag16NVFP4, 2, 2, 4, 2, 0)
 QPN80R_ENTRY(qpn8_mt1_m16n8k16_t2s4, Frag16FP8, 1, 2, 4, 2, 0)
 QPN80R_ENTRY(qpn8_mt2_m16n8k16_t1s4, Frag16FP8, 2, 1, 4, 2, 0)
@@ -1099,7 +1099,7 @@ QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x_loadonly, Frag16FP8, 1, 2, 4, 3, 3)
 // results; the mt1 forms are what ops launches on sm_90+, the mt2 forms are measured only).
 QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_pdl, Frag16NVFP4, 1, 2, 4, 0, 7)
 QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x_pdl, Frag16NVFP4, 2, 2, 4, 2, 7)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_pdl, Frag16NVFP4, 1, 4, 4, 2, 7)
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_pdl, Frag16NVFP4S7, 1, 4, 4, 2, 7)
 QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_pdl, Frag16FP8, 1, 2, 2, 0, 7)
 QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
 // Issue 14, 2026-12-01: more warps per SM for the register ring. A pure-read kernel of the register
@@ -1149,6 +1149,6 @@ QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d1s4_b2, Frag16FP8, 4, 1, 1, 4, 2, 0)
 QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d2s4_b2, Frag16NVFP4, 8, 1, 2, 4, 2, 0)
 QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d0s12_b2, Frag16NVFP4, 4, 1, 0, 12, 2, 0)
 QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d0s8_b2, Frag16FP8, 4, 1, 0, 8, 2, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_s7, Frag16NVFP4S7, 1, 2, 4, 0, 0)
-QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x_s7, Frag16NVFP4S7, 2, 2, 4, 2, 0)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_s7, Frag16NVFP4S7, 1, 4, 4, 2, 0)
+// The large-N kernel with the unit-scale NVFP4 form of the other routes (measured variant; the route
+// form t4s4 keeps the scales * 2^7, Frag16NVFP4S7, 2% faster there).
+QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_u, Frag16NVFP4, 1, 4, 4, 2, 0)
