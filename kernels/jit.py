@@ -56,8 +56,13 @@ SM80_ROUTE_KERNELS = {
 # results/kernel_sm80_coop2_sweep_h200_20261201.csv; see QPN80C_ENTRY in the .cu.)
 # Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
 # (2026-12-01, session 3: the NVFP4 operands lost their * 2^7 everywhere except in t4s4, where the
-# unit-scale form t4s4_u measured 2% slower; see Frag16NVFP4Scaled in qpn_atom_m16n8k16.cuh.)
-SM80_LARGE_N = 100_000
+# unit-scale form t4s4_u measured 2% slower; see Frag16NVFP4Scaled in qpn_atom_m16n8k16.cuh.
+# The threshold was 100,000 (TP1 lm_head only); two H200 sweeps of the same lease
+# (results/kernel_sm80_depth{1,2}_sweep_h200_20261201.csv) put t4s4 7-10% ahead of t2d4p0 on TP4
+# lm_head (62,080 rows: 64.5 / 66.0 against 69.3 / 73.0 us at M = 1 / 8), even with it on TP1
+# gate_up (34,816 rows, its x 2^7 form t4s4_s7 in the 4a6d26c sweeps: 41.5 / 42.9 against 42.0 / 43.4
+# us) and behind it on the smaller layers; hence 50,000.)
+SM80_LARGE_N = 50_000
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # The *_chunked route (M 17-96) on sm_80+: the M-band kernels of a format family, by token tiles (MT)
 # ascending; ops._sm80_kernel_for takes the first whose 8 x MT rows hold M, else the last: one weight

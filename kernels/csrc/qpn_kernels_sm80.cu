@@ -1152,10 +1152,6 @@ QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d0s8_b2, Frag16FP8, 4, 1, 0, 8, 2, 0)
 // The large-N kernel with the unit-scale NVFP4 form of the other routes (measured variant; the route
 // form t4s4 keeps the scales * 2^7, Frag16NVFP4S7, 2% faster there).
 QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_u, Frag16NVFP4, 1, 4, 4, 2, 0)
-// Session 3, measured variants: ring depths around the large-N kernel (x 2^7 form) and the M 9-16 ring.
-QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s4x_s7, Frag16NVFP4S7, 1, 4, 4, 2, 0)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s3_s7, Frag16NVFP4S7, 1, 4, 3, 2, 0)
-QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s6x_s7, Frag16NVFP4S7, 1, 4, 6, 2, 0)
-QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s3x, Frag16NVFP4, 2, 2, 3, 2, 0)
-QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s6x, Frag16NVFP4, 2, 2, 6, 2, 0)
-QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s8x, Frag16NVFP4, 2, 2, 8, 2, 0)
+// Session 3, measured and dropped (commit 23f9732 holds them): ring depths around the large-N kernel in
+// the x 2^7 form (t4s3, t4s4x, t4s6x) and the NVFP4 M 9-16 ring (t2s3x, t2s6x, t2s8x); none beats
+// t4s4 / t2s4x beyond the run-to-run spread (results/kernel_sm80_depth{1,2}_sweep_h200_20261201.csv).
