@@ -1071,10 +1071,10 @@ QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t4s3x, Frag16FP8, 1, 4, 3, 2, 0)
 QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 // Issue 14, 2026-12-01 (session 3), measured and dropped (commit fb81b8a holds the code): the same
 // per-warp ring filled by the bulk-copy engine (cp.async.bulk, one mbarrier per slot, sm_90; one lane
-// copies a slot's tiles), 6-8 slots at 2-4 blocks per SM. Slower than the route kernels on every
+// copies a slot's tiles), 4-8 slots at 2-4 blocks per SM. Slower than the route kernels on every
 // TP1 shape at M 1-16 (results/kernel_sm80_bulk_sweep_h200_20261201.csv): FP8 in_proj M = 1 31.3-34.9
 // vs 27.2 us, NVFP4 gate_up M = 1 48.9-57.7 vs 42.8 us. Its loads alone read lm_head at 85% of the
-// ceiling (the whole route kernel: 62%); not profiled further: each k-block adds an mbarrier wait,
+// ceiling (t2d4p0 in the same sweep: 62%); not profiled further: each k-block adds an mbarrier wait,
 // shared-memory reads and the copy issue to the already issue-bound decode.
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
