@@ -634,6 +634,7 @@ def targets_markdown(tg, header, rows=()) -> str:
     lines = [f"# Issue 14 targets on {header.get('gpu', '?')}", "",
              f"commit {header.get('commit', '?')}, {header.get('date', '?')}; read ceiling "
              f"{header.get('read_ceiling_gbps', '?')} GB/s measured in the same run", "",
+             f"command: {header.get('command', '?')}", "",
              "read limit (graph rows): the read_limit arm of the same run (the fastest kernel that only reads "
              "this layer's bytes, nothing computed), best over the M range; a goal above it is out of reach for "
              "any single kernel per layer under this timing", "",

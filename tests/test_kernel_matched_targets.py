@@ -22,8 +22,10 @@ def test_issue14_targets_use_the_issue14_goals():
     assert sm["goal"] == 1.0 and abs(sm["measured"] - 8.9 / 9.0) < 1e-9 and not sm["met"]   # slower at M=16
     tp4 = got[("graph", "tp4_mlp_down", "% read ceiling, M 1-8 (min)")]
     assert tp4["goal"] == 75.0 and tp4["met"]                                    # M=16 is outside M 1-8
-    md = kb.targets_markdown(kb.targets(rows), {"gpu": "X", "host_us_per_call (256x256)": "qpn=40.0, torch=15.0"})
+    md = kb.targets_markdown(kb.targets(rows), {"gpu": "X", "host_us_per_call (256x256)": "qpn=40.0, torch=15.0",
+                                                "command": "python -m qpn.benchmarks.kernel_matched_bench --m 1"})
     assert "Issue 14 targets on X" in md and "Host time per eager call" in md and "qpn=40.0" in md
+    assert "command: python -m qpn.benchmarks.kernel_matched_bench --m 1" in md   # provenance beside the figures
 
 
 def test_targets_carry_the_same_runs_read_limit_and_flag_goals_above_it():
