@@ -158,18 +158,29 @@ def _route_kernel(route: Route, m: int) -> tuple[str, int, int]:
 _sm_count: dict = {}
 
 
+# Warps of an m8n8k4 GEMM an SM holds: 4 blocks of 8 at the 64-register cap (sm70_check).
+SM70_RESIDENT_WARPS = 32
+
+
+def sm70_split(n_tiles: int, kblocks: int, m_chunks: int, sms: int) -> tuple[int, int]:
+    """(ksplit, tiles_per_block) of an m8n8k4 GEMM on a GPU of ``sms`` SMs: split K across the
+    warps of a block (fewer weight tiles -> more K splitting) while the grid still fits in one
+    resident wave. A split that spills into a second, partial wave leaves most SMs idle at its end
+    (TP4 lm_head on a V100: 1,940 tiles, split in two, is 1.5 waves); one wave of 16 or more
+    warps per SM keeps what the calibrated model needs in flight (results/perf_model_v100_*)."""
+    wave = SM70_RESIDENT_WARPS * sms
+    ksplit = 1
+    while (ksplit < WARPS and n_tiles * m_chunks * ksplit * 2 <= wave and ksplit * 2 <= max(1, kblocks)):
+        ksplit *= 2
+    return ksplit, WARPS // ksplit
+
+
 def _split(n_tiles: int, kblocks: int, m_chunks: int, device) -> tuple[int, int]:
-    """(ksplit, tiles_per_block): split K across the warps of a block until the grid offers
-    about 32 warps per SM (fewer weight tiles -> more K splitting)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     sms = _sm_count.get(idx)
     if sms is None:
         sms = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    want = 32 * sms
-    ksplit = 1
-    while ksplit < WARPS and n_tiles * m_chunks * ksplit < want and ksplit * 2 <= max(1, kblocks):
-        ksplit *= 2
-    return ksplit, WARPS // ksplit
+    return sm70_split(n_tiles, kblocks, m_chunks, sms)
 
 
 def fp16_activations(x2: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ calibrated model, never measurements.
 Per kernel, from the compiler's output (no GPU needed):
   * registers (ptxas -v) and shared memory per block -> resident warps per SM;
   * weight bytes in flight per warp (its load ring: register ring depth D, or S - 1 shared slots,
-    or one k-block for the SM70 kernels);
+    or 1 + KBLOCKS_AHEAD k-blocks for the SM70 kernels);
   * issue slots per weight byte in the main loop: SASS instructions of the loop nest that holds the
     MMAs (inner loops weighted by their trip count), per weight byte that loop consumes.
 Per GPU: SMs, SM clock, register file, shared memory, 4 issue slots per SM per clock, the measured
@@ -185,9 +185,13 @@ def _ptx_mma_counts(ptx: str) -> dict[str, int]:
     return out
 
 
-# k-blocks of weights a warp of the SM70 kernels (csrc/qpn_kernels.cu) has in flight: the current
-# one and the next, loaded before the current one is decoded.
-SM70_KBLOCKS_IN_FLIGHT = 2
+def sm70_kblocks_in_flight(family_src: str, decoder: str) -> int:
+    """k-blocks of weights a warp of the SM70 kernels (csrc/qpn_kernels.cu) has in flight: the one
+    it decodes and the decoder's KBLOCKS_AHEAD loaded after it (read from qpn_family.cuh)."""
+    m = re.search(r"struct " + decoder + r" \{.*?static constexpr int KBLOCKS_AHEAD = (\d+);", family_src, re.S)
+    if m is None:
+        raise ValueError(f"{decoder}::KBLOCKS_AHEAD not found in qpn_family.cuh")
+    return 1 + int(m.group(1))
 
 
 def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
@@ -211,6 +215,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             out[name] = KernelStats(name, atom, fmt, c.mt, c.tiles, regs[name].registers, c.smem_bytes,
                                     depth * c.tiles * tile_kb, c.tiles * 16 * 64 * bytes_per_weight(fmt), instr, kind)
     else:
+        family = nvrtc.read_sources()["qpn_family.cuh"]
         for name in jit.ENTRY_POINTS["m8n8k4"]:
             if "reconstruct" in name or name not in funcs:
                 continue
@@ -221,8 +226,9 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             hmma = 8 * mt * sass_per_mma          # 8 mma.m8n8k4 per k-block of 32 per token tile
             instr, kind = main_loop_instructions(funcs[name], hmma)
             tile_kb = int(32 * 32 * bytes_per_weight(fmt))  # codes and scales of a 32 x 32 tile k-block
+            depth = sm70_kblocks_in_flight(family, "DecNVFP4" if fmt == "nvfp4" else "DecFP8")
             out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
-                                    SM70_KBLOCKS_IN_FLIGHT * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
+                                    depth * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
     return out
 
 
@@ -242,10 +248,8 @@ def _active_warps(k: KernelStats, gpu: Gpu, n: int, kdim: int) -> tuple[float, f
         _, nwarps, _ = ops.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w, jit.SM80_MIN_ITEMS[formats.FAMILIES[k.fmt]])
         return min(w, nwarps / gpu.sms), 1.0
     n_tiles, kblocks = -(-n // 32), -(-kdim // 32)
-    ksplit = 1
-    while ksplit < 8 and n_tiles * ksplit < 32 * gpu.sms and ksplit * 2 <= max(1, kblocks):
-        ksplit *= 2
-    blocks = -(-n_tiles // (8 // ksplit))
+    _, tpb = ops.sm70_split(n_tiles, kblocks, 1, gpu.sms)
+    blocks = -(-n_tiles // tpb)
     per_wave = gpu.sms * (w // 8)
     waves = blocks / per_wave
     return min(w, blocks * 8 / gpu.sms), (math.ceil(waves) / waves if waves > 1 else 1.0)

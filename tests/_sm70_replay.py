@@ -98,6 +98,34 @@ class PTX:
     def and_or(a, m, b):            # lop3.b32 d, a, m, b, 0xEA: (a & m) | b
         return (_as_u32(a) & _as_u32(m)) | _as_u32(b)
 
+    @staticmethod
+    def shl_b32(a, s):              # shl.b32 (shifts here are < 32)
+        return _as_u32(a) << s
+
+    @staticmethod
+    def shr_b32(a, s):              # shr.b32: logical
+        return _as_u32(a) >> s
+
+    @staticmethod
+    def and_b32(a, m):
+        return _as_u32(a) & _as_u32(m)
+
+    @staticmethod
+    def or_and(a, b, m):            # lop3.b32 d, a, b, m, 0xA8: (a | b) & m
+        return (_as_u32(a) | _as_u32(b)) & _as_u32(m)
+
+    @staticmethod
+    def prmt(a, b, sel):            # prmt.b32 (default mode): byte i of d = byte sel_i of {b, a}
+        a, b = _as_u32(a).v, _as_u32(b).v
+        out = 0
+        for i in range(4):
+            n = (sel >> (4 * i)) & 0xF
+            byte = ((a if n < 4 else b) >> (8 * (n & 3))) & 0xFF
+            if n & 8:                                    # sign-replicate mode of that byte
+                byte = torch.where(byte >= 0x80, 0xFF, 0) if isinstance(byte, torch.Tensor) else (0xFF if byte >= 0x80 else 0)
+            out = out | (byte << (8 * i))
+        return U32(out)
+
     @classmethod
     def hmul2(cls, a, b):           # mul.rn.f16x2: each half multiplied, rounded to nearest even
         (al, ah), (bl, bh) = h2(a), h2(b)
@@ -108,6 +136,10 @@ class PTX:
             cls.roundings += int((r != p).sum())
             out.append(_f64_to_half_bits(p))
         return U32(out[0] | (out[1] << 16))
+
+
+_PTX_FUNCS = {name: getattr(PTX, name) for name in ("and_or", "hmul2", "shl_b32", "shr_b32", "and_b32", "or_and",
+                                                   "prmt")}
 
 
 # ------------------------------------------------------------------ C rule functions -> Python
@@ -261,7 +293,7 @@ def _compile_or_stub(fn: CFunc, ns: dict) -> None:
 def load_rules(family_src: str | None = None) -> SimpleNamespace:
     """The m8n8k4 atom and the two decoders of qpn_family.cuh, as Python callables and ints."""
     src = _strip_comments(family_src if family_src is not None else (CSRC / "qpn_family.cuh").read_text())
-    glob = {"and_or": PTX.and_or, "hmul2": PTX.hmul2, "True": True, "False": False}
+    glob = {**_PTX_FUNCS, "True": True, "False": False}
     top = src
     for s in ("AtomM8N8K4", "DecNVFP4", "DecFP8"):
         top = top.replace(_struct_body(src, s), "")
@@ -287,7 +319,7 @@ class LoopRules:
     a0: str            # front_half2 index of a0 for MMA j of the pair
     a1: str
     rotate: str        # words dropped after each pair
-    scale_lo: str      # sc2[0] from the 16-bit scale pair sp
+    scale_lo: str      # sc2[0] from sp2 = Dec::scale_pair(the lane's 16-bit scale pair)
     scale_hi: str
     pairs: str         # pairs per k-block
 
@@ -302,24 +334,28 @@ def load_loop(body_src: str, what: str) -> LoopRules:
         return m.group(1).strip()
 
     def x_offset():
-        # either load_x(xrow[t] + OFFSET, ...) per pair, or a pointer set per k-block
-        # (xk[t] = xrow[t] + KB_OFFSET) that load_x(xk[t], ...) reads and xk[t] += STEP advances
+        # either load_x(xrow + OFFSET, ...) per pair (the MoE loop), or a pointer per token tile:
+        # xnext[t] = xrow + INIT before the k-block loop, xk[t] = xnext[t] and xnext[t] += KSTEP
+        # per k-block (k-blocks ks, ks + ksplit, ...: transcribed), load_x(xk[t], ...) reads and
+        # xk[t] += PSTEP advances per pair
         if re.search(r"Atom::load_x\(xrow", s):
             return one(r"Atom::load_x\(xrow(?:\[t\])?\s*\+\s*([^,]+),")
-        ptr = one(r"(\w+)\[t\]\s*=\s*xrow\[t\]\s*\+\s*[^;]+;")
-        base = one(ptr + r"\[t\]\s*=\s*xrow\[t\]\s*\+\s*([^;]+);")
-        one(r"Atom::load_x\((" + ptr + r")\[t\],")
-        step = one(ptr + r"\[t\]\s*\+=\s*([^;]+);")
-        return f"({base}) + p * ({step})"
+        ptr = one(r"Atom::load_x\((\w+)\[t\],")
+        nxt = one(ptr + r"\[t\]\s*=\s*(\w+)\[t\];")
+        init = one(nxt + r"\[t\]\s*=\s*xrow\s*\+\s*([^;]+);")
+        kstep = one(nxt + r"\[t\]\s*\+=\s*([^;]+);")
+        pstep = one(ptr + r"\[t\]\s*\+=\s*([^;]+);")
+        return f"({init}) + ((kb - ks) // a.ksplit) * ({kstep}) + p * ({pstep})"
 
+    one(r"(const u32 sp2\s*=\s*Dec::scale_pair\()")
     return LoopRules(
         x_offset=x_offset(),
         scale_pick=one(r"const u32 s\s*=\s*([^;]+);"),
         a0=one(r"u32 a0\s*=\s*Dec::front_half2\(w,\s*([^)]+)\);"),
         a1=one(r"u32 a1\s*=\s*Dec::front_half2\(w,\s*([^)]+)\);"),
         rotate=one(r"rotate_words<([^>]+)>\(w\)"),
-        scale_lo=one(r"sc2\[0\]\s*=\s*Dec::scale_h2\(([^;]+)\);"),
-        scale_hi=one(r"sc2\[1\]\s*=\s*Dec::scale_h2\(([^;]+)\);"),
+        scale_lo=one(r"sc2\[0\]\s*=\s*([^;]+);"),
+        scale_hi=one(r"sc2\[1\]\s*=\s*([^;]+);"),
         pairs=one(r"constexpr int PAIRS\s*=\s*([^;]+);"),
     )
 
@@ -470,8 +506,8 @@ class Replay:
         if dec.GROUPED:
             lo = scales_blk[..., self.lane_scale_off].to(torch.int64)
             hi = scales_blk[..., self.lane_scale_off + 1].to(torch.int64)
-            sp = U32(lo | (hi << 8))
-            sc2 = [dec.scale_h2(self._ev(loop.scale_lo, dec, sp=sp)), dec.scale_h2(self._ev(loop.scale_hi, dec, sp=sp))]
+            sp2 = dec.scale_pair(U32(lo | (hi << 8)))
+            sc2 = [self._ev(loop.scale_lo, dec, sp2=sp2, **_PTX_FUNCS), self._ev(loop.scale_hi, dec, sp2=sp2, **_PTX_FUNCS)]
         return w, sc2
 
     def lane_operands(self, fmt: str, codes_blk: torch.Tensor, scales_blk, loop: LoopRules):
@@ -494,26 +530,27 @@ class Replay:
             w = [w[i + n] if i + n < len(w) else U32(0) for i in range(len(w))]   # rotate_words<S>
         return regs, pairs
 
-    def b_operands(self, xk: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, loop: LoopRules, dec,
-                   p: int, j: int, kb: torch.Tensor):
-        """B registers of every lane: from the lane's activation row (rows[lane], zeros where not
-        valid), the 2 * X_REGS halves load_x reads at the parsed offset, picked by b_frag.
+    def b_operands(self, xk: torch.Tensor, rows: torch.Tensor, loop: LoopRules, dec,
+                   p: int, j: int, kb: torch.Tensor, ks: int, ksplit: int):
+        """B registers of every lane: from the lane's activation row (rows[lane]; a lane whose
+        token is past M reads the row the kernel points it at), the 2 * X_REGS halves load_x
+        reads at the parsed offset, picked by b_frag.
         Returns (b0 lo, b0 hi, b1 lo, b1 hi), each float64 [K, 32]."""
         at = self.r.atom
-        base = torch.as_tensor(self._ev(loop.x_offset, dec, kb=kb, p=p))
+        base = torch.as_tensor(self._ev(loop.x_offset, dec, kb=kb, p=p, ks=ks, a=SimpleNamespace(ksplit=ksplit)))
         idx = base.reshape(-1, 1) + torch.arange(2 * at.X_REGS)                 # [K, 8]
-        vals = xk[rows][:, idx] * valid.reshape(32, 1, 1)                       # [32, K, 8]
+        vals = xk[rows][:, idx]                                                 # [32, K, 8]
         xr = [(vals[..., 2 * r].t(), vals[..., 2 * r + 1].t()) for r in range(at.X_REGS)]
         picked = at.b_frag(xr, j, None, None)
         return picked["b0"] + picked["b1"]
 
-    def _warp_sum(self, regs, pairs, xk, rows, valid, loop, dec, kblocks, ks, ksplit, tiles=slice(None)):
+    def _warp_sum(self, regs, pairs, xk, rows, loop, dec, kblocks, ks, ksplit, tiles=slice(None)):
         """D [T, 4, 8, 8] of the warp that runs k-blocks ks, ks + ksplit, ... of its tiles."""
         kbs = torch.arange(ks, kblocks, ksplit)
         d = None
         for p in range(pairs):
             for j in range(2):
-                b = self.b_operands(xk, rows, valid, loop, dec, p, j, kbs)
+                b = self.b_operands(xk, rows, loop, dec, p, j, kbs, ks, ksplit)
                 a = tuple(r[tiles][:, kbs] for r in regs[(p, j)])
                 dd = mma_m8n8k4(a, b)
                 d = dd if d is None else d + dd
@@ -556,7 +593,7 @@ class Replay:
                 toks = torch.tensor([self._ev(self.dense_tok, dec, m0=m0, t=t, lane=lane) for lane in _LANES])
                 valid = toks < m
                 rows = torch.where(valid, toks, 0)
-                acc.append([lane_accumulators(self._warp_sum(regs, pairs, xk, rows, valid, self.dense_loop, dec,
+                acc.append([lane_accumulators(self._warp_sum(regs, pairs, xk, rows, self.dense_loop, dec,
                                                              kblocks, ks, ksplit))
                             for ks in range(min(ksplit, kblocks))])
             # epilogue (transcribed): block = nblock * m_chunks + chunk, warp = tib * ksplit + ks,
@@ -659,7 +696,7 @@ class Replay:
                                   if dec.GROUPED else None)
                         cache[key] = self.lane_operands(s0.fmt, codes, scales, loop)
                     regs, pairs = cache[key]
-                    acc = sum(lane_accumulators(self._warp_sum(regs, pairs, xk, rows, valid, loop, dec, kblocks, ks,
+                    acc = sum(lane_accumulators(self._warp_sum(regs, pairs, xk, rows, loop, dec, kblocks, ks,
                                                                ksplit, tiles=slice(tile, tile + 1)))
                               for ks in range(min(ksplit, kblocks)))[0]           # [32, 8]
                     # epilogue (transcribed): tok = acc_token, row = acc_row; n = tile * TILE_N + row

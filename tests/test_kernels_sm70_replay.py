@@ -85,8 +85,10 @@ def test_replay_reads_the_atom_and_decoders_from_the_cuda_source(replay):
     b = fc.FP8_FINITE_BYTES.to(torch.int64)
     lo, hi = rp.h2(replay.r.fp8.dec(rp.U32((b << 8) | (b << 24))))
     assert torch.equal(lo, e4[b]) and torch.equal(hi, e4[b])
-    lo, _ = rp.h2(replay.r.nvfp4.scale_h2(rp.U32(b)))
-    assert torch.equal(lo, e4[b])
+    # the lane's two group scales: every finite byte in each half of the 16-bit pair
+    other = b.flip(0)
+    lo, hi = rp.h2(replay.r.nvfp4.scale_pair(rp.U32(b | (other << 8))))
+    assert torch.equal(lo, e4[b]) and torch.equal(hi, e4[other])
     assert rp.PTX.roundings == 0
 
 
@@ -251,7 +253,9 @@ FAMILY_DRIFTS = {   # (old text, new text) in qpn_family.cuh
     "b_frag register order": ("b0 = xr[2 * j];\n    b1 = xr[2 * j + 1];", "b0 = xr[2 * j + 1];\n    b1 = xr[2 * j];"),
     "NVFP4 front_half2 nibble parity": ("const u32 half = (r & 1) ?", "const u32 half = (r & 2) ?"),
     "NVFP4 front_half2 pair": ("const u32 t = (r >= 2) ?", "const u32 t = (r >= 1) ?"),
-    "NVFP4 front_half2 mask": ("return rescale(t & 0x8E008E00u);", "return rescale(t & 0x8C008C00u);"),
+    "NVFP4 front_half2 mask": ("return or_and(a, b, 0x8E008E00u); }", "return or_and(a, b, 0x8C008C00u); }"),
+    "NVFP4 front_half2 sign shift": ("place(shl_b32(half, 5), shl_b32(half, 8))", "place(shl_b32(half, 5), shl_b32(half, 7))"),
+    "scale pair byte placement": ("prmt(sp, 0u, 0x1404u)", "prmt(sp, 0u, 0x0414u)"),
     "FP8 front_half2 byte": ("return dec(w[r >> 1] << (8 * (r & 1))); }", "return dec(w[r >> 1] << (8 * ((r + 1) & 1))); }"),
     "e2m1 exponent mask (reconstruct route)": ("and_or(t >> 3, 0x0E000E00u, t & 0x80008000u)",
                                                "and_or(t >> 3, 0x0C000C00u, t & 0x80008000u)"),
@@ -261,9 +265,9 @@ FAMILY_DRIFTS = {   # (old text, new text) in qpn_family.cuh
 LOOP_DRIFTS = {     # (old, new) in qpn_linear_body
     "group scale pick": ("(2 * p * Atom::K_STEP < 16) ? sc2[0] : sc2[1]", "(2 * p * Atom::K_STEP < 8) ? sc2[0] : sc2[1]"),
     "activation offset": ("xk[t] += 2 * Atom::K_STEP;", "xk[t] += Atom::K_STEP;"),
-    "activation k-block": ("xk[t] = xrow[t] + kb * Atom::K_BLOCK;", "xk[t] = xrow[t] + kb * Atom::K_STEP;"),
+    "activation k-block": ("xnext[t] += a.ksplit * Atom::K_BLOCK;", "xnext[t] += a.ksplit * Atom::K_STEP;"),
     "a0/a1 order": ("u32 a0 = Dec::front_half2(w, j * Atom::A_REGS);", "u32 a0 = Dec::front_half2(w, j * Atom::A_REGS + 1);"),
-    "scale pair bytes": ("sc2[0] = Dec::scale_h2(sp & 0xFFu);", "sc2[0] = Dec::scale_h2(sp >> 8);"),
+    "scale pair halves": ("sc2[0] = prmt(sp2, 0u, 0x1010u);", "sc2[0] = prmt(sp2, 0u, 0x3232u);"),
     "dropped result scale": ("v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0));", ""),
 }
 

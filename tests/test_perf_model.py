@@ -73,3 +73,31 @@ def test_v100_column_is_labelled_an_estimate(tmp_path):
     assert "seed 000" in lines[1] and "est    20.0 us" in lines[1]
     assert "1Cat TurboMind 90.6 us (engine's figure)" in lines[2]
     assert "no results" in pm.v100_column_lines(str(tmp_path / "empty"))[0]
+
+
+@pytest.mark.parametrize("sms", [80, 132])
+def test_sm70_split_keeps_the_grid_in_one_resident_wave(sms):
+    from qpn.kernels import ops
+    wave = ops.SM70_RESIDENT_WARPS * sms
+    for n_tiles in list(range(1, 400)) + [1940, 2559, 2560, 2561, 7760]:
+        for kblocks in (1, 2, 3, 48, 160):
+            for m_chunks in (1, 3):
+                ks, tpb = ops.sm70_split(n_tiles, kblocks, m_chunks, sms)
+                assert ks * tpb == 8 and ks in (1, 2, 4, 8) and ks <= max(1, kblocks)
+                warps = n_tiles * m_chunks * ks
+                assert ks == 1 or warps <= wave          # never split into a second wave
+                # and split as far as that allows (doubling would break a limit)
+                assert ks == 8 or 2 * ks > kblocks or 2 * warps > wave
+    # the V100's TP4 shapes: lm_head (1,940 tiles) unsplit in one wave; gate_up / down split 8 ways
+    assert ops.sm70_split(1940, 160, 1, 80) == (1, 8)
+    assert ops.sm70_split(272, 160, 1, 80) == (8, 1) and ops.sm70_split(160, 136, 1, 80) == (8, 1)
+
+
+def test_sm70_in_flight_is_read_from_the_decoders():
+    from qpn.kernels import nvrtc
+    fam = nvrtc.read_sources()["qpn_family.cuh"]
+    assert pm.sm70_kblocks_in_flight(fam, "DecNVFP4") == 3 and pm.sm70_kblocks_in_flight(fam, "DecFP8") == 2
+    edited = fam.replace("static constexpr int KBLOCKS_AHEAD = 2;", "static constexpr int KBLOCKS_AHEAD = 5;")
+    assert pm.sm70_kblocks_in_flight(edited, "DecNVFP4") == 6 and pm.sm70_kblocks_in_flight(edited, "DecFP8") == 2
+    with pytest.raises(ValueError, match="KBLOCKS_AHEAD"):
+        pm.sm70_kblocks_in_flight(fam.replace("KBLOCKS_AHEAD", "AHEAD"), "DecFP8")

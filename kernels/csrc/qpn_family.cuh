@@ -42,14 +42,11 @@ struct AtomM8N8K4 {
   QPN_DEV static int scale_pair_offset(int lane) { return 2 * lane; }
 
   // Activations for MMAs 2p and 2p+1 of a k-block: 8 consecutive halves of the lane's token row.
-  // Rows past M supply zeros.
-  QPN_DEV static void load_x(const u16* p, bool valid, u32 (&xr)[X_REGS]) {
-    if (valid) {
-      ldg128(p, xr[0], xr[1], xr[2], xr[3]);
-    } else {
-      xr[0] = xr[1] = xr[2] = xr[3] = 0u;
-    }
-  }
+  // A lane whose token is past M reads a real row instead (the caller points it at row 0): its B
+  // column only reaches the accumulator column of that token, which the epilogue never stores, so
+  // the load needs no predicate and no zero fill (ptxas 12.9, sm_70: the predicated form cost
+  // qpn2_mt1_m8n8k4 22 of 180 instructions per k-block, moves and a schedule around the guards).
+  QPN_DEV static void load_x(const u16* p, u32 (&xr)[X_REGS]) { ldg128(p, xr[0], xr[1], xr[2], xr[3]); }
   // B fragment of MMA (2p + j) from that load: k = 4j..4j+3, two halves per register.
   QPN_DEV static void b_frag(const u32 (&xr)[X_REGS], int j, u32& b0, u32& b1) {
     b0 = xr[2 * j];
@@ -117,24 +114,28 @@ struct DecNVFP4 {
   static constexpr bool GROUPED = true;   // one e4m3 scale per 16 inputs, folded into the operand
   static constexpr int WORDS = 4;         // 16 bytes of codes per lane per k-block
   static constexpr int WORDS_PER_PAIR = 1;  // codes of 8 inputs (2 MMAs of m8n8k4) per word
+  // k-blocks a warp loads ahead of the one it decodes: 3 x 576 B of a 32 x 32 tile's codes and
+  // scales in flight, what the calibrated model needs a V100 warp to hold when a layer gives 16
+  // warps per SM (TP4 down, results/perf_model_v100_estimate_*). Fits 64 registers, no spills.
+  static constexpr int KBLOCKS_AHEAD = 2;
   QPN_DEV static u32 rescale(u32 bits) { return hmul2(bits, 0x74007400u); }   // * 2^14: exact
   QPN_DEV static u32 dec(u32 t) { return rescale(e2m1x2_bits(t)); }
   // f16x2 register idx (0 .. 15) of the k-block, k order: inputs 2*idx, 2*idx + 1.
   QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 2] << (4 * (idx & 3))); }
   // f16x2 register r (0..3) of the pair currently at the front of w: dec(w[0] << 4r), built the
   // way e2m1x2_quad builds it, from the word's odd nibbles (r = 0, 2) or its even ones moved up a
-  // nibble (r = 1, 3). Inlined with r constant, the four calls of a pair share the two half-words
-  // (ptxas 12.9, sm_70, qpn2_mt1_m8n8k4's rolled pair loop: 51 instructions per pair instead of 53).
+  // nibble (r = 1, 3), with the one-instruction helpers of qpn_ptx.cuh so that, inlined with r
+  // constant, the four calls of a pair share the two half-words: 13 integer instructions per word.
   QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) {
-    const u32 half = (r & 1) ? ((w[0] << 4) & 0xF0F0F0F0u) : (w[0] & 0xF0F0F0F0u);
-    const u32 t = (r >= 2) ? ((half << 5) | (half << 8)) : ((half >> 3) | half);
-    return rescale(t & 0x8E008E00u);
+    const u32 half = (r & 1) ? and_b32(shl_b32(w[0], 4), 0xF0F0F0F0u) : and_b32(w[0], 0xF0F0F0F0u);
+    const u32 t = (r >= 2) ? place(shl_b32(half, 5), shl_b32(half, 8)) : place(shr_b32(half, 3), half);
+    return rescale(t);
   }
-  // e4m3 scale byte -> the same FP16 value in both halves (exact: e4m3 is inside FP16's range).
-  QPN_DEV static u32 scale_h2(u32 byte) {
-    u32 t = (byte | (byte << 16)) << 8;
-    return hmul2(e4m3x2_bits(t), 0x5C005C00u);
-  }
+  // Magnitude bits from a, sign bits from b: the FP16 pattern of two e2m1 codes (times 2^-14).
+  QPN_DEV static u32 place(u32 a, u32 b) { return or_and(a, b, 0x8E008E00u); }
+  // The k-block's two e4m3 group scales (the lane's 16-bit scale pair: group 0 in the low byte) as
+  // FP16 (s0, s1), exact (e4m3 lies inside FP16's range).
+  QPN_DEV static u32 scale_pair(u32 sp) { return hmul2(e4m3x2_bits(prmt(sp, 0u, 0x1404u)), 0x5C005C00u); }
 };
 
 // FP8 e4m3: bytes 1 and 3 of a word become FP16 (sign at 15, exponent:mantissa at 13..7), the
@@ -144,6 +145,8 @@ struct DecFP8 {
   static constexpr bool GROUPED = false;  // per-tensor / per-channel scale: applied to the FP32 result
   static constexpr int WORDS = 8;         // 32 bytes of codes per lane per k-block
   static constexpr int WORDS_PER_PAIR = 2;  // codes of 4 inputs (1 MMA of m8n8k4) per word
+  // One k-block ahead (2 x 1 KB in flight): a second one spills qpn8_mt2_m8n8k4 (8 words a stage).
+  static constexpr int KBLOCKS_AHEAD = 1;
   QPN_DEV static u32 dec(u32 t) { return hmul2(e4m3x2_bits(t), 0x5C005C00u); }
   QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 1] << (8 * (idx & 1))); }
   QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) { return dec(w[r >> 1] << (8 * (r & 1))); }

@@ -49,57 +49,76 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
     constexpr int LANE_BYTES = Dec::WORDS * 4;
     constexpr int BLOCK_BYTES = LANE_BYTES * 32;
     constexpr int PAIRS = Atom::STEPS / 2;           // activation loads per k-block per tile
-    constexpr int HALF2_PER_GROUP = 16 / 2;          // decoded f16x2 registers per 16 inputs
     const u8* cptr = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
     const u8* sptr = a.scales + (size_t)tile * a.kblocks * Atom::SCALE_BLOCK_BYTES + Atom::scale_pair_offset(lane);
-    const u16* xrow[MT];
-    bool xvalid[MT];
+    // Activation pointers of the lane's token rows at this warp's next k-block (a token past M
+    // reads row 0: see AtomM8N8K4::load_x).
+    const u16* xnext[MT];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
       const int tok = m0 + t * Atom::TOKENS + Atom::b_token(lane);
-      xvalid[t] = tok < a.m;
-      xrow[t] = a.x + (size_t)(xvalid[t] ? tok : 0) * a.ldx;
+      const u16* xrow = a.x + (size_t)(tok < a.m ? tok : 0) * a.ldx;
+      xnext[t] = xrow + ks * Atom::K_BLOCK;
     }
 
-    // Two k-blocks of weights in flight per warp: the next k-block's codes and scales are loaded
-    // before this one is decoded (issue 14: the calibrated model put these kernels latency-bound
-    // on the V100 with one k-block, 512-1024 B, in flight per warp).
-    u32 wn[Dec::WORDS];
-    u32 sp = 0u;   // the 16-bit scale pair of the k-block in hand (NVFP4)
-    if (ks < a.kblocks) {
+    // Weights in flight: the codes and scales of the KBLOCKS_AHEAD k-blocks after the one being
+    // decoded are already loading (a ring of registers, shifted down one stage per k-block). Issue
+    // 14: the calibrated model put these kernels latency-bound on the V100 with nothing ahead.
+    constexpr int AHEAD = Dec::KBLOCKS_AHEAD;
+    u32 wq[AHEAD][Dec::WORDS];
+    u32 spq[AHEAD];
+    const u8* cnext = cptr + (size_t)ks * BLOCK_BYTES;
+    const u8* snext = sptr + (size_t)ks * Atom::SCALE_BLOCK_BYTES;
 #pragma unroll
-      for (int j = 0; j < Dec::WORDS; j += 4)
-        ldg128(cptr + (size_t)ks * BLOCK_BYTES + 4 * j, wn[j], wn[j + 1], wn[j + 2], wn[j + 3]);
-      if constexpr (Dec::GROUPED) sp = ldg16(sptr + (size_t)ks * Atom::SCALE_BLOCK_BYTES);
+    for (int d = 0; d < AHEAD; ++d) {
+      spq[d] = 0u;
+      if (ks + d * a.ksplit < a.kblocks) {
+#pragma unroll
+        for (int j = 0; j < Dec::WORDS; j += 4) ldg128(cnext + 4 * j, wq[d][j], wq[d][j + 1], wq[d][j + 2], wq[d][j + 3]);
+        if constexpr (Dec::GROUPED) spq[d] = ldg16(snext);
+      }
+      cnext += (size_t)a.ksplit * BLOCK_BYTES;
+      snext += (size_t)a.ksplit * Atom::SCALE_BLOCK_BYTES;
     }
     for (int kb = ks; kb < a.kblocks; kb += a.ksplit) {
       u32 w[Dec::WORDS];
 #pragma unroll
-      for (int j = 0; j < Dec::WORDS; ++j) w[j] = wn[j];
+      for (int j = 0; j < Dec::WORDS; ++j) w[j] = wq[0][j];
       u32 sc2[2] = {0x3C003C00u, 0x3C003C00u};  // FP16 1.0 (FP8 has no group scale)
       if constexpr (Dec::GROUPED) {
-        sc2[0] = Dec::scale_h2(sp & 0xFFu);
-        sc2[1] = Dec::scale_h2(sp >> 8);
+        const u32 sp2 = Dec::scale_pair(spq[0]);   // (s0, s1); sc2[g] = (s_g, s_g), one PRMT each
+        sc2[0] = prmt(sp2, 0u, 0x1010u);
+        sc2[1] = prmt(sp2, 0u, 0x3232u);
       }
-      const int kn = kb + a.ksplit;
-      if (kn < a.kblocks) {
 #pragma unroll
-        for (int j = 0; j < Dec::WORDS; j += 4)
-          ldg128(cptr + (size_t)kn * BLOCK_BYTES + 4 * j, wn[j], wn[j + 1], wn[j + 2], wn[j + 3]);
-        if constexpr (Dec::GROUPED) sp = ldg16(sptr + (size_t)kn * Atom::SCALE_BLOCK_BYTES);
+      for (int d = 0; d + 1 < AHEAD; ++d) {
+#pragma unroll
+        for (int j = 0; j < Dec::WORDS; ++j) wq[d][j] = wq[d + 1][j];
+        spq[d] = spq[d + 1];
       }
-      // Rolled at MT = 2 on purpose: one pair of MMAs per iteration keeps the live activation
-      // registers at X_REGS per tile (an unrolled loop hoists every load of the k-block and spills
-      // there). At MT = 1 it is unrolled: the word rotation and the loop control then cost nothing.
+      if (kb + AHEAD * a.ksplit < a.kblocks) {
+        u32(&last)[Dec::WORDS] = wq[AHEAD - 1];
+#pragma unroll
+        for (int j = 0; j < Dec::WORDS; j += 4) ldg128(cnext + 4 * j, last[j], last[j + 1], last[j + 2], last[j + 3]);
+        if constexpr (Dec::GROUPED) spq[AHEAD - 1] = ldg16(snext);
+      }
+      cnext += (size_t)a.ksplit * BLOCK_BYTES;
+      snext += (size_t)a.ksplit * Atom::SCALE_BLOCK_BYTES;
       const u16* xk[MT];
 #pragma unroll
-      for (int t = 0; t < MT; ++t) xk[t] = xrow[t] + kb * Atom::K_BLOCK;
-#pragma unroll(MT == 1 ? PAIRS : 1)
+      for (int t = 0; t < MT; ++t) {
+        xk[t] = xnext[t];
+        xnext[t] += a.ksplit * Atom::K_BLOCK;
+      }
+      // Unrolled (the word rotation and the loop control then cost nothing) except FP8 at MT = 2,
+      // rolled on purpose there: one pair of MMAs per iteration keeps the live activation registers
+      // at X_REGS per tile (unrolled, every load of the k-block is hoisted and it spills).
+#pragma unroll((MT == 1 || Dec::WORDS == 4) ? PAIRS : 1)
       for (int p = 0; p < PAIRS; ++p) {
         u32 xr[MT][Atom::X_REGS];
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
-          Atom::load_x(xk[t], xvalid[t], xr[t]);
+          Atom::load_x(xk[t], xr[t]);
           xk[t] += 2 * Atom::K_STEP;
         }
         const u32 s = (2 * p * Atom::K_STEP < 16) ? sc2[0] : sc2[1];
@@ -169,9 +188,10 @@ __device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* 
   for (int j = 0; j < Dec::WORDS; j += 4) ldg128(p + 4 * j, w[j], w[j + 1], w[j + 2], w[j + 3]);
   u32 sc2[2] = {0x3C003C00u, 0x3C003C00u};
   if constexpr (Dec::GROUPED) {
-    const u32 sp = ldg16(scales + ((size_t)tile * kblocks + kb) * Atom::SCALE_BLOCK_BYTES + Atom::scale_pair_offset(lane));
-    sc2[0] = Dec::scale_h2(sp & 0xFFu);
-    sc2[1] = Dec::scale_h2(sp >> 8);
+    const u32 sp2 = Dec::scale_pair(ldg16(scales + ((size_t)tile * kblocks + kb) * Atom::SCALE_BLOCK_BYTES +
+                                          Atom::scale_pair_offset(lane)));
+    sc2[0] = prmt(sp2, 0u, 0x1010u);
+    sc2[1] = prmt(sp2, 0u, 0x3232u);
   }
   const size_t ldw = (size_t)kblocks * Atom::K_BLOCK;
   u16* out = ws + ((size_t)tile * Atom::TILE_N + Atom::a_row(lane)) * ldw + (size_t)kb * Atom::K_BLOCK;

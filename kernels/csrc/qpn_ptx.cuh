@@ -126,3 +126,31 @@ QPN_DEV void stg128f(float* p, float a, float b, float c, float d) {
 // Ask L2 to fetch the line holding p (no register, no wait): deepens the memory pipeline beyond
 // what the register ring holds.
 QPN_DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
+
+
+// One-instruction integer operations that NVVM cannot see through. The NVFP4 m8n8k4 decoder
+// (DecNVFP4::front_half2) is written with them: from plain C shifts and masks, NVVM moves each
+// mask through its shift, and the half-words a code word's four registers share are rebuilt for
+// every register (ptxas 12.9, sm_70, qpn2_mt1_m8n8k4: about 20 integer instructions per code word
+// instead of 13).
+QPN_DEV u32 shl_b32(u32 a, u32 s) {
+  u32 d;
+  asm("shl.b32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
+QPN_DEV u32 shr_b32(u32 a, u32 s) {
+  u32 d;
+  asm("shr.b32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
+QPN_DEV u32 and_b32(u32 a, u32 m) {
+  u32 d;
+  asm("and.b32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(m));
+  return d;
+}
+// (a | b) & m, one LOP3.
+QPN_DEV u32 or_and(u32 a, u32 b, u32 m) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xA8;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
+  return d;
+}
