@@ -101,3 +101,13 @@ def test_sm70_in_flight_is_read_from_the_decoders():
     assert pm.sm70_kblocks_in_flight(edited, "DecNVFP4") == 6 and pm.sm70_kblocks_in_flight(edited, "DecFP8") == 2
     with pytest.raises(ValueError, match="KBLOCKS_AHEAD"):
         pm.sm70_kblocks_in_flight(fam.replace("KBLOCKS_AHEAD", "AHEAD"), "DecFP8")
+
+
+def test_seed_verdict_names_what_keeps_a_route_below_its_seed_level():
+    c = pm.Constants(2.0, 2.25, 10.0)
+    row = dict(seed_pct=77.0, est_pct=74.0, bound="read ceiling", est_us=38.5)
+    assert pm.seed_verdict(row, c) == "YES: t0 = 10.0 of 38.5 us (weights at the read ceiling)"
+    assert pm.seed_verdict(dict(row, bound="issue"), c) == "YES: issue-bound main loop"
+    assert pm.seed_verdict(dict(row, bound="latency"), c) == "YES: latency-bound main loop"
+    assert pm.seed_verdict(dict(row, est_pct=77.0), c) == "no"
+    assert pm.seed_verdict(dict(row, seed_pct=None), c) == ""
