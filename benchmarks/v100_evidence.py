@@ -11,6 +11,9 @@ manifest; a failing step does not stop the others):
   CI=true so that nothing skips silently;
 - ``kernels``: benchmarks/kernel_matched_bench.py on the TP1 and TP4 shapes (QPN, torch FP16,
   _scaled_mm, dequantize-then-matmul), with its CSV, targets table and chart;
+- ``model_check``: the V100 estimate of the performance model (kernels/perf_model.py, fitted on an
+  H200) checked against the kernels step's times: its error per route, and the constants (the
+  fixed cost per call above all) that this V100 run fits by itself;
 - ``engine_arms``: the installed engine's own NVFP4 kernels (1Cat TurboMind ``nvfp4_gemm_sm70``,
   Marlin; benchmarks/engine_arms.py) on the same NVFP4 shapes and timers, where the engine
   provides them (the manifest says which, and why not);
@@ -39,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("numerics", "kernels", "engine_arms", "cells")
+STEPS = ("numerics", "kernels", "model_check", "engine_arms", "cells")
 MANIFEST_SCHEMA = 1
 
 
@@ -100,6 +103,9 @@ def plan(args, bundle: str) -> list[Step]:
                          "--out", f"{bundle}/kernel_matched.csv", "--targets", f"{bundle}/targets.md",
                          "--plot", f"{bundle}/kernel_matched.png", "--shapes", args.shapes],
              ["kernel_matched.csv", "targets.md", "kernel_matched.png"]),
+        Step("model_check", [py, "-m", "qpn.kernels.perf_model", "--check-m8n8k4", f"{bundle}/kernel_matched.csv",
+                             "--out-dir", bundle, "--stamp", "bundle"],
+             ["perf_model_v100_check_bundle.md", "perf_model_v100_check_bundle.csv"]),
         Step("engine_arms", [py, "-m", "qpn.benchmarks.engine_arms", "--out",
                              f"{bundle}/engine_arms.csv", "--shapes", args.shapes],
              ["engine_arms.csv"]),

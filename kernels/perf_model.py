@@ -19,8 +19,14 @@ with three constants fitted on the H200 run (L: loaded memory latency in us, IPC
 slots per SM-clock, t0: fixed cost per call in us) against every m16n8k16 kernel and shape timed
 in that run. The V100 column takes the same L, IPC and t0 (an assumption, stated in the output).
 
-    python -m qpn.kernels.perf_model --csv results/kernel_matched_sm80_ring_h200_20261130.csv \\
-        --sweep results/kernel_sm80_ring_sweep_h200_20261130.csv --out-dir results
+    python -m qpn.kernels.perf_model --csv results/kernel_matched_sm80_cal_h200_20261201.csv \\
+        --sweep results/kernel_sm80_cal_sweep_h200_20261201.csv --out-dir results
+
+Checked against a GPU that runs the m8n8k4 kernels natively (a V100; scripts/v100-evidence.sh
+runs it on its kernel benchmark): each measured call predicted with the H200 fit, the error per
+route, and the constants that run fits by itself (the fixed cost per call t0 above all):
+
+    python -m qpn.kernels.perf_model --check-m8n8k4 BUNDLE/kernel_matched.csv --out-dir BUNDLE
 """
 from __future__ import annotations
 
@@ -461,13 +467,12 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
 def v100_column_lines(results_dir: str | None = None) -> list[str]:
     """Lines for ``python -m qpn.kernels build --arch sm70``: the newest committed V100 estimate
     table (results/perf_model_v100_estimate_*.csv), labelled as an estimate."""
-    d = results_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
-    files = sorted(glob.glob(os.path.join(d, "perf_model_v100_estimate_*.csv")))
-    if not files:
+    newest = newest_estimate(results_dir)
+    if not newest:
         return ["[kernels] V100 estimate: no results/perf_model_v100_estimate_*.csv here "
                 "(run python -m qpn.kernels.perf_model on a checkout with an H200 run's CSV)"]
-    _, rows = _read_csv(files[-1])
-    out = [f"[kernels] V100 column ({ESTIMATE_LABEL}; {os.path.basename(files[-1])}):"]
+    _, rows = _read_csv(newest)
+    out = [f"[kernels] V100 column ({ESTIMATE_LABEL}; {os.path.basename(newest)}):"]
     for r in rows:
         extra = f", 1Cat TurboMind {float(r['onecat_us']):.1f} us (engine's figure)" if r["onecat_us"] else ""
         out.append(f"[kernels]   {r['kernel']:18s} {r['shape']:24s} M={int(r['m']):2d}  est {float(r['est_us']):7.1f} us "
@@ -475,15 +480,120 @@ def v100_column_lines(results_dir: str | None = None) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ checked against a V100
+def fitted_constants(estimate_csv: str) -> Constants:
+    """The H200 fit behind a V100 estimate file (its '# fitted:' line)."""
+    head, _ = _read_csv(estimate_csv)
+    m = re.search(r"L = ([\d.]+) us, IPC = ([\d.]+) .*t0 = ([\d.]+) us", head.get("fitted", ""))
+    if m is None:
+        raise ValueError(f"{estimate_csv}: no '# fitted: L = .., IPC = .., t0 = ..' line")
+    return Constants(float(m.group(1)), float(m.group(2)), float(m.group(3)))
+
+
+def m8n8k4_observations(csv_path: str) -> tuple[Gpu, list[dict]]:
+    """(the GPU the run describes, rows of kernel, n, k, m, measured us) of a kernel_matched_bench
+    CSV that ran the m8n8k4 kernels (a V100 run: scripts/v100-evidence.sh's kernels step)."""
+    head, rows = _read_csv(csv_path)
+    atom = head.get("qpn atom", "")
+    if not atom.startswith("m8n8k4"):
+        raise ValueError(f"{csv_path}: its QPN arm ran '{atom.split(';')[0]}', not the m8n8k4 kernels this "
+                         "check is about (run kernel_matched_bench on the V100)")
+    sm = re.search(r"(\d+) SMs", head.get("gpu", ""))
+    gpu = Gpu(head.get("gpu", "?"), int(sm.group(1)) if sm else V100_SXM2.sms, V100_SXM2.clock_ghz,
+              V100_SXM2.regs_per_sm, V100_SXM2.smem_per_sm, V100_SXM2.max_warps_per_sm,
+              float(head["read_ceiling_gbps"]), "measured in the same run")
+    obs = []
+    for r in rows:
+        route = routes.as_route(r["route"]) if r["arm"] == "qpn" else None
+        if route is None or route.kernel != routes.TILED or route.chunk_rows:
+            continue
+        obs.append(dict(kernel=f"{route.prefix}_mt{route.tiles_per_pass}_m8n8k4", shape=r["shape"], n=int(r["n"]), k=int(r["k"]),
+                        m=int(r["m"]), route=r["route"], us=float(r["graph_us"]), src="v100"))
+    if not obs:
+        raise ValueError(f"{csv_path}: no QPN rows on the single-pass tiled routes (qpn2, qpn8 and their _mt2)")
+    return gpu, obs
+
+
+def check_m8n8k4(csv_path: str, estimate_csv: str, out_dir: str, stamp: str,
+                 stats: dict[str, KernelStats] | None = None) -> str:
+    """The estimate checked against a measured m8n8k4 run: each point predicted with the H200 fit
+    (and the run's own read ceiling), its error per route, and the constants the run itself fits."""
+    gpu, obs = m8n8k4_observations(csv_path)
+    head, _ = _read_csv(csv_path)
+    c = fitted_constants(estimate_csv)
+    stats = stats if stats is not None else kernel_stats("m8n8k4", 70)
+    own = calibrate(stats, gpu, obs)
+    rows = []
+    for o in obs:
+        p = predict(stats[o["kernel"]], gpu, o["n"], o["k"], c)
+        q = predict(stats[o["kernel"]], gpu, o["n"], o["k"], own)
+        rows.append(dict(o, pred_us=p["us"], err_pct=100 * (p["us"] / o["us"] - 1), bound=p["bound"],
+                         refit_us=q["us"], refit_err_pct=100 * (q["us"] / o["us"] - 1)))
+    is_v100 = "V100" in gpu.name and gpu.sms == V100_SXM2.sms
+    label = ("measured on a V100" if is_v100 else
+             f"measured on {gpu.name}, NOT a V100 (m8n8k4 there is emulated): this checks the harness only")
+    prov = _provenance() + [f"# measured run: {csv_path} ({label}; its commit: {head.get('commit', '?')}, "
+                            f"date: {head.get('date', '?')})",
+                            f"# estimate: {estimate_csv} (H200 fit: L = {c.latency_us:.2f} us, IPC = {c.ipc:.2f}, "
+                            f"t0 = {c.t0_us:.1f} us)",
+                            f"# this run's own fit: L = {own.latency_us:.2f} us, IPC = {own.ipc:.2f}, "
+                            f"t0 = {own.t0_us:.1f} us"]
+    out_csv = os.path.join(out_dir, f"perf_model_v100_check_{stamp}.csv")
+    cols = ["route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound", "refit_us", "refit_err_pct"]
+    with open(out_csv, "w", newline="") as f:
+        f.write("\n".join(prov) + "\n")
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({kk: (f"{v:.2f}" if isinstance(v, float) else v) for kk, v in r.items()})
+    lines = [f"# The m8n8k4 estimate checked against a measured run ({stamp}): {label}", ""] + [p[2:] for p in prov] + [
+        "", f"GPU description: {gpu}", "",
+        "| route | points | mean abs error (H200 fit) | worst | mean abs error (this run's fit) |",
+        "|---|---:|---:|---:|---:|"]
+    for route in sorted({r["route"] for r in rows}):
+        sub = [r for r in rows if r["route"] == route]
+        lines.append(f"| {route} | {len(sub)} | {sum(abs(r['err_pct']) for r in sub) / len(sub):.1f}% | "
+                     f"{max(sub, key=lambda r: abs(r['err_pct']))['err_pct']:+.1f}% | "
+                     f"{sum(abs(r['refit_err_pct']) for r in sub) / len(sub):.1f}% |")
+    lines += ["", "| shape | M | kernel | measured us | estimate us | error | bound |", "|---|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['us']:.1f} | {r['pred_us']:.1f} | "
+                     f"{r['err_pct']:+.1f}% | {r['bound']} |")
+    out_md = os.path.join(out_dir, f"perf_model_v100_check_{stamp}.md")
+    with open(out_md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return out_md
+
+
+def newest_estimate(results_dir: str | None = None) -> str | None:
+    d = results_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+    files = sorted(glob.glob(os.path.join(d, "perf_model_v100_estimate_*.csv")))
+    return files[-1] if files else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qpn.kernels.perf_model", description=__doc__.split("\n")[0])
-    ap.add_argument("--csv", required=True, help="kernel_matched_bench CSV of an sm_80+ run")
+    ap.add_argument("--csv", default="", help="kernel_matched_bench CSV of an sm_80+ run (calibrate and estimate)")
     ap.add_argument("--sweep", default="", help="its --sweep CSV (more kernels to calibrate on)")
+    ap.add_argument("--check-m8n8k4", default="", metavar="CSV",
+                    help="instead: check the V100 estimate against this kernel_matched_bench CSV of an m8n8k4 "
+                         "run (scripts/v100-evidence.sh's kernel_matched.csv)")
+    ap.add_argument("--estimate", default="", help="with --check-m8n8k4: the estimate CSV whose H200 fit to check "
+                                                  "(default: the newest results/perf_model_v100_estimate_*.csv)")
     ap.add_argument("--out-dir", default="results")
     ap.add_argument("--stamp", default="", help="file name stamp (default: the run's date)")
     args = ap.parse_args(argv)
-    head, _ = _read_csv(args.csv)
+    if bool(args.csv) == bool(args.check_m8n8k4):
+        ap.error("give --csv (calibrate on an sm_80+ run) or --check-m8n8k4 (check against an m8n8k4 run)")
+    head, _ = _read_csv(args.csv or args.check_m8n8k4)
     stamp = args.stamp or head.get("date", "undated")[:10].replace("-", "")
+    if args.check_m8n8k4:
+        estimate = args.estimate or newest_estimate()
+        if not estimate:
+            ap.error("no results/perf_model_v100_estimate_*.csv to check; pass --estimate")
+        check_m8n8k4(args.check_m8n8k4, estimate, args.out_dir, stamp)
+        return 0
     run(args.csv, args.sweep or None, args.out_dir, stamp)
     return 0
 

@@ -1,5 +1,7 @@
 """The performance model's pieces that need no GPU and no compiler: the SASS loop reader, the
 occupancy arithmetic, the bound it reports, and the labelled V100 column of the build command."""
+import re
+
 import pytest
 
 from qpn.kernels import perf_model as pm
@@ -111,3 +113,46 @@ def test_seed_verdict_names_what_keeps_a_route_below_its_seed_level():
     assert pm.seed_verdict(dict(row, bound="latency"), c) == "YES: latency-bound main loop"
     assert pm.seed_verdict(dict(row, est_pct=77.0), c) == "no"
     assert pm.seed_verdict(dict(row, seed_pct=None), c) == ""
+
+
+def _m8n8k4_run(path, stats, c, gpu_line, atom="m8n8k4", read=850.0):
+    """A kernel_matched_bench CSV as a V100 run would write it, its times those of the model under
+    constants c (so a fit on it must find c again)."""
+    gpu = pm.Gpu("v", 80, pm.V100_SXM2.clock_ghz, 65536, 96 * 1024, 64, read, "run")
+    lines = [f"# gpu: {gpu_line}", "# commit: abc", "# date: 2099-01-01T00:00:00Z",
+             f"# qpn atom: {atom}; sm_80+ route kernels: ...", f"# read_ceiling_gbps: {read}",
+             "shape,fmt,n,k,m,arm,route,graph_us"]
+    for shape, (fmt, n, k) in pm.TP4_SHAPES.items():
+        for m in (1, 8, 16):
+            kname = pm._kernel_for(fmt, m)
+            route = kname.replace("_mt1_m8n8k4", "").replace("_m8n8k4", "")
+            us = pm.predict(stats[kname], gpu, n, k, c)["us"]
+            lines.append(f"{shape},{fmt},{n},{k},{m},qpn,{route},{us:.4f}")
+            lines.append(f"{shape},{fmt},{n},{k},{m},torch_fp16,fp16,{2 * us:.4f}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_the_estimate_is_checked_against_a_measured_m8n8k4_run(tmp_path, sm70_toolchain):
+    stats = pm.kernel_stats("m8n8k4", 70)
+    est = tmp_path / "perf_model_v100_estimate_20990101.csv"
+    est.write_text("# fitted: loaded latency L = 1.80 us, IPC = 2.25 issue slots per SM-clock, t0 = 10.0 us per call\n"
+                   "table,shape\n")
+    assert pm.fitted_constants(str(est)) == pm.Constants(1.8, 2.25, 10.0)
+    v100 = pm.Constants(1.8, 2.25, 4.0)          # a V100 whose fixed cost per call is 4 us, not 10
+    run = _m8n8k4_run(tmp_path / "kernel_matched.csv", stats, v100, "Tesla V100-SXM2-32GB (sm_70, 80 SMs)")
+    md = pm.check_m8n8k4(run, str(est), str(tmp_path), "20990101", stats=stats)
+    text = open(md).read()
+    assert "measured on a V100" in text and "NOT a V100" not in text
+    # every point streams at the read ceiling, so the run pins t0 (L and IPC bind nowhere)
+    assert re.search(r"this run's own fit: L = [\d.]+ us, IPC = [\d.]+, t0 = 4\.0 us", text)
+    rows = list(__import__("csv").DictReader(l for l in open(md.replace(".md", ".csv")) if not l.startswith("#")))
+    assert len(rows) == 15 and {r["route"] for r in rows} == {"qpn2", "qpn2_mt2", "qpn8", "qpn8_mt2"}
+    for r in rows:   # the H200 fit over-predicts every call by the 6 us of t0; the run's own fit is exact
+        assert abs(float(r["pred_us"]) - float(r["us"]) - 6.0) < 0.01
+        assert abs(float(r["refit_err_pct"])) < 0.01
+    other = _m8n8k4_run(tmp_path / "h200.csv", stats, v100, "NVIDIA H200 (sm_90, 132 SMs)")
+    assert "NOT a V100" in open(pm.check_m8n8k4(other, str(est), str(tmp_path), "x", stats=stats)).read()
+    sm80 = _m8n8k4_run(tmp_path / "sm80.csv", stats, v100, "NVIDIA H200 (sm_90, 132 SMs)", atom="m16n8k16")
+    with pytest.raises(ValueError, match="m16n8k16"):
+        pm.m8n8k4_observations(sm80)

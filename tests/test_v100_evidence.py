@@ -39,6 +39,7 @@ def test_bundle_layout_manifest_and_archive(tmp_path):
         ev.Step("numerics", [py, "-c", f"open({str(bundle / 'numerics.xml')!r}, 'w').write('<x/>'); print('ok')"],
                 ["numerics.xml"]),
         ev.Step("kernels", [py, "-c", "import sys; print('boom'); sys.exit(3)"], ["kernel_matched.csv"]),
+        ev.Step("model_check", [py, "-c", "print('needs kernel_matched.csv')"], ["perf_model_v100_check_bundle.md"]),
         ev.Step("engine_arms", [py, "-c", "print('no output file')"], ["engine_arms.csv"]),
         ev.Step("cells", [], [], "no --base-url/--model"),
     ]
@@ -79,6 +80,7 @@ def test_every_step_calls_flags_its_tool_has(tmp_path):
         if path.startswith("tests/"):
             assert (REPO / path).is_file(), path
     for name, module in (("kernels", "qpn.benchmarks.kernel_matched_bench"),
+                         ("model_check", "qpn.kernels.perf_model"),
                          ("engine_arms", "qpn.benchmarks.engine_arms"),
                          ("cells", "qpn.benchmarks.domain_cells")):
         cmd = steps[name].command
