@@ -356,6 +356,16 @@ def seed_verdict(row: dict, c: Constants) -> str:
     return f"YES: {row['bound']}-bound main loop"
 
 
+def _write_csv(path: str, prov: list[str], cols: list[str], rows: list[dict]) -> None:
+    """Provenance lines, then the rows' cols (floats to 2 decimals, None empty)."""
+    with open(path, "w", newline="") as f:
+        f.write("\n".join(prov) + "\n")
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({kk: ("" if v is None else f"{v:.2f}" if isinstance(v, float) else v) for kk, v in r.items()})
+
+
 def _provenance() -> list[str]:
     from ..benchmarks import provenance
     return [f"# commit: {provenance.git_commit()}", f"# command: {provenance.command_line()}",
@@ -376,14 +386,8 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
             continue
         p = predict(s80[o["kernel"]], gpu, o["n"], o["k"], c)
         cal_rows.append(dict(o, pred_us=p["us"], err_pct=100 * (p["us"] / o["us"] - 1), bound=p["bound"]))
-    cal_csv = os.path.join(out_dir, f"perf_model_h200_calibration_{stamp}.csv")
-    cols = ["src", "route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound"]
-    with open(cal_csv, "w", newline="") as f:
-        f.write("\n".join(prov) + "\n")
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in cal_rows:
-            w.writerow({kk: (f"{v:.2f}" if isinstance(v, float) else v) for kk, v in r.items()})
+    _write_csv(os.path.join(out_dir, f"perf_model_h200_calibration_{stamp}.csv"), prov,
+               ["src", "route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound"], cal_rows)
     lines = [f"# Performance model: H200 calibration ({stamp})", ""] + [p[2:] for p in prov] + [
         "", f"GPU description: {gpu}", "", "Per kernel (sm_90 build): registers, shared memory per block, resident "
         "warps per SM, weight bytes in flight per warp, SASS issue slots per weight byte in the main loop", "",
@@ -422,14 +426,8 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
                     "IPC and t0 as fitted on the H200 are assumed", "# onecat_us: 1Cat-vLLM 1.3.0's published TurboMind "
                     "NVFP4 GEMM time (docs/design/sm70_nvfp4_turbomind_operator_optimization.md), the engine's figure",
                     "# seed_pct: seed 000's measured V100 level (% of 879 GB/s), the seed's figure"]
-    v_csv = os.path.join(out_dir, f"perf_model_v100_estimate_{stamp}.csv")
-    vcols = ["table", "shape", "n", "k", "m", "kernel", "est_us", "est_pct", "bound", "seed_pct", "onecat_us"]
-    with open(v_csv, "w", newline="") as f:
-        f.write("\n".join(vprov) + "\n")
-        w = csv.DictWriter(f, fieldnames=vcols)
-        w.writeheader()
-        for r in vrows:
-            w.writerow({kk: ("" if r[kk] is None else f"{r[kk]:.2f}" if isinstance(r[kk], float) else r[kk]) for kk in vcols})
+    _write_csv(os.path.join(out_dir, f"perf_model_v100_estimate_{stamp}.csv"), vprov,
+               ["table", "shape", "n", "k", "m", "kernel", "est_us", "est_pct", "bound", "seed_pct", "onecat_us"], vrows)
     vl = [f"# V100 estimates of the m8n8k4 kernels ({stamp}): {ESTIMATE_LABEL}", ""] + [p[2:] for p in vprov] + [
         "", "| kernel | regs | warps/SM | in flight/warp (B) | issue slots/B | loop |", "|---|---:|---:|---:|---:|---|"]
     for kname, k in sorted(s70.items()):
@@ -538,14 +536,9 @@ def check_m8n8k4(csv_path: str, estimate_csv: str, out_dir: str, stamp: str,
                             f"t0 = {c.t0_us:.1f} us)",
                             f"# this run's own fit: L = {own.latency_us:.2f} us, IPC = {own.ipc:.2f}, "
                             f"t0 = {own.t0_us:.1f} us"]
-    out_csv = os.path.join(out_dir, f"perf_model_v100_check_{stamp}.csv")
-    cols = ["route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound", "refit_us", "refit_err_pct"]
-    with open(out_csv, "w", newline="") as f:
-        f.write("\n".join(prov) + "\n")
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({kk: (f"{v:.2f}" if isinstance(v, float) else v) for kk, v in r.items()})
+    _write_csv(os.path.join(out_dir, f"perf_model_v100_check_{stamp}.csv"), prov,
+               ["route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound", "refit_us",
+                "refit_err_pct"], rows)
     lines = [f"# The m8n8k4 estimate checked against a measured run ({stamp}): {label}", ""] + [p[2:] for p in prov] + [
         "", f"GPU description: {gpu}", "",
         "| route | points | mean abs error (H200 fit) | worst | mean abs error (this run's fit) |",
