@@ -136,9 +136,11 @@ def _m8n8k4_run(path, stats, c, gpu_line, atom="m8n8k4", read=850.0):
 def test_the_estimate_is_checked_against_a_measured_m8n8k4_run(tmp_path, sm70_toolchain):
     stats = pm.kernel_stats("m8n8k4", 70)
     est = tmp_path / "perf_model_v100_estimate_20990101.csv"
-    est.write_text("# fitted: loaded latency L = 1.80 us, IPC = 2.25 issue slots per SM-clock, t0 = 10.0 us per call\n"
+    est.write_text("# fitted: loaded latency L = 1.80 us, IPC = 2.25 issue slots per SM-clock, t0 = 10.0 us per call "
+                   "(mean |log error| 0.122)\n# t0-bounded fit (t0 <= 4.27 us, the smallest measured time minus its "
+                   "bytes at the read ceiling): L = 2.60 us, IPC = 1.75, t0 = 4.0 us (mean |log error| 0.235)\n"
                    "table,shape\n")
-    assert pm.fitted_constants(str(est)) == pm.Constants(1.8, 2.25, 10.0)
+    assert pm.fitted_constants(str(est)) == (pm.Constants(1.8, 2.25, 10.0), pm.Constants(2.6, 1.75, 4.0))
     v100 = pm.Constants(1.8, 2.25, 4.0)          # a V100 whose fixed cost per call is 4 us, not 10
     run = _m8n8k4_run(tmp_path / "kernel_matched.csv", stats, v100, "Tesla V100-SXM2-32GB (sm_70, 80 SMs)")
     md = pm.check_m8n8k4(run, str(est), str(tmp_path), "20990101", stats=stats)
@@ -156,3 +158,16 @@ def test_the_estimate_is_checked_against_a_measured_m8n8k4_run(tmp_path, sm70_to
     sm80 = _m8n8k4_run(tmp_path / "sm80.csv", stats, v100, "NVIDIA H200 (sm_90, 132 SMs)", atom="m16n8k16")
     with pytest.raises(ValueError, match="m16n8k16"):
         pm.m8n8k4_observations(sm80)
+
+
+def test_t0_is_bounded_by_the_fastest_call():
+    h = pm.h200(4000.0)
+    k = _k(64, 0, inflight=1 << 20, ipb=0.001)          # never issue- or latency-bound: t = t0 + B / 4000 GB/s
+    stats = {"k": k}
+    nbytes = lambda n, kd: n * kd * pm.bytes_per_weight("nvfp4") / 4000.0 / 1e3
+    obs = [dict(kernel="k", n=n, k=5120, us=nbytes(n, 5120) + extra) for n, extra in ((65536, 3.0), (4096, 9.0), (8192, 9.0))]
+    assert pm.t0_bound(stats, h, obs) == pytest.approx(3.0)
+    best = pm.calibrate(stats, h, obs)
+    assert best.t0_us > 3.0                              # the unbounded fit follows the two small, slow calls
+    bounded = pm.calibrate(stats, h, obs, t0_max=pm.t0_bound(stats, h, obs))
+    assert bounded.t0_us <= 3.0 and pm.fit_error(stats, h, obs, bounded) >= pm.fit_error(stats, h, obs, best)
