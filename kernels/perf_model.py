@@ -5,7 +5,7 @@ calibrated model, never measurements.
 Per kernel, from the compiler's output (no GPU needed):
   * registers (ptxas -v) and shared memory per block -> resident warps per SM;
   * weight bytes in flight per warp (its load ring: register ring depth D, or S - 1 shared slots,
-    or 1 + KBLOCKS_AHEAD k-blocks for the SM70 kernels);
+    or 1 + KBLOCKS_AHEAD(_MT2) k-blocks for the SM70 kernels);
   * issue slots per weight byte in the main loop: SASS instructions of the loop nest that holds the
     MMAs (inner loops weighted by their trip count), per weight byte that loop consumes.
 Per GPU: SMs, SM clock, register file, shared memory, 4 issue slots per SM per clock, the measured
@@ -191,12 +191,14 @@ def _ptx_mma_counts(ptx: str) -> dict[str, int]:
     return out
 
 
-def sm70_kblocks_in_flight(family_src: str, decoder: str) -> int:
+def sm70_kblocks_in_flight(family_src: str, decoder: str, mt: int) -> int:
     """k-blocks of weights a warp of the SM70 kernels (csrc/qpn_kernels.cu) has in flight: the one
-    it decodes and the decoder's KBLOCKS_AHEAD loaded after it (read from qpn_family.cuh)."""
-    m = re.search(r"struct " + decoder + r" \{.*?static constexpr int KBLOCKS_AHEAD = (\d+);", family_src, re.S)
+    it decodes and the decoder's KBLOCKS_AHEAD (KBLOCKS_AHEAD_MT2 at two token tiles) loaded after
+    it, read from qpn_family.cuh."""
+    name = "KBLOCKS_AHEAD" if mt == 1 else "KBLOCKS_AHEAD_MT2"
+    m = re.search(r"struct " + decoder + r" \{.*?static constexpr int " + name + r" = (\d+);", family_src, re.S)
     if m is None:
-        raise ValueError(f"{decoder}::KBLOCKS_AHEAD not found in qpn_family.cuh")
+        raise ValueError(f"{decoder}::{name} not found in qpn_family.cuh")
     return 1 + int(m.group(1))
 
 
@@ -232,7 +234,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             hmma = 8 * mt * sass_per_mma          # 8 mma.m8n8k4 per k-block of 32 per token tile
             instr, kind = main_loop_instructions(funcs[name], hmma)
             tile_kb = int(32 * 32 * bytes_per_weight(fmt))  # codes and scales of a 32 x 32 tile k-block
-            depth = sm70_kblocks_in_flight(family, "DecNVFP4" if fmt == "nvfp4" else "DecFP8")
+            depth = sm70_kblocks_in_flight(family, "DecNVFP4" if fmt == "nvfp4" else "DecFP8", mt)
             out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
                                     depth * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
     return out

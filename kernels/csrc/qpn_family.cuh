@@ -114,10 +114,12 @@ struct DecNVFP4 {
   static constexpr bool GROUPED = true;   // one e4m3 scale per 16 inputs, folded into the operand
   static constexpr int WORDS = 4;         // 16 bytes of codes per lane per k-block
   static constexpr int WORDS_PER_PAIR = 1;  // codes of 8 inputs (2 MMAs of m8n8k4) per word
-  // k-blocks a warp loads ahead of the one it decodes: 3 x 576 B of a 32 x 32 tile's codes and
-  // scales in flight, what the calibrated model needs a V100 warp to hold when a layer gives 16
-  // warps per SM (TP4 down, results/perf_model_v100_estimate_*). Fits 64 registers, no spills.
+  // k-blocks a warp loads ahead of the one it decodes (one token tile; _MT2: two): 3 x 576 B of a
+  // 32 x 32 tile's codes and scales in flight, what the calibrated model needs a V100 warp to hold
+  // when a layer gives 16 warps per SM (TP4 down, results/perf_model_v100_estimate_*). Fits 64
+  // registers, no spills.
   static constexpr int KBLOCKS_AHEAD = 2;
+  static constexpr int KBLOCKS_AHEAD_MT2 = 2;
   QPN_DEV static u32 rescale(u32 bits) { return hmul2(bits, 0x74007400u); }   // * 2^14: exact
   QPN_DEV static u32 dec(u32 t) { return rescale(e2m1x2_bits(t)); }
   // f16x2 register idx (0 .. 15) of the k-block, k order: inputs 2*idx, 2*idx + 1.
@@ -145,8 +147,11 @@ struct DecFP8 {
   static constexpr bool GROUPED = false;  // per-tensor / per-channel scale: applied to the FP32 result
   static constexpr int WORDS = 8;         // 32 bytes of codes per lane per k-block
   static constexpr int WORDS_PER_PAIR = 2;  // codes of 4 inputs (1 MMA of m8n8k4) per word
-  // One k-block ahead (2 x 1 KB in flight): a second one spills qpn8_mt2_m8n8k4 (8 words a stage).
-  static constexpr int KBLOCKS_AHEAD = 1;
+  // Two k-blocks ahead at one token tile (3 x 1 KB in flight: TP4 in_proj gives 13 warps per SM,
+  // which the model's t0-bounded fit puts latency-bound with 2 KB); one at two token tiles, where a
+  // second spills qpn8_mt2_m8n8k4 (8 words a stage).
+  static constexpr int KBLOCKS_AHEAD = 2;
+  static constexpr int KBLOCKS_AHEAD_MT2 = 1;
   QPN_DEV static u32 dec(u32 t) { return hmul2(e4m3x2_bits(t), 0x5C005C00u); }
   QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 1] << (8 * (idx & 1))); }
   QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) { return dec(w[r >> 1] << (8 * (r & 1))); }

@@ -64,7 +64,7 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
     // Weights in flight: the codes and scales of the KBLOCKS_AHEAD k-blocks after the one being
     // decoded are already loading (a ring of registers, shifted down one stage per k-block). Issue
     // 14: the calibrated model put these kernels latency-bound on the V100 with nothing ahead.
-    constexpr int AHEAD = Dec::KBLOCKS_AHEAD;
+    constexpr int AHEAD = MT == 1 ? Dec::KBLOCKS_AHEAD : Dec::KBLOCKS_AHEAD_MT2;
     u32 wq[AHEAD][Dec::WORDS];
     u32 spq[AHEAD];
     const u8* cnext = cptr + (size_t)ks * BLOCK_BYTES;
