@@ -170,7 +170,7 @@ def sm70_split(n_tiles: int, kblocks: int, m_chunks: int, sms: int) -> tuple[int
     warps per SM keeps what the calibrated model needs in flight (results/perf_model_v100_*)."""
     wave = SM70_RESIDENT_WARPS * sms
     ksplit = 1
-    while (ksplit < WARPS and n_tiles * m_chunks * ksplit * 2 <= wave and ksplit * 2 <= max(1, kblocks)):
+    while ksplit < WARPS and n_tiles * m_chunks * ksplit * 2 <= wave and ksplit * 2 <= max(1, kblocks):
         ksplit *= 2
     return ksplit, WARPS // ksplit
 
