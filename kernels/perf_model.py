@@ -359,17 +359,22 @@ def _kernel_for(fmt: str, m: int) -> str:
     return f"{formats.weight_format(fmt).route_prefix}_mt{1 if m <= 8 else 2}_m8n8k4"
 
 
-def seed_verdict(row: dict, c: Constants) -> str:
+def seed_verdict(seed_pct: float | None, est_pct: float, est_us: float, bound: str, t0_us: float) -> str:
     """The V100 table's 'below seed?' cell: empty without a seed level, 'no', or 'YES' with what
     limits the route: its main loop (issue- or latency-bound: the kernel's to fix, issue 14 item 4)
     or, at the read ceiling, the fixed cost per call t0."""
-    if row["seed_pct"] is None:
+    if seed_pct is None:
         return ""
-    if row["est_pct"] >= row["seed_pct"]:
+    if est_pct >= seed_pct:
         return "no"
-    if row["bound"] == "read ceiling":
-        return f"YES: t0 = {c.t0_us:.1f} of {row['est_us']:.1f} us (weights at the read ceiling)"
-    return f"YES: {row['bound']}-bound main loop"
+    if bound == "read ceiling":
+        return f"YES: t0 = {t0_us:.1f} of {est_us:.1f} us (weights at the read ceiling)"
+    return f"YES: {bound}-bound main loop"
+
+
+def _route_errors(rows: list[dict], key: str) -> tuple[float, float]:
+    """(mean |error|, the error of largest magnitude, signed) of the rows' key, in %."""
+    return sum(abs(r[key]) for r in rows) / len(rows), max(rows, key=lambda r: abs(r[key]))[key]
 
 
 def _write_csv(path: str, prov: list[str], cols: list[str], rows: list[dict]) -> None:
@@ -428,11 +433,9 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
     for route in sorted({r["route"] for r in cal_rows}):
         sub = [r for r in cal_rows if r["route"] == route]
         bounds = [r["bound"] for r in sub]
-        lines.append(f"| {route} | {len(sub)} | {sum(abs(r['err_pct']) for r in sub) / len(sub):.1f}% | "
-                     f"{max(sub, key=lambda r: abs(r['err_pct']))['err_pct']:+.1f}% | "
-                     f"{max(set(bounds), key=bounds.count)} | "
-                     f"{sum(abs(r['err_pct_t0b']) for r in sub) / len(sub):.1f}% | "
-                     f"{max(sub, key=lambda r: abs(r['err_pct_t0b']))['err_pct_t0b']:+.1f}% |")
+        (mean, worst), (mean_b, worst_b) = _route_errors(sub, "err_pct"), _route_errors(sub, "err_pct_t0b")
+        lines.append(f"| {route} | {len(sub)} | {mean:.1f}% | {worst:+.1f}% | {max(set(bounds), key=bounds.count)} | "
+                     f"{mean_b:.1f}% | {worst_b:+.1f}% |")
     cal_md = os.path.join(out_dir, f"perf_model_h200_calibration_{stamp}.md")
     with open(cal_md, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -473,10 +476,10 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
     for r in vrows:
         if r["table"] == "tp4":
             seed = "" if r["seed_pct"] is None else f"{r['seed_pct']:.0f}%"
-            rb = dict(r, est_us=r["est_us_t0b"], est_pct=r["est_pct_t0b"], bound=r["bound_t0b"])
+            best = seed_verdict(r["seed_pct"], r["est_pct"], r["est_us"], r["bound"], c.t0_us)
+            bounded = seed_verdict(r["seed_pct"], r["est_pct_t0b"], r["est_us_t0b"], r["bound_t0b"], cb.t0_us)
             vl.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['est_us']:.1f} | {r['est_pct']:.0f}% | {r['bound']} | "
-                      f"{seed} | {seed_verdict(r, c)} | {r['est_pct_t0b']:.0f}% | {r['bound_t0b']} | "
-                      f"{seed_verdict(rb, cb)} |")
+                      f"{seed} | {best} | {r['est_pct_t0b']:.0f}% | {r['bound_t0b']} | {bounded} |")
     vl += ["", "1Cat's TP2 shapes at M = 1 (1Cat = the engine's published TurboMind NVFP4 figure; QPN = estimate):", "",
            "| shape | 1Cat TurboMind (us) | QPN est. (us) | bound | est. speed-up | goal 1.5x | t0-bounded: speed-up | bound |",
            "|---|---:|---:|---|---:|---|---:|---|"]
@@ -536,9 +539,10 @@ def fitted_constants(estimate_csv: str) -> tuple[Constants, Constants | None]:
     return best, bounded
 
 
-def m8n8k4_observations(csv_path: str) -> tuple[Gpu, list[dict]]:
-    """(the GPU the run describes, rows of kernel, n, k, m, measured us) of a kernel_matched_bench
-    CSV that ran the m8n8k4 kernels (a V100 run: scripts/v100-evidence.sh's kernels step)."""
+def m8n8k4_observations(csv_path: str) -> tuple[dict, Gpu, list[dict]]:
+    """(its header, the GPU the run describes, rows of kernel, n, k, m, measured us) of a
+    kernel_matched_bench CSV that ran the m8n8k4 kernels (a V100 run: scripts/v100-evidence.sh's
+    kernels step)."""
     head, rows = _read_csv(csv_path)
     atom = head.get("qpn atom", "")
     if not atom.startswith("m8n8k4"):
@@ -557,15 +561,14 @@ def m8n8k4_observations(csv_path: str) -> tuple[Gpu, list[dict]]:
                         m=int(r["m"]), route=r["route"], us=float(r["graph_us"]), src="v100"))
     if not obs:
         raise ValueError(f"{csv_path}: no QPN rows on the single-pass tiled routes (qpn2, qpn8 and their _mt2)")
-    return gpu, obs
+    return head, gpu, obs
 
 
 def check_m8n8k4(csv_path: str, estimate_csv: str, out_dir: str, stamp: str,
                  stats: dict[str, KernelStats] | None = None) -> str:
     """The estimate checked against a measured m8n8k4 run: each point predicted with the H200 fit
     (and the run's own read ceiling), its error per route, and the constants the run itself fits."""
-    gpu, obs = m8n8k4_observations(csv_path)
-    head, _ = _read_csv(csv_path)
+    head, gpu, obs = m8n8k4_observations(csv_path)
     c, cb = fitted_constants(estimate_csv)
     cb = cb or c
     stats = stats if stats is not None else kernel_stats("m8n8k4", 70)
@@ -597,10 +600,9 @@ def check_m8n8k4(csv_path: str, estimate_csv: str, out_dir: str, stamp: str,
         "(this run's fit) |", "|---|---:|---:|---:|---:|---:|"]
     for route in sorted({r["route"] for r in rows}):
         sub = [r for r in rows if r["route"] == route]
-        lines.append(f"| {route} | {len(sub)} | {sum(abs(r['err_pct']) for r in sub) / len(sub):.1f}% | "
-                     f"{max(sub, key=lambda r: abs(r['err_pct']))['err_pct']:+.1f}% | "
-                     f"{sum(abs(r['err_pct_t0b']) for r in sub) / len(sub):.1f}% | "
-                     f"{sum(abs(r['refit_err_pct']) for r in sub) / len(sub):.1f}% |")
+        mean, worst = _route_errors(sub, "err_pct")
+        lines.append(f"| {route} | {len(sub)} | {mean:.1f}% | {worst:+.1f}% | {_route_errors(sub, 'err_pct_t0b')[0]:.1f}% | "
+                     f"{_route_errors(sub, 'refit_err_pct')[0]:.1f}% |")
     lines += ["", "| shape | M | kernel | measured us | estimate us | error | bound |", "|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['us']:.1f} | {r['pred_us']:.1f} | "

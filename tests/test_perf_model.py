@@ -109,13 +109,12 @@ def test_sm70_in_flight_is_read_from_the_decoders():
 
 
 def test_seed_verdict_names_what_keeps_a_route_below_its_seed_level():
-    c = pm.Constants(2.0, 2.25, 10.0)
-    row = dict(seed_pct=77.0, est_pct=74.0, bound="read ceiling", est_us=38.5)
-    assert pm.seed_verdict(row, c) == "YES: t0 = 10.0 of 38.5 us (weights at the read ceiling)"
-    assert pm.seed_verdict(dict(row, bound="issue"), c) == "YES: issue-bound main loop"
-    assert pm.seed_verdict(dict(row, bound="latency"), c) == "YES: latency-bound main loop"
-    assert pm.seed_verdict(dict(row, est_pct=77.0), c) == "no"
-    assert pm.seed_verdict(dict(row, seed_pct=None), c) == ""
+    assert pm.seed_verdict(77.0, 74.0, 38.5, "read ceiling", 10.0) == \
+        "YES: t0 = 10.0 of 38.5 us (weights at the read ceiling)"
+    assert pm.seed_verdict(77.0, 74.0, 38.5, "issue", 10.0) == "YES: issue-bound main loop"
+    assert pm.seed_verdict(77.0, 74.0, 38.5, "latency", 10.0) == "YES: latency-bound main loop"
+    assert pm.seed_verdict(77.0, 77.0, 38.5, "read ceiling", 10.0) == "no"
+    assert pm.seed_verdict(None, 74.0, 38.5, "read ceiling", 10.0) == ""
 
 
 def _m8n8k4_run(path, stats, c, gpu_line, atom="m8n8k4", read=850.0):
