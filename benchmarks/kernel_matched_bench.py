@@ -515,7 +515,9 @@ def provenance(args, atom) -> list[str]:
         f"# commit: {commit}",
         f"# command: {' '.join(shlex.quote(a) for a in [os.path.basename(sys.executable), '-m', 'qpn.benchmarks.kernel_matched_bench'] + sys.argv[1:])}",
         f"# date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
-        f"# qpn atom: {atom}; sm_80+ route kernels: "
+        f"# qpn atom: {atom}"
+        + (f"; m8n8k4 NVFP4 form: {ops.nvfp4_form(torch.device('cuda', 0))}" if atom == "m8n8k4" else "")
+        + "; sm_80+ route kernels: "
         + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
         + "".join(f"; {f.family}/mt{mt} with N >= {jit.SM80_LARGE_N}={k}" for (f, mt), k in jit.SM80_LARGE_N_KERNELS.items())
         + "".join(f"; {f.family}/chunked (M band)={'/'.join(k)}" for f, k in jit.SM80_BAND_KERNELS.items())

@@ -97,11 +97,13 @@ class WeightFormat:
 
     # ----------------------------------------------------------------- kernel entry points
     def dense_entry_points(self, atom: str) -> tuple[str, ...]:
-        """The dense kernels of the family on the m8n8k4 atom (one-tile, two-tile, workspace
-        reconstruction); on m16n8k16 the configured kernels are listed in kernels/jit.py."""
+        """The dense kernels of the family on the m8n8k4 atom (one-tile, two-tile, their S7 forms
+        for a grouped format, workspace reconstruction); on m16n8k16 the configured kernels are listed in kernels/jit.py."""
         p = self.route_prefix
         if atom == "m8n8k4":
-            return (f"{p}_mt1_{atom}", f"{p}_mt2_{atom}", f"{p}_reconstruct_ws_{atom}")
+            # a grouped format also has the S7 form of its two tiled kernels (ops.nvfp4_form)
+            s7 = (f"{p}_mt1_s7_{atom}", f"{p}_mt2_s7_{atom}") if self.has_group_scales else ()
+            return (f"{p}_mt1_{atom}", f"{p}_mt2_{atom}") + s7 + (f"{p}_reconstruct_ws_{atom}",)
         return (f"{p}_reconstruct_ws_{atom}",)
 
     def moe_entry_points(self, atom: str) -> tuple[str, ...]:

@@ -194,12 +194,15 @@ def fp16_activations(x2: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
     return xh
 
 
-def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl: bool = False) -> torch.Tensor:
+def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl: bool = False,
+                   form: Optional[str] = None) -> torch.Tensor:
     if w.atom == "m16n8k16":
         return _launch_sm80(route, xh, w, bias, pdl=pdl)
     m = xh.shape[0]
     g = geometry(w.atom)
     name, mt, m_chunks = _route_kernel(route, m)
+    if w.format.has_group_scales and (form or nvfp4_form(xh.device)) == "s7":
+        name += "_s7"
     n_tiles = -(-w.n // g.tile_n)
     kblocks = w.k_pad // g.k_block
     ksplit, tpb = _split(n_tiles, kblocks, m_chunks, xh.device)
@@ -215,6 +218,64 @@ def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl:
     stream = torch.cuda.current_stream(xh.device).cuda_stream
     jit.launch(mod, f"{name}_{w.atom}", grid, THREADS, smem, stream, [a])
     return y
+
+
+# ------------------------------------------------------------ NVFP4 operand form (m8n8k4)
+# The two forms of the NVFP4 tiled kernels (csrc/qpn_family.cuh, DecNVFP4Form): "s7" folds the
+# decoder's 2^14 into the group scale (one FP16 multiply per operand register instead of two, 16
+# issue slots fewer per k-block) and hands the tensor cores FP16-subnormal operands wherever a
+# group scale is an e4m3 subnormal; "restore" keeps every operand a normal. Both give identical
+# results on a GPU whose tensor cores take subnormal operands as they are. That is a property of
+# the hardware, settled per device by probe_nvfp4_s7 on first use, never assumed.
+NVFP4_FORMS = ("s7", "restore")
+NVFP4_FORM_ENV = "QPN_SM70_NVFP4_FORM"
+_nvfp4_forms: dict = {}   # device index -> form
+
+
+def nvfp4_form(device) -> str:
+    """The NVFP4 tiled-kernel form this device runs: ``QPN_SM70_NVFP4_FORM`` (s7 | restore) when
+    set, else "s7" if the device passes probe_nvfp4_s7 (run once per device and kept), else
+    "restore". Under CUDA-graph capture a device not yet probed runs "restore" (a probe
+    synchronises, which capture forbids) and is probed on its next uncaptured call."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    form = _nvfp4_forms.get(idx)
+    if form is not None:
+        return form
+    want = os.environ.get(NVFP4_FORM_ENV, "").strip().lower()
+    if want and want not in NVFP4_FORMS:
+        raise ValueError(f"{NVFP4_FORM_ENV}={want!r}: expected s7 (the 2^14 folded into the group scale; "
+                         "needs tensor cores that take FP16-subnormal operands exactly) or restore (every "
+                         "operand a normal); unset means: probe the GPU once and choose")
+    if want:
+        form = want
+    elif torch.cuda.is_current_stream_capturing():
+        return "restore"
+    else:
+        form = "s7" if probe_nvfp4_s7(torch.device("cuda", idx)) else "restore"
+    _nvfp4_forms[idx] = form
+    return form
+
+
+def probe_nvfp4_s7(device) -> bool:
+    """True when both NVFP4 tiled kernels (one and two token tiles) give bit-identical outputs in
+    the S7 and restore forms for a weight whose every group scale is an e4m3 subnormal (0x01-0x07,
+    and the same with the sign bit): in the S7 form every nonzero operand is then an FP16
+    subnormal (2^-17 .. 21 * 2^-14), in the restore form a normal. The codes take every byte value."""
+    from .prepack import prepack_nvfp4
+    n, k = 64, 256
+    codes = (torch.arange(n * k // 2, dtype=torch.int64) * 37 % 256).to(torch.uint8).reshape(n, k // 2)
+    sub = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0x81, 0x82, 0x83, 0x84, 0x85, 0x86, 0x87], dtype=torch.uint8)
+    scales = sub[torch.arange(n * k // 16) % sub.numel()].reshape(n, k // 16).view(torch.float8_e4m3fn)
+    w = _fp32_scale(operands(prepack_nvfp4(codes.to(device), scales.to(device), 1.0, atom="m8n8k4")))
+    gen = torch.Generator().manual_seed(14)
+    for m, tiles in ((8, 1), (16, 2)):
+        x = torch.randn((m, k), generator=gen).to(device=device, dtype=torch.float16)
+        route = routes.tiled_route(w.fmt, tiles)
+        restore = _launch_packed(route, x, w, None, form="restore")
+        s7 = _launch_packed(route, x, w, None, form="s7")
+        if not torch.equal(restore, s7):
+            return False
+    return True
 
 
 # ------------------------------------------------------------------------- sm_80+ (m16n8k16)

@@ -234,7 +234,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             hmma = 8 * mt * sass_per_mma          # 8 mma.m8n8k4 per k-block of 32 per token tile
             instr, kind = main_loop_instructions(funcs[name], hmma)
             tile_kb = int(32 * 32 * bytes_per_weight(fmt))  # codes and scales of a 32 x 32 tile k-block
-            depth = sm70_kblocks_in_flight(family, "DecNVFP4" if fmt == "nvfp4" else "DecFP8", mt)
+            depth = sm70_kblocks_in_flight(family, "DecNVFP4Form" if fmt == "nvfp4" else "DecFP8", mt)
             out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
                                     depth * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
     return out
@@ -355,8 +355,14 @@ ONECAT_TP2_M1_US = {"gate_up 17408x5120": (17408, 5120, 90.6), "down 5120x8704":
 SEED_LEVELS = {("nvfp4", 1): 77.0, ("nvfp4", 8): 71.0, ("fp8", 1): 82.0, ("fp8", 8): 82.0, ("lm_head", 1): 96.0}
 
 
-def _kernel_for(fmt: str, m: int) -> str:
-    return f"{formats.weight_format(fmt).route_prefix}_mt{1 if m <= 8 else 2}_m8n8k4"
+# The NVFP4 forms the V100 table estimates (ops.nvfp4_form): "s7" where the GPU's probe passes,
+# "restore" where it fails (the tensor cores would not take FP16-subnormal operands as they are).
+V100_NVFP4_FORMS = ("s7", "restore")
+
+
+def _kernel_for(fmt: str, m: int, form: str = "restore") -> str:
+    tag = "_s7" if form == "s7" and formats.weight_format(fmt).has_group_scales else ""
+    return f"{formats.weight_format(fmt).route_prefix}_mt{1 if m <= 8 else 2}{tag}_m8n8k4"
 
 
 def seed_verdict(seed_pct: float | None, est_pct: float, est_us: float, bound: str, t0_us: float) -> str:
@@ -444,18 +450,21 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
     v = V100_SXM2
     vrows = []
     for shape, (fmt, n, kdim) in TP4_SHAPES.items():
-        for m in (1, 8, 16):
-            kname = _kernel_for(fmt, m)
+        for form in V100_NVFP4_FORMS if fmt == "nvfp4" else ("restore",):
+            for m in (1, 8, 16):
+                kname = _kernel_for(fmt, m, form)
+                p, q = predict(s70[kname], v, n, kdim, c), predict(s70[kname], v, n, kdim, cb)
+                seed = SEED_LEVELS.get(("lm_head", 1) if shape == "tp4_lm_head" and m == 1 else (fmt, min(m, 8)))
+                vrows.append(dict(table="tp4", shape=shape, n=n, k=kdim, m=m, kernel=kname, est_us=p["us"],
+                                  est_pct=p["pct"], bound=p["bound"], seed_pct=seed if m <= 8 else None,
+                                  onecat_us=None, est_us_t0b=q["us"], est_pct_t0b=q["pct"], bound_t0b=q["bound"]))
+    for form in V100_NVFP4_FORMS:
+        kname = _kernel_for("nvfp4", 1, form)
+        for shape, (n, kdim, us) in ONECAT_TP2_M1_US.items():
             p, q = predict(s70[kname], v, n, kdim, c), predict(s70[kname], v, n, kdim, cb)
-            seed = SEED_LEVELS.get(("lm_head", 1) if shape == "tp4_lm_head" and m == 1 else (fmt, min(m, 8)))
-            vrows.append(dict(table="tp4", shape=shape, n=n, k=kdim, m=m, kernel=kname, est_us=p["us"],
-                              est_pct=p["pct"], bound=p["bound"], seed_pct=seed if m <= 8 else None,
-                              onecat_us=None, est_us_t0b=q["us"], est_pct_t0b=q["pct"], bound_t0b=q["bound"]))
-    for shape, (n, kdim, us) in ONECAT_TP2_M1_US.items():
-        p, q = predict(s70["qpn2_mt1_m8n8k4"], v, n, kdim, c), predict(s70["qpn2_mt1_m8n8k4"], v, n, kdim, cb)
-        vrows.append(dict(table="1cat_tp2", shape=shape, n=n, k=kdim, m=1, kernel="qpn2_mt1_m8n8k4", est_us=p["us"],
-                          est_pct=p["pct"], bound=p["bound"], seed_pct=None, onecat_us=us,
-                          est_us_t0b=q["us"], est_pct_t0b=q["pct"], bound_t0b=q["bound"]))
+            vrows.append(dict(table="1cat_tp2", shape=shape, n=n, k=kdim, m=1, kernel=kname, est_us=p["us"],
+                              est_pct=p["pct"], bound=p["bound"], seed_pct=None, onecat_us=us,
+                              est_us_t0b=q["us"], est_pct_t0b=q["pct"], bound_t0b=q["bound"]))
     vprov = prov + [f"# V100 description: {v}", f"# LABEL: every est_* figure is a {ESTIMATE_LABEL}; the same L, "
                     "IPC and t0 as fitted on the H200 are assumed", "# onecat_us: 1Cat-vLLM 1.3.0's published TurboMind "
                     "NVFP4 GEMM time (docs/design/sm70_nvfp4_turbomind_operator_optimization.md), the engine's figure",
@@ -481,13 +490,17 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
             vl.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['est_us']:.1f} | {r['est_pct']:.0f}% | {r['bound']} | "
                       f"{seed} | {best} | {r['est_pct_t0b']:.0f}% | {r['bound_t0b']} | {bounded} |")
     vl += ["", "1Cat's TP2 shapes at M = 1 (1Cat = the engine's published TurboMind NVFP4 figure; QPN = estimate):", "",
-           "| shape | 1Cat TurboMind (us) | QPN est. (us) | bound | est. speed-up | goal 1.5x | t0-bounded: speed-up | bound |",
-           "|---|---:|---:|---|---:|---|---:|---|"]
+           "| shape | QPN kernel | 1Cat TurboMind (us) | QPN est. (us) | bound | est. speed-up | goal 1.5x | "
+           "t0-bounded: speed-up | bound |",
+           "|---|---|---:|---:|---|---:|---|---:|---|"]
     for r in vrows:
         if r["table"] == "1cat_tp2":
             sp = r["onecat_us"] / r["est_us"]
-            vl.append(f"| {r['shape']} | {r['onecat_us']:.1f} | {r['est_us']:.1f} | {r['bound']} | {sp:.2f}x | "
+            vl.append(f"| {r['shape']} | {r['kernel']} | {r['onecat_us']:.1f} | {r['est_us']:.1f} | {r['bound']} | {sp:.2f}x | "
                       f"{'met' if sp >= 1.5 else 'missed'} | {r['onecat_us'] / r['est_us_t0b']:.2f}x | {r['bound_t0b']} |")
+    vl += ["", "NVFP4 rows come in both forms of the tiled kernels (ops.nvfp4_form): *_s7_* where the GPU's probe "
+           "finds that its tensor cores take FP16-subnormal operands as they are (the form a V100 runs then), the "
+           "restore form where it does not."]
     vl += ["", f"A route bound by the read ceiling streams its weights at 879 GB/s in the model; what keeps it below "
            f"a level is the fixed cost per call, t0 = {c.t0_us:.1f} us in the best fit, fitted on the H200's m16n8k16 "
            "kernels (their launch, pipeline fill and split-K finish) and assumed for the V100's m8n8k4 kernels.",
@@ -552,12 +565,16 @@ def m8n8k4_observations(csv_path: str) -> tuple[dict, Gpu, list[dict]]:
     gpu = Gpu(head.get("gpu", "?"), int(sm.group(1)) if sm else V100_SXM2.sms, V100_SXM2.clock_ghz,
               V100_SXM2.regs_per_sm, V100_SXM2.smem_per_sm, V100_SXM2.max_warps_per_sm,
               float(head["read_ceiling_gbps"]), "measured in the same run")
+    # the NVFP4 form the run's GPU chose (ops.nvfp4_form; a run from before the S7 form ran restore)
+    form = re.search(r"NVFP4 form: (\w+)", atom)
+    s7 = "_s7" if form and form.group(1) == "s7" else ""
     obs = []
     for r in rows:
         route = routes.as_route(r["route"]) if r["arm"] == "qpn" else None
         if route is None or route.kernel != routes.TILED or route.chunk_rows:
             continue
-        obs.append(dict(kernel=f"{route.prefix}_mt{route.tiles_per_pass}_m8n8k4", shape=r["shape"], n=int(r["n"]), k=int(r["k"]),
+        form_tag = s7 if route.format == "nvfp4" else ""
+        obs.append(dict(kernel=f"{route.prefix}_mt{route.tiles_per_pass}{form_tag}_m8n8k4", shape=r["shape"], n=int(r["n"]), k=int(r["k"]),
                         m=int(r["m"]), route=r["route"], us=float(r["graph_us"]), src="v100"))
     if not obs:
         raise ValueError(f"{csv_path}: no QPN rows on the single-pass tiled routes (qpn2, qpn8 and their _mt2)")

@@ -212,6 +212,7 @@ def _ternary(e: str) -> str:
 def c_expr(e: str) -> str:
     """One C expression of the kernels' subset -> Python."""
     e = re.sub(r"\b(0[xX][0-9A-Fa-f]+|\d+)[uU]\b", r"\1", e)
+    e = re.sub(r"\b(\d+\.\d*)[fF]\b", r"\1", e)
     e = re.sub(r"\((?:u32|int|size_t|unsigned)\)", "", e)
     e = re.sub(r"(\w+)::", r"\1.", e)
     e = re.sub(r"(?<![/])/(?![/])", "//", e)          # the rules divide ints only
@@ -253,7 +254,7 @@ def _functions(body: str) -> dict:
 
 
 def _constants(body: str) -> dict:
-    return {m.group(1): m.group(2) for m in re.finditer(r"static\s+constexpr\s+(?:int|bool)\s+(\w+)\s*=\s*([^;]+);", body)}
+    return {m.group(1): m.group(2) for m in re.finditer(r"static\s+constexpr\s+(?:int|bool|float)\s+(\w+)\s*=\s*([^;]+);", body)}
 
 
 def _compile(fn: CFunc, ns: dict):
@@ -291,24 +292,33 @@ def _compile_or_stub(fn: CFunc, ns: dict) -> None:
 
 
 def load_rules(family_src: str | None = None) -> SimpleNamespace:
-    """The m8n8k4 atom and the two decoders of qpn_family.cuh, as Python callables and ints."""
+    """The m8n8k4 atom and the decoders of qpn_family.cuh, as Python callables and ints. The NVFP4
+    decoder is a template (DecNVFP4Form<bool S7>); each ``using NAME = DecNVFP4Form<...>;`` line
+    gives one decoder, its body evaluated with that S7."""
     src = _strip_comments(family_src if family_src is not None else (CSRC / "qpn_family.cuh").read_text())
     glob = {**_PTX_FUNCS, "True": True, "False": False}
     top = src
-    for s in ("AtomM8N8K4", "DecNVFP4", "DecFP8"):
+    for s in ("AtomM8N8K4", "DecNVFP4Form", "DecFP8"):
         top = top.replace(_struct_body(src, s), "")
     for f in _functions(top).values():
         _compile_or_stub(f, glob)
+    forms = {m.group(1): m.group(2) == "true"
+             for m in re.finditer(r"using\s+(\w+)\s*=\s*DecNVFP4Form<\s*(true|false)\s*>\s*;", src)}
+    if set(forms) != {"DecNVFP4", "DecNVFP4S7"}:
+        raise ReplayParseError(f"qpn_family.cuh names the NVFP4 decoder forms {sorted(forms)}; the replay "
+                               "reads DecNVFP4 and DecNVFP4S7 (DecNVFP4Form<false / true>)")
     structs = {}
-    for s in ("AtomM8N8K4", "DecNVFP4", "DecFP8"):
+    for name, s, extra in ([("AtomM8N8K4", "AtomM8N8K4", {}), ("DecFP8", "DecFP8", {})]
+                           + [(n, "DecNVFP4Form", {"S7": v}) for n, v in forms.items()]):
         body = _struct_body(src, s)
-        ns = dict(glob)
+        ns = {**glob, **extra}
         for k, v in _constants(body).items():
             ns[k] = eval(c_expr(v), ns)                     # noqa: S307 (constants like K_BLOCK / K_STEP)
         for f in _functions(body).values():
             _compile_or_stub(f, ns)
-        structs[s] = SimpleNamespace(**{k: v for k, v in ns.items() if not k.startswith("__")})
-    return SimpleNamespace(atom=structs["AtomM8N8K4"], nvfp4=structs["DecNVFP4"], fp8=structs["DecFP8"])
+        structs[name] = SimpleNamespace(**{k: v for k, v in ns.items() if not k.startswith("__")})
+    return SimpleNamespace(atom=structs["AtomM8N8K4"], nvfp4=structs["DecNVFP4"], nvfp4_s7=structs["DecNVFP4S7"],
+                           fp8=structs["DecFP8"], decoders=structs)
 
 
 @dataclass
@@ -435,6 +445,16 @@ def _words(raw: torch.Tensor) -> torch.Tensor:
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 
+class _Pointer:
+    """A device pointer the epilogue reads with ldgf: pointer + index -> the element(s) there."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __add__(self, idx):
+        return self.t[idx]
+
+
 class Replay:
     """The m8n8k4 kernels of the current source tree (or of given source texts). All 32 lanes are
     replayed at once (a lane index is the last tensor dimension); each lane's values come from
@@ -446,11 +466,11 @@ class Replay:
         msrc = moe_src if moe_src is not None else kernel_body("qpn_moe.cu", "qpn_moe_gemm_body")
         self.dense_loop = load_loop(ksrc, "qpn_linear_body")
         self.moe_loop = load_loop(msrc, "qpn_moe_gemm_body")
-        m = re.search(r"v \*= ldgf\(a\.chscale \+ ([^;]+)\);", _strip_comments(ksrc))
+        m = re.search(r"v \*= (ldgf\(a\.chscale \+ [^;]+);", _strip_comments(ksrc))
         if m is None:
             raise ReplayParseError("qpn_linear_body: the epilogue no longer applies the FP32 result scale "
-                                   "(v *= ldgf(a.chscale + ...)); update the replay if that is intended")
-        self.dense_scale_index = m.group(1)
+                                   "(v *= ldgf(a.chscale + ...)...); update the replay if that is intended")
+        self.dense_scale = m.group(1)   # evaluated per output row: a.chscale is the scale tensor
         ms = _strip_comments(msrc)
         m = re.search(r"const int cidx\s*=\s*([^;]+);", ms)
         if m is None or "v *= ldgf(a.chscale[0] + cidx)" not in ms or "u *= ldgf(a.chscale[1] + cidx)" not in ms:
@@ -494,11 +514,11 @@ class Replay:
     def _dec(self, fmt):
         return self.r.nvfp4 if fmt == "nvfp4" else self.r.fp8
 
-    def _load(self, fmt, codes_blk, scales_blk, loop):
+    def _load(self, fmt, codes_blk, scales_blk, loop, dec=None):
         """What every lane loads per (tile, k-block): its WORDS code words (cptr + lane *
         LANE_BYTES, little-endian) and (NVFP4) its two decoded group scales (ldg16 at
-        scale_pair_offset(lane))."""
-        dec = self._dec(fmt)
+        scale_pair_offset(lane)). ``dec``: the decoder struct (default: the format's restore form)."""
+        dec = dec or self._dec(fmt)
         lane_bytes = dec.WORDS * 4
         raw = codes_blk.reshape(*codes_blk.shape[:-1], 32, lane_bytes)   # lane l: bytes l*LANE_BYTES ..
         w = [U32(t) for t in _words(raw).unbind(-1)]                     # [T, KB, 32] each
@@ -510,12 +530,12 @@ class Replay:
             sc2 = [self._ev(loop.scale_lo, dec, sp2=sp2, **_PTX_FUNCS), self._ev(loop.scale_hi, dec, sp2=sp2, **_PTX_FUNCS)]
         return w, sc2
 
-    def lane_operands(self, fmt: str, codes_blk: torch.Tensor, scales_blk, loop: LoopRules):
+    def lane_operands(self, fmt: str, codes_blk: torch.Tensor, scales_blk, loop: LoopRules, dec=None):
         """codes_blk: uint8 [T, KB, 32 * LANE_BYTES]; scales_blk uint8 [T, KB, 64] or None.
         Returns regs[(pair, j)] = (a0 lo, a0 hi, a1 lo, a1 hi), each float64 [T, KB, 32 lanes]:
         what each lane hands MMA j of activation load `pair`, and the number of pairs."""
-        dec = self._dec(fmt)
-        w, sc2 = self._load(fmt, codes_blk, scales_blk, loop)
+        dec = dec or self._dec(fmt)
+        w, sc2 = self._load(fmt, codes_blk, scales_blk, loop, dec)
         pairs = self._ev(loop.pairs, dec)
         regs = {}
         for p in range(pairs):
@@ -556,21 +576,23 @@ class Replay:
                 d = dd if d is None else d + dd
         return d
 
-    def linear(self, packed, x: torch.Tensor, route, ksplit: int = 1) -> torch.Tensor:
+    def linear(self, packed, x: torch.Tensor, route, ksplit: int = 1, form: str = "restore") -> torch.Tensor:
         """y (float64, before the FP16 rounding) of the QPN route (a Route or its name) on these
-        packed buffers."""
+        packed buffers; ``form`` "s7" runs the S7 entry points of an NVFP4 route (ops.nvfp4_form)."""
         from qpn.kernels import codecs, ops, routes
         at = self.r.atom
         fmt = packed.fmt
-        dec = self._dec(fmt)
         m = x.shape[0]
         route = routes.as_route(route)
         if route.kernel == routes.RECONSTRUCT:
             return self.reconstruct(packed, x)
         name, _, m_chunks = ops._route_kernel(route, m)
+        if form == "s7" and fmt == "nvfp4":
+            name += "_s7"
         entries = entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY")
         atom_s, dec_s, mt = entries[f"{name}_m8n8k4"]
-        assert atom_s == "AtomM8N8K4" and dec_s == ("DecNVFP4" if fmt == "nvfp4" else "DecFP8")
+        assert atom_s == "AtomM8N8K4" and dec_s in (("DecNVFP4", "DecNVFP4S7") if fmt == "nvfp4" else ("DecFP8",))
+        dec = self.r.decoders[dec_s]
         mt = int(mt)
         tile_n, kbk = at.TILE_N, at.K_BLOCK
         n_tiles, kblocks = -(-packed.n // tile_n), -(-packed.k // kbk)
@@ -579,7 +601,7 @@ class Replay:
         lane_bytes = dec.WORDS * 4
         codes = packed.codes.view(n_tiles, kblocks, 32 * lane_bytes)
         scales = packed.scales.view(n_tiles, kblocks, at.SCALE_BLOCK_BYTES) if fmt == "nvfp4" else None
-        regs, pairs = self.lane_operands(fmt, codes, scales, self.dense_loop)
+        regs, pairs = self.lane_operands(fmt, codes, scales, self.dense_loop, dec)
         y = torch.zeros((m, packed.n), dtype=torch.float64)
         writes = torch.zeros((m, packed.n), dtype=torch.int64)
         tpb = 8 // ksplit
@@ -618,11 +640,13 @@ class Replay:
                         writes.index_put_((tok[keep], n[keep]), torch.ones_like(tok[keep]), accumulate=True)
         assert bool((covered == 1).all()), "the block grid must cover every (chunk, tile) once"
         assert bool((writes == 1).all()), "the epilogue must write every output element exactly once"
-        # v *= ldgf(a.chscale + <parsed index>): NVFP4 passes [global], FP8 [1] or [N] (ops.py)
+        # v *= <parsed factor>: ldgf(a.chscale + index) (NVFP4 passes [global], FP8 [1] or [N], ops.py),
+        # times the decoder's OUT_MULT; evaluated for every output row n at once
         chscale = (packed.global_scale if fmt == "nvfp4" else packed.scale).double().reshape(-1)
-        args = SimpleNamespace(chscale_per_channel=int(chscale.numel() != 1))
-        idx = self._ev(self.dense_scale_index, dec, a=args, n=torch.arange(packed.n))
-        return y * chscale[torch.as_tensor(idx).expand(packed.n)].reshape(1, -1)
+        args = SimpleNamespace(chscale=_Pointer(chscale), chscale_per_channel=int(chscale.numel() != 1))
+        factor = torch.as_tensor(self._ev(self.dense_scale, dec, a=args, n=torch.arange(packed.n), ldgf=lambda v: v),
+                                 dtype=torch.float64)
+        return y * factor.expand(packed.n).reshape(1, -1)
 
     def reconstruct(self, packed, x: torch.Tensor) -> torch.Tensor:
         """qpn_reconstruct_body (transcribed): lane's words -> Dec::half2(w, idx) (* sc2[pick]) at

@@ -50,6 +50,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 ATOMS = (["m8n8k4"] + (["m16n8k16"] if torch.cuda.get_device_capability() >= (8, 0) else [])
          if torch.cuda.is_available() else ["m8n8k4"])
+# NVFP4 on the m8n8k4 atom runs in two operand forms (ops.nvfp4_form): "m8n8k4" is the restore form,
+# "m8n8k4-s7" the S7 form; each NVFP4 test runs both.
+NVFP4_ATOMS = ["m8n8k4", "m8n8k4-s7"] + ATOMS[1:]
 needs_sm80 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                                 reason="the m16n8k16 kernels need an sm_80+ GPU")
 
@@ -142,6 +145,21 @@ def _ulp16(v):
     return torch.pow(2.0, e - 10)
 
 
+def _atom_and_form(atom_id: str, monkeypatch) -> str:
+    """The atom of an NVFP4_ATOMS id; for m8n8k4 the device's NVFP4 form is set to the id's."""
+    atom, _, form = atom_id.partition("-")
+    if atom == "m8n8k4":
+        monkeypatch.setitem(ops._nvfp4_forms, torch.cuda.current_device(), form or "restore")
+    return atom
+
+
+def _atom_label(packed) -> str:
+    """The report's atom column: the atom, and for NVFP4 on m8n8k4 the form that ran."""
+    if packed.fmt == "nvfp4" and packed.atom == "m8n8k4" and ops.nvfp4_form(torch.device("cuda")) == "s7":
+        return "m8n8k4-s7"
+    return packed.atom
+
+
 def _poison(shape):
     t = torch.full(shape, float("nan"), dtype=torch.float16, device="cuda")
     del t
@@ -163,7 +181,7 @@ def _check(shape_name, packed, x, y64, route, m, bias=None, mag=None, weights=""
         ratio = ((y.double() - r16).abs() / tol)[fin & torch.isfinite(y)]
         elem = float(ratio.max()) if ratio.numel() else 0.0
     ok = rel <= BOUND and elem <= 1.0 and bad == 0 and y.shape == (m, packed.n) and y.dtype == torch.float16
-    RESULTS.append(dict(atom=packed.atom, shape=shape_name, n=packed.n, k=packed.k, route=route or "table", m=m,
+    RESULTS.append(dict(atom=_atom_label(packed), shape=shape_name, n=packed.n, k=packed.k, route=route or "table", m=m,
                         rel=rel, elem=elem, bad=bad, ok=ok, weights=weights, acts=acts))
     return ok, rel, bad
 
@@ -192,9 +210,10 @@ def _run_shape(name, packed, fmt, dev, gen, bias=None, weights=""):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atom", ATOMS)
+@pytest.mark.parametrize("atom", NVFP4_ATOMS)
 @pytest.mark.parametrize("name,n,k,kind", _kinds_for(NVFP4_SHAPES), ids=[f"{s[0]}-{s[3]}" for s in _kinds_for(NVFP4_SHAPES)])
-def test_nvfp4_routes_vs_float64(name, n, k, kind, atom):
+def test_nvfp4_routes_vs_float64(name, n, k, kind, atom, monkeypatch):
+    atom = _atom_and_form(atom, monkeypatch)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n * 7 + k + len(kind))
     w, s, gs = _nvfp4_weight(n, k, dev, gen, kind)
@@ -225,13 +244,13 @@ PROBE_ROUTES = (("", 8), ("_mt2", 16), ("_chunked", 96), ("_reconstruct", 128))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atom", ATOMS)
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt,atom", [("nvfp4", a) for a in NVFP4_ATOMS] + [("fp8", a) for a in ATOMS])
 @pytest.mark.parametrize("name,n,k", PROBE_SHAPES, ids=[s[0] for s in PROBE_SHAPES])
-def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom):
+def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom, monkeypatch):
     """One-hot activations (tests/_per_group.py): every output is one weight value, exact in FP16,
     so every code position and every (row, group) scale must come out bit-exact on every route;
     then one corrupted packed scale byte (NVFP4) / channel scale (FP8) must be named exactly."""
+    atom = _atom_and_form(atom, monkeypatch)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(n + k)
     wt = pg.nvfp4_probe_weight(n, k, gen) if fmt == "nvfp4" else pg.fp8_probe_weight(n, k, gen, per_channel=True)
@@ -241,7 +260,7 @@ def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom):
     for suffix, per_call in PROBE_ROUTES:
         run = lambda x, r=prefix + suffix: ops.qpn_linear(x.to(dev), packed, route=r)  # noqa: E731
         bad = pg.probe(run, w64, per_call)
-        RESULTS.append(dict(atom=atom, shape=f"probe_{name}_{fmt}", n=n, k=k, route=prefix + suffix, m=per_call,
+        RESULTS.append(dict(atom=_atom_label(packed), shape=f"probe_{name}_{fmt}", n=n, k=k, route=prefix + suffix, m=per_call,
                             rel=float(len(bad)), elem=0.0, bad=0, ok=not bad, weights="probe", acts="one-hot"))
         assert not bad, f"{atom} {prefix + suffix}: wrong at (row, input) {bad[:8]} ({len(bad)} in all)"
     # negative control: the probe names what was corrupted, through the chunked route
@@ -263,12 +282,13 @@ def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atom", ATOMS)
-def test_fp16_accumulator_overflow_trap(atom):
+@pytest.mark.parametrize("atom", NVFP4_ATOMS)
+def test_fp16_accumulator_overflow_trap(atom, monkeypatch):
     """Outlier terms whose running FP16 sum overflows (>65504) before they cancel: a kernel that
     accumulated in FP16 returns inf/NaN here; ours must match the exact result. On m16n8k16 it also
     checks the NVFP4 layout's one-group-per-MMA rule: the +-1e5 products that cancel share a
     tensor-core sum only with products of their own group (cuBLAS's FP16 GEMM is recorded beside)."""
+    atom = _atom_and_form(atom, monkeypatch)
     dev = torch.device("cuda")
     n, k = 64, 256
     gen = torch.Generator(device=dev).manual_seed(99)
@@ -304,8 +324,9 @@ def test_fp16_accumulator_overflow_trap(atom):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atom", ATOMS)
-def test_cuda_graph_capture_and_stream_order(atom):
+@pytest.mark.parametrize("atom", NVFP4_ATOMS)
+def test_cuda_graph_capture_and_stream_order(atom, monkeypatch):
+    atom = _atom_and_form(atom, monkeypatch)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(5)
     w, s, gs = _nvfp4_weight(512, 1024, dev, gen)
@@ -346,6 +367,74 @@ def test_cpu_and_gpu_prepack_agree_and_build_checks_entry_points(atom):
     t0 = time.time()
     path = ops.build(f"sm{major}{minor}")
     assert os.path.exists(path) and time.time() - t0 < 60
+
+
+@pytest.mark.gpu
+def test_m8n8k4_nvfp4_forms_probe_and_entry_points(monkeypatch):
+    """ops.nvfp4_form on this GPU. The probe's verdict is recorded in the report. Whatever it is:
+    the restore form is exact on a weight whose every group scale is an e4m3 subnormal (the S7
+    form's FP16-subnormal operand case) and the S7 form equals it bit for bit exactly when the
+    probe passes; with the probe passed, the S7 form also equals the restore form bit for bit on
+    a whole-format weight at every M of the tiled routes (the forms differ by a power of two,
+    exactly restored). Each form launches its own entry points, and under CUDA-graph capture a
+    device not yet probed runs the restore form without deciding."""
+    dev = torch.device("cuda")
+    idx = torch.cuda.current_device()
+    monkeypatch.delenv(ops.NVFP4_FORM_ENV, raising=False)
+    monkeypatch.setitem(ops._nvfp4_forms, idx, None)
+    names = []
+    real_launch = jit.launch
+    monkeypatch.setattr(jit, "launch", lambda mod, name, *a: (names.append(name), real_launch(mod, name, *a))[1])
+    gen = torch.Generator(device=dev).manual_seed(21)
+    n, k = 300, 1024
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device=dev)
+    sc = torch.randint(1, 8, (n, k // 16), dtype=torch.uint8, generator=gen, device=dev)    # 2^-9 .. 7 * 2^-9
+    sc |= torch.randint(0, 2, sc.shape, dtype=torch.uint8, generator=gen, device=dev) << 7  # either sign
+    packed = prepack.prepack_nvfp4(w, sc.view(torch.float8_e4m3fn), torch.tensor(64.0), atom="m8n8k4")
+    x = _activations(32, k, dev, gen)
+
+    # capture first, on a device not yet probed: the restore form, and still undecided afterwards
+    static_x = x[:8].clone()
+    ops.qpn_linear(static_x, packed, route="qpn2")   # warm-up (module load), outside capture
+    monkeypatch.setitem(ops._nvfp4_forms, idx, None)
+    names.clear()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = ops.qpn_linear(static_x, packed, route="qpn2")
+    assert names == ["qpn2_mt1_m8n8k4"] and ops._nvfp4_forms.get(idx) is None
+    g.replay()
+
+    probe = ops.probe_nvfp4_s7(dev)
+    form = ops.nvfp4_form(dev)
+    assert form == ("s7" if probe else "restore") and ops._nvfp4_forms[idx] == form
+    RESULTS.append(dict(atom="m8n8k4", shape="nvfp4_form_probe", n=64, k=256, route="probe_nvfp4_s7", m=16,
+                        rel=0.0, elem=0.0, bad=0, ok=True, weights="subnormal scales",
+                        acts=f"probe {'passes: s7' if probe else 'fails: restore'}"))
+    y64 = reference.linear_f64(x, packed)
+    outs = {}
+    for f in ("restore", "s7"):
+        monkeypatch.setitem(ops._nvfp4_forms, idx, f)
+        for route, m in (("qpn2", 1), ("qpn2", 8), ("qpn2_mt2", 16), ("qpn2_chunked", 32)):
+            names.clear()
+            ok, rel, bad = _check("subnormal_scales_300x1024", packed, x, y64, route, m)
+            assert names and all(nm.endswith("_s7_m8n8k4") == (f == "s7") for nm in names), (f, names)
+            assert ok or f == "s7", (route, m, rel, bad)
+            outs[(f, route, m)] = ops.qpn_linear(x[:m], packed, route=route)
+    torch.cuda.synchronize()
+    assert torch.equal(captured, outs[("restore", "qpn2", 8)])
+    same = all(torch.equal(outs[("s7",) + key[1:]], y) for key, y in outs.items() if key[0] == "restore")
+    assert same == probe, f"the probe says {probe}, the subnormal-scale layer says {same}"
+
+    if probe:   # the whole format, every M of the tiled routes: bit-identical forms
+        w2, s2, gs2 = _nvfp4_weight(2048, 5120, dev, gen, "all_bytes")
+        p2 = prepack.prepack_nvfp4(w2, s2, gs2, atom="m8n8k4")
+        x2 = _activations(32, 5120, dev, gen)
+        for m in list(range(1, 17)) + [32]:
+            got = {}
+            for f in ("restore", "s7"):
+                monkeypatch.setitem(ops._nvfp4_forms, idx, f)
+                got[f] = ops.qpn_linear(x2[:m], p2)
+            assert torch.equal(got["restore"], got["s7"]), m
 
 
 # ------------------------------------------------------------------- sm_80+ (m16n8k16) only

@@ -54,11 +54,14 @@ def _packed(fmt, n, k, kind, gen, per_channel=False):
 
 # (format, weight kind, route suffix, M, ksplit): each route of each format once in the fast tier,
 # split-K and partial token tiles included; the exhaustive grid is the unmarked test below.
+# NVFP4's tiled routes run in both operand forms (ops.nvfp4_form: restore, s7).
 ROUTE_CASES = [
-    ("nvfp4", "all_bytes", "", 5, 1), ("nvfp4", "heavy", "_mt2", 16, 2), ("nvfp4", "gauss", "_chunked", 40, 2),
-    ("nvfp4", "all_bytes", "_reconstruct", 23, 1),
-    ("fp8", "all_bytes", "", 8, 2), ("fp8", "gauss", "_mt2", 9, 1), ("fp8", "all_bytes", "_chunked", 33, 1),
-    ("fp8", "heavy", "_reconstruct", 23, 1)]
+    ("nvfp4", "all_bytes", "", 5, 1, "restore"), ("nvfp4", "heavy", "_mt2", 16, 2, "restore"),
+    ("nvfp4", "gauss", "_chunked", 40, 2, "restore"), ("nvfp4", "all_bytes", "_reconstruct", 23, 1, "restore"),
+    ("nvfp4", "all_bytes", "", 7, 2, "s7"), ("nvfp4", "all_bytes", "_mt2", 13, 1, "s7"),
+    ("nvfp4", "heavy", "_chunked", 40, 2, "s7"),
+    ("fp8", "all_bytes", "", 8, 2, "restore"), ("fp8", "gauss", "_mt2", 9, 1, "restore"),
+    ("fp8", "all_bytes", "_chunked", 33, 1, "restore"), ("fp8", "heavy", "_reconstruct", 23, 1, "restore")]
 
 
 # ------------------------------------------------------------------------- the rules it reads
@@ -92,20 +95,50 @@ def test_replay_reads_the_atom_and_decoders_from_the_cuda_source(replay):
     assert rp.PTX.roundings == 0
 
 
+@pytest.mark.fast
+def test_the_s7_form_is_exact_and_hands_subnormals_only_for_subnormal_scales(replay):
+    """DecNVFP4Form<true> (read from the source): the scale pair is s * 2^7 for every finite e4m3
+    byte; the operand it makes from every e2m1 code and every such scale, e2m1 * s * 2^-7, needs no
+    rounding; OUT_MULT restores the 2^7. Every nonzero operand is an FP16 normal when the scale is
+    a normal (>= 2^-6), and an e4m3-subnormal scale gives FP16-subnormal operands, the case that
+    ops.probe_nvfp4_s7 puts to a GPU's tensor cores."""
+    s7 = replay.r.nvfp4_s7
+    assert s7.OUT_MULT == 128.0 and replay.r.nvfp4.OUT_MULT == 1.0 and replay.r.fp8.OUT_MULT == 1.0
+    e4 = codecs.e4m3_table(torch.float64)
+    b = fc.FP8_FINITE_BYTES.to(torch.int64)
+    rp.PTX.roundings = 0
+    lo, hi = rp.h2(s7.scale_pair(rp.U32(b | (b.flip(0) << 8))))
+    assert torch.equal(lo, e4[b] * 128) and torch.equal(hi, e4[b.flip(0)] * 128)
+    e2 = codecs.e2m1_table().double()
+    codes = torch.arange(16, dtype=torch.int64)
+    # every (code, scale byte) pair: the code in nibbles 3 and 7 of a word, the scale in both halves
+    cc, bb = torch.meshgrid(codes, b, indexing="ij")
+    word = rp.U32((cc << 12) | (cc << 28))
+    sp2 = s7.scale_pair(rp.U32(bb | (bb << 8)))
+    op_lo, op_hi = rp.h2(rp.PTX.hmul2(s7.front_half2([word, rp.U32(0), rp.U32(0), rp.U32(0)], 0), sp2))
+    want = e2[cc] * e4[bb] / 128
+    assert torch.equal(op_lo, want) and torch.equal(op_hi, want)
+    assert rp.PTX.roundings == 0
+    tiny = 2.0 ** -14
+    normal_scale = e4[bb].abs() >= 2.0 ** -6
+    assert bool(((op_lo == 0) | (op_lo.abs() >= tiny))[normal_scale].all())
+    assert bool((op_lo.abs() < tiny)[~normal_scale & (op_lo != 0)].any())
+
+
 # --------------------------------------------------------------------------- dense routes
 @pytest.mark.fast
-@pytest.mark.parametrize("fmt,kind,suffix,m,ksplit", ROUTE_CASES,
-                         ids=[f"{f}-{w}{s or '_mt1'}-M{m}-ks{k}" for f, w, s, m, k in ROUTE_CASES])
-def test_replayed_route_equals_float64(replay, fmt, kind, suffix, m, ksplit):
+@pytest.mark.parametrize("fmt,kind,suffix,m,ksplit,form", ROUTE_CASES,
+                         ids=[f"{f}-{w}{s or '_mt1'}-M{m}-ks{k}-{o}" for f, w, s, m, k, o in ROUTE_CASES])
+def test_replayed_route_equals_float64(replay, fmt, kind, suffix, m, ksplit, form):
     gen = torch.Generator().manual_seed(1000 + 7 * m + ksplit)
     n, k = (70, 96) if fmt == "nvfp4" else (45, 99)          # partial tiles and k-blocks
     packed, wt = _packed(fmt, n, k, kind, gen, per_channel=(m % 2 == 1))
     x = fc.activations(m, k, gen, outliers=bool(ksplit % 2))
     route = {"nvfp4": "qpn2", "fp8": "qpn8"}[fmt] + suffix
     rp.PTX.roundings = 0
-    y = replay.linear(packed, x, route, ksplit=ksplit)
+    y = replay.linear(packed, x, route, ksplit=ksplit, form=form)
     ref, mag = fc.exact_f64(x, fmt, wt)
-    _assert_exact(y, ref, mag, f"{route} M={m} ksplit={ksplit}")
+    _assert_exact(y, ref, mag, f"{route} ({form}) M={m} ksplit={ksplit}")
     assert rp.PTX.roundings == 0, "an FP16 operand multiply rounded"
 
 
@@ -124,8 +157,9 @@ def test_replayed_routes_equal_float64_larger(replay, fmt, kind, outliers):
     p = {"nvfp4": "qpn2", "fp8": "qpn8"}[fmt]
     for route, m in ((p, 8), (p + "_mt2", 16), (p + "_chunked", 96), (p + "_reconstruct", 96)):
         for ks in (1, 4):
-            y = replay.linear(packed, x[:m], route, ksplit=ks)
-            _assert_exact(y, ref[:m], mag[:m], f"{route} M={m} ksplit={ks}")
+            for form in ("restore", "s7") if fmt == "nvfp4" and "reconstruct" not in route else ("restore",):
+                y = replay.linear(packed, x[:m], route, ksplit=ks, form=form)
+                _assert_exact(y, ref[:m], mag[:m], f"{route} ({form}) M={m} ksplit={ks}")
 
 
 @pytest.mark.fast
@@ -261,6 +295,9 @@ FAMILY_DRIFTS = {   # (old text, new text) in qpn_family.cuh
                                                "and_or(t >> 3, 0x0C000C00u, t & 0x80008000u)"),
     "e4m3 exponent bit": ("and_or(t >> 1, 0x3F803F80u, t & 0x80008000u)", "and_or(t >> 1, 0x3B803B80u, t & 0x80008000u)"),
     "NVFP4 rescale 2^14": ("hmul2(bits, 0x74007400u)", "hmul2(bits, 0x70007000u)"),
+    "S7 scale 2^15": ("S7 ? 0x78007800u : 0x5C005C00u", "S7 ? 0x74007400u : 0x5C005C00u"),
+    "S7 OUT_MULT": ("S7 ? 128.0f : 1.0f", "S7 ? 64.0f : 1.0f"),
+    "S7 keeps the rescale": ("return S7 ? bits : hmul2(bits, 0x74007400u)", "return hmul2(bits, 0x74007400u)"),
 }
 LOOP_DRIFTS = {     # (old, new) in qpn_linear_body
     "group scale pick": ("(2 * p * Atom::K_STEP < 16) ? sc2[0] : sc2[1]", "(2 * p * Atom::K_STEP < 8) ? sc2[0] : sc2[1]"),
@@ -268,7 +305,8 @@ LOOP_DRIFTS = {     # (old, new) in qpn_linear_body
     "activation k-block": ("xnext[t] += a.ksplit * Atom::K_BLOCK;", "xnext[t] += a.ksplit * Atom::K_STEP;"),
     "a0/a1 order": ("u32 a0 = Dec::front_half2(w, j * Atom::A_REGS);", "u32 a0 = Dec::front_half2(w, j * Atom::A_REGS + 1);"),
     "scale pair halves": ("sc2[0] = prmt(sp2, 0u, 0x1010u);", "sc2[0] = prmt(sp2, 0u, 0x3232u);"),
-    "dropped result scale": ("v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0));", ""),
+    "dropped result scale": ("v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0)) * Dec::OUT_MULT;", ""),
+    "dropped OUT_MULT": (" * Dec::OUT_MULT;", ";"),
 }
 
 
@@ -284,11 +322,15 @@ def test_a_drift_in_qpn_family_cuh_fails_the_replay(where, name):
     packed, wt = _packed(fmt, 40, 64, "all_bytes", gen)
     x = fc.activations(8, 64, gen, outliers=False)
     ref, _ = fc.exact_f64(x, fmt, wt)
-    try:
-        r = rp.Replay(family_src=mutated) if where == "family" else rp.Replay(kernels_src=mutated)
-        route = ("qpn2" if fmt == "nvfp4" else "qpn8") + ("_reconstruct" if "reconstruct" in name else "")
-        y = r.linear(packed, x, route)
-    except (rp.ReplayParseError, AssertionError, IndexError) as e:   # unreadable / inconsistent: also caught
-        assert re.search(r"\w", str(e)), e
-        return
-    assert float((y - ref).norm() / ref.norm()) > 1e-3, f"CUDA drift '{name}' was not seen by the replay"
+    route = ("qpn2" if fmt == "nvfp4" else "qpn8") + ("_reconstruct" if "reconstruct" in name else "")
+    # a drift of either NVFP4 form must show in that form: the worse of the two is what is judged
+    errs = []
+    for form in ("restore", "s7") if fmt == "nvfp4" else ("restore",):
+        try:
+            r = rp.Replay(family_src=mutated) if where == "family" else rp.Replay(kernels_src=mutated)
+            y = r.linear(packed, x, route, form=form)
+        except (rp.ReplayParseError, AssertionError, IndexError) as e:   # unreadable / inconsistent: also caught
+            assert re.search(r"\w", str(e)), e
+            return
+        errs.append(float((y - ref).norm() / ref.norm()))
+    assert any(not e <= 1e-3 for e in errs), f"CUDA drift '{name}' was not seen by the replay"   # NaN: seen

@@ -83,6 +83,25 @@ def test_what_a_route_asks_of_its_kernel():
         ops._route_kernel(r("qpn8_mt2"), 17)
 
 
+def test_nvfp4_form_setting_is_checked_and_kept_per_device(monkeypatch):
+    """QPN_SM70_NVFP4_FORM chooses the m8n8k4 NVFP4 form without a probe (the probe itself needs a
+    GPU: tests/test_gpu_kernels.py); a misspelt value is an error naming the setting and both forms;
+    a device's form, once chosen, is kept and another device's is not touched."""
+    import torch
+
+    monkeypatch.setattr(ops, "_nvfp4_forms", {})
+    dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    monkeypatch.setenv(ops.NVFP4_FORM_ENV, "fast")
+    with pytest.raises(ValueError, match=r"QPN_SM70_NVFP4_FORM='fast'.*s7.*restore"):
+        ops.nvfp4_form(dev0)
+    assert ops._nvfp4_forms == {}
+    monkeypatch.setenv(ops.NVFP4_FORM_ENV, " Restore ")
+    assert ops.nvfp4_form(dev0) == "restore"
+    monkeypatch.setenv(ops.NVFP4_FORM_ENV, "s7")
+    assert ops.nvfp4_form(dev0) == "restore" and ops.nvfp4_form(dev1) == "s7"
+    assert ops._nvfp4_forms == {0: "restore", 1: "s7"}
+
+
 def test_weight_operands_are_the_custom_ops_weight_arguments():
     """qpn::linear's schema lists x, then WeightOperands' fields in order, then route and bias:
     qpn_linear spreads the record into the op, so the two cannot drift apart unseen."""

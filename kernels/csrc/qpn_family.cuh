@@ -100,17 +100,30 @@ QPN_DEV u32 e4m3x2_bits(u32 t) { return and_or(t >> 1, 0x3F803F80u, t & 0x800080
 
 // NVFP4 e2m1: in a 32-bit word, nibbles 3 and 7 (the top nibble of each half) are placed as
 // sign | exponent:mantissa in FP16 bits 15 and 11..9; that FP16 pattern equals the e2m1 value
-// times 2^-14 (subnormal for 0.5), and the multiply by 2^14 (0x7400) restores it exactly.
+// times 2^-14 (subnormal for 0.5).
 //
 // Group scales (NVFP4): the e4m3 group scale is multiplied into the decoded operand in FP16.
 // That product is EXACT: an e2m1 value has at most 2 significant bits, an e4m3 value at most 4,
-// so the product has at most 6 (FP16 has 11) and lies in [2^-10, 2688], inside FP16's normal
-// range. The MMA then accumulates x * (e2m1 * e4m3) in FP32 across all of K, and the global
-// scale multiplies the FP32 result once. Nothing is ever accumulated in FP16 (the overflow trap
-// of DESIGN.md section 3), and no partial sum needs a per-16 flush: scaling exactly before the
-// FP32 accumulation gives the per-16-flush result with fewer roundings, and frees the 8 FP32
-// partial registers per tile that the flush would hold.
-struct DecNVFP4 {
+// so the product has at most 6 (FP16 has 11). The MMA then accumulates x * (e2m1 * e4m3) in FP32
+// across all of K, and the global scale multiplies the FP32 result once. Nothing is ever
+// accumulated in FP16 (the overflow trap of DESIGN.md section 3), and no partial sum needs a
+// per-16 flush: scaling exactly before the FP32 accumulation gives the per-16-flush result with
+// fewer roundings, and frees the 8 FP32 partial registers per tile that the flush would hold.
+//
+// Two forms, which differ only in where the 2^14 goes (S7 = the scale carries 2^7):
+// * S7 = false, the restore form: operand = (bits * 2^14) * s = e2m1 * s, two FP16 multiplies per
+//   register; every operand lies in [2^-10, 2688], FP16 normals whatever the scale.
+// * S7 = true: operand = bits * (s * 2^7) = e2m1 * s * 2^-7, one multiply per register (16 issue
+//   slots fewer per k-block: what the calibrated model asks of TP4 down and lm_head at M = 1,
+//   results/kernel_sm70_loop_notes_*); the FP32 epilogue multiplies by OUT_MULT = 2^7. s * 2^7 is
+//   at most 448 * 128 = 57344 (FP16 holds it) and for a normal e4m3 scale (>= 2^-6) the operand is
+//   at least 0.5 * 2^-6 * 2^-7 = 2^-14, FP16's smallest normal, so the tensor cores see the same
+//   normal operands scaled by 2^-7. Only an e4m3-subnormal scale makes FP16-subnormal operands
+//   (down to 2^-17, still exact as numbers); whether the tensor cores take those as they are is a
+//   property of the GPU, so ops.py runs this form only on a GPU whose probe (all-subnormal scales,
+//   bit-identical to the restore form) passes.
+template <bool S7>
+struct DecNVFP4Form {
   static constexpr bool GROUPED = true;   // one e4m3 scale per 16 inputs, folded into the operand
   static constexpr int WORDS = 4;         // 16 bytes of codes per lane per k-block
   static constexpr int WORDS_PER_PAIR = 1;  // codes of 8 inputs (2 MMAs of m8n8k4) per word
@@ -120,7 +133,8 @@ struct DecNVFP4 {
   // registers, no spills.
   static constexpr int KBLOCKS_AHEAD = 2;
   static constexpr int KBLOCKS_AHEAD_MT2 = 2;
-  QPN_DEV static u32 rescale(u32 bits) { return hmul2(bits, 0x74007400u); }   // * 2^14: exact
+  static constexpr float OUT_MULT = S7 ? 128.0f : 1.0f;   // FP32 epilogue: restores the scale's 2^-7
+  QPN_DEV static u32 rescale(u32 bits) { return S7 ? bits : hmul2(bits, 0x74007400u); }   // * 2^14: exact
   QPN_DEV static u32 dec(u32 t) { return rescale(e2m1x2_bits(t)); }
   // f16x2 register idx (0 .. 15) of the k-block, k order: inputs 2*idx, 2*idx + 1.
   QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 2] << (4 * (idx & 3))); }
@@ -136,9 +150,13 @@ struct DecNVFP4 {
   // Magnitude bits from a, sign bits from b: the FP16 pattern of two e2m1 codes (times 2^-14).
   QPN_DEV static u32 place(u32 a, u32 b) { return or_and(a, b, 0x8E008E00u); }
   // The k-block's two e4m3 group scales (the lane's 16-bit scale pair: group 0 in the low byte) as
-  // FP16 (s0, s1), exact (e4m3 lies inside FP16's range).
-  QPN_DEV static u32 scale_pair(u32 sp) { return hmul2(e4m3x2_bits(prmt(sp, 0u, 0x1404u)), 0x5C005C00u); }
+  // FP16 (s0, s1) (S7: times 2^7), exact: e4m3x2_bits gives s * 2^-8, times 2^8 (0x5C00) or 2^15 (0x7800).
+  QPN_DEV static u32 scale_pair(u32 sp) {
+    return hmul2(e4m3x2_bits(prmt(sp, 0u, 0x1404u)), S7 ? 0x78007800u : 0x5C005C00u);
+  }
 };
+using DecNVFP4 = DecNVFP4Form<false>;
+using DecNVFP4S7 = DecNVFP4Form<true>;
 
 // FP8 e4m3: bytes 1 and 3 of a word become FP16 (sign at 15, exponent:mantissa at 13..7), the
 // e4m3 value times 2^-8, restored exactly by the multiply by 2^8 (0x5C00). A left shift by 8
@@ -152,6 +170,7 @@ struct DecFP8 {
   // second spills qpn8_mt2_m8n8k4 (8 words a stage).
   static constexpr int KBLOCKS_AHEAD = 2;
   static constexpr int KBLOCKS_AHEAD_MT2 = 1;
+  static constexpr float OUT_MULT = 1.0f;   // the scale of the result is all in the FP32 chscale
   QPN_DEV static u32 dec(u32 t) { return hmul2(e4m3x2_bits(t), 0x5C005C00u); }
   QPN_DEV static u32 half2(const u32 (&w)[WORDS], int idx) { return dec(w[idx >> 1] << (8 * (idx & 1))); }
   QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) { return dec(w[r >> 1] << (8 * (r & 1))); }

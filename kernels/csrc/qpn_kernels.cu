@@ -163,7 +163,7 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
     if (n >= a.n || tok >= a.m) continue;
     float v = 0.f;
     for (int s = 0; s < a.ksplit; ++s) v += red[(tib * a.ksplit + s) * TILE_ELEMS + tok_l * Atom::TILE_N + row];
-    v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0));
+    v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0)) * Dec::OUT_MULT;
     if (a.bias) v += f16_to_f32(ldg16(a.bias + n));
     stg16(a.y + (size_t)tok * a.n + n, f32_to_f16(v));
   }
@@ -219,6 +219,8 @@ __device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* 
 // Entry points, one per (format, tiles per weight pass, atom). Route -> entry point lives in ops.py.
 QPN_LINEAR_ENTRY(qpn2_mt1_m8n8k4, AtomM8N8K4, DecNVFP4, 1)
 QPN_LINEAR_ENTRY(qpn2_mt2_m8n8k4, AtomM8N8K4, DecNVFP4, 2)
+QPN_LINEAR_ENTRY(qpn2_mt1_s7_m8n8k4, AtomM8N8K4, DecNVFP4S7, 1)   // ops.nvfp4_form: where the GPU's probe passes
+QPN_LINEAR_ENTRY(qpn2_mt2_s7_m8n8k4, AtomM8N8K4, DecNVFP4S7, 2)
 QPN_LINEAR_ENTRY(qpn8_mt1_m8n8k4, AtomM8N8K4, DecFP8, 1)
 QPN_LINEAR_ENTRY(qpn8_mt2_m8n8k4, AtomM8N8K4, DecFP8, 2)
 QPN_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m8n8k4, AtomM8N8K4, DecNVFP4)
