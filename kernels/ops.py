@@ -12,6 +12,7 @@ A packed weight reaches the kernels as one ``WeightOperands`` record: built once
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import threading
@@ -27,6 +28,7 @@ from .routes import Route
 
 THREADS = 256
 WARPS = THREADS // 32
+_logger = logging.getLogger("vllm.qpn.kernels")
 
 
 class QpnArgs(ctypes.Structure):
@@ -251,7 +253,12 @@ def nvfp4_form(device) -> str:
     elif torch.cuda.is_current_stream_capturing():
         return "restore"
     else:
-        form = "s7" if probe_nvfp4_s7(torch.device("cuda", idx)) else "restore"
+        passed = probe_nvfp4_s7(torch.device("cuda", idx))
+        form = "s7" if passed else "restore"
+        _logger.log(logging.INFO if passed else logging.WARNING,
+                    "QPN NVFP4 kernels on cuda:%d (%s): the %s form (subnormal-operand probe %s; "
+                    "%s=s7|restore overrides)", idx, torch.cuda.get_device_name(idx), form,
+                    "passed" if passed else "failed", NVFP4_FORM_ENV)
     _nvfp4_forms[idx] = form
     return form
 

@@ -194,12 +194,27 @@ def _ptx_mma_counts(ptx: str) -> dict[str, int]:
 def sm70_kblocks_in_flight(family_src: str, decoder: str, mt: int) -> int:
     """k-blocks of weights a warp of the SM70 kernels (csrc/qpn_kernels.cu) has in flight: the one
     it decodes and the decoder's KBLOCKS_AHEAD (KBLOCKS_AHEAD_MT2 at two token tiles) loaded after
-    it, read from qpn_family.cuh."""
+    it, read from qpn_family.cuh. ``decoder`` is a struct (DecFP8) or a ``using NAME = Template<b>;``
+    of a decoder template with one bool parameter (DecNVFP4 / DecNVFP4S7), whose constant may be
+    ``PARAM ? a : b``."""
     name = "KBLOCKS_AHEAD" if mt == 1 else "KBLOCKS_AHEAD_MT2"
-    m = re.search(r"struct " + decoder + r" \{.*?static constexpr int " + name + r" = (\d+);", family_src, re.S)
-    if m is None:
+    struct, env = decoder, {}
+    alias = re.search(r"using " + decoder + r" = (\w+)<(true|false)>;", family_src)
+    if alias:
+        struct = alias.group(1)
+        param = re.search(r"template <bool (\w+)>\s*struct " + struct + r" \{", family_src)
+        env = {param.group(1): alias.group(2) == "true"} if param else {}
+    body = re.search(r"struct " + struct + r" \{(.*?)\n\};", family_src, re.S)
+    m = body and re.search(r"static constexpr int " + name + r" = ([^;]+);", body.group(1))
+    if not m:
         raise ValueError(f"{decoder}::{name} not found in qpn_family.cuh")
-    return 1 + int(m.group(1))
+    expr = m.group(1).strip()
+    pick = re.fullmatch(r"(\w+) \? (\d+) : (\d+)", expr)
+    if pick and pick.group(1) in env:
+        return 1 + int(pick.group(2) if env[pick.group(1)] else pick.group(3))
+    if not expr.isdigit():
+        raise ValueError(f"{decoder}::{name} = {expr!r}: expected a number or {'/'.join(env) or 'PARAM'} ? a : b")
+    return 1 + int(expr)
 
 
 def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
@@ -234,7 +249,8 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             hmma = 8 * mt * sass_per_mma          # 8 mma.m8n8k4 per k-block of 32 per token tile
             instr, kind = main_loop_instructions(funcs[name], hmma)
             tile_kb = int(32 * 32 * bytes_per_weight(fmt))  # codes and scales of a 32 x 32 tile k-block
-            depth = sm70_kblocks_in_flight(family, "DecNVFP4Form" if fmt == "nvfp4" else "DecFP8", mt)
+            decoder = "DecFP8" if fmt == "fp8" else "DecNVFP4S7" if "_s7_" in name else "DecNVFP4"
+            depth = sm70_kblocks_in_flight(family, decoder, mt)
             out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
                                     depth * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)
     return out

@@ -153,9 +153,13 @@ def _atom_and_form(atom_id: str, monkeypatch) -> str:
     return atom
 
 
-def _atom_label(packed) -> str:
-    """The report's atom column: the atom, and for NVFP4 on m8n8k4 the form that ran."""
-    if packed.fmt == "nvfp4" and packed.atom == "m8n8k4" and ops.nvfp4_form(torch.device("cuda")) == "s7":
+def _atom_label(packed, route=None, m: int = 1) -> str:
+    """The report's atom column: the atom, and for NVFP4 on m8n8k4's tiled routes (the reconstruct
+    route has one form) the form that ran."""
+    r = routes.as_route(route) if route else routes.route_for(packed.fmt, m, packed.n, packed.k,
+                                                              arch=ops.arch_for_atom(packed.atom))
+    if (packed.fmt == "nvfp4" and packed.atom == "m8n8k4" and r.kernel == routes.TILED
+            and ops.nvfp4_form(torch.device("cuda")) == "s7"):
         return "m8n8k4-s7"
     return packed.atom
 
@@ -181,7 +185,7 @@ def _check(shape_name, packed, x, y64, route, m, bias=None, mag=None, weights=""
         ratio = ((y.double() - r16).abs() / tol)[fin & torch.isfinite(y)]
         elem = float(ratio.max()) if ratio.numel() else 0.0
     ok = rel <= BOUND and elem <= 1.0 and bad == 0 and y.shape == (m, packed.n) and y.dtype == torch.float16
-    RESULTS.append(dict(atom=_atom_label(packed), shape=shape_name, n=packed.n, k=packed.k, route=route or "table", m=m,
+    RESULTS.append(dict(atom=_atom_label(packed, route, m), shape=shape_name, n=packed.n, k=packed.k, route=route or "table", m=m,
                         rel=rel, elem=elem, bad=bad, ok=ok, weights=weights, acts=acts))
     return ok, rel, bad
 
@@ -260,7 +264,7 @@ def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom, monk
     for suffix, per_call in PROBE_ROUTES:
         run = lambda x, r=prefix + suffix: ops.qpn_linear(x.to(dev), packed, route=r)  # noqa: E731
         bad = pg.probe(run, w64, per_call)
-        RESULTS.append(dict(atom=_atom_label(packed), shape=f"probe_{name}_{fmt}", n=n, k=k, route=prefix + suffix, m=per_call,
+        RESULTS.append(dict(atom=_atom_label(packed, prefix + suffix), shape=f"probe_{name}_{fmt}", n=n, k=k, route=prefix + suffix, m=per_call,
                             rel=float(len(bad)), elem=0.0, bad=0, ok=not bad, weights="probe", acts="one-hot"))
         assert not bad, f"{atom} {prefix + suffix}: wrong at (row, input) {bad[:8]} ({len(bad)} in all)"
     # negative control: the probe names what was corrupted, through the chunked route
