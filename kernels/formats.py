@@ -98,7 +98,8 @@ class WeightFormat:
     # ----------------------------------------------------------------- kernel entry points
     def dense_entry_points(self, atom: str) -> tuple[str, ...]:
         """The dense kernels of the family on the m8n8k4 atom (one-tile, two-tile, their S7 forms
-        for a grouped format, workspace reconstruction); on m16n8k16 the configured kernels are listed in kernels/jit.py."""
+        for a grouped format, workspace reconstruction); on m16n8k16 the configured kernels are
+        listed in kernels/jit.py."""
         p = self.route_prefix
         if atom == "m8n8k4":
             # a grouped format also has the S7 form of its two tiled kernels (ops.nvfp4_form)

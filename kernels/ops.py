@@ -151,10 +151,12 @@ def operands(packed) -> WeightOperands:
     raise TypeError(f"expected a packed dense weight ({kinds}), got {type(packed).__name__}")
 
 
-def _route_kernel(route: Route, m: int) -> tuple[str, int, int]:
-    """(entry point prefix, tiles per weight pass MT, m_chunks) of a tiled route on the m8n8k4 atom."""
+def _route_kernel(route: Route, m: int, form: str = "restore") -> tuple[str, int, int]:
+    """(entry point prefix, tiles per weight pass MT, m_chunks) of a tiled route on the m8n8k4 atom;
+    ``form`` "s7" names the S7 form of a grouped format's kernels (nvfp4_form)."""
     route.check_m(m)
-    return f"{route.prefix}_mt{route.tiles_per_pass}", route.tiles_per_pass, route.chunks(m)
+    s7 = "_s7" if form == "s7" and formats.FAMILIES[route.format].has_group_scales else ""
+    return f"{route.prefix}_mt{route.tiles_per_pass}{s7}", route.tiles_per_pass, route.chunks(m)
 
 
 _sm_count: dict = {}
@@ -202,9 +204,8 @@ def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl:
         return _launch_sm80(route, xh, w, bias, pdl=pdl)
     m = xh.shape[0]
     g = geometry(w.atom)
-    name, mt, m_chunks = _route_kernel(route, m)
-    if w.format.has_group_scales and (form or nvfp4_form(xh.device)) == "s7":
-        name += "_s7"
+    form = form or (nvfp4_form(xh.device) if w.format.has_group_scales else "restore")
+    name, mt, m_chunks = _route_kernel(route, m, form)
     n_tiles = -(-w.n // g.tile_n)
     kblocks = w.k_pad // g.k_block
     ksplit, tpb = _split(n_tiles, kblocks, m_chunks, xh.device)
@@ -266,8 +267,8 @@ def nvfp4_form(device) -> str:
 def probe_nvfp4_s7(device) -> bool:
     """True when both NVFP4 tiled kernels (one and two token tiles) give bit-identical outputs in
     the S7 and restore forms for a weight whose every group scale is an e4m3 subnormal (0x01-0x07,
-    and the same with the sign bit): in the S7 form every nonzero operand is then an FP16
-    subnormal (2^-17 .. 21 * 2^-14), in the restore form a normal. The codes take every byte value."""
+    and the same with the sign bit): in the S7 form most nonzero operands are then FP16 subnormals
+    (from 2^-17 up), in the restore form every one is a normal. The codes take every byte value."""
     from .prepack import prepack_nvfp4
     n, k = 64, 256
     codes = (torch.arange(n * k // 2, dtype=torch.int64) * 37 % 256).to(torch.uint8).reshape(n, k // 2)

@@ -586,9 +586,7 @@ class Replay:
         route = routes.as_route(route)
         if route.kernel == routes.RECONSTRUCT:
             return self.reconstruct(packed, x)
-        name, _, m_chunks = ops._route_kernel(route, m)
-        if form == "s7" and fmt == "nvfp4":
-            name += "_s7"
+        name, _, m_chunks = ops._route_kernel(route, m, form)
         entries = entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY")
         atom_s, dec_s, mt = entries[f"{name}_m8n8k4"]
         assert atom_s == "AtomM8N8K4" and dec_s in (("DecNVFP4", "DecNVFP4S7") if fmt == "nvfp4" else ("DecFP8",))

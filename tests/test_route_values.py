@@ -79,6 +79,8 @@ def test_what_a_route_asks_of_its_kernel():
     # the m8n8k4 launcher: entry point, token tiles, chunk planes
     assert ops._route_kernel(r("qpn8_chunked"), 40) == ("qpn8_mt2", 2, 3)
     assert ops._route_kernel(r("qpn2"), 5) == ("qpn2_mt1", 1, 1)
+    assert ops._route_kernel(r("qpn2_chunked"), 40, "s7") == ("qpn2_mt2_s7", 2, 3)
+    assert ops._route_kernel(r("qpn8"), 5, "s7") == ("qpn8_mt1", 1, 1)   # FP8 has one form
     with pytest.raises(ValueError, match="M <= 16"):
         ops._route_kernel(r("qpn8_mt2"), 17)
 
