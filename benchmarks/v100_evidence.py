@@ -8,7 +8,9 @@ Steps (each a subprocess; its output goes to ``logs/<step>.log`` and its exit st
 manifest; a failing step does not stop the others):
 
 - ``numerics``: the GPU numerics tests (tests/test_gpu_kernels.py, tests/test_gpu_moe.py), with
-  CI=true so that nothing skips silently;
+  CI=true so that nothing skips silently, and their case-by-case reports (``numerics.md``,
+  ``moe_numerics.md``; the first also records whether this GPU passes the subnormal-operand probe
+  that picks the form of the NVFP4 kernels, ops.nvfp4_form);
 - ``kernels``: benchmarks/kernel_matched_bench.py on the TP1 and TP4 shapes (QPN, torch FP16,
   _scaled_mm, dequantize-then-matmul), with its CSV, targets table and chart;
 - ``model_check``: the V100 estimate of the performance model (kernels/perf_model.py, fitted on an
@@ -56,6 +58,7 @@ class Step:
     command: list[str]
     outputs: list[str] = field(default_factory=list)  # paths relative to the bundle
     skip_reason: str | None = None  # set: recorded as not run, with this reason
+    env: dict = field(default_factory=dict)  # added to the step's environment
 
 
 @dataclass
@@ -98,7 +101,9 @@ def plan(args, bundle: str) -> list[Step]:
     steps = [
         Step("numerics", [py, "-m", "pytest", "-q", "-rs", "tests/test_gpu_kernels.py",
                           "tests/test_gpu_moe.py", f"--junitxml={bundle}/numerics.xml"],
-             ["numerics.xml"]),
+             ["numerics.xml", "numerics.md", "moe_numerics.md"],
+             env={"QPN_NUMERICS_REPORT": f"{bundle}/numerics.md",
+                  "QPN_MOE_NUMERICS_REPORT": f"{bundle}/moe_numerics.md"}),
         Step("kernels", [py, "-m", "qpn.benchmarks.kernel_matched_bench",
                          "--out", f"{bundle}/kernel_matched.csv", "--targets", f"{bundle}/targets.md",
                          "--plot", f"{bundle}/kernel_matched.png", "--shapes", args.shapes],
@@ -140,7 +145,7 @@ def run_steps(steps: list[Step], bundle: str, env: dict | None = None) -> list[S
         print(f"[v100-evidence] {s.name}: {shlex.join(s.command)}", flush=True)
         with open(os.path.join(bundle, log), "w") as f:
             rc = subprocess.call(s.command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                 env={**os.environ, "CI": "true", **(env or {})})
+                                 env={**os.environ, "CI": "true", **(env or {}), **s.env})
         seconds = time.monotonic() - t0
         outputs = [o for o in s.outputs if os.path.exists(os.path.join(bundle, o))]
         missing = [o for o in s.outputs if o not in outputs]

@@ -36,8 +36,9 @@ def test_bundle_layout_manifest_and_archive(tmp_path):
     bundle.mkdir()
     py = sys.executable
     steps = [
-        ev.Step("numerics", [py, "-c", f"open({str(bundle / 'numerics.xml')!r}, 'w').write('<x/>'); print('ok')"],
-                ["numerics.xml"]),
+        ev.Step("numerics", [py, "-c", "import os; open(os.environ['QPN_NUMERICS_REPORT'], 'w').write('# r'); "
+                                       f"open({str(bundle / 'numerics.xml')!r}, 'w').write('<x/>'); print('ok')"],
+                ["numerics.xml", "numerics.md"], env={"QPN_NUMERICS_REPORT": str(bundle / "numerics.md")}),
         ev.Step("kernels", [py, "-c", "import sys; print('boom'); sys.exit(3)"], ["kernel_matched.csv"]),
         ev.Step("model_check", [py, "-c", "print('needs kernel_matched.csv')"], ["perf_model_v100_check_bundle.md"]),
         ev.Step("engine_arms", [py, "-c", "print('no output file')"], ["engine_arms.csv"]),
@@ -45,7 +46,7 @@ def test_bundle_layout_manifest_and_archive(tmp_path):
     ]
     results = ev.run_steps(steps, str(bundle))
     by = {r.name: r for r in results}
-    assert by["numerics"].status == "ok" and by["numerics"].outputs == ["numerics.xml"]
+    assert by["numerics"].status == "ok" and by["numerics"].outputs == ["numerics.xml", "numerics.md"]
     assert by["kernels"].status == "failed" and by["kernels"].returncode == 3
     assert by["engine_arms"].status == "failed" and "missing: ['engine_arms.csv']" in by["engine_arms"].reason
     assert by["cells"].status == "not run" and by["cells"].reason == "no --base-url/--model"
@@ -79,6 +80,12 @@ def test_every_step_calls_flags_its_tool_has(tmp_path):
     for path in steps["numerics"].command:
         if path.startswith("tests/"):
             assert (REPO / path).is_file(), path
+    # the numerics step writes both case reports into the bundle and expects them there
+    reports = {v: k for k, v in steps["numerics"].env.items()}
+    assert set(reports.values()) == {"QPN_NUMERICS_REPORT", "QPN_MOE_NUMERICS_REPORT"}
+    assert {os.path.relpath(p, tmp_path) for p in reports} <= set(steps["numerics"].outputs)
+    for var in reports.values():
+        assert var in (REPO / "tests" / ("test_gpu_moe.py" if "MOE" in var else "test_gpu_kernels.py")).read_text()
     for name, module in (("kernels", "qpn.benchmarks.kernel_matched_bench"),
                          ("model_check", "qpn.kernels.perf_model"),
                          ("engine_arms", "qpn.benchmarks.engine_arms"),
