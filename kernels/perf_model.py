@@ -377,8 +377,9 @@ V100_NVFP4_FORMS = ("s7", "restore")
 
 
 def _kernel_for(fmt: str, m: int, form: str = "restore") -> str:
-    tag = "_s7" if form == "s7" and formats.weight_format(fmt).has_group_scales else ""
-    return f"{formats.weight_format(fmt).route_prefix}_mt{1 if m <= 8 else 2}{tag}_m8n8k4"
+    """The m8n8k4 kernel of the tiled route for M <= 16 (ops names it)."""
+    return ops._route_kernel(routes.tiled_route(formats.weight_format(fmt).family, 1 if m <= 8 else 2), m, form)[0] \
+        + "_m8n8k4"
 
 
 def seed_verdict(seed_pct: float | None, est_pct: float, est_us: float, bound: str, t0_us: float) -> str:
@@ -583,14 +584,14 @@ def m8n8k4_observations(csv_path: str) -> tuple[dict, Gpu, list[dict]]:
               float(head["read_ceiling_gbps"]), "measured in the same run")
     # the NVFP4 form the run's GPU chose (ops.nvfp4_form; a run from before the S7 form ran restore)
     form = re.search(r"NVFP4 form: (\w+)", atom)
-    s7 = "_s7" if form and form.group(1) == "s7" else ""
+    form = form.group(1) if form else "restore"
     obs = []
     for r in rows:
         route = routes.as_route(r["route"]) if r["arm"] == "qpn" else None
         if route is None or route.kernel != routes.TILED or route.chunk_rows:
             continue
-        form_tag = s7 if route.format == "nvfp4" else ""
-        obs.append(dict(kernel=f"{route.prefix}_mt{route.tiles_per_pass}{form_tag}_m8n8k4", shape=r["shape"], n=int(r["n"]), k=int(r["k"]),
+        kernel = ops._route_kernel(route, int(r["m"]), form)[0] + "_m8n8k4"
+        obs.append(dict(kernel=kernel, shape=r["shape"], n=int(r["n"]), k=int(r["k"]),
                         m=int(r["m"]), route=r["route"], us=float(r["graph_us"]), src="v100"))
     if not obs:
         raise ValueError(f"{csv_path}: no QPN rows on the single-pass tiled routes (qpn2, qpn8 and their _mt2)")

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from qpn.kernels import perf_model as pm
+from qpn.kernels import routes
 
 
 def _sass(lines):
@@ -124,17 +125,19 @@ def test_seed_verdict_names_what_keeps_a_route_below_its_seed_level():
     assert pm.seed_verdict(None, 74.0, 38.5, "read ceiling", 10.0) == ""
 
 
-def _m8n8k4_run(path, stats, c, gpu_line, atom="m8n8k4", read=850.0):
+def _m8n8k4_run(path, stats, c, gpu_line, atom="m8n8k4", read=850.0, form=None):
     """A kernel_matched_bench CSV as a V100 run would write it, its times those of the model under
-    constants c (so a fit on it must find c again)."""
+    constants c (so a fit on it must find c again); ``form``: the NVFP4 form its header names
+    (None: a header from before the forms, which ran the restore form)."""
     gpu = pm.Gpu("v", 80, pm.V100_SXM2.clock_ghz, 65536, 96 * 1024, 64, read, "run")
+    named = f"; m8n8k4 NVFP4 form: {form}" if form else ""
     lines = [f"# gpu: {gpu_line}", "# commit: abc", "# date: 2099-01-01T00:00:00Z",
-             f"# qpn atom: {atom}; sm_80+ route kernels: ...", f"# read_ceiling_gbps: {read}",
+             f"# qpn atom: {atom}{named}; sm_80+ route kernels: ...", f"# read_ceiling_gbps: {read}",
              "shape,fmt,n,k,m,arm,route,graph_us"]
     for shape, (fmt, n, k) in pm.TP4_SHAPES.items():
         for m in (1, 8, 16):
-            kname = pm._kernel_for(fmt, m)
-            route = kname.replace("_mt1_m8n8k4", "").replace("_m8n8k4", "")
+            kname = pm._kernel_for(fmt, m, form or "restore")
+            route = str(routes.tiled_route(fmt, 1 if m <= 8 else 2))
             us = pm.predict(stats[kname], gpu, n, k, c)["us"]
             lines.append(f"{shape},{fmt},{n},{k},{m},qpn,{route},{us:.4f}")
             lines.append(f"{shape},{fmt},{n},{k},{m},torch_fp16,fp16,{2 * us:.4f}")
@@ -167,6 +170,11 @@ def test_the_estimate_is_checked_against_a_measured_m8n8k4_run(tmp_path, sm70_to
     sm80 = _m8n8k4_run(tmp_path / "sm80.csv", stats, v100, "NVIDIA H200 (sm_90, 132 SMs)", atom="m16n8k16")
     with pytest.raises(ValueError, match="m16n8k16"):
         pm.m8n8k4_observations(sm80)
+    # a run whose header names the S7 form is checked against the S7 kernels (FP8 has one form)
+    for form, nvfp4 in (("s7", {"qpn2_mt1_s7_m8n8k4", "qpn2_mt2_s7_m8n8k4"}),
+                        ("restore", {"qpn2_mt1_m8n8k4", "qpn2_mt2_m8n8k4"})):
+        run = _m8n8k4_run(tmp_path / f"{form}.csv", stats, v100, "Tesla V100-SXM2-32GB (sm_70, 80 SMs)", form=form)
+        assert {o["kernel"] for o in pm.m8n8k4_observations(run)[2]} == nvfp4 | {"qpn8_mt1_m8n8k4", "qpn8_mt2_m8n8k4"}
 
 
 def test_t0_is_bounded_by_the_fastest_call():
