@@ -371,11 +371,6 @@ ONECAT_TP2_M1_US = {"gate_up 17408x5120": (17408, 5120, 90.6), "down 5120x8704":
 SEED_LEVELS = {("nvfp4", 1): 77.0, ("nvfp4", 8): 71.0, ("fp8", 1): 82.0, ("fp8", 8): 82.0, ("lm_head", 1): 96.0}
 
 
-# The NVFP4 forms the V100 table estimates (ops.nvfp4_form): "s7" where the GPU's probe passes,
-# "restore" where it fails (the tensor cores would not take FP16-subnormal operands as they are).
-V100_NVFP4_FORMS = ("s7", "restore")
-
-
 def _kernel_for(fmt: str, m: int, form: str = "restore") -> str:
     """The m8n8k4 kernel of the tiled route for M <= 16 (ops names it)."""
     return ops._route_kernel(routes.tiled_route(formats.weight_format(fmt).family, 1 if m <= 8 else 2), m, form)[0] \
@@ -467,7 +462,8 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
     v = V100_SXM2
     vrows = []
     for shape, (fmt, n, kdim) in TP4_SHAPES.items():
-        for form in V100_NVFP4_FORMS if fmt == "nvfp4" else ("restore",):
+        # NVFP4 in both forms (ops.nvfp4_form): s7 where the GPU's probe passes, restore where it fails
+        for form in ops.NVFP4_FORMS if fmt == "nvfp4" else ("restore",):
             for m in (1, 8, 16):
                 kname = _kernel_for(fmt, m, form)
                 p, q = predict(s70[kname], v, n, kdim, c), predict(s70[kname], v, n, kdim, cb)
@@ -475,7 +471,7 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
                 vrows.append(dict(table="tp4", shape=shape, n=n, k=kdim, m=m, kernel=kname, est_us=p["us"],
                                   est_pct=p["pct"], bound=p["bound"], seed_pct=seed if m <= 8 else None,
                                   onecat_us=None, est_us_t0b=q["us"], est_pct_t0b=q["pct"], bound_t0b=q["bound"]))
-    for form in V100_NVFP4_FORMS:
+    for form in ops.NVFP4_FORMS:
         kname = _kernel_for("nvfp4", 1, form)
         for shape, (n, kdim, us) in ONECAT_TP2_M1_US.items():
             p, q = predict(s70[kname], v, n, kdim, c), predict(s70[kname], v, n, kdim, cb)

@@ -244,3 +244,9 @@ def test_every_format_route_and_arch_runs_the_same_kernel_as_before():
                          {k: v for k, v in enumerate(b for bs in jit.SM80_BAND_KERNELS.values() for b in bs)})
              for k in t.values()}
     assert named <= {s for v in KERNEL_SYMBOLS.values() for s in v}
+    # the S7 form's m8n8k4 kernels: what ops launches for each tiled NVFP4 route is an entry point the
+    # build requires (jit.ENTRY_POINTS, from formats), and every S7 entry point is launched by a route
+    s7 = {ops._route_kernel(r, m, "s7")[0] + "_m8n8k4" for r in routes.ALL_ROUTES.values()
+          if r.kernel == routes.TILED and r.format == "nvfp4" for m in (1, 8, 9, 16, 17, 96)
+          if r.kernel_max_m is None or m <= r.kernel_max_m}
+    assert s7 == {e for e in jit.ENTRY_POINTS["m8n8k4"] if "_s7_" in e} == {"qpn2_mt1_s7_m8n8k4", "qpn2_mt2_s7_m8n8k4"}
