@@ -129,10 +129,11 @@ struct DecNVFP4Form {
   static constexpr int WORDS_PER_PAIR = 1;  // codes of 8 inputs (2 MMAs of m8n8k4) per word
   // k-blocks a warp loads ahead of the one it decodes (one token tile; _MT2: two): 3 x 576 B of a
   // 32 x 32 tile's codes and scales in flight, what the calibrated model needs a V100 warp to hold
-  // when a layer gives 16 warps per SM (TP4 down, results/perf_model_v100_estimate_*). Fits 64
-  // registers, no spills. (S7 ? 3 : 2 also fits, 63 registers, and brings TP4 down to the read
-  // ceiling in the t0-bounded fit; it waits for a GPU run of tests/test_gpu_kernels.py.)
-  static constexpr int KBLOCKS_AHEAD = 2;
+  // when a layer gives 16 warps per SM (TP4 down, results/perf_model_v100_estimate_*). The S7 form
+  // at one token tile holds 4 x 576 B: the registers its decode frees take one more stage, and with
+  // 3 the t0-bounded fit leaves TP4 down latency-bound just below seed 000's level. All fit 64
+  // registers, no spills (S7 at one token tile: 63).
+  static constexpr int KBLOCKS_AHEAD = S7 ? 3 : 2;
   static constexpr int KBLOCKS_AHEAD_MT2 = 2;
   static constexpr float OUT_MULT = S7 ? 128.0f : 1.0f;   // FP32 epilogue: restores the scale's 2^-7
   QPN_DEV static u32 rescale(u32 bits) { return S7 ? bits : hmul2(bits, 0x74007400u); }   // * 2^14: exact
