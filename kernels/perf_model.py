@@ -217,6 +217,14 @@ def sm70_kblocks_in_flight(family_src: str, decoder: str, mt: int) -> int:
     return 1 + int(expr)
 
 
+def sm70_linear_entries(kernels_src: str) -> dict[str, tuple[str, int]]:
+    """Entry point -> (decoder, token tiles per weight pass) of every ``QPN_LINEAR_ENTRY(NAME,
+    ATOM, DEC, MT)`` line of csrc/qpn_kernels.cu: what each SM70 GEMM kernel instantiates, read
+    from the source rather than guessed from its name."""
+    return {m.group(1): (m.group(2), int(m.group(3)))
+            for m in re.finditer(r"^QPN_LINEAR_ENTRY\((\w+), \w+, (\w+), (\d+)\)", kernels_src, re.M)}
+
+
 def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
     """Every GEMM kernel of ``atom``'s source compiled for sm_<arch> (NVRTC 12 + ptxas + cuobjdump)."""
     nv = nvrtc.load_nvrtc(12, arch)
@@ -239,17 +247,17 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
                                     depth * c.tiles * tile_kb, c.tiles * 16 * 64 * bytes_per_weight(fmt), instr, kind)
     else:
         family = nvrtc.read_sources()["qpn_family.cuh"]
+        entries = sm70_linear_entries(nvrtc.read_sources()[source])
         for name in jit.ENTRY_POINTS["m8n8k4"]:
-            if "reconstruct" in name or name not in funcs:
+            if name not in entries or name not in funcs:   # the reconstruct kernels are not GEMMs
                 continue
             fmt = formats.format_for_route(name).family
-            mt = 2 if "_mt2_" in name else 1
+            decoder, mt = entries[name]
             hmma_total = sum("HMMA" in t for _, t in funcs[name])
             sass_per_mma = hmma_total / max(1, mma_ptx.get(name, 0))
             hmma = 8 * mt * sass_per_mma          # 8 mma.m8n8k4 per k-block of 32 per token tile
             instr, kind = main_loop_instructions(funcs[name], hmma)
             tile_kb = int(32 * 32 * bytes_per_weight(fmt))  # codes and scales of a 32 x 32 tile k-block
-            decoder = "DecFP8" if fmt == "fp8" else "DecNVFP4S7" if "_s7_" in name else "DecNVFP4"
             depth = sm70_kblocks_in_flight(family, decoder, mt)
             out[name] = KernelStats(name, atom, fmt, mt, 1, regs[name].registers, 8 * 32 * 8 * mt * 4,
                                     depth * tile_kb, 32 * 32 * bytes_per_weight(fmt), instr, kind)

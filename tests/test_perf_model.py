@@ -116,6 +116,18 @@ def test_sm70_in_flight_is_read_from_the_decoders():
         pm.sm70_kblocks_in_flight(fam.replace("KBLOCKS_AHEAD", "AHEAD"), "DecFP8", 1)
 
 
+def test_sm70_entries_are_read_from_the_entry_macros():
+    from qpn.kernels import jit, nvrtc
+    entries = pm.sm70_linear_entries(nvrtc.read_sources()[jit.ATOM_SOURCES["m8n8k4"]])
+    # every GEMM entry point the build requires, and nothing else (not the macro's own #define)
+    assert set(entries) == {e for e in jit.ENTRY_POINTS["m8n8k4"] if "reconstruct" not in e}
+    assert entries["qpn2_mt1_s7_m8n8k4"] == ("DecNVFP4S7", 1) and entries["qpn2_mt2_s7_m8n8k4"] == ("DecNVFP4S7", 2)
+    assert entries["qpn2_mt1_m8n8k4"] == ("DecNVFP4", 1) and entries["qpn8_mt2_m8n8k4"] == ("DecFP8", 2)
+    # the decoder is the macro's argument, whatever the name says
+    edited = pm.sm70_linear_entries("QPN_LINEAR_ENTRY(qpn2_mt1_s7_m8n8k4, AtomM8N8K4, DecNVFP4, 2)\n")
+    assert edited == {"qpn2_mt1_s7_m8n8k4": ("DecNVFP4", 2)}
+
+
 def test_seed_verdict_names_what_keeps_a_route_below_its_seed_level():
     assert pm.seed_verdict(77.0, 74.0, 38.5, "read ceiling", 10.0) == \
         "YES: t0 = 10.0 of 38.5 us (weights at the read ceiling)"
