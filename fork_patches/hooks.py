@@ -365,6 +365,46 @@ REGISTRY: list[Hook] = [
         remove_when="the engines guarantee num_accepted_tokens >= 1 for every speculating row",
         apply="qpn.fork_patches.spec_state:wrap_gdn_build",
     ),
+    # ---- sampled decoding under speculation (runtime, cpu engine; issue 29)
+    Hook(
+        name="spec-sampling-expand-per-token",
+        kind="runtime",
+        anchor="vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
+        engines=("sm70", "cpu"),
+        not_on={"sm70": "on CUDA the function launches the real Triton expand_kernel, which writes "
+                "every dtype (1Cat 1.2.2 and 1.3.0 rejection_sampler.py; "
+                "tests/test_spec_sampling.py reads it there)"},
+        what="the expansion of each request's temperature, top-k and top-p to one value per drafted "
+        "token, which the rejection sampler applies to the drafted rows' logits",
+        why="without Triton the CPU platform runs cpu_triton_utils._expand_kernel_impl, which gives "
+        "the C++ op _ensure_int64(output): for float32 temperature/top-p and int32 top-k that is a "
+        "converted copy, so the real output stays uninitialised memory; every drafted token is "
+        "sampled from a garbage-scaled distribution (logprobs near -25, seeds not reproducible, "
+        "temperature 0.01 not greedy)",
+        how="compute the expansion with torch (repeat_interleave, the replace_from -> replace_to "
+        "substitution) for every dtype but int64, which the engine's op handles "
+        "(qpn.fork_patches.spec_sampling)",
+        remove_when="vLLM's CPU _expand_kernel_impl writes back non-int64 outputs",
+        apply="qpn.fork_patches.spec_sampling:wrap_expand_batch_to_tokens",
+    ),
+    Hook(
+        name="spec-sampling-empty-top-k",
+        kind="runtime",
+        anchor="vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_only",
+        engines=("sm70", "cpu"),
+        not_on={"sm70": "on CUDA apply_top_k_top_p reaches apply_top_k_only only with "
+                "allow_cpu_sync, which it passes on the CPU platform alone (1Cat 1.2.2 and 1.3.0 "
+                "topk_topp_sampler.py; tests/test_spec_sampling.py reads it there)"},
+        what="the CPU top-k mask (no sort) that apply_top_k_top_p uses when a batch has top-k and "
+        "no top-p",
+        why="a speculative step whose requests carry no drafted token runs the rejection sampler "
+        "with zero target rows; k.max() of an empty k raises 'max(): Expected reduction dim to be "
+        "specified for input.numel() == 0' and the engine core dies on the first request with top_k",
+        how="return an empty batch unchanged; any other batch goes to the engine's own function "
+        "(qpn.fork_patches.spec_sampling)",
+        remove_when="vLLM's apply_top_k_only handles an empty batch",
+        apply="qpn.fork_patches.spec_sampling:wrap_apply_top_k_only",
+    ),
     # ---- greedy output with speculation identical to without (runtime, cpu engine; issue 12)
     Hook(
         name="gdn-spec-cpp-conv-on-avx512-bf16",
