@@ -105,3 +105,23 @@ def test_launcher_passes_the_middleware_and_limits(tmp_path):
     env = serve.server_env(launch)
     assert env["QPN_MAX_N"] == env["VLLM_MAX_N_SEQUENCES"] == "3"
     assert env["QPN_MAX_MODEL_LEN"] == "2048"
+
+
+@pytest.mark.parametrize("value,refused", [("5", True), (" 5 ", True), (5.0, True), ("4", False),
+                                           (4.0, False), ("five", False), (True, False),
+                                           (4.5, False), (None, False)])
+def test_counts_are_read_as_the_engine_reads_them(value, refused):
+    """A numeric string or an integral float is a count to the engine (pydantic lax mode), so
+    it is one to the limit too; what the engine refuses anyway passes to it untouched."""
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
+                                       json.dumps({"model": "m", "n": value}).encode())
+    assert (status == 400) is refused, (value, payload)
+    assert (forwarded is None) is refused
+
+
+@pytest.mark.parametrize("depth", [2000, 10000])
+def test_a_deeply_nested_body_gets_a_400_not_a_500(depth):
+    body = ('{"model": "m", "messages": ' + "[" * depth + "]" * depth + "}").encode()
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096), body)
+    assert status == 400 and forwarded is None
+    assert "nests JSON deeper" in json.loads(payload)["error"]["message"]

@@ -28,6 +28,24 @@ DEFAULT_MAX_N = 4
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
+def as_count(value: object) -> int | None:
+    """``value`` read as the engine's pydantic model reads an integer field in lax mode: an int, a
+    float with no fraction, or a string of an int (``"5"``); None for anything else (bools too),
+    which the engine then refuses itself."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
 def _env_int(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     return int(raw) if raw else None
@@ -48,15 +66,15 @@ class Limits:
         if not isinstance(body, dict):
             return None
         for name in ("n", "best_of"):
-            value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > self.max_n:
+            value = as_count(body.get(name))
+            if value is not None and value > self.max_n:
                 return name, (f"{name}={value} is more than this server serves per request "
                               f"(at most {self.max_n}); send several requests, or start the "
                               f"server with a higher MAX_N")
         if self.max_model_len:
             for name in TOKEN_FIELDS:
-                value = body.get(name)
-                if isinstance(value, int) and not isinstance(value, bool) and value > self.max_model_len:
+                value = as_count(body.get(name))
+                if value is not None and value > self.max_model_len:
                     return name, (f"{name}={value} is more than the model length "
                                   f"({self.max_model_len} tokens, prompt included); ask for at "
                                   f"most {self.max_model_len} or start the server with a "
@@ -93,6 +111,9 @@ class RequestLimits:
         body = b"".join(chunks)
         try:
             found = self.limits.problem(json.loads(body))
+        except RecursionError:  # nested deeper than the interpreter parses: a client error
+            found = ("body", "the request body nests JSON deeper than this server parses; "
+                            "send a flatter body")
         except ValueError:
             found = None  # not JSON: vLLM answers that itself
         if found is not None:
