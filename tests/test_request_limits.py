@@ -13,7 +13,7 @@ from qpn.scripts.launcher.request_limits import DEFAULT_MAX_N, Limits, RequestLi
 pytestmark = pytest.mark.fast
 
 
-def _call(mw_limits: Limits, body: bytes, path="/v1/chat/completions"):
+def _call(mw_limits: Limits, body: bytes, path="/v1/chat/completions", api_keys=(), headers=()):
     seen = {}
 
     async def app(scope, receive, send):
@@ -38,8 +38,8 @@ def _call(mw_limits: Limits, body: bytes, path="/v1/chat/completions"):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path}
-    asyncio.run(RequestLimits(app, mw_limits)(scope, receive, send))
+    scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers)}
+    asyncio.run(RequestLimits(app, mw_limits, api_keys=list(api_keys))(scope, receive, send))
     status = sent[0]["status"]
     payload = b"".join(m.get("body", b"") for m in sent[1:])
     return status, payload, seen.get("body")
@@ -125,3 +125,16 @@ def test_a_deeply_nested_body_gets_a_400_not_a_500(depth):
     status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096), body)
     assert status == 400 and forwarded is None
     assert "nests JSON deeper" in json.loads(payload)["error"]["message"]
+
+
+@pytest.mark.parametrize("header,limited", [
+    (None, False), (b"Bearer wrong", False), (b"Basic s3cret", False), (b"Bearer s3cret ", False),
+    (b"Bearer s3cret", True), (b"bearer s3cret", True)])
+def test_only_an_authorised_request_meets_the_limits(header, limited):
+    """With a key set, a request vLLM would refuse (no key, another key, another scheme) passes to
+    vLLM untouched, whose authentication answers 401; only a request with the key is judged."""
+    headers = [(b"authorization", header)] if header else []
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
+                                       json.dumps({"model": "m", "n": 50}).encode(),
+                                       api_keys=["s3cret"], headers=headers)
+    assert (status == 400) is limited and (forwarded is None) is limited, (header, payload)

@@ -20,8 +20,10 @@ other paths) goes to vLLM untouched.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 
 LIMITED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 DEFAULT_MAX_N = 4
@@ -88,17 +90,35 @@ def error_body(param: str, message: str) -> bytes:
                        "type": "BadRequestError", "param": param, "code": 400}).encode()
 
 
+def authorised(scope, api_keys: list[str]) -> bool:
+    """The check vLLM's own AuthenticationMiddleware makes (``Authorization: Bearer <key>``, the
+    scheme in any case), so that limits are judged only for requests vLLM would serve."""
+    if not api_keys:
+        return True
+    value = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode("utf-8")).digest()
+    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode("utf-8")).digest())
+               for k in api_keys)
+
+
 class RequestLimits:
     """Pure ASGI middleware: buffers the body of a POST to a generation endpoint, refuses it with
-    400 when it breaks a limit, else hands vLLM the same bytes."""
+    400 when it breaks a limit, else hands vLLM the same bytes. vLLM adds this middleware outside
+    its own authentication, so a request without the server's key (``VLLM_API_KEY``, the launcher's
+    way to set one) goes to vLLM untouched and gets vLLM's 401, never a limit message."""
 
-    def __init__(self, app, limits: Limits | None = None):
+    def __init__(self, app, limits: Limits | None = None, api_keys: list[str] | None = None):
         self.app = app
         self.limits = limits or Limits.from_env()
+        self.api_keys = ([k for k in [os.environ.get("VLLM_API_KEY", "")] if k]
+                         if api_keys is None else api_keys)
 
     async def __call__(self, scope, receive, send):
         if (scope.get("type") != "http" or scope.get("method") != "POST"
-                or scope.get("path") not in LIMITED_PATHS):
+                or scope.get("path") not in LIMITED_PATHS or not authorised(scope, self.api_keys)):
             await self.app(scope, receive, send)
             return
         chunks, more = [], True
