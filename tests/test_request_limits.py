@@ -138,3 +138,27 @@ def test_only_an_authorised_request_meets_the_limits(header, limited):
                                        json.dumps({"model": "m", "n": 50}).encode(),
                                        api_keys=["s3cret"], headers=headers)
     assert (status == 400) is limited and (forwarded is None) is limited, (header, payload)
+
+
+@pytest.mark.parametrize("field,key", [("guided_json", "json"), ("guided_regex", "regex"),
+                                       ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+                                       ("guided_whitespace_pattern", "whitespace_pattern"),
+                                       ("guided_decoding_backend", None)])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_ignored_guided_fields_are_refused_naming_the_replacement(field, key, path):
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
+                                       json.dumps({"model": "m", field: ["a", "b"]}).encode(), path=path)
+    assert status == 400 and forwarded is None
+    err = json.loads(payload)["error"]
+    assert err["param"] == field and "ignored" in err["message"]
+    if key:
+        assert f'"structured_outputs": {{"{key}"' in err["message"]
+
+
+def test_the_engines_request_models_do_not_read_the_guided_fields():
+    """The premise, on the installed engine: no chat or completion request field is named
+    guided_* except the batch chat request's guided_decoding_backend."""
+    chat = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+    for model in (chat.ChatCompletionRequest, completion.CompletionRequest):
+        assert not [f for f in model.model_fields if f.startswith("guided_")], model

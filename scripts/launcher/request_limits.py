@@ -14,6 +14,10 @@ What one request may ask for:
   the context leaves; a request that asks for more than the whole context is a client error.
 - the prompt: vLLM itself refuses a prompt longer than the model length with a 400 naming both.
 
+- the older guided-decoding fields (``guided_json``, ``guided_regex``, ``guided_choice``,
+  ``guided_grammar``, ...): the engines ignore them silently; refused, naming the
+  ``structured_outputs`` key to send instead.
+
 A refused request gets HTTP 400 with an OpenAI-style error body naming the parameter, the
 value, the limit and the setting that changes it. Anything else (bodies that are not JSON,
 other paths) goes to vLLM untouched.
@@ -28,6 +32,12 @@ import secrets
 LIMITED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 DEFAULT_MAX_N = 4
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# The older guided-decoding fields: vLLM 0.32 and both 1Cat builds no longer read them on these
+# endpoints (not in their request models) and accept them silently, so a client that sends one gets
+# unconstrained output. Each is refused naming the structured_outputs key that does the same.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern",
+                 "guided_decoding_backend": None}
 
 
 def as_count(value: object) -> int | None:
@@ -67,6 +77,13 @@ class Limits:
         """(parameter, message) for the first limit the request breaks, else None."""
         if not isinstance(body, dict):
             return None
+        for name, key in GUIDED_FIELDS.items():
+            if name in body:
+                fix = (f'send "structured_outputs": {{"{key}": ...}} instead' if key else
+                       "the server chooses the backend (vLLM's --structured-outputs-config); "
+                       "drop the field")
+                return name, (f"{name} is ignored by this engine, so the output would not be "
+                              f"constrained; {fix}")
         for name in ("n", "best_of"):
             value = as_count(body.get(name))
             if value is not None and value > self.max_n:
