@@ -162,3 +162,19 @@ def test_the_engines_request_models_do_not_read_the_guided_fields():
     completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
     for model in (chat.ChatCompletionRequest, completion.CompletionRequest):
         assert not [f for f in model.model_fields if f.startswith("guided_")], model
+
+
+@pytest.mark.parametrize("tool_msg,refused", [
+    ({"role": "tool", "content": "18C"}, True), ({"role": "tool", "content": "18C", "tool_call_id": ""}, True),
+    ({"role": "tool", "content": "18C", "tool_call_id": "call_1"}, False),
+    ({"role": "user", "content": "hi"}, False)])
+def test_a_tool_message_needs_its_call_id(tool_msg, refused):
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                      "function": {"name": "w", "arguments": "{}"}}]},
+                tool_msg]
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
+                                       json.dumps({"model": "m", "messages": messages}).encode())
+    assert (status == 400) is refused and (forwarded is None) is refused
+    if refused:
+        assert json.loads(payload)["error"]["param"] == "messages[2].tool_call_id"

@@ -14,6 +14,8 @@ What one request may ask for:
   the context leaves; a request that asks for more than the whole context is a client error.
 - the prompt: vLLM itself refuses a prompt longer than the model length with a 400 naming both.
 
+- a ``tool`` message without ``tool_call_id``: OpenAI's chat API requires it, vLLM accepts the
+  message silently and the chat template then cannot tie the result to its call;
 - the older guided-decoding fields (``guided_json``, ``guided_regex``, ``guided_choice``,
   ``guided_grammar``, ...): the engines ignore them silently; refused, naming the
   ``structured_outputs`` key to send instead.
@@ -84,6 +86,12 @@ class Limits:
                        "drop the field")
                 return name, (f"{name} is ignored by this engine, so the output would not be "
                               f"constrained; {fix}")
+        messages = body.get("messages")
+        for i, m in enumerate(messages if isinstance(messages, list) else []):
+            if isinstance(m, dict) and m.get("role") == "tool" and not m.get("tool_call_id"):
+                return f"messages[{i}].tool_call_id", (
+                    f"messages[{i}] has role 'tool' but no tool_call_id; give the id of the "
+                    "assistant's tool call this message answers (OpenAI's chat API requires it)")
         for name in ("n", "best_of"):
             value = as_count(body.get(name))
             if value is not None and value > self.max_n:
