@@ -131,3 +131,23 @@ def test_boot_progress_counts_prepacked_modules_from_the_census(tmp_path):
                           prepack_verified=(i != 1))
     c.flush()
     assert progress.prepack() == "prepack: 3 modules over 1 rank(s), 2 verified by the inverse check"
+
+
+# An error the engine core survived, earlier in the same log: a request's failure, then the engine's
+# ordinary lines, then the crash.
+SURVIVED = """\
+(EngineCore pid=9371) ERROR 11-30 15:30:01 [core.py:900] Traceback (most recent call last):
+(EngineCore pid=9371) ERROR 11-30 15:30:01 [core.py:900] RecursionError: maximum recursion depth exceeded
+(EngineCore pid=9371) INFO 11-30 15:30:11 [loggers.py:259] Engine 000: Avg prompt throughput: 2.0 tokens/s
+"""
+
+
+@pytest.mark.parametrize("before", ["", SURVIVED, SURVIVED + SURVIVED])
+def test_the_root_error_is_the_crash_not_an_error_the_engine_survived(before):
+    cause, _ = serve.failure_summary(before + CRASH_LOG)
+    assert cause.startswith("(Worker") and cause.endswith("at non-singleton dimension 1"), cause
+
+
+def test_an_engine_error_without_a_later_crash_is_still_named():
+    cause, _ = serve.failure_summary(SURVIVED)
+    assert cause.endswith("RecursionError: maximum recursion depth exceeded"), cause

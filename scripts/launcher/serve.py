@@ -561,14 +561,23 @@ def watch_engine(server: Server, period_s: float = HEALTH_PERIOD_S,
 
 def failure_summary(log_text: str, max_lines: int = 12) -> tuple[str | None, str]:
     """(the root error line, the last error lines) of a server log. The root error is the first
-    exception an engine process (EngineCore, Worker) logged; the API process's EngineDeadError
-    only repeats that the engine is gone."""
+    exception an engine process (EngineCore, Worker) logged in its last run of ERROR lines: the
+    crash that killed it, not an earlier error it survived (a request's error is followed by the
+    engine's ordinary log lines). The API process's EngineDeadError only repeats that the engine is
+    gone."""
     lines = log_text.splitlines()
-    cause = None
+    cause = last_engine_exc = None
     for line in lines:
-        if line.lstrip().startswith(_ENGINE_PROCS) and _EXCEPTION_LINE.search(line):
-            cause = line.strip()
-            break
+        if not line.lstrip().startswith(_ENGINE_PROCS):
+            continue
+        if not re.search(r"\bERROR\b", line):
+            cause = None  # the engine went on logging: what came before did not kill it
+            continue
+        if _EXCEPTION_LINE.search(line):
+            last_engine_exc = line.strip()
+            if cause is None:
+                cause = last_engine_exc
+    cause = cause or last_engine_exc
     if cause is None:
         exc_lines = [ln.strip() for ln in lines if _EXCEPTION_LINE.search(ln)
                      and "EngineDeadError" not in ln]
