@@ -12,8 +12,7 @@ What one request may ask for:
 - ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` at most the model length
   (``QPN_MAX_MODEL_LEN``, the launcher's ``MML``). vLLM silently lowers a larger value to what
   the context leaves; a request that asks for more than the whole context is a client error.
-- the prompt: vLLM itself refuses a prompt longer than the model length with a 400 naming both.
-
+- the prompt: vLLM itself refuses a prompt longer than the model length with a 400 naming both;
 - a ``tool`` message without ``tool_call_id``: OpenAI's chat API requires it, vLLM accepts the
   message silently and the chat template then cannot tie the result to its call;
 - the older guided-decoding fields (``guided_json``, ``guided_regex``, ``guided_choice``,
