@@ -242,10 +242,14 @@ def test_failing_request_never_kills_the_engine(served):
      ("think" if c["thinking"] else "nothink")]))
 def test_matrix_answers_and_stream_matches_plain(served, case):
     """Every combination answers 200 at every K, and the streamed answer carries the same
-    generated text as the non-streamed one (same engine path, greedy). One difference is vLLM's
-    parser's, not the engine's: a tool call cut by max_tokens comes back as raw ``<tool_call>``
-    text without streaming and as a partial call when streamed; then the streamed call's name
-    and arguments must be that raw text."""
+    generated text as the non-streamed one (same engine path, greedy). Two differences are vLLM's
+    hermes parser's (both seen with vLLM 0.32's parser replayed on such texts, 2026-12-02):
+    a ``<tool_call>`` region the plain parser cannot read (cut by max_tokens, malformed) comes back
+    as raw text without streaming and as a partial call when streamed, whose name and arguments
+    must be that raw text; and streamed content stops at the first ``<tool_call>`` or before a
+    trailing prefix of that tag, which the plain answer returns as content. Nothing else may
+    differ. Which text the random-weight model writes depends on the host's numerics, so the
+    verdict must not (issue 29 item 6: red on an AMX host before the second rule)."""
     k, results = served
     (answer,) = results[_key(case)]
     _no_5xx([answer], results["_log"])
@@ -254,8 +258,21 @@ def test_matrix_answers_and_stream_matches_plain(served, case):
     plain, streamed = (other["text"], answer["text"]) if case["stream"] else (answer["text"], other["text"])
     same = (plain["content"], plain["reasoning"], plain["calls"]) == \
         (streamed["content"], streamed["reasoning"], streamed["calls"])
-    if not same:
-        assert plain["finish"] == "length" and not plain["calls"] and "<tool_call>" in plain["content"], \
+    if not same and not plain["calls"] and not streamed["calls"]:
+        # vLLM 0.32's hermes parser streams content only up to the first <tool_call> and holds back
+        # a trailing prefix of that tag (waiting for the rest, never sent when the answer ends);
+        # without streaming, text whose <tool_call> region does not parse is all content. Which
+        # text a random-weight model writes depends on the host's numerics (on AMX hosts the
+        # strict/auto/no-thinking answer ends in such text), so exactly these differences pass.
+        rest = plain["content"][len(streamed["content"]):]
+        assert plain["content"].startswith(streamed["content"]) and rest and (
+            "<tool_call>".startswith(rest) or rest.startswith("<tool_call>")), \
+            f"K={k}: streamed and plain answers differ: {plain} vs {streamed}"
+        assert plain["reasoning"] == streamed["reasoning"]
+    elif not same:
+        # a <tool_call> region the plain parser could not read (cut by max_tokens, or malformed):
+        # the streaming parser still sends the name and arguments it finds in it
+        assert not plain["calls"] and "<tool_call>" in plain["content"], \
             f"K={k}: streamed and plain answers differ: {plain} vs {streamed}"
         assert plain["reasoning"] == streamed["reasoning"]
         assert streamed["calls"], streamed
