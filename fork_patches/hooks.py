@@ -405,6 +405,95 @@ REGISTRY: list[Hook] = [
         remove_when="vLLM's apply_top_k_only handles an empty batch",
         apply="qpn.fork_patches.spec_sampling:wrap_apply_top_k_only",
     ),
+    # ---- constrained output kept (runtime; issue 29 item 3; qpn.fork_patches.constrained_output)
+    Hook(
+        name="constrained-reasoning-bans",
+        kind="runtime",
+        anchor="vllm.v1.structured_output:StructuredOutputManager._fill_bitmasks",
+        what="the bitmask rows of a structured-output request before its grammar starts (the "
+        "reasoning), which the engine fills with every token allowed",
+        why="a <tool_call> in the reasoning is an implicit end of reasoning for the qwen3 parser: "
+        "vLLM 0.32 feeds it to a JSON-schema or choice grammar, which rejects it (500, 'grammar "
+        "rejected tokens [508]'), and 1Cat's answer then starts with it; a stop token in the "
+        "reasoning ends the request with finish_reason stop and no answer (an invalid 200)",
+        how="after the engine's fill, such a row allows every token but the stop and tool-call "
+        "tokens the grammar cannot begin with, read once from the grammar's own start mask; </think> "
+        "stays allowed",
+        remove_when="vLLM keeps a grammar's constraint across an implicit end of reasoning and a stop "
+        "inside it",
+        apply="qpn.fork_patches.constrained_output:wrap_fill_bitmasks",
+    ),
+    Hook(
+        name="constrained-reasoning-stop-tokens",
+        kind="runtime",
+        anchor="vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask",
+        what="the batch bitmask build, where each structured-output request's grammar is at hand "
+        "with its request",
+        why="constrained-reasoning-bans sees only grammars; the tokens that stop a request are the "
+        "request's (the generation config's EOS list, <|endoftext|> for Qwen3.x, and its own "
+        "stop_token_ids), not xgrammar's, which has the tokenizer's EOS alone",
+        how="before the engine's build, each grammar not yet told gets its request's "
+        "all_stop_token_ids as an attribute",
+        remove_when="constrained-reasoning-bans goes",
+        apply="qpn.fork_patches.constrained_output:wrap_grammar_bitmask",
+    ),
+    Hook(
+        name="constrained-completions-from-start",
+        kind="runtime",
+        anchor="vllm.v1.structured_output:StructuredOutputManager.grammar_init",
+        what="the reasoning state a structured-output request starts with",
+        why="the chat front end tells the engine whether the reasoning has ended; /v1/completions "
+        "tells it nothing, the engine looks for </think> in the prompt, a raw prompt has none, and "
+        "the whole completion is taken for reasoning and never constrained (invalid JSON, "
+        "finish_reason stop)",
+        how="a request whose front end decided nothing (reasoning_ended None) and whose prompt "
+        "holds no reasoning start token (<think>) is marked as past its reasoning",
+        remove_when="vLLM's completions front end resolves reasoning_ended as the chat one does",
+        apply="qpn.fork_patches.constrained_output:wrap_grammar_init",
+    ),
+    Hook(
+        name="constrained-tool-args-object",
+        kind="runtime",
+        anchor="vllm.tool_parsers.structural_tag_registry:get_function_parameters",
+        engines=("sm70", "cpu"),
+        not_on={"sm70": "1Cat 1.2.2 and 1.3.0 build structural tags only for tool parsers whose "
+                "arguments are always an object (qwen_xml parameter tags of qwen3_coder, the Qwen3.x "
+                "parser); hermes forces calls through the JSON-schema array, whose parameters schema "
+                "is the tool's own or an empty object (tool_parsers/utils.py; "
+                "tests/test_constrained_output.py reads both)"},
+        what="the JSON schema vLLM 0.32 constrains a forced tool call's arguments with",
+        why="for a tool without strict it is True, any JSON value: forced calls return arguments "
+        "such as false or 10, which are not an object",
+        how="True becomes {\"type\": \"object\"}: the arguments stay free, but an object",
+        remove_when="vLLM constrains non-strict tools' arguments to an object",
+        apply="qpn.fork_patches.constrained_output:wrap_get_function_parameters",
+    ),
+    Hook(
+        name="constrained-hermes-call-extent",
+        kind="runtime",
+        anchor="vllm.tool_parsers.hermes_tool_parser:Hermes2ProToolParser.extract_tool_calls",
+        what="the hermes parser's reading of tool calls in a whole (non-streamed) answer",
+        why="its regex ends a call at the first </tool_call>, also one inside a JSON string, so a "
+        "complete call is cut, fails to parse and lands in content with no tool call; and "
+        "json.dumps writes a number too large for a float (1e999) as Infinity, which is not JSON",
+        how="each call read with the JSON decoder (the call ends where its JSON ends, followed by "
+        "space and </tool_call> or the end); arguments json.dumps cannot write as JSON keep the "
+        "model's own text; anything else goes to the engine's function",
+        remove_when="vLLM's hermes parser reads calls with a JSON decoder",
+        apply="qpn.fork_patches.constrained_output:wrap_hermes_extract_tool_calls",
+    ),
+    Hook(
+        name="constrained-hermes-stream-extent",
+        kind="runtime",
+        anchor="vllm.tool_parsers.hermes_tool_parser:Hermes2ProToolParser._extract_tool_call_jsons",
+        what="the hermes parser's split of a streamed answer so far into tool calls",
+        why="it ends a call at the first </tool_call> in the text, also one inside a JSON string: the "
+        "streamed arguments stop mid-string and are not JSON",
+        how="the engine's split, run on the text with every </tool_call> inside a call's JSON "
+        "strings masked (same length), its answers unmasked",
+        remove_when="vLLM's hermes parser reads calls with a JSON decoder",
+        apply="qpn.fork_patches.constrained_output:wrap_hermes_tool_call_jsons",
+    ),
     # ---- greedy output with speculation identical to without (runtime, cpu engine; issue 12)
     Hook(
         name="gdn-spec-cpp-conv-on-avx512-bf16",

@@ -31,3 +31,9 @@ def test_every_hook_is_documented_and_loads(hook):
 def test_markdown_table_lists_every_hook():
     table = as_markdown()
     assert all(f"| {h.name} |" in table for h in REGISTRY)
+
+
+def test_docs_hooks_md_is_the_registry_table(repo_root):
+    doc = (repo_root / "docs" / "hooks.md").read_text()
+    assert doc.endswith("\n\n" + as_markdown()), \
+        "docs/hooks.md is stale: rewrite its table with `python -m qpn.fork_patches.hooks`"
