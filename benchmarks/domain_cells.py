@@ -1,7 +1,8 @@
 """Domain cells: one greedy, fully specified request per workload, speed beside output health.
 
     python -m qpn.benchmarks.domain_cells --base-url http://127.0.0.1:8000/v1 --model NAME \
-        [--cells doc2json,log2json,json,mergesort,code,math,prose] [--repeat 1] [--max-tokens 2048]
+        [--cells doc2json,log2json,json,mergesort,code,math,distinct50,prose] [--repeat 1] [--max-tokens 2048] \
+        [--min-health natural_stop>=1,distinct_4grams>=0.5]
 
 Sampling is seed 000's domain-table contract: temperature 0, top_p 1, top_k disabled, no
 penalties, seed 1001, thinking off except the math cell (thinking on), reasoning_effort medium.
@@ -21,7 +22,6 @@ COLUMNS = [
     Column("repeat", "rep"),
     Column("thinking", "thinking"),
     *REQUEST_COLUMNS,
-    Column("natural_stop", "natural stop"),
     Column("check", "check"),
     Column("check_detail", "check detail"),
 ]
@@ -72,7 +72,6 @@ def main(argv=None) -> int:
                 writer.add_row({
                     "cell": name, "repeat": rep, "thinking": "on" if cell.thinking else "off",
                     **request_row(stream, fig, pre.device),
-                    "natural_stop": stream.finish_reason == "stop",
                     "check": check.status, "check_detail": check.detail,
                 })
                 print(f"{name}[{rep}]: {stream.completion_tokens} tok, "
@@ -81,7 +80,7 @@ def main(argv=None) -> int:
                       f"check {check.status}", flush=True)
         bench.client.close()
 
-    return run_main(body)
+    return run_main(body, args)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,21 @@ def _check_prose(text: str) -> Check:
     return Check("n/a", f"{words} words")
 
 
+DISTINCT_ITEMS = 50
+
+
+def _check_distinct_items(text: str) -> Check:
+    """Seed 002's test of a broken quantization: ask for 50 distinct items; a healthy model names
+    50 of 50, a broken one repeats itself (4 of 50 there, one entry 50 times)."""
+    from .health import distinct_items
+
+    entries, distinct, top, top_count = distinct_items(text)
+    ok = distinct >= DISTINCT_ITEMS and top_count == 1
+    return Check("pass" if ok else "fail",
+                 f"{distinct} distinct of {entries} entries (asked for {DISTINCT_ITEMS}); most repeated: "
+                 f"{top!r} x{top_count}")
+
+
 MATH_CELL_ANSWER = 130  # n <= 1000 divisible by 7 (142) minus those divisible by 77 (12)
 
 CELLS: dict[str, Cell] = {c.name: c for c in [
@@ -192,6 +207,10 @@ CELLS: dict[str, Cell] = {c.name: c for c in [
          "How many positive integers n with n <= 1000 are divisible by 7 but not by 11? "
          "Reason it out, then give the final answer as \\boxed{N}.",
          True, integer_check(MATH_CELL_ANSWER)),
+    Cell("distinct50",
+         f"List {DISTINCT_ITEMS} different given names for characters in a fantasy novel, one per "
+         "line, with no numbering and nothing else.",
+         False, _check_distinct_items),
     Cell("prose",
          "Write a short story of about 400 words about a lighthouse keeper who finds a "
          "message in a bottle written in her own handwriting, dated next year.",

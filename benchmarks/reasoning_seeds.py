@@ -25,7 +25,6 @@ from .suite import (NINFER, NINFER_SEEDS, REQUEST_COLUMNS, Bench, add_common_arg
 COLUMNS = [
     Column("seed", "seed"),
     *REQUEST_COLUMNS,
-    Column("natural_stop", "natural stop"),
     Column("answer", "answer"),
     Column("expected", "expected"),
     Column("correct", "correct"),
@@ -100,7 +99,6 @@ def main(argv=None) -> int:
             answer = M.final_integer(stream.content_text)
             writer.add_row({
                 "seed": seed, **request_row(stream, fig, pre.device),
-                "natural_stop": stream.finish_reason == "stop",
                 "answer": answer, "expected": REASONING_ANSWER,
                 "correct": check(stream.content_text).status == "pass",
             })
@@ -111,7 +109,7 @@ def main(argv=None) -> int:
             print(line)
         bench.client.close()
 
-    return run_main(body)
+    return run_main(body, args)
 
 
 if __name__ == "__main__":

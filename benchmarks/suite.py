@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from . import health as H
 from . import metrics as M
 from . import provenance as P
 from .client import BenchError, ChatClient, MetricsUnavailable, Sampling, ServerUnreachable, root_url
@@ -44,6 +45,11 @@ REQUEST_COLUMNS = [
     Column("tok_s_one_token", M.THROUGHPUT_ONE_TOKEN_LABEL, 2),
     Column("speculation", "spec"),
     Column("device", "device"),
+    # output health beside the speed (benchmarks/health.py)
+    Column("natural_stop", "natural stop"),
+    Column("replacement_rate", "U+FFFD rate", 4),
+    Column("distinct_4grams", "distinct 4-grams", 3),
+    Column("longest_repeat", "longest repeat (words)", 0),
 ]
 
 
@@ -69,6 +75,17 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, seconds")
     p.add_argument("--warmup", type=int, default=1, help="short unmeasured requests before the first row")
     p.add_argument("--note", default=None, help="free text recorded in the results header")
+    p.add_argument("--min-health", type=_health_bounds, default=None, metavar="BOUNDS",
+                   help="fail the run (exit 3, rows kept) when a cell's mean output health breaks "
+                   "a bound, e.g. 'natural_stop>=1,distinct_4grams>=0.5,replacement_rate<=0.001,"
+                   "longest_repeat<=40' (benchmarks/health.py)")
+
+
+def _health_bounds(text: str):
+    try:
+        return H.parse_bounds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass
@@ -166,6 +183,7 @@ def request_row(stream, figures: M.DecodeFigures, device: str) -> dict:
         "tok_s_one_token": figures.tok_s_one_token,
         "speculation": figures.speculation,
         "device": device,
+        **H.answer_health(stream.reasoning_text + stream.content_text, stream.finish_reason),
     }
 
 
@@ -217,8 +235,9 @@ def results_prefix(args, suite: str, device: str) -> str:
     return os.path.join(args.results_dir or default_results_dir(), stem)
 
 
-def run_main(body) -> int:
-    """Run a suite body(writer_holder) turning BenchError into a clear exit, rows kept."""
+def run_main(body, args=None) -> int:
+    """Run a suite body(writer_holder) turning BenchError into a clear exit, rows kept; then,
+    with ``--min-health``, exit 3 when a cell's output health breaks a bound."""
     holder: dict = {}
     try:
         body(holder)
@@ -240,12 +259,20 @@ def run_main(body) -> int:
     w = holder.get("writer")
     if w is not None:
         print(f"wrote {w.csv_path} and {w.md_path} ({len(w.rows)} rows)")
+    bounds = getattr(args, "min_health", None)
+    if bounds and w is not None:
+        broken = H.violations(w.rows, bounds)
+        if broken:
+            w.fail("output health below --min-health: " + "; ".join(broken))
+            print("error: output health below --min-health:\n  " + "\n  ".join(broken), file=sys.stderr)
+            return 3
+        print(f"output health within --min-health ({', '.join(map(str, bounds))})")
     return 0
 
 
 SUITES = {
     "domain_cells": "one greedy request per workload cell (doc2json, log2json, json, mergesort, "
-                    "code, math, prose)",
+                    "code, math, distinct50, prose), output health beside the speed",
     "reasoning_seeds": "one reasoning problem, NInfer sampling, five seeds: mean and sd",
     "context_sweep": "decode speed against live context, measured by llama-benchy",
     "plot": "PNG charts from results CSVs (both throughput conventions)",

@@ -203,6 +203,22 @@ class TestPlainServer:
         assert rows[0]["speculation"] == "unknown" and rows[0]["tau"] == ""
         assert rows[0]["tok_s_round"] == "" and float(rows[0]["tok_s_one_token"]) > 0
 
+    def test_random_weights_fail_the_output_health_check(self, server, tmp_path):
+        """The tiny model's weights are random: its greedy text loops and never stops by itself
+        within 64 tokens, which --min-health must report (exit 3, rows kept, figures in the CSV).
+        tests/test_bench_health.py runs the passing side against a scripted healthy server."""
+        r = run_bench("domain_cells", "--base-url", server.base_url, "--model", "tiny",
+                      "--no-metrics", "--cells", "prose,distinct50", "--max-tokens", "64",
+                      "--results-dir", str(tmp_path), "--name", "health",
+                      "--min-health", "natural_stop>=1,distinct_4grams>=0.95,longest_repeat<=3")
+        assert r.returncode == 3, r.stderr
+        assert "output health below --min-health" in r.stderr
+        _, rows, trailing = read_results(str(tmp_path / "health.csv"))
+        assert [row["cell"] for row in rows] == ["prose", "distinct50"]
+        assert all(row["distinct_4grams"] != "" and row["longest_repeat"] != "" for row in rows)
+        assert rows[1]["check"] == "fail"
+        assert trailing[-1].startswith("error: output health below --min-health")
+
     # keep this test last in the class: it kills the class's server
     def test_server_killed_mid_run_keeps_finished_rows(self, server, tmp_path):
         cmd = [engine_python(), "-m", "qpn.benchmarks.domain_cells", "--base-url", server.base_url,
