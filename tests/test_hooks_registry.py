@@ -28,9 +28,21 @@ def test_every_hook_is_documented_and_loads(hook):
         assert module.startswith("vllm.") and attr
 
 
-def test_markdown_table_lists_every_hook():
-    table = as_markdown()
-    assert all(f"| {h.name} |" in table for h in REGISTRY)
+def test_markdown_table_reads_back_as_the_registry():
+    """Each row of the table, split at its unescaped pipes, gives back its hook's fields in
+    order: a field dropped, swapped or left with a raw '|' (which would split a cell) fails."""
+    import re
+
+    rows = as_markdown().splitlines()[2:]
+    assert len(rows) == len(REGISTRY)
+    for row, h in zip(rows, REGISTRY):
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        assert len(cells) == 8, row
+        assert cells[0] == h.name and cells[1] == h.kind
+        assert cells[2].startswith(", ".join(h.engines))
+        assert all(f"not on {k}: {v}" in cells[2] for k, v in h.not_on.items())
+        assert cells[3].startswith(f"`{h.anchor}`") and all(f"{k}: `{v}`" in cells[3] for k, v in h.anchors.items())
+        assert cells[4:] == [h.what, h.why, h.how, h.remove_when], h.name
 
 
 def test_docs_hooks_md_is_the_registry_table(repo_root):

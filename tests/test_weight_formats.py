@@ -210,14 +210,45 @@ def test_every_route_maps_to_one_format():
         formats.format_for_route("qpn28")
 
 
-def test_entry_points_match_the_build_lists():
+def _instantiated(source: str) -> dict[str, tuple[str, ...]]:
+    """``{entry point: macro arguments after the name}`` for every kernel a CUDA source defines:
+    the ``*_ENTRY(name, ...)`` instantiations at the start of a line, and plain
+    ``extern "C" __global__ void ... name(`` definitions."""
+    import re
+
+    from qpn.kernels import nvrtc
+
+    text = nvrtc.read_sources()[source]
+    found = {m.group(1): tuple(a.strip() for a in m.group(2).split(","))
+             for m in re.finditer(r"^[A-Z0-9_]+_ENTRY\((\w+),\s*([^)]*)\)", text, re.M)}
+    for m in re.finditer(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', text, re.M):
+        found[m.group(1)] = ()
+    return found
+
+
+def test_entry_points_are_the_kernels_the_sources_define():
+    """The build lists (jit.ENTRY_POINTS, moe.MOE_ENTRY_POINTS, both from formats) against the CUDA
+    sources themselves: every listed kernel is instantiated there, nothing instantiated is left
+    out, and each is instantiated with its family's decoder and its tile count."""
     from qpn.kernels import jit, moe
 
-    dense = {e for f in formats.FAMILIES.values() for e in f.dense_entry_points("m8n8k4")}
-    assert dense == set(jit.ENTRY_POINTS["m8n8k4"])
-    for atom in formats.ATOMS:
-        assert {e for f in formats.FAMILIES.values() for e in f.moe_entry_points(atom)} == set(moe.MOE_ENTRY_POINTS[atom])
-        assert {e for f in formats.FAMILIES.values() for e in f.dense_entry_points(atom)} <= set(jit.ENTRY_POINTS[atom])
+    decoders = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",)}
+    dense = _instantiated("qpn_kernels.cu")
+    assert set(dense) == set(jit.ENTRY_POINTS["m8n8k4"])
+    for name, args in dense.items():
+        family = formats.format_for_route(name.split("_", 1)[0]).family
+        assert args[0] == "AtomM8N8K4" and args[1] in decoders[family], (name, args)
+        assert (args[1] == "DecNVFP4S7") == ("_s7_" in name), name
+        if "_mt" in name:
+            assert args[2] == name.split("_mt", 1)[1][0], (name, args)  # qpn2_mt2_... -> MT 2
+    sparse = _instantiated("qpn_moe.cu")
+    assert set(sparse) == set(moe.MOE_ENTRY_POINTS["m8n8k4"]) | set(moe.MOE_ENTRY_POINTS["common"])
+    for name in moe.MOE_ENTRY_POINTS["m8n8k4"]:
+        family = formats.format_for_route(name.split("_", 1)[0]).family
+        assert sparse[name][1] in decoders[family] and sparse[name][2] == str("gate_up" in name).lower(), name
+    assert set(_instantiated("qpn_moe_sm80.cu")) == set(moe.MOE_ENTRY_POINTS["m16n8k16"])
+    assert {e for f in formats.FAMILIES.values() for e in f.dense_entry_points("m16n8k16")} <= \
+        set(_instantiated("qpn_kernels_sm80.cu"))
 
 
 def test_descriptions_need_no_torch():
