@@ -92,3 +92,11 @@ def test_the_evidence_index_is_current(repo_root):
     index = repo_root / results_index.INDEX
     assert index.read_text() == results_index.render(repo_root), \
         "results/README.md is stale: run python -m qpn.benchmarks.results_index from the repository root"
+
+
+def test_every_test_file_is_in_the_contract_map(repo_root):
+    """docs/testing.md maps each contract to its tests: a new test file must join the map."""
+    doc = (repo_root / "docs" / "testing.md").read_text()
+    files = {p.name for p in (repo_root / "tests").glob("test_*.py")}
+    named = set(re.findall(r"tests/(test_\w+\.py)", doc))
+    assert files - named == set(), f"test files missing from docs/testing.md: {sorted(files - named)}"
