@@ -13,10 +13,11 @@ engine, vLLM 0.32, with the issue-29 matrix; docs/serving.md "Constrained output
   answer's first token; a JSON schema or a choice cannot take it, the scheduler logs ``grammar
   rejected tokens [508]`` and ends the request with a 500. A stop token inside the reasoning ends
   the request with ``finish_reason: stop`` and no answer at all: an empty, invalid 200.
-  ``wrap_fill_bitmasks`` (told each request's stop tokens by ``wrap_grammar_bitmask``) keeps, in the rows the grammar does not constrain yet (reasoning), every
-  token but those two kinds where the grammar could not begin with them: a stop token when the
-  grammar needs content, the tool-call token when the grammar cannot start with it (a forced tool
-  call's grammar starts with it and keeps it). ``</think>``, the explicit end, stays allowed.
+  ``wrap_fill_bitmasks`` (told each request's stop tokens by ``wrap_grammar_bitmask``) keeps, in
+  the rows the grammar does not constrain yet (reasoning), every token but those two kinds where
+  the grammar could not begin with them: a stop token when the grammar needs content, the
+  tool-call token when the grammar cannot start with it (a forced tool call's grammar starts with
+  it and keeps it). ``</think>``, the explicit end, stays allowed.
 - **/v1/completions is never constrained from its first token.** The engine decides from the
   prompt whether the reasoning has ended; the chat front end passes its decision, the completions
   front end passes none, and a raw prompt holds no ``</think>``, so the whole completion counts as
@@ -66,8 +67,9 @@ def _token_id(manager, text: str) -> int | None:
 
 def _banned_in_reasoning(manager, grammar, row) -> list[int]:
     """Stop and tool-call tokens the grammar cannot begin with, read from the grammar's own mask at
-    its start (``row`` is filled with it; the caller overwrites the row after). Cached per grammar:
-    during the reasoning the grammar has accepted nothing, so its start mask is the mask now."""
+    its start, which is filled into ``row`` for the reading and the row then given back every token
+    (as the engine left it). Cached per grammar: during the reasoning the grammar has accepted
+    nothing, so its start mask is the mask now."""
     bans = getattr(grammar, BAN_ATTR, None)
     if bans is not None:
         return bans
@@ -82,6 +84,7 @@ def _banned_in_reasoning(manager, grammar, row) -> list[int]:
     words = manager._grammar_bitmask[row]
     bans = sorted(t for t in candidates
                   if t // 32 < words.numel() and not (int(words[t // 32]) >> (t % 32)) & 1)
+    words.fill_(manager._full_mask)
     setattr(grammar, BAN_ATTR, bans)
     return bans
 
@@ -108,7 +111,6 @@ def wrap_fill_bitmasks(original):
             if apply_bitmask or grammar.is_terminated():
                 continue
             bans = _banned_in_reasoning(self, grammar, index)
-            self._grammar_bitmask[index].fill_(self._full_mask)
             if bans:
                 _clear_bits(self._grammar_bitmask[index], bans)
 
@@ -174,13 +176,11 @@ def wrap_get_function_parameters(original):
 
 
 _DECODER = json.JSONDecoder()
-_SPACE = " \t\n\r"
 
 
 def _skip_space(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _SPACE:
-        i += 1
-    return i
+    """Past the JSON whitespace at ``text[i]``, by the json module's own rule."""
+    return json.decoder.WHITESPACE.match(text, i).end()
 
 
 def read_tool_call(text: str, start: int) -> tuple[dict, str | None, int] | None:
