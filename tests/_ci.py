@@ -2,6 +2,7 @@
 tests ran, so a skip there would be a silent pass. Elsewhere the test skips and names the fix."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -36,3 +37,19 @@ def onecat_archive(version: str) -> Path:
         unavailable(f"the 1Cat {version} source archive", f"{path} does not exist",
                     "put the archives in shared/engines beside the checkout or set QPN_ENGINE_SOURCES")
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def onecat_source(version: str):
+    """The 1Cat ``version`` archive's ``vllm`` Python files (qpn.fork_patches.engine_source, the
+    reader the hooks are proven with), read once per test process; ``.text(relpath)`` gives one."""
+    from qpn.fork_patches import engine_source
+
+    return engine_source.open_source(onecat_archive(version), version=version, profile="sm70")
+
+
+def onecat_text(version: str, relpath: str) -> str:
+    """The text of ``vllm/<relpath>`` in the 1Cat ``version`` archive."""
+    text = onecat_source(version).text(relpath)
+    assert text is not None, f"{relpath} not in the 1Cat {version} archive"
+    return text

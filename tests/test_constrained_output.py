@@ -10,12 +10,11 @@ import itertools
 import json
 import random
 import re
-import tarfile
 from types import SimpleNamespace
 
 import pytest
 
-from tests._ci import onecat_archive
+from tests._ci import onecat_text
 
 pytestmark = [pytest.mark.fast]
 
@@ -302,14 +301,6 @@ def test_every_json_grammar_refuses_control_characters_in_strings():
 
 # ---- the 1Cat archives: where the hooks apply there, and why one does not ------------------------
 
-def _archive_text(version: str, relpath: str) -> str:
-    with tarfile.open(onecat_archive(version)) as tar:
-        for member in tar:
-            if member.isfile() and member.name.endswith("/vllm/" + relpath):
-                return tar.extractfile(member).read().decode()
-    raise AssertionError(f"{relpath} not in the 1Cat {version} archive")
-
-
 def _method_source(src: str, name: str) -> str:
     """A method's source in a module's text: from its ``def`` to the next line at class level."""
     body = src[src.index(f"    def {name}("):]
@@ -318,31 +309,31 @@ def _method_source(src: str, name: str) -> str:
 
 @pytest.mark.parametrize("version", ["1.2.2", "1.3.0"])
 def test_1cat_fills_reasoning_rows_with_every_token_as_vllm_does(version):
-    src = _archive_text(version, "v1/structured_output/__init__.py")
+    src = onecat_text(version, "v1/structured_output/__init__.py")
     engine = inspect.getsource(ENGINE_FILL)
     assert _method_source(src, "_fill_bitmasks") == engine.strip()
     # the chat front end decides reasoning_ended; completions does not (our completions hook's premise)
-    chat = _archive_text(version, "entrypoints/openai/chat_completion/serving.py")
-    completion = _archive_text(version, "entrypoints/openai/completion/serving.py")
+    chat = onecat_text(version, "entrypoints/openai/chat_completion/serving.py")
+    completion = onecat_text(version, "entrypoints/openai/completion/serving.py")
     assert "reasoning_ended=reasoning_ended" in chat and "reasoning_ended" not in completion
-    assert 'return "<think>"' in _archive_text(version, "reasoning/qwen3_reasoning_parser.py")
+    assert 'return "<think>"' in onecat_text(version, "reasoning/qwen3_reasoning_parser.py")
     # the hermes parser's two readings we hook are the cpu engine's, word for word
-    parser_src = _archive_text(version, "tool_parsers/hermes_tool_parser.py")
+    parser_src = onecat_text(version, "tool_parsers/hermes_tool_parser.py")
     for engine_fn in (ENGINE_SPLIT, ENGINE_EXTRACT):
         assert _method_source(parser_src, engine_fn.__name__) == inspect.getsource(engine_fn).strip()
 
 
 @pytest.mark.parametrize("version", ["1.2.2", "1.3.0"])
 def test_1cat_has_no_structural_tag_with_free_json_arguments_for_our_parsers(version):
-    registry = _archive_text(version, "tool_parsers/structural_tag_registry.py")
+    registry = onecat_text(version, "tool_parsers/structural_tag_registry.py")
     # every use of the free-arguments schema is a qwen_xml parameter block (always an object) or
     # the DeepSeek V4 tag, a model family we do not serve
     builders = [b for b in registry.split("\ndef ") if "_get_function_parameters(function)" in b]
     assert {b.split("(", 1)[0] for b in builders} == {"get_deepseek_v4_structural_tag", "get_qwen_3_5_structural_tag"}
     qwen = next(b for b in builders if b.startswith("get_qwen_3_5_structural_tag"))
     assert qwen.count('style="qwen_xml"') == qwen.count("JSONSchemaFormat(") == 3
-    assert "structural_tag" not in _archive_text(version, "tool_parsers/hermes_tool_parser.py")
-    utils = _archive_text(version, "tool_parsers/utils.py")
+    assert "structural_tag" not in onecat_text(version, "tool_parsers/hermes_tool_parser.py")
+    utils = onecat_text(version, "tool_parsers/utils.py")
     assert 'params = params if params else {"type": "object", "properties": {}}' in utils
 
 

@@ -17,7 +17,7 @@ import tarfile
 
 import pytest
 
-from tests._ci import onecat_archive
+from tests._ci import onecat_archive, onecat_text
 from tests._sampling_stats import chi_square, target_probs
 
 pytestmark = [pytest.mark.fast]
@@ -207,11 +207,7 @@ def test_a_broken_sampler_fails_the_distribution_test(name, broken):
 # ---- the 1Cat archives: why neither fault reaches the sm70 engine on CUDA
 
 def _archive_tree(version: str, relpath: str) -> ast.Module:
-    with tarfile.open(onecat_archive(version)) as tar:
-        for member in tar:
-            if member.isfile() and member.name.endswith("/vllm/" + relpath):
-                return ast.parse(tar.extractfile(member).read().decode())
-    raise AssertionError(f"{relpath} not in the 1Cat {version} archive")
+    return ast.parse(onecat_text(version, relpath))
 
 
 def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
