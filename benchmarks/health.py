@@ -18,6 +18,7 @@ cell outside its bounds writes its rows, records why and exits 3 (``violations``
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 FIGURES = ("natural_stop", "replacement_rate", "distinct_4grams", "longest_repeat")
@@ -118,8 +119,6 @@ def distinct_items(text: str) -> tuple[int, int, str | None, int]:
         item = re.sub(r"^\s*(?:[-*•]|\d+[.)])\s*", "", line).strip().strip(".").lower()
         if item:
             entries.append(item)
-    counts: dict[str, int] = {}
-    for e in entries:
-        counts[e] = counts.get(e, 0) + 1
-    top = max(counts, key=counts.get) if counts else None
-    return len(entries), len(counts), top, counts.get(top, 0) if top else 0
+    counts = Counter(entries)
+    top, top_count = counts.most_common(1)[0] if counts else (None, 0)
+    return len(entries), len(counts), top, top_count

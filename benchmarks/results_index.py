@@ -78,10 +78,8 @@ def render(repo: Path = REPO) -> str:
             rows.append(f"| `{path}` | {where} | (session notes) | written with the data files it names |")
             continue
         p = provenance(repo / path)
-        command = p.get("command", "see the file's header").replace("|", "\\|")
-        rows.append(f"| `{path}` | {where} | {p.get('commit', 'none')[:12]} | `{command}` |"
-                    if "command" in p else
-                    f"| `{path}` | {where} | {p.get('commit', 'none')[:12]} | {command} |")
+        command = f"`{p['command']}`".replace("|", "\\|") if "command" in p else "see the file's header"
+        rows.append(f"| `{path}` | {where} | {p.get('commit', 'none')[:12]} | {command} |")
     return ("# Evidence index\n\n"
             "Which file under results/ backs which claim of README.md and docs/, where it is cited, and how "
             "to regenerate it (the command its own provenance names). Written by "
@@ -100,7 +98,7 @@ def main(argv: list[str]) -> int:
             return 1
         return 0
     index.write_text(text)
-    print(f"wrote {INDEX} ({text.count(chr(10)) - 6} files)")
+    print(f"wrote {INDEX} ({len({c.path for c in citations()})} files)")
     return 0
 
 
