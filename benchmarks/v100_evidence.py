@@ -13,7 +13,7 @@ manifest; a failing step does not stop the others):
   that picks the form of the NVFP4 kernels, ops.nvfp4_form);
 - ``kernels``: benchmarks/kernel_matched_bench.py on the TP1 and TP4 shapes (QPN, torch FP16,
   _scaled_mm, dequantize-then-matmul), with its CSV, targets table and chart;
-- ``model_check``: the V100 estimate of the performance model (kernels/perf_model.py, fitted on an
+- ``model_check``: the V100 estimate of the performance model (benchmarks/perf_model.py, fitted on an
   H200) checked against the kernels step's times: its error per route, and the constants (the
   fixed cost per call above all) that this V100 run fits by itself;
 - ``engine_arms``: the installed engine's own NVFP4 kernels (1Cat TurboMind ``nvfp4_gemm_sm70``,
@@ -108,7 +108,7 @@ def plan(args, bundle: str) -> list[Step]:
                          "--out", f"{bundle}/kernel_matched.csv", "--targets", f"{bundle}/targets.md",
                          "--plot", f"{bundle}/kernel_matched.png", "--shapes", args.shapes],
              ["kernel_matched.csv", "targets.md", "kernel_matched.png"]),
-        Step("model_check", [py, "-m", "qpn.kernels.perf_model", "--check-m8n8k4", f"{bundle}/kernel_matched.csv",
+        Step("model_check", [py, "-m", "qpn.benchmarks.perf_model", "--check-m8n8k4", f"{bundle}/kernel_matched.csv",
                              "--out-dir", bundle, "--stamp", "bundle"],
              ["perf_model_v100_check_bundle.md", "perf_model_v100_check_bundle.csv"]),
         Step("engine_arms", [py, "-m", "qpn.benchmarks.engine_arms", "--out",

@@ -31,11 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[kernels] built and checked QPN kernels for {args.arch} in "
           f"{time.monotonic() - t0:.1f} s: {path}")
     print(f"[kernels] built and checked QPN MoE kernels for {args.arch}: {', '.join(moe_paths)}")
-    if jit.arch_number(args.arch) < 80:
-        from .perf_model import v100_column_lines  # the V100 column: a calibrated estimate, not a measurement
-
-        for line in v100_column_lines():
-            print(line)
     return 0
 
 

@@ -1,10 +1,10 @@
 """The performance model's pieces that need no GPU and no compiler: the SASS loop reader, the
-occupancy arithmetic, the bound it reports, and the labelled V100 column of the build command."""
+occupancy arithmetic, the bound it reports, and the labelled V100 column the bootstrap prints after the sm70 build."""
 import re
 
 import pytest
 
-from qpn.kernels import perf_model as pm
+from qpn.benchmarks import perf_model as pm
 from qpn.kernels import routes
 
 

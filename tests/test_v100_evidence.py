@@ -87,7 +87,7 @@ def test_every_step_calls_flags_its_tool_has(tmp_path):
     for var in reports.values():
         assert var in (REPO / "tests" / ("test_gpu_moe.py" if "MOE" in var else "test_gpu_kernels.py")).read_text()
     for name, module in (("kernels", "qpn.benchmarks.kernel_matched_bench"),
-                         ("model_check", "qpn.kernels.perf_model"),
+                         ("model_check", "qpn.benchmarks.perf_model"),
                          ("engine_arms", "qpn.benchmarks.engine_arms"),
                          ("cells", "qpn.benchmarks.domain_cells")):
         cmd = steps[name].command

@@ -323,6 +323,11 @@ def build_kernels(py: Path, profile: dict, steps: Steps) -> None:
             f"the QPN kernel build for {arch} failed (see above). The engine and overlay are "
             "installed; fix the toolchain (NVRTC 12.x) and run the bootstrap again"
         )
+    if arch == "sm70":
+        # What the performance model estimates for these kernels on a V100: an estimate, labelled
+        # so; the model is an analysis tool and lives with the benchmarks, not in the runtime.
+        run([py, "-m", "qpn.benchmarks.perf_model", "--v100-column", "--results",
+             str(REPO / "results")], check=False)
 
 
 # ---------------------------------------------------------------- main

@@ -19,14 +19,14 @@ with three constants fitted on the H200 run (L: loaded memory latency in us, IPC
 slots per SM-clock, t0: fixed cost per call in us) against every m16n8k16 kernel and shape timed
 in that run. The V100 column takes the same L, IPC and t0 (an assumption, stated in the output).
 
-    python -m qpn.kernels.perf_model --csv results/kernel_matched_sm80_cal_h200_20261201.csv \\
+    python -m qpn.benchmarks.perf_model --csv results/kernel_matched_sm80_cal_h200_20261201.csv \\
         --sweep results/kernel_sm80_cal_sweep_h200_20261201.csv --out-dir results
 
 Checked against a GPU that runs the m8n8k4 kernels natively (a V100; scripts/v100-evidence.sh
 runs it on its kernel benchmark): each measured call predicted with the H200 fit, the error per
 route, and the constants that run fits by itself (the fixed cost per call t0 above all):
 
-    python -m qpn.kernels.perf_model --check-m8n8k4 BUNDLE/kernel_matched.csv --out-dir BUNDLE
+    python -m qpn.benchmarks.perf_model --check-m8n8k4 BUNDLE/kernel_matched.csv --out-dir BUNDLE
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from . import formats, jit, nvrtc, ops, routes
+from qpn.kernels import formats, jit, nvrtc, ops, routes
 
 ESTIMATE_LABEL = "calibrated estimate from the H200-calibrated model, NOT a V100 measurement"
 
@@ -153,7 +153,7 @@ def main_loop_instructions(insts: list[tuple[int, str]], hmma_per_kblock: float)
 
 
 def _ptxas_regs(ptx: str, arch: int) -> dict:
-    from . import sm70_check
+    from qpn.kernels import sm70_check
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "k.ptx")
         with open(p, "w") as f:
@@ -166,7 +166,7 @@ def _ptxas_regs(ptx: str, arch: int) -> dict:
 
 
 def _sass(cubin: bytes) -> str:
-    from . import sm70_check
+    from qpn.kernels import sm70_check
     cuobjdump = sm70_check.find_disassembler(download=False)
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "k.cubin")
@@ -414,7 +414,7 @@ def _write_csv(path: str, prov: list[str], cols: list[str], rows: list[dict]) ->
 
 
 def _provenance() -> list[str]:
-    from ..benchmarks import provenance
+    from . import provenance
     return [f"# commit: {provenance.git_commit()}", f"# command: {provenance.command_line()}",
             f"# date: {provenance.now_iso()}"]
 
@@ -528,7 +528,7 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
            "", f"The two fits bracket the estimate. The best fit's t0 ({c.t0_us:.1f} us) is more than the H200's fastest "
            f"calls allow ({cap:.2f} us); held to that bound, the fit needs a lower issue rate and a longer latency "
            f"(IPC {cb.ipc:.2f}, L = {cb.latency_us:.2f} us) and fits the H200 less well (calibration file). Which one "
-           "the V100 follows only a V100 run can say: `python -m qpn.kernels.perf_model --check-m8n8k4` on its "
+           "the V100 follows only a V100 run can say: `python -m qpn.benchmarks.perf_model --check-m8n8k4` on its "
            "kernel benchmark."]
     v_md = os.path.join(out_dir, f"perf_model_v100_estimate_{stamp}.md")
     with open(v_md, "w") as f:
@@ -540,12 +540,12 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
 
 
 def v100_column_lines(results_dir: str | None = None) -> list[str]:
-    """Lines for ``python -m qpn.kernels build --arch sm70``: the newest committed V100 estimate
-    table (results/perf_model_v100_estimate_*.csv), labelled as an estimate."""
+    """Lines the bootstrap prints after the sm70 kernel build (``python -m
+    qpn.benchmarks.perf_model --v100-column``): the newest committed V100 estimate table (results/perf_model_v100_estimate_*.csv), labelled as an estimate."""
     newest = newest_estimate(results_dir)
     if not newest:
         return ["[kernels] V100 estimate: no results/perf_model_v100_estimate_*.csv here "
-                "(run python -m qpn.kernels.perf_model on a checkout with an H200 run's CSV)"]
+                "(run python -m qpn.benchmarks.perf_model on a checkout with an H200 run's CSV)"]
     _, rows = _read_csv(newest)
     out = [f"[kernels] V100 column ({ESTIMATE_LABEL}; {os.path.basename(newest)}):"]
     for r in rows:
@@ -659,7 +659,7 @@ def newest_estimate(results_dir: str | None = None) -> str | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qpn.kernels.perf_model", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m qpn.benchmarks.perf_model", description=__doc__.split("\n")[0])
     ap.add_argument("--csv", default="", help="kernel_matched_bench CSV of an sm_80+ run (calibrate and estimate)")
     ap.add_argument("--sweep", default="", help="its --sweep CSV (more kernels to calibrate on)")
     ap.add_argument("--check-m8n8k4", default="", metavar="CSV",
@@ -667,9 +667,15 @@ def main(argv=None) -> int:
                          "run (scripts/v100-evidence.sh's kernel_matched.csv)")
     ap.add_argument("--estimate", default="", help="with --check-m8n8k4: the estimate CSV whose H200 fit to check "
                                                   "(default: the newest results/perf_model_v100_estimate_*.csv)")
+    ap.add_argument("--v100-column", action="store_true",
+                    help="instead: print the newest committed V100 estimate (the bootstrap's sm70 step)")
+    ap.add_argument("--results", default="", help="with --v100-column: the results folder to read")
     ap.add_argument("--out-dir", default="results")
     ap.add_argument("--stamp", default="", help="file name stamp (default: the run's date)")
     args = ap.parse_args(argv)
+    if args.v100_column:
+        print("\n".join(v100_column_lines(args.results or None)))
+        return 0
     if bool(args.csv) == bool(args.check_m8n8k4):
         ap.error("give --csv (calibrate on an sm_80+ run) or --check-m8n8k4 (check against an m8n8k4 run)")
     head, _ = _read_csv(args.csv or args.check_m8n8k4)
