@@ -18,7 +18,7 @@ implementation hands its kernels and the dtype of the bound cache tensor), the e
 attention route decisions (``count_attention_route``, fed by the ``_record_route`` hook on
 1Cat-vLLM), and hooks the plugin skipped.
 
-``aggregate(census_dir)`` merges the ranks into one summary (keys: ``census_schema.SUMMARY_KEYS``).
+``aggregate(census_dir)`` merges the ranks into one summary (``census_schema.CensusSummary``, versioned).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 
-from qpn.fork_patches.census_schema import RANK_SUMMARY_KEYS, SCHEMA_VERSION, validate_rank
+from qpn.fork_patches.census_schema import RANK_SUMMARY_KEYS, SCHEMA_VERSION, SUMMARY_VERSION, validate_rank
 
 SCHEMA = SCHEMA_VERSION
 FLUSH_INTERVAL_S = 1.0
@@ -446,12 +446,13 @@ def aggregate(census_dir: str) -> dict:
             (declared_on if good else declared_off).update(mod.get("declared") or [])
         for f in r.get("fallbacks", []):
             fallbacks.append({**f, "rank": r["rank"]})
-        summary = {k: r.get(k) for k in RANK_SUMMARY_KEYS}
+        summary = {k: r[k] for k in RANK_SUMMARY_KEYS if r.get(k) is not None}
         summary.update(declared_on_qpn=sorted(declared_on - declared_off),
                        declared_off_qpn=sorted(declared_off), modules_total=rank_total,
                        modules_on_qpn=rank_on)
         rank_summaries.append(summary)
     return {
+        "summary_version": SUMMARY_VERSION,
         "ranks": rank_summaries,
         "modules_by_region": by_region,
         "modules_on_qpn": on_qpn,

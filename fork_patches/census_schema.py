@@ -237,16 +237,67 @@ def to_json_dict(record: Any) -> dict:
 
 
 # ----------------------------------------------------------------------- the summary the gates read
-# Keys of census.aggregate()'s result; the gates read only these.
-SUMMARY_KEYS = (
-    "ranks",  # per rank: identity, platform, tensor_parallel_size, serving, attention_layers,
-              # attention_routes, kv_cache, hooks_skipped, declared_on_qpn, declared_off_qpn
-    "modules_by_region", "modules_on_qpn", "modules_total", "route_counts", "non_qpn_routes",
-    "fallback_calls", "fallbacks", "lm_head", "kv_resolved", "hooks_skipped",
-)
-RANK_SUMMARY_KEYS = (
-    "rank", "pid", "engine_version", "platform", "device_capability", "backend", "updated",
-    "tensor_parallel_size", "serving", "kv_cache", "attention_layers", "attention_routes",
-    "hooks_skipped", "declared_on_qpn", "declared_off_qpn", "modules_total", "modules_on_qpn",
-    "engine_quantized_layers", "checkpoint_modules",
-)
+# census.aggregate()'s result, typed: the boot gates read a CensusSummary and nothing else. Each
+# rank file was validated against RankCensus when it was read, so the nested records a rank
+# summary carries (serving, kv_cache, attention layers and routes) stay plain JSON objects here.
+SUMMARY_VERSION = 1
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    pid: int | None = None
+    engine_version: str | None = None
+    platform: str | None = None
+    device_capability: str | None = None
+    backend: str | None = None
+    updated: str | None = None
+    tensor_parallel_size: int | None = None
+    serving: dict | None = None
+    kv_cache: dict | None = None
+    attention_layers: list[dict] = field(default_factory=list)
+    attention_routes: dict = field(default_factory=dict)
+    hooks_skipped: list[dict] = field(default_factory=list)
+    declared_on_qpn: list[str] = field(default_factory=list)  # quantized_layers names served on QPN
+    declared_off_qpn: list[str] = field(default_factory=list)  # ... and those that are not
+    modules_total: int = 0
+    modules_on_qpn: int = 0
+    engine_quantized_layers: list[str] | None = None
+    checkpoint_modules: dict[str, str | None] | None = None
+
+
+@dataclass
+class CensusSummary:
+    summary_version: int = SUMMARY_VERSION
+    ranks: list[RankSummary] = field(default_factory=list)
+    modules_by_region: dict[str, int] = field(default_factory=dict)
+    modules_on_qpn: int = 0
+    modules_total: int = 0
+    route_counts: dict[str, dict] = field(default_factory=dict)  # route -> eager, graph, m_min, m_max
+    non_qpn_routes: list[str] = field(default_factory=list)
+    fallback_calls: int = 0
+    fallbacks: list[dict] = field(default_factory=list)  # {module, reason, count, rank}
+    lm_head: list[dict | None] = field(default_factory=list)  # one per rank (None: no QPN head)
+    kv_resolved: list[dict | None] = field(default_factory=list)  # each rank's KvCacheRecord
+    hooks_skipped: list[dict] = field(default_factory=list)  # HookSkipped + rank
+
+    @classmethod
+    def from_dict(cls, data: "dict | CensusSummary | None") -> "CensusSummary":
+        """The summary ``census.aggregate`` returns (or a hand-made part of one: absent keys take
+        the empty census's values), checked key by key; CensusSchemaError names what is wrong."""
+        if isinstance(data, CensusSummary):
+            return data
+        data = dict(data or {})
+        version = data.setdefault("summary_version", SUMMARY_VERSION)
+        if version != SUMMARY_VERSION:
+            raise CensusSchemaError(f"census summary version {version!r}, the gates read "
+                                    f"{SUMMARY_VERSION} (reinstall one volta-qpn checkout)")
+        if isinstance(data.get("lm_head"), dict):  # one rank's head given alone
+            data["lm_head"] = [data["lm_head"]]
+        _check(data, cls, "census summary")
+        ranks = [RankSummary(**r) for r in data.pop("ranks", [])]
+        return cls(**data, ranks=ranks)
+
+
+SUMMARY_KEYS = tuple(f.name for f in fields(CensusSummary))
+RANK_SUMMARY_KEYS = tuple(f.name for f in fields(RankSummary))

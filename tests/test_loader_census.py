@@ -10,7 +10,9 @@ import pytest
 
 from qpn.fork_patches import census as census_mod
 from qpn.fork_patches.census import Census, aggregate, read_rank_files, write_json_atomic
-from qpn.fork_patches.census_schema import SCHEMA_VERSION, CensusSchemaError, validate_rank
+from qpn.fork_patches.census_schema import (
+    SCHEMA_VERSION, SUMMARY_VERSION, CensusSchemaError, CensusSummary, RankSummary, validate_rank,
+)
 from qpn.kernels import routes as route_table
 
 
@@ -72,6 +74,12 @@ def test_aggregate_merges_ranks_and_finds_what_is_off_qpn(tmp_path):
     assert agg["fallbacks"] == [{"module": "a.o_proj", "reason": "shape", "count": 3, "rank": 1}]
     assert agg["lm_head"] == [head, head]
     assert [k["resolved"] for k in agg["kv_resolved"]] == ["float16", "float16"]
+    # what the gates read: the same summary, typed and versioned (census_schema.CensusSummary)
+    summary = CensusSummary.from_dict(agg)
+    assert agg["summary_version"] == SUMMARY_VERSION
+    assert [(type(r), r.rank, r.modules_on_qpn) for r in summary.ranks] == [(RankSummary, 0, 3),
+                                                                            (RankSummary, 1, 1)]
+    assert summary.modules_on_qpn == 4 and CensusSummary.from_dict(summary) is summary
 
 
 def test_aggregate_of_an_empty_folder_is_empty_not_an_error(tmp_path):

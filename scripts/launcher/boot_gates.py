@@ -6,8 +6,11 @@ request's API response. No gate reads log text. The engine profile says which ga
 an engine and what they expect; a gate that does not apply is reported as ``n/a`` with the
 reason and, where there is one, the value observed.
 
-The census keys the gates read are those of ``qpn.fork_patches.census_schema`` (the same module
-the census writer validates against). What each census gate proves:
+Every gate is one entry of ``GATES`` at the end of this module: its name, what it expects on
+each engine, and a function from the typed, versioned census summary
+(``qpn.fork_patches.census_schema.CensusSummary``, the module the census writer validates
+against) and the other boot inputs (``GateInputs``) to a verdict with expected and observed. The
+table's order is the printed order; adding a gate is adding an entry. What each census gate proves:
 
 - ``census_platform``: one census per tensor-parallel rank (ranks 0..TP-1, each reporting that TP),
   on the expected platform and backend;
@@ -20,20 +23,30 @@ the census writer validates against). What each census gate proves:
 - ``served_depth``: the engine exports K draft positions and has proposed draft tokens since
   the warm request (speculation configured but not running fails);
 - ``decode_attention_route``: XQA for decode and MTP verification wherever 1Cat's own conditions
-  send them there for the served layers (``qpn.fork_patches.attention_routes``), per rank.
+  send them there for the served layers (``qpn.fork_patches.attention_routes``), per rank;
+- ``skipped_hooks``: no hook the plugin skipped (its anchor missing) is one this checkpoint needs.
 """
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import asdict, dataclass
+from typing import Callable
 
-from qpn.scripts.launcher.engine_profiles import (
-    GATE_DECODE_ATTENTION, GATE_DEPTH, GATE_KV, GATE_LM_HEAD, GATE_ORDER, GATE_PLATFORM,
-    GATE_QPN_ROUTES, GATE_WARM, EngineProfile,
-)
+from qpn.fork_patches.census_schema import CensusSchemaError, CensusSummary
+from qpn.scripts.launcher.engine_profiles import EngineProfile
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
+
+# Gate names; GATES (the table, at the end) gives their printed order.
+GATE_WARM = "warm_request"
+GATE_DEPTH = "served_depth"
+GATE_PLATFORM = "census_platform"
+GATE_QPN_ROUTES = "qpn_routes"
+GATE_LM_HEAD = "lm_head_from_codes"
+GATE_KV = "kv_cache_dtype"
+GATE_DECODE_ATTENTION = "decode_attention_route"
+GATE_SKIPPED_HOOKS = "skipped_hooks"
 
 # vLLM 0.32 (v1/spec_decode/metrics.py) registers one `position` label per draft slot at
 # start-up, so the served depth is readable before any request is speculated.
@@ -140,8 +153,11 @@ def declared_regions(quant_config: dict | None) -> set[str]:
     return regions
 
 
-def _rank_dicts(census: dict) -> list[dict]:
-    return [r for r in census.get("ranks", []) if isinstance(r, dict)]
+Census = "CensusSummary | dict"  # a gate takes the typed summary or the dict it is read from
+
+
+def _summary(census: Census | None) -> CensusSummary:
+    return CensusSummary.from_dict(census)
 
 
 def total_calls(route_counts: dict) -> int:
@@ -180,22 +196,22 @@ def gate_depth(k: int, metrics_text: str | None) -> GateResult:
 def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResult:
     """One census per tensor-parallel rank, each on the expected platform and backend. ``tp`` is
     the size the launcher asked for; None: the size the ranks themselves report."""
-    ranks = _rank_dicts(census)
-    reported = sorted({r.get("tensor_parallel_size") for r in ranks}, key=str)
+    ranks = _summary(census).ranks
+    reported = sorted({r.tensor_parallel_size for r in ranks}, key=str)
     size = tp if tp is not None else (reported[0] if len(reported) == 1 and reported[0] else None)
     expected = _fmt(expect) + f"; one census per rank of TP={size if size else '?'}"
     if not ranks:
         return GateResult(GATE_PLATFORM, FAIL, expected, "no census written by any rank")
-    seen = sorted({(str(r.get("platform")), str(r.get("backend")),
-                    str(r.get("device_capability"))) for r in ranks})
-    bad = [r for r in ranks if any(str(r.get(key)) != str(value) for key, value in expect.items())]
-    have = sorted(int(r["rank"]) for r in ranks)
+    seen = sorted({(str(r.platform), str(r.backend), str(r.device_capability)) for r in ranks})
+    bad = [r for r in ranks if any(str(getattr(r, key, None)) != str(value)
+                                   for key, value in expect.items())]
+    have = sorted(r.rank for r in ranks)
     observed = f"ranks {have}: " + "; ".join(
         f"platform={p} backend={b}" + (f" capability={c}" if c != "None" else "")
         for p, b, c in seen)
     problems = []
     if bad:
-        problems.append(f"rank(s) {sorted(r['rank'] for r in bad)} not on {_fmt(expect)}")
+        problems.append(f"rank(s) {sorted(r.rank for r in bad)} not on {_fmt(expect)}")
     if size is None:
         problems.append(f"tensor-parallel size unknown (ranks report {reported})")
     else:
@@ -205,7 +221,7 @@ def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResu
             problems.append(f"no census from rank(s) {missing} of TP={size}")
         if extra or len(have) != len(set(have)):
             problems.append(f"census rank(s) {extra or have} outside TP={size}")
-        wrong = sorted(int(r["rank"]) for r in ranks if r.get("tensor_parallel_size") not in (size,))
+        wrong = sorted(r.rank for r in ranks if r.tensor_parallel_size != size)
         if wrong:
             problems.append(f"rank(s) {wrong} report TP {reported}, asked {size}")
     if problems:
@@ -213,7 +229,7 @@ def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResu
     return GateResult(GATE_PLATFORM, FAIL if problems else PASS, expected, observed)
 
 
-def _coverage_problems(census: dict, quantized_layers: dict | None = None,
+def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = None,
                        checkpoint_modules: dict | None = None) -> list[str]:
     """Checkpoint modules the checkpoint declares quantized that are not served on QPN, per rank.
     Each checkpoint name is paired with the engine's name for it, which the per-module
@@ -225,11 +241,11 @@ def _coverage_problems(census: dict, quantized_layers: dict | None = None,
     one, {checkpoint name: engine name}, renamed by the model's own mapper
     (ct_config.record_checkpoint_modules; census ``checkpoint_modules``)."""
     problems = []
-    for rank in _rank_dicts(census):
-        rid = rank["rank"]
+    for rank in census.ranks:
+        rid = rank.rank
         if quantized_layers:
             names = list(quantized_layers)
-            engine = rank.get("engine_quantized_layers")
+            engine = rank.engine_quantized_layers
             if engine is None:
                 problems.append(f"rank {rid}: the census has no engine_quantized_layers (the "
                                 "quant config never reached the QPN hook)")
@@ -241,7 +257,7 @@ def _coverage_problems(census: dict, quantized_layers: dict | None = None,
             pairs = list(zip(names, engine))
             listed = "in quantized_layers"
         else:
-            engine_of = rank.get("checkpoint_modules")
+            engine_of = rank.checkpoint_modules
             if engine_of is None:
                 problems.append(f"rank {rid}: the census has no checkpoint_modules (the "
                                 "compressed-tensors quant config never reached the QPN hook, or the "
@@ -253,9 +269,8 @@ def _coverage_problems(census: dict, quantized_layers: dict | None = None,
                                 f"the engine's checkpoint_modules, e.g. {unknown[:3]}")
             pairs = [(c, engine_of[c]) for c in checkpoint_modules if c in engine_of]
             listed = "declared by config_groups"
-        drafting = int((rank.get("serving") or {}).get("num_speculative_tokens") or 0) > 0
-        on = set(rank.get("declared_on_qpn") or [])
-        off = set(rank.get("declared_off_qpn") or [])
+        drafting = int((rank.serving or {}).get("num_speculative_tokens") or 0) > 0
+        on, off = set(rank.declared_on_qpn), set(rank.declared_off_qpn)
         needed = [(c, e) for c, e in pairs
                   if drafting or not (c.startswith(DRAFTER_PREFIXES) or (e or "").startswith(DRAFTER_PREFIXES))]
         dropped = [c for c, e in needed if e is None]
@@ -274,20 +289,19 @@ def _coverage_problems(census: dict, quantized_layers: dict | None = None,
     return problems
 
 
-def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | None,
+def gate_qpn_routes(census: Census, regions: set[str], known: frozenset[str] | None,
                     quantized_layers: dict | None = None,
                     checkpoint_modules: dict | None = None) -> GateResult:
     """``quantized_layers``: ModelOpt's map; ``checkpoint_modules``: the modules a
     compressed-tensors checkpoint declares (``declared_modules``). Either makes the gate require
     each listed module on a QPN route on every rank (``_coverage_problems``)."""
-    total = int(census.get("modules_total", 0))
-    on_qpn = int(census.get("modules_on_qpn", 0))
-    by_region = {k: int(v) for k, v in census.get("modules_by_region", {}).items()}
-    route_counts = census.get("route_counts", {})
-    foreign = sorted(set(census.get("non_qpn_routes", []))
+    census = _summary(census)
+    total, on_qpn = census.modules_total, census.modules_on_qpn
+    by_region = dict(census.modules_by_region)
+    route_counts = census.route_counts
+    foreign = sorted(set(census.non_qpn_routes)
                      | {r for r in route_counts if not is_qpn_route(r, known)})
-    fallback_calls = int(census.get("fallback_calls", 0))
-    fallbacks = census.get("fallbacks", [])
+    fallback_calls, fallbacks = census.fallback_calls, census.fallbacks
     missing_regions = sorted(r for r in regions if by_region.get(r, 0) == 0)
     calls = total_calls(route_counts)
     problems = []
@@ -318,12 +332,11 @@ def gate_qpn_routes(census: dict, regions: set[str], known: frozenset[str] | Non
     return GateResult(GATE_QPN_ROUTES, FAIL if problems else PASS, expected, observed)
 
 
-def gate_lm_head(census: dict, known: frozenset[str] | None) -> GateResult:
-    heads = census.get("lm_head") or []
-    if isinstance(heads, dict):
-        heads = [heads]
+def gate_lm_head(census: Census, known: frozenset[str] | None) -> GateResult:
+    census = _summary(census)
+    heads = census.lm_head
     expected = "source=checkpoint_codes, no repack fallback, QPN route family (every rank)"
-    ranks = _rank_dicts(census)
+    ranks = census.ranks
     if not heads or any(h is None for h in heads) or (ranks and len(heads) != len(ranks)):
         missing = sum(1 for h in heads if h is None) if heads else len(ranks) or 1
         return GateResult(GATE_LM_HEAD, FAIL, expected,
@@ -339,11 +352,16 @@ def gate_lm_head(census: dict, known: frozenset[str] | None) -> GateResult:
                       f"{len(heads)} rank(s): {observed}")
 
 
-def gate_kv(expect_applies: bool, expected: tuple[str, ...] | None, why_not: str,
-            census: dict) -> GateResult:
+def kv_observed(census: Census) -> tuple[list[str], str]:
+    """(each rank's resolved KV cache dtype, the text the gate prints for them)."""
     resolved = [str(v.get("resolved") if isinstance(v, dict) else v)
-                for v in census.get("kv_resolved", [])]
-    observed = ", ".join(sorted(set(resolved))) or "not recorded"
+                for v in _summary(census).kv_resolved]
+    return resolved, ", ".join(sorted(set(resolved))) or "not recorded"
+
+
+def gate_kv(expect_applies: bool, expected: tuple[str, ...] | None, why_not: str,
+            census: Census) -> GateResult:
+    resolved, observed = kv_observed(census)
     if not expect_applies:
         return GateResult(GATE_KV, NA, why_not, observed)
     ok = bool(resolved) and all(v in expected for v in resolved)
@@ -359,7 +377,7 @@ def _route_total(routes: dict, name: str, mode: str | None = None) -> int:
     return int(slot.get(mode, 0))
 
 
-def gate_decode_attention(census: dict, k: int, env: dict | None = None) -> GateResult:
+def gate_decode_attention(census: Census, k: int, env: dict | None = None) -> GateResult:
     """XQA for decode and MTP verification wherever 1Cat's own conditions send them there, per
     rank; prints why where they do not (attention_routes.xqa_verdicts)."""
     from qpn.fork_patches import attention_routes as ar
@@ -367,16 +385,16 @@ def gate_decode_attention(census: dict, k: int, env: dict | None = None) -> Gate
     expected = ("decode on XQA (0 scalar) where the engine's conditions hold at every context "
                 "length; MTP verification on XQA in captured graphs where max_model_len reaches "
                 "the engine's threshold")
-    ranks = _rank_dicts(census)
+    ranks = _summary(census).ranks
     if not ranks:
         return GateResult(GATE_DECODE_ATTENTION, FAIL, expected, "no census written by any rank")
     problems, notes, counts = [], [], []
     any_required = False
     for rank in ranks:
-        rid = rank["rank"]
-        routes = rank.get("attention_routes") or {}
-        groups = rank.get("attention_layers") or []
-        serving = rank.get("serving") or {}
+        rid = rank.rank
+        routes = rank.attention_routes
+        groups = rank.attention_layers
+        serving = rank.serving or {}
         if not routes:
             problems.append(f"rank {rid}: no attention route recorded (the _record_route hook is "
                             "not active, or the engine is not on FLASH_ATTN_V100)")
@@ -394,7 +412,7 @@ def gate_decode_attention(census: dict, k: int, env: dict | None = None) -> Gate
         mml = serving.get("max_model_len")
         graphs = serving.get("enforce_eager") is False
         for group in groups:
-            decode, verify = ar.xqa_verdicts(group, rank.get("engine_version"), env)
+            decode, verify = ar.xqa_verdicts(group, rank.engine_version, env)
             where = f"rank {rid} {group.get('layers')} layer(s) {group.get('names', [])[:1]}"
             if decode.required:
                 any_required = True
@@ -432,7 +450,6 @@ def gate_decode_attention(census: dict, k: int, env: dict | None = None) -> Gate
 
 
 # ---- hooks the plugin skipped (issue 11 failure policy; fork_patches/plugin.py) ----------------
-GATE_SKIPPED_HOOKS = "skipped_hooks"
 _EXPERTS = re.compile(r"\.experts(\.|$)")
 
 
@@ -443,10 +460,10 @@ def checkpoint_needs(quantized_layers: dict | None) -> set[str]:
     return {"moe"} if any(_EXPERTS.search(name) for name in (quantized_layers or {})) else set()
 
 
-def gate_skipped_hooks(census: dict, declared: dict | None) -> GateResult:
+def gate_skipped_hooks(census: Census, declared: dict | None) -> GateResult:
     """FAIL when a hook the plugin skipped (its anchor was missing) is one this checkpoint needs
     (``declared``: the checkpoint's declared quantized modules, ``declared_modules``)."""
-    skipped = census.get("hooks_skipped") or []
+    skipped = _summary(census).hooks_skipped
     needs = checkpoint_needs(declared)
     expected = f"no skipped hook this checkpoint needs (it needs: {', '.join(sorted(needs)) or 'none beyond the always hooks'})"
     if not skipped:
@@ -466,51 +483,138 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-# ---- all gates -------------------------------------------------------------------------------
+# ---- the gate table ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GateExpectation:
+    """What one gate expects on one engine; ``applies=False`` prints it as n/a with ``why_not``."""
+
+    applies: bool = True
+    expected: object = None
+    why_not: str = ""
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    """Everything a gate may read, typed. ``census``: the versioned census summary (None: it did
+    not validate, ``census_error`` says why, and every gate that reads it fails on that);
+    ``tp``: the tensor-parallel size asked for (None: what the ranks report);
+    ``quantized_layers``: ModelOpt's own map (the engine keeps a renamed copy the census pairs
+    with it); ``checkpoint_modules``: a compressed-tensors checkpoint's declared modules (paired
+    through the census's ``checkpoint_modules``, see _coverage_problems); ``declared``: the
+    modules the checkpoint's convention declares quantized (``declared_modules``), which say what
+    it needs; ``env``: the server's environment (the engine's XQA switches and thresholds)."""
+
+    k: int
+    warm: dict
+    metrics_text: str | None
+    census: CensusSummary | None
+    regions: frozenset[str] = frozenset()
+    tp: int | None = None
+    quantized_layers: dict | None = None
+    checkpoint_modules: dict | None = None
+    declared: dict | None = None
+    env: dict | None = None
+    known_routes: frozenset[str] | None = None
+    census_error: str = ""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One boot gate: ``expect`` per engine profile name, ``check`` the verdict where it applies,
+    ``observe_na`` what is still printed where it does not (default "-")."""
+
+    name: str
+    expect: dict[str, GateExpectation]
+    check: Callable[[GateInputs, GateExpectation], GateResult]
+    reads_census: bool = True
+    observe_na: Callable[[GateInputs], str] | None = None
+
+
+def _check_qpn_routes(i: GateInputs, e: GateExpectation) -> GateResult:
+    result = gate_qpn_routes(i.census, set(i.regions), i.known_routes, i.quantized_layers,
+                             i.checkpoint_modules)
+    backend = (e.expected or {}).get("backend")
+    wrong = sorted({str(r.backend) for r in i.census.ranks} - {backend})
+    if backend and wrong and result.status == PASS:
+        result.status = FAIL
+        result.observed += f" -- backend {wrong}, expected {backend}"
+    return result
+
+
+def _needs_from(i: GateInputs) -> dict | None:
+    return i.declared if i.declared is not None else i.quantized_layers
+
+
+_ALWAYS = {"cpu": GateExpectation(), "sm70": GateExpectation()}
+
+GATES: tuple[Gate, ...] = (
+    Gate(GATE_WARM, _ALWAYS, lambda i, e: gate_warm(i.warm), reads_census=False),
+    Gate(GATE_DEPTH, _ALWAYS, lambda i, e: gate_depth(i.k, i.metrics_text), reads_census=False),
+    Gate(GATE_PLATFORM,
+         {"cpu": GateExpectation(expected={"platform": "cpu", "backend": "reference"}),
+          "sm70": GateExpectation(expected={"platform": "cuda", "backend": "cuda",
+                                            "device_capability": "7.0"})},
+         lambda i, e: gate_platform(e.expected, i.census, i.tp)),
+    # On CPU the QPN routes run as the reference implementation over the packed buffers.
+    Gate(GATE_QPN_ROUTES,
+         {"cpu": GateExpectation(expected={"backend": "reference"}),
+          "sm70": GateExpectation(expected={"backend": "cuda"})},
+         _check_qpn_routes),
+    Gate(GATE_LM_HEAD, _ALWAYS, lambda i, e: gate_lm_head(i.census, i.known_routes)),
+    # vLLM's choice stands off SM70: reported, not required.
+    Gate(GATE_KV,
+         {"cpu": GateExpectation(False, None, "FP16 KV is an SM70 policy; cpu reports what resolved"),
+          "sm70": GateExpectation(expected=("float16",))},
+         lambda i, e: gate_kv(True, e.expected, e.why_not, i.census),
+         observe_na=lambda i: kv_observed(i.census)[1]),
+    # Observed through the census key "attention_routes" that the _record_route hook fills with
+    # 1Cat's own route names; when XQA is required is the engine's rule
+    # (qpn.fork_patches.attention_routes.xqa_verdicts), applied to the served layers.
+    Gate(GATE_DECODE_ATTENTION,
+         {"cpu": GateExpectation(False, None,
+                                 "tensor-core decode attention exists only on the sm70 engine"),
+          "sm70": GateExpectation(expected="engine XQA conditions")},
+         lambda i, e: gate_decode_attention(i.census, i.k, i.env)),
+    Gate(GATE_SKIPPED_HOOKS, _ALWAYS, lambda i, e: gate_skipped_hooks(i.census, _needs_from(i))),
+)
+GATE_ORDER = tuple(g.name for g in GATES)
+
+
+def apply_gates(profile: EngineProfile, inputs: GateInputs,
+              gates: tuple[Gate, ...] = GATES) -> list[GateResult]:
+    """Every gate of the table, in its order, as ``profile`` expects it."""
+    results = []
+    for gate in gates:
+        if profile.name not in gate.expect:
+            raise KeyError(f"gate {gate.name} states no expectation for engine {profile.name}")
+        expect = gate.expect[profile.name]
+        if gate.reads_census and inputs.census is None:
+            results.append(GateResult(gate.name, FAIL, expect.why_not or "a valid census summary",
+                                      f"census summary unreadable: {inputs.census_error}"))
+        elif not expect.applies:
+            observed = gate.observe_na(inputs) if gate.observe_na else "-"
+            results.append(GateResult(gate.name, NA, expect.why_not, observed))
+        else:
+            results.append(gate.check(inputs, expect))
+    return results
+
 
 def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | None,
-             census: dict | None, regions: set[str], *, tp: int | None = None,
+             census: Census | None, regions: set[str], *, tp: int | None = None,
              quantized_layers: dict | None = None, env: dict | None = None,
              declared: dict | None = None,
              checkpoint_modules: dict | None = None) -> list[GateResult]:
-    """Every gate. ``tp``: the tensor-parallel size asked for (None: what the ranks report);
-    ``quantized_layers``: ModelOpt's own map (every listed module must be on QPN: the engine
-    keeps a renamed copy the census pairs with it); ``checkpoint_modules``: a compressed-tensors
-    checkpoint's declared modules, each required on QPN (paired through the census's
-    ``checkpoint_modules``, see _coverage_problems); ``declared``: the modules the checkpoint's convention declares
-    quantized (``declared_modules``; default ``quantized_layers``), which say what it needs;
-    ``env``: the server's environment (the engine's XQA switches and thresholds)."""
-    census = census or {}
-    known = qpn_route_names()
-    results: dict[str, GateResult] = {}
-    for name in GATE_ORDER:
-        spec = profile.gates[name]
-        if name == GATE_KV:
-            results[name] = gate_kv(spec.applies, spec.expected, spec.why_not, census)
-            continue
-        if not spec.applies:
-            results[name] = GateResult(name, NA, spec.why_not, "-")
-            continue
-        if name == GATE_WARM:
-            results[name] = gate_warm(warm)
-        elif name == GATE_DEPTH:
-            results[name] = gate_depth(k, metrics_text)
-        elif name == GATE_PLATFORM:
-            results[name] = gate_platform(spec.expected, census, tp)
-        elif name == GATE_QPN_ROUTES:
-            result = gate_qpn_routes(census, regions, known, quantized_layers, checkpoint_modules)
-            backend = (spec.expected or {}).get("backend")
-            wrong = sorted({str(r.get("backend")) for r in _rank_dicts(census)} - {backend})
-            if backend and wrong and result.status == PASS:
-                result.status = FAIL
-                result.observed += f" -- backend {wrong}, expected {backend}"
-            results[name] = result
-        elif name == GATE_LM_HEAD:
-            results[name] = gate_lm_head(census, known)
-        elif name == GATE_DECODE_ATTENTION:
-            results[name] = gate_decode_attention(census, k, env)
-    needs_from = declared if declared is not None else quantized_layers
-    return [results[name] for name in GATE_ORDER] + [gate_skipped_hooks(census, needs_from)]
+    """Every gate, over what the launcher gathered after the warm request (see GateInputs)."""
+    try:
+        summary, error = CensusSummary.from_dict(census), ""
+    except CensusSchemaError as exc:
+        summary, error = None, str(exc)
+    inputs = GateInputs(k=k, warm=warm, metrics_text=metrics_text, census=summary,
+                        regions=frozenset(regions), tp=tp, quantized_layers=quantized_layers,
+                        checkpoint_modules=checkpoint_modules, declared=declared, env=env,
+                        known_routes=qpn_route_names(), census_error=error)
+    return apply_gates(profile, inputs)
 
 
 def format_table(results: list[GateResult]) -> str:

@@ -1,10 +1,10 @@
 """Everything engine-specific about serving, in one place per engine.
 
 The launcher (``qpn.scripts.launcher.serve``) is engine-neutral: it asks the profile for the vLLM
-arguments and environment the engine needs, whether the engine replays CUDA graphs (and so
-needs the capture ladder), and what each boot gate expects on that engine. A gate a profile
-marks not applicable is still printed, as ``n/a`` with the reason, so a table from a CPU run
-never reads as if the SM70-only checks had passed.
+arguments and environment the engine needs and whether the engine replays CUDA graphs (and so
+needs the capture ladder). What each boot gate expects on each engine is that gate's entry in
+``boot_gates.GATES``; a gate that does not apply on an engine is still printed, as ``n/a`` with
+the reason, so a table from a CPU run never reads as if the SM70-only checks had passed.
 
 Which engine is installed is read from the engine's python (the distribution that provides
 vLLM), never guessed from the host; ``ENGINE=cpu|sm70`` overrides it.
@@ -13,16 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class GateExpectation:
-    """What one boot gate expects on an engine; ``applies=False`` reports it as n/a."""
-
-    applies: bool
-    expected: object = None
-    why_not: str = ""
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -38,24 +29,10 @@ class EngineProfile:
     default_max_model_len: int | None
     default_gpu_memory_utilization: float | None
     default_tensor_parallel: int | None  # None: not passed (the engine's single-device default)
-    gates: dict[str, GateExpectation] = field(default_factory=dict)
     # The derived capture ladder also holds every size the engine's own SM70 MTP rule would
     # capture (capture_ladder.engine_sm70_capture_sizes): passing a list replaces that rule.
     engine_capture_rules: bool = False
 
-
-# Gate names, in the order the table prints them.
-GATE_WARM = "warm_request"
-GATE_DEPTH = "served_depth"
-GATE_PLATFORM = "census_platform"
-GATE_QPN_ROUTES = "qpn_routes"
-GATE_LM_HEAD = "lm_head_from_codes"
-GATE_KV = "kv_cache_dtype"
-GATE_DECODE_ATTENTION = "decode_attention_route"
-GATE_ORDER = (GATE_WARM, GATE_DEPTH, GATE_PLATFORM, GATE_QPN_ROUTES, GATE_LM_HEAD, GATE_KV,
-              GATE_DECODE_ATTENTION)
-
-_ALWAYS = GateExpectation(applies=True)
 
 CPU = EngineProfile(
     name="cpu",
@@ -77,19 +54,6 @@ CPU = EngineProfile(
     default_max_model_len=4096,
     default_gpu_memory_utilization=None,
     default_tensor_parallel=None,
-    gates={
-        GATE_WARM: _ALWAYS,
-        GATE_DEPTH: _ALWAYS,
-        GATE_PLATFORM: GateExpectation(True, {"platform": "cpu", "backend": "reference"}),
-        # On CPU the QPN routes run as the reference implementation over the packed buffers.
-        GATE_QPN_ROUTES: GateExpectation(True, {"backend": "reference"}),
-        GATE_LM_HEAD: _ALWAYS,
-        # vLLM's choice stands off SM70: reported, not required.
-        GATE_KV: GateExpectation(False, None, "FP16 KV is an SM70 policy; cpu reports what "
-                                              "resolved"),
-        GATE_DECODE_ATTENTION: GateExpectation(
-            False, None, "tensor-core decode attention exists only on the sm70 engine"),
-    },
 )
 
 SM70 = EngineProfile(
@@ -121,19 +85,6 @@ SM70 = EngineProfile(
     default_gpu_memory_utilization=0.88,
     # Four V100-SXM2-16GB hold the 27B checkpoint (seed 000's configuration).
     default_tensor_parallel=4,
-    gates={
-        GATE_WARM: _ALWAYS,
-        GATE_DEPTH: _ALWAYS,
-        GATE_PLATFORM: GateExpectation(True, {"platform": "cuda", "backend": "cuda",
-                                              "device_capability": "7.0"}),
-        GATE_QPN_ROUTES: GateExpectation(True, {"backend": "cuda"}),
-        GATE_LM_HEAD: _ALWAYS,
-        GATE_KV: GateExpectation(True, ("float16",)),
-        # Observed through the census key "attention_routes" that the _record_route hook fills
-        # with 1Cat's own route names; the rule for when XQA is required is the engine's
-        # (qpn.fork_patches.attention_routes.xqa_verdicts), applied to the served layers.
-        GATE_DECODE_ATTENTION: GateExpectation(True, "engine XQA conditions"),
-    },
     engine_capture_rules=True,
 )
 
