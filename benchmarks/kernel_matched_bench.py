@@ -46,7 +46,7 @@ import sys
 
 import torch
 
-from qpn.kernels import codecs, formats, jit, ops, routes
+from qpn.kernels import codecs, families, formats, jit, ops, routes
 
 SHAPES = {
     # name: (format, N, K) -- Qwen3.8-27B's per-rank shapes (tests/test_tp_sharding.py)
@@ -178,11 +178,11 @@ class NaiveDequant:
 
 
 def _fp16_copy(fmt, src, naive: NaiveDequant) -> torch.Tensor:
-    return formats.weight_format(fmt).decode_f32(*src).to(torch.float16)
+    return families.numerics(fmt).decode_f32(*src).to(torch.float16)
 
 
 def _pack(fmt, src, atom):
-    return formats.weight_format(fmt).prepack(*src, atom=atom)
+    return families.numerics(fmt).prepack(*src, atom=atom)
 
 
 # ------------------------------------------------------------------------- gemlite arm

@@ -52,7 +52,7 @@ from vllm.model_executor.parameter import (
 
 from qpn.fork_patches.census import CENSUS
 from qpn.fork_patches.conventions import MODELOPT, Convention
-from qpn.kernels import formats
+from qpn.kernels import families, formats
 
 logger = logging.getLogger("vllm.qpn.linear_method")
 
@@ -361,8 +361,9 @@ class QPN2LinearMethod(_QPNLinearMethod):
             r1 = sum(self.partition_sizes[: run[-1] + 1])
             src = (w[r0:r1], s[r0:r1], s2[run[0]].reshape(()))
             try:
-                packed = self.format.prepack(*src, atom=self.atom)
-                self.format.verify_roundtrip(packed, *src)
+                num = families.numerics(self.format)
+                packed = num.prepack(*src, atom=self.atom)
+                num.verify_roundtrip(packed, *src)
             except prepack.PrepackMismatch as e:
                 self._fail(f"prepack inverse is not byte-identical for rows {r0}-{r1 - 1}: {e}")
             except formats.FormatError as e:
@@ -423,8 +424,9 @@ class QPN8LinearMethod(_QPNLinearMethod):
             scale = torch.repeat_interleave(
                 ws, torch.tensor(self.partition_sizes, device=ws.device)).contiguous()
         try:
-            packed = self.format.prepack(w, scale, atom=self.atom)
-            self.format.verify_roundtrip(packed, w, scale)
+            num = families.numerics(self.format)
+            packed = num.prepack(w, scale, atom=self.atom)
+            num.verify_roundtrip(packed, w, scale)
         except prepack.PrepackMismatch as e:
             self._fail(f"prepack inverse is not byte-identical: {e}")
         except formats.FormatError as e:

@@ -129,7 +129,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         f32 = (torch.float32, torch.bfloat16, torch.float16)
         n = self._names()
         fmt = self.format
-        codes = (fmt.torch_code_dtype(),)
+        codes = (getattr(torch, fmt.code_dtype),)
         out = {
             f"w13_{n['codes']}": ((e, 2 * i, fmt.code_cols(h)), codes),
             f"w2_{n['codes']}": ((e, h, fmt.code_cols(i)), codes),

@@ -32,8 +32,10 @@ from typing import Optional
 
 import torch
 
-from . import formats, jit, prepack, routes
+from . import families, formats, jit, prepack, routes
 from .atoms import geometry
+from .moe_reference import MAX_EXPERTS, check_routing, moe_reference
+from .prepack import split_gate_up
 from .ops import fp16_activations
 
 MOE_SOURCE = "qpn_moe.cu"
@@ -46,9 +48,6 @@ WARPS = THREADS // 32
 ALIGN_THREADS = 1024
 # Pairs per group = tokens of one MMA tile of the atom (the B side of m8n8k4 holds 8 tokens).
 ROWS_PER_GROUP = {"m8n8k4": 8, "m16n8k16": 8}
-# Shared memory of the align kernel is 4 ints per expert; 48 KiB of static+dynamic shared memory
-# is available on every architecture without opting in.
-MAX_EXPERTS = 2048
 MOE_ENTRY_POINTS = {
     "common": ("qpn_moe_align", "qpn_moe_combine"),
     **{atom: tuple(e for f in formats.FAMILIES.values() for e in f.moe_entry_points(atom))
@@ -56,8 +55,7 @@ MOE_ENTRY_POINTS = {
 }
 
 
-class MoeShapeError(ValueError):
-    """Expert tensors or routing tensors of the wrong shape, dtype or device."""
+MoeShapeError = formats.MoeShapeError  # defined with the formats so every layer can raise it
 
 
 # ------------------------------------------------------------------------------ packed stacks
@@ -92,8 +90,9 @@ class PackedExpertStack(prepack.PackedLayout):
 
     def expert(self, e: int):
         """Expert e as a dense PackedNVFP4 / PackedFP8 (views of the stack, no copy)."""
-        return self.format.packed_from_tensors(self.codes[e], None if self.scales is None else self.scales[e],
-                                               self.chscale[e], self.n, self.k, self.atom)
+        return families.numerics(self.format).packed_from_tensors(
+            self.codes[e], None if self.scales is None else self.scales[e], self.chscale[e], self.n, self.k,
+            self.atom)
 
     def with_channel_scales(self) -> "PackedExpertStack":
         """The same stack with a per-channel [E, N] chscale (codes shared, not copied)."""
@@ -186,15 +185,16 @@ def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Ten
     wf = formats.find_format(fmt)
     if wf is None:
         raise MoeShapeError(f"unknown expert weight format {fmt!r}; expected one of {sorted(formats.FAMILIES)}")
+    num = families.numerics(wf)
     codes = scales = None
     chs = []
     n = k = 0
     for e in range(e_count):
         try:
-            src = wf.expert_source(e, weight, weight_scale, weight_scale_2)
-            p = wf.prepack(*src, atom=atom)
-            wf.verify_roundtrip(p, *src)
-            ch = wf.kernel_tensors(p)[2]
+            src = num.expert_source(e, weight, weight_scale, weight_scale_2)
+            p = num.prepack(*src, atom=atom)
+            num.verify_roundtrip(p, *src)
+            ch = families.kernel_tensors(p)[2]
         except prepack.PrepackMismatch as err:
             raise prepack.PrepackMismatch(f"expert {e}: {err}") from err
         except formats.FormatError as err:
@@ -213,13 +213,6 @@ def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Ten
     return PackedExpertStack(wf.family, codes, scales, chscale, n, k, atom)
 
 
-def split_gate_up(w13: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's fused w13 [E, 2I, ...] holds gate (w1) in rows [0, I) and up (w3) in [I, 2I)."""
-    if w13.shape[1] != 2 * inter:
-        raise MoeShapeError(f"w13 has {w13.shape[1]} rows per expert, expected 2 * intermediate = {2 * inter}")
-    return w13[:, :inter], w13[:, inter:]
-
-
 def prepack_moe(fmt: str, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2=None,
                 down_fmt: Optional[str] = None, atom: str = "m8n8k4") -> PackedMoE:
     """A layer's expert tensors in vLLM's fused layout -> PackedMoE.
@@ -229,11 +222,13 @@ def prepack_moe(fmt: str, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2=
     FP8: w13_scale [E, 2] / [E] / [E, 2I]; w2_scale [E] / [E, H]; *_scale_2 unused."""
     inter = w13.shape[1] // 2
     wf = formats.weight_format(fmt)
-    gate_src, up_src = wf.moe_gate_up_sources(*split_gate_up(w13, inter), w13_scale, w13_scale_2, inter)
+    gate_src, up_src = families.numerics(wf).moe_gate_up_sources(*split_gate_up(w13, inter), w13_scale,
+                                                                 w13_scale_2, inter)
     gate = prepack_expert_stack(wf.family, *gate_src, atom=atom)
     up = prepack_expert_stack(wf.family, *up_src, atom=atom)
     dwf = formats.weight_format(down_fmt or fmt)
-    down = prepack_expert_stack(dwf.family, *dwf.moe_down_source(w2, w2_scale, w2_scale_2), atom=atom)
+    down = prepack_expert_stack(dwf.family, *families.numerics(dwf).moe_down_source(w2, w2_scale, w2_scale_2),
+                                atom=atom)
     return PackedMoE(gate, up, down)
 
 
@@ -449,8 +444,6 @@ def moe_experts_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     packed = PackedMoE.from_tensors(routed, fmts, hidden, inter, atom)
     sh = PackedMoE.from_tensors(shared, shared_fmts, hidden, shared_inter, atom) if shared else None
     if x.device.type != "cuda":
-        from .moe_reference import moe_reference
-
         return moe_reference(x, topk_ids, topk_weights, packed, sh, shared_weight)
     return _moe_cuda(x, topk_ids, topk_weights, packed, sh, shared_weight)
 
@@ -458,25 +451,6 @@ def moe_experts_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 @moe_experts_op.register_fake
 def _(x, topk_ids, topk_weights, routed, shared, shared_weight, fmts, shared_fmts, hidden, inter, shared_inter, atom):
     return x.new_empty((topk_ids.shape[0], hidden), dtype=torch.float16)
-
-
-def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE) -> None:
-    if x.dim() != 2 or x.shape[1] != packed.hidden:
-        raise MoeShapeError(f"activations must be [tokens, hidden={packed.hidden}], got {tuple(x.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise MoeShapeError(f"topk_ids must be [tokens={x.shape[0]}, top_k], got {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape:
-        raise MoeShapeError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
-        raise MoeShapeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    if packed.num_experts > MAX_EXPERTS:
-        raise MoeShapeError(f"{packed.num_experts} experts; the grouped kernels handle at most {MAX_EXPERTS}")
-    for t, what in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
-        if t.device != x.device:
-            raise MoeShapeError(f"{what} on {t.device} but activations on {x.device}")
-    if packed.device != x.device:
-        raise MoeShapeError(f"activations on {x.device} but the packed experts on {packed.device}; "
-                            "move them with packed.to(device) at load time")
 
 
 def qpn_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,

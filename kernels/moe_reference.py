@@ -18,18 +18,27 @@ that are in use (at most min(E, T * top_k) iterations), never over elements.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .moe import PackedExpertStack, PackedMoE
+from . import families
+from .formats import MoeShapeError
+
+if TYPE_CHECKING:  # the packed stacks are kernels/moe.py's; this module reads their fields only
+    from .moe import PackedExpertStack, PackedMoE
+
+# Experts one grouped MoE launch can index: the align kernel keeps 4 ints of shared memory per
+# expert within the 48 KiB every architecture gives without opting in. The reference accepts
+# what the kernels accept.
+MAX_EXPERTS = 2048
 
 
 def _weight_f32(stack: PackedExpertStack, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [N, K] float32, per-row result scale [N] float32) of expert e, from the packed bytes
     (WeightFormat.decode_packed: NVFP4 values carry their group and global scales, row scale 1,
     the semantics of reference.linear_nvfp4; FP8 values are e4m3, row scale per tensor / channel)."""
-    return stack.format.decode_packed(stack.expert(e))
+    return families.numerics(stack.format).decode_packed(stack.expert(e))
 
 
 def _weight_f64(stack: PackedExpertStack, e: int, cache: Optional[dict] = None) -> torch.Tensor:
@@ -42,7 +51,8 @@ def _weight_f64(stack: PackedExpertStack, e: int, cache: Optional[dict] = None) 
             w = cache[key] = _weight_f64(stack, e)
         return w
     p = stack.expert(e)
-    return p.format.decode_f64(*p.format.unprepack(p))
+    num = families.numerics(p.format)
+    return num.decode_f64(*num.unprepack(p))
 
 
 def _linear32(x32: torch.Tensor, stack: PackedExpertStack, e: int) -> torch.Tensor:
@@ -89,9 +99,26 @@ def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 
 
 def _check(x, topk_ids, topk_weights, packed):
-    from .moe import check_routing
-
     check_routing(x, topk_ids, topk_weights, packed)
+
+
+def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE) -> None:
+    if x.dim() != 2 or x.shape[1] != packed.hidden:
+        raise MoeShapeError(f"activations must be [tokens, hidden={packed.hidden}], got {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise MoeShapeError(f"topk_ids must be [tokens={x.shape[0]}, top_k], got {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise MoeShapeError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        raise MoeShapeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if packed.num_experts > MAX_EXPERTS:
+        raise MoeShapeError(f"{packed.num_experts} experts; the grouped kernels handle at most {MAX_EXPERTS}")
+    for t, what in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
+        if t.device != x.device:
+            raise MoeShapeError(f"{what} on {t.device} but activations on {x.device}")
+    if packed.device != x.device:
+        raise MoeShapeError(f"activations on {x.device} but the packed experts on {packed.device}; "
+                            "move them with packed.to(device) at load time")
 
 
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: PackedMoE,

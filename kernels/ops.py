@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import formats, jit, routes
+from . import families, formats, jit, routes
 from .atoms import atom_for_arch, geometry
 from .prepack import PackedLayout
 from .routes import Route
@@ -133,21 +133,23 @@ class WeightOperands(NamedTuple):
     def packed(self):
         """The packed weight (PackedNVFP4, PackedFP8, ...) these operands came from (what the
         reference reads)."""
-        return self.format.packed_from_tensors(self.codes, self.scales, self.chscale, self.n, self.k, self.atom)
+        return families.numerics(self.format).packed_from_tensors(self.codes, self.scales, self.chscale,
+                                                                self.n, self.k, self.atom)
 
 
-# The packed dense weight class of each format family, resolved once (operands() runs under
-# torch.compile, which does not trace the import in formats.packed_type()).
-_DENSE_PACKED = tuple((f.packed_type(), f) for f in formats.FAMILIES.values())
+# The packed dense weight class of each format family with its numerics, resolved once
+# (operands() runs under torch.compile).
+_DENSE_PACKED = tuple((families.numerics(f).packed_type, f, families.numerics(f))
+                      for f in formats.FAMILIES.values())
 
 
 def operands(packed) -> WeightOperands:
     """The WeightOperands of a packed dense weight, from its format's ``packed_tensors`` (the
     inverse of WeightOperands.packed)."""
-    for packed_type, f in _DENSE_PACKED:
+    for packed_type, f, num in _DENSE_PACKED:
         if isinstance(packed, packed_type):
-            return WeightOperands(*f.packed_tensors(packed), packed.n, packed.k, f.family, packed.atom)
-    kinds = " or ".join(t.__name__ for t, _ in _DENSE_PACKED)
+            return WeightOperands(*num.packed_tensors(packed), packed.n, packed.k, f.family, packed.atom)
+    kinds = " or ".join(t.__name__ for t, _, _ in _DENSE_PACKED)
     raise TypeError(f"expected a packed dense weight ({kinds}), got {type(packed).__name__}")
 
 
@@ -582,7 +584,7 @@ def _fp32_scale(w: WeightOperands) -> WeightOperands:
 def _linear(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] -> fp16 [M, N] through ``route`` (CUDA) or the reference (CPU)."""
     if x.device.type != "cuda":
-        return w.format.reference_linear(x, w.packed(), bias)
+        return families.numerics(w.format).reference_linear(x, w.packed(), bias)
     # a *_pdl kernel reads the scale before it waits: only the weight's own FP32 tensor, never a
     # copy this call just made
     own_scale = w.chscale.dtype == torch.float32 and w.chscale.is_contiguous()
@@ -689,7 +691,7 @@ def _eager_tiled(x: torch.Tensor, packed, route, bias) -> Optional[torch.Tensor]
         _eager_weights[id(packed)] = ent
     w = ent.w
     codes, scales, chscale = ent.source
-    now_codes, now_scales, now_chscale = ent.format.packed_tensors(packed)
+    now_codes, now_scales, now_chscale = families.numerics(ent.format).packed_tensors(packed)
     if now_codes is not codes or now_scales is not scales or now_chscale is not chscale:
         _eager_weights.pop(id(packed), None)   # the weight's tensors were replaced: plan again next call
         return None

@@ -98,9 +98,18 @@ class PackedFP8(PackedLayout):
 
 
 
-def _chunk_rows(rows_per_chunk: int, tile_n: int) -> int:
-    r = max(tile_n, (int(rows_per_chunk) // tile_n) * tile_n)
-    return r
+def _chunk_rows(rows_per_chunk: int | None, tile_n: int) -> int:
+    if rows_per_chunk is None:
+        rows_per_chunk = DEFAULT_ROWS_PER_CHUNK
+    return max(tile_n, (int(rows_per_chunk) // tile_n) * tile_n)
+
+
+def split_gate_up(w13: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused w13 [E, 2I, ...] holds gate (w1) in rows [0, I) and up (w3) in [I, 2I)."""
+    if w13.shape[1] != 2 * inter:
+        raise formats.MoeShapeError(f"w13 has {w13.shape[1]} rows per expert, expected 2 * "
+                                    f"intermediate = {2 * inter}")
+    return w13[:, :inter], w13[:, inter:]
 
 
 def _pad2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -145,18 +145,22 @@ def linear_fp8_f64(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None
     return y
 
 
-def _format_of(packed) -> formats.WeightFormat:
-    if not isinstance(packed, (PackedNVFP4, PackedFP8)):
-        raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
-    return packed.format
-
-
 def linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _format_of(packed).reference_linear(x, packed, bias)
+    """The float32 reference of a packed dense weight of either family."""
+    return _by_type(packed, linear_nvfp4, linear_fp8)(x, packed, bias)
 
 
 def linear_f64(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _format_of(packed).reference_linear_f64(x, packed, bias)
+    """The exact float64 reference of a packed dense weight of either family."""
+    return _by_type(packed, linear_nvfp4_f64, linear_fp8_f64)(x, packed, bias)
+
+
+def _by_type(packed, nvfp4, fp8):
+    if isinstance(packed, PackedNVFP4):
+        return nvfp4
+    if isinstance(packed, PackedFP8):
+        return fp8
+    raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
 
 
 def relative_error(y: torch.Tensor, y_ref64: torch.Tensor) -> float:

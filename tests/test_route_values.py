@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from qpn.kernels import formats, ops, routes
+from qpn.kernels import families, formats, ops, routes
 
 pytestmark = pytest.mark.fast
 
@@ -113,7 +113,7 @@ def test_weight_operands_are_the_custom_ops_weight_arguments():
     assert [a.name for a in schema.arguments] == ["x", *ops.WeightOperands._fields, "route", "bias"]
     g = torch.Generator().manual_seed(4)
     for fmt in (formats.NVFP4, formats.FP8_TENSOR, formats.FP8_CHANNEL):
-        packed = fmt.prepack(*fmt.quantize(torch.randn((40, 64), generator=g)))
+        packed = families.numerics(fmt).prepack(*families.numerics(fmt).quantize(torch.randn((40, 64), generator=g)))
         w = ops.operands(packed)
         assert w.fmt == packed.fmt and (w.n, w.k, w.atom) == (packed.n, packed.k, packed.atom)
         back = w.packed()

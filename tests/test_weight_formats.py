@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import codecs, formats, prepack
+from qpn.kernels import codecs, families, formats, prepack
 from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, NVFP4, WEIGHT_FORMATS
 
 pytestmark = pytest.mark.fast
@@ -53,23 +53,23 @@ def _fp8_every_byte(per_channel: bool):
 
 def test_nvfp4_decode_and_quantize_round_trip_every_byte():
     src, codes = _nvfp4_every_byte()
-    w64 = NVFP4.decode_f64(*src)
+    w64 = families.numerics(NVFP4).decode_f64(*src)
     want = (E2M1[codes.long()] * _e4m3_f64(src[1].view(torch.uint8)) * 2.0 ** -4)
     assert torch.equal(w64, want)
-    q = NVFP4.quantize(w64.float())
+    q = families.numerics(NVFP4).quantize(w64.float())
     assert torch.equal(q[0], src[0])
     assert torch.equal(q[1].view(torch.uint8), src[1].view(torch.uint8))
     assert float(q[2]) == float(src[2])
-    assert torch.equal(NVFP4.decode_f32(*src).double(), w64)  # every value exact in float32 here
+    assert torch.equal(families.numerics(NVFP4).decode_f32(*src).double(), w64)  # every value exact in float32 here
 
 
 @pytest.mark.parametrize("fmt", [FP8_TENSOR, FP8_CHANNEL], ids=lambda f: f.key)
 def test_fp8_decode_and_quantize_round_trip_every_byte(fmt):
     codes, scale = _fp8_every_byte(fmt.output_scale == "channel")
-    w64 = fmt.decode_f64(codes, scale)
+    w64 = families.numerics(fmt).decode_f64(codes, scale)
     want = _e4m3_f64(codes.view(torch.uint8)) * scale.double().reshape(-1, 1)
     assert torch.equal(w64, want)
-    q_codes, q_scale = fmt.quantize(w64.float())
+    q_codes, q_scale = families.numerics(fmt).quantize(w64.float())
     assert torch.equal(q_codes.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(q_scale.reshape(-1), scale.reshape(-1))
     assert q_scale.numel() == (codes.shape[0] if fmt is FP8_CHANNEL else 1)
@@ -77,17 +77,17 @@ def test_fp8_decode_and_quantize_round_trip_every_byte(fmt):
 
 def _random_source(fmt, n=45, k=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return fmt.quantize(torch.randn(n, k, generator=g) * 0.05)
+    return families.numerics(fmt).quantize(torch.randn(n, k, generator=g) * 0.05)
 
 
 @pytest.mark.parametrize("atom", formats.ATOMS)
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
 def test_prepack_inverse_per_format(fmt, atom):
     src = _random_source(fmt)
-    packed = fmt.prepack(*src, atom=atom)
-    assert isinstance(packed, fmt.packed_type())
+    packed = families.numerics(fmt).prepack(*src, atom=atom)
+    assert isinstance(packed, families.numerics(fmt).packed_type)
     assert formats.format_of(packed) is fmt
-    back = fmt.unprepack(packed)
+    back = families.numerics(fmt).unprepack(packed)
     assert len(back) == len(fmt.roles) == len(src)
     for a, b in zip(back, src):
         a, b = torch.as_tensor(a), torch.as_tensor(b)
@@ -95,27 +95,27 @@ def test_prepack_inverse_per_format(fmt, atom):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         else:
             assert torch.equal(a.reshape(-1), b.float().reshape(-1))
-    fmt.verify_roundtrip(packed, *src)
+    families.numerics(fmt).verify_roundtrip(packed, *src)
     bad = packed.codes.clone()
     bad[7] ^= 0x11
-    broken = fmt.packed_from_tensors(bad, *fmt.kernel_tensors(packed)[1:], packed.n, packed.k, atom)
+    broken = families.numerics(fmt).packed_from_tensors(bad, *families.kernel_tensors(packed)[1:], packed.n, packed.k, atom)
     with pytest.raises(prepack.PrepackMismatch):
-        fmt.verify_roundtrip(broken, *src)
+        families.numerics(fmt).verify_roundtrip(broken, *src)
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
 def test_kernel_tensors_and_reference_agree_with_decode(fmt):
     src = _random_source(fmt, n=40, k=64, seed=1)
-    packed = fmt.prepack(*src)
-    again = fmt.packed_from_tensors(*fmt.kernel_tensors(packed), packed.n, packed.k, packed.atom)
+    packed = families.numerics(fmt).prepack(*src)
+    again = families.numerics(fmt).packed_from_tensors(*families.kernel_tensors(packed), packed.n, packed.k, packed.atom)
     assert formats.format_of(again) is fmt
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).half()
-    y64 = fmt.reference_linear_f64(x, again)
-    assert torch.allclose(y64, x.double() @ fmt.decode_f64(*src).t(), rtol=1e-12, atol=1e-12)
-    vals, row_scale = fmt.decode_packed(packed)
-    assert torch.equal((vals.double() * row_scale.double().reshape(-1, 1)), fmt.decode_f32(*src).double()) \
-        or torch.allclose(vals.double() * row_scale.double().reshape(-1, 1), fmt.decode_f64(*src), rtol=2 ** -23)
-    y = fmt.reference_linear(x, packed)
+    y64 = families.numerics(fmt).reference_linear_f64(x, again)
+    assert torch.allclose(y64, x.double() @ families.numerics(fmt).decode_f64(*src).t(), rtol=1e-12, atol=1e-12)
+    vals, row_scale = families.numerics(fmt).decode_packed(packed)
+    assert torch.equal((vals.double() * row_scale.double().reshape(-1, 1)), families.numerics(fmt).decode_f32(*src).double()) \
+        or torch.allclose(vals.double() * row_scale.double().reshape(-1, 1), families.numerics(fmt).decode_f64(*src), rtol=2 ** -23)
+    y = families.numerics(fmt).reference_linear(x, packed)
     assert y.dtype == torch.float16 and y.shape == (5, 40)
 
 
@@ -126,11 +126,11 @@ def test_packed_tensors_buffers_size_and_copy(fmt):
     field and copies no buffer twice; an expert stack copies alike."""
     from qpn.kernels import moe
 
-    packed = fmt.prepack(*_random_source(fmt, n=40, k=64, seed=3))
-    codes, scales, out_scale = fmt.packed_tensors(packed)
+    packed = families.numerics(fmt).prepack(*_random_source(fmt, n=40, k=64, seed=3))
+    codes, scales, out_scale = families.numerics(fmt).packed_tensors(packed)
     assert codes is packed.codes and out_scale is (packed.global_scale if fmt is NVFP4 else packed.scale)
     assert scales is (packed.scales if fmt.has_group_scales else None)
-    kc, ks, ko = fmt.kernel_tensors(packed)
+    kc, ks, ko = families.kernel_tensors(packed)
     assert ko.dtype == torch.float32 and ko.dim() == 1 and torch.equal(ko, out_scale.float().reshape(-1))
     # codes and group scales are bytes; the output scale float32, one value or one per row
     want = codes.numel() + (scales.numel() if scales is not None else 0) + 4 * out_scale.numel()
@@ -138,7 +138,7 @@ def test_packed_tensors_buffers_size_and_copy(fmt):
     assert set(packed.buffers()) == ({"codes", "scales", "global_scale"} if fmt is NVFP4 else {"codes", "scale"})
     moved = packed.to("cpu")
     assert type(moved) is type(packed) and (moved.n, moved.k, moved.atom) == (packed.n, packed.k, packed.atom)
-    for a, b in zip(fmt.packed_tensors(moved), fmt.packed_tensors(packed)):
+    for a, b in zip(families.numerics(fmt).packed_tensors(moved), families.numerics(fmt).packed_tensors(packed)):
         assert (a is None and b is None) or torch.equal(a, b)
     stack = moe.PackedExpertStack(fmt.family, codes[None], None if scales is None else scales[None],
                                   out_scale.float().reshape(1, -1), packed.n, packed.k, packed.atom)

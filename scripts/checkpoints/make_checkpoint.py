@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from qpn.kernels import codecs, formats
+from qpn.kernels import codecs, families, formats
 from qpn.scripts.checkpoints import tiny_hybrid, tiny_tokenizer
 
 MODELOPT_VERSION_FORM = "0.47.0"  # the ModelOpt release whose export layout this mirrors
@@ -262,7 +262,7 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
         m = hub_name(module)
         fmt = formats.weight_format(region)
         if not fmt.has_group_scales:  # FP8 per tensor
-            q, s = fmt.quantize(w)
+            q, s = families.numerics(fmt).quantize(w)
             out[f"{m}.weight"] = q
             out[f"{m}.weight_scale"] = s.reshape(())
             out[f"{m}.input_scale"] = torch.tensor(a / formats.E4M3_MAX, dtype=torch.float32)

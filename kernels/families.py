@@ -1,0 +1,35 @@
+"""Which numerics serve which weight format: the one place a format's data (formats.py) meets
+its family's implementation (family_nvfp4.py, family_fp8.py). Callers that handle tensors ask
+``numerics(fmt)``; callers that only read configs stay on formats.py, which imports no torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import formats
+from .family_fp8 import FP8Numerics
+from .family_nvfp4 import NVFP4Numerics
+
+# kernel family -> its numerics class (one per family module)
+NUMERICS = {"nvfp4": NVFP4Numerics, "fp8": FP8Numerics}
+_BY_KEY = {f.key: NUMERICS[f.family](f) for f in formats.WEIGHT_FORMATS}
+
+
+def numerics(fmt: Any):
+    """The numerics of a WeightFormat, a format key, family name or ModelOpt algo, or of the
+    format of a packed weight (anything with a ``format`` or ``fmt``)."""
+    if hasattr(fmt, "n") and hasattr(fmt, "atom"):  # a packed weight or expert stack
+        fmt = formats.format_of(fmt)
+    return _BY_KEY[formats.weight_format(fmt).key]
+
+
+def packed_types() -> tuple[type, ...]:
+    return tuple(cls.packed_type for cls in NUMERICS.values())
+
+
+def kernel_tensors(packed):
+    """(codes, group scales or None, float32 output scale [1] or [N]) a kernel reads."""
+    codes, scales, out_scale = numerics(packed).packed_tensors(packed)
+    return codes, scales, out_scale.to(torch.float32).reshape(-1)
