@@ -136,6 +136,12 @@ def _vision_guard(relpath: str) -> Hook:
     )
 
 
+_NO_PER_STEP_DEPTH = {"sm70": "1Cat 1.2.2 and 1.3.0 draft a fixed depth: their scheduler has no "
+                      "num_spec_tokens_to_schedule and the proposer loops over its own "
+                      "num_speculative_tokens (v1/spec_decode/llm_base_proposer.py), with CUDA graphs "
+                      "captured for that depth; the launcher refuses K=auto there"}
+
+
 # Engine-quirk hooks (the bootstrap's) first, then the loader's. Keep one entry per hook.
 REGISTRY: list[Hook] = [
     _vision_guard("model_executor/models/qwen3_vl.py"),
@@ -549,6 +555,63 @@ REGISTRY: list[Hook] = [
         remove_when="the cpu engine's split-KV merge is independent of the query count, or the cpu "
         "engine stops being where greedy identity is proven",
         apply="qpn.fork_patches.spec_identity:wrap_cpu_attn_scheduler_metadata",
+    ),
+    Hook(
+        name="auto-depth-per-step",
+        kind="runtime",
+        anchor="vllm.v1.core.sched.scheduler:Scheduler._update_after_schedule",
+        engines=("cpu",),
+        not_on=_NO_PER_STEP_DEPTH,
+        what="the depth a scheduling step drafts (SchedulerOutput.num_spec_tokens_to_schedule), "
+        "under K=auto",
+        why="vLLM keys a per-step depth by batch size only; the best depth moves with the live "
+        "context (every drafter step reads the whole KV cache)",
+        how="when QPN_DEPTH_LADDER is set, replace the batch-size table's answer with "
+        "depth_policy's choice for the longest live context of the step, before the engine books "
+        "the step (qpn.fork_patches.auto_depth); otherwise call the engine's code unchanged",
+        remove_when="vLLM schedules depth by context (an open upstream proposal)",
+        apply="qpn.fork_patches.auto_depth:wrap_update_after_schedule",
+    ),
+    Hook(
+        name="auto-depth-acceptance",
+        kind="runtime",
+        anchor="vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats",
+        engines=("cpu",),
+        not_on=_NO_PER_STEP_DEPTH,
+        what="the scheduler's per-request speculation verdicts (drafted, accepted)",
+        why="under K=auto a round drafts fewer positions than the deepest, and vLLM's drafts "
+        "counter does not say which: acceptance per position needs the per-position drafts",
+        how="count drafted and accepted tokens per draft position for the policy, then call the "
+        "engine's code (qpn.fork_patches.auto_depth)",
+        remove_when="the depth policy is upstream",
+        apply="qpn.fork_patches.auto_depth:wrap_make_spec_decoding_stats",
+    ),
+    Hook(
+        name="draft-per-position-metric",
+        kind="runtime",
+        anchor="vllm.v1.spec_decode.metrics:SpecDecodingProm.__init__",
+        engines=("cpu",),
+        not_on=_NO_PER_STEP_DEPTH,
+        what="the Prometheus speculation counters of the frontend",
+        why="the served_depth gate and an owner must see which depths K=auto drafted; vLLM exports "
+        "accepted tokens per position but not drafted ones",
+        how="also register qpn:spec_decode_num_draft_tokens_per_pos, one position label per draft "
+        "slot (qpn.fork_patches.auto_depth)",
+        remove_when="vLLM exports drafted tokens per position",
+        apply="qpn.fork_patches.auto_depth:wrap_spec_prom_init",
+    ),
+    Hook(
+        name="draft-per-position-metric-observe",
+        kind="runtime",
+        anchor="vllm.v1.spec_decode.metrics:SpecDecodingProm.observe",
+        engines=("cpu",),
+        not_on=_NO_PER_STEP_DEPTH,
+        what="each step's speculation statistics reaching the frontend's counters",
+        why="see draft-per-position-metric",
+        how="add the step's drafted tokens per position (SpecDecodingStats.num_draft_tokens_per_pos) "
+        "to qpn:spec_decode_num_draft_tokens_per_pos",
+        remove_when="vLLM exports drafted tokens per position",
+        apply="qpn.fork_patches.auto_depth:wrap_spec_prom_observe",
     ),
 ]
 

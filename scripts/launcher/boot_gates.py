@@ -33,6 +33,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from qpn.fork_patches.auto_depth import DRAFT_PER_POS_METRIC
 from qpn.fork_patches.census_schema import CensusSchemaError, CensusSummary
 from qpn.scripts.launcher.engine_profiles import EngineProfile
 
@@ -79,6 +80,25 @@ def served_depth(metrics_text: str) -> int:
             if match:
                 positions.add(int(match.group(1)))
     return len(positions)
+
+
+def rounds_per_depth(metrics_text: str) -> dict[int, int]:
+    """{depth: rounds that drafted exactly that many tokens} from the per-position drafts counter
+    of K=auto (fork_patches/auto_depth.py): rounds at depth d drafted position d-1 but not d."""
+    per_pos: dict[int, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(DRAFT_PER_POS_METRIC + "_total{"):
+            match = _POSITION.search(line)
+            try:
+                value = float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            if match:
+                pos = int(match.group(1))
+                per_pos[pos] = per_pos.get(pos, 0.0) + value
+    rounds = {d: int(per_pos.get(d - 1, 0.0) - per_pos.get(d, 0.0))
+              for d in range(1, max(per_pos, default=-1) + 2)}
+    return {d: n for d, n in rounds.items() if n > 0}
 
 
 def counter_total(metrics_text: str, metric: str) -> float:
@@ -174,9 +194,28 @@ def gate_warm(warm: dict) -> GateResult:
                       "greedy chat answered with > 0 completion tokens", observed)
 
 
-def gate_depth(k: int, metrics_text: str | None) -> GateResult:
+@dataclass(frozen=True)
+class AutoDepth:
+    """What the launcher expects of K=auto after its warm requests: the ladder, and the depths
+    the policy picks (from its prior) for the short and the long warm request's context."""
+
+    ladder: tuple[int, ...]
+    short: tuple[int, int]  # (context, depth)
+    long: tuple[int, int]
+
+    @property
+    def expects_change(self) -> bool:
+        return self.short[1] != self.long[1]
+
+
+def gate_depth(k: int, metrics_text: str | None, auto: AutoDepth | None = None) -> GateResult:
     expected = f"{k} draft positions ({DEPTH_METRIC})" + (
         f", draft tokens proposed after the warm request ({DRAFT_TOKENS_METRIC} > 0)" if k else "")
+    if auto is not None:
+        expected = f"K=auto over {list(auto.ladder)}: " + expected + (
+            f"; at least two depths drafted ({DRAFT_PER_POS_METRIC}: the policy picks "
+            f"{auto.short[1]} at {auto.short[0]} tokens, {auto.long[1]} at {auto.long[0]})"
+            if auto.expects_change else "")
     if metrics_text is None:
         return GateResult(GATE_DEPTH, FAIL, expected, "/metrics unreadable")
     served = served_depth(metrics_text)
@@ -188,6 +227,15 @@ def gate_depth(k: int, metrics_text: str | None) -> GateResult:
         problems.append(f"served depth {served}, asked {k}")
     if k and draft_tokens <= 0:
         problems.append("no draft token proposed: speculation is configured but not running")
+    if auto is not None:
+        rounds = rounds_per_depth(metrics_text)
+        observed += "; rounds per depth " + (", ".join(f"{d}: {n}" for d, n in sorted(rounds.items()))
+                                              or "none recorded")
+        if not rounds and draft_tokens > 0:
+            problems.append(f"no {DRAFT_PER_POS_METRIC} counts: the draft-per-position-metric "
+                            "hook is not active")
+        elif auto.expects_change and len(rounds) < 2:
+            problems.append("the depth never changed")
     if problems:
         observed += " -- " + "; ".join(problems)
     return GateResult(GATE_DEPTH, FAIL if problems else PASS, expected, observed)
@@ -517,6 +565,7 @@ class GateInputs:
     env: dict | None = None
     known_routes: frozenset[str] | None = None
     census_error: str = ""
+    auto_depth: AutoDepth | None = None
 
 
 @dataclass(frozen=True)
@@ -550,7 +599,8 @@ _ALWAYS = {"cpu": GateExpectation(), "sm70": GateExpectation()}
 
 GATES: tuple[Gate, ...] = (
     Gate(GATE_WARM, _ALWAYS, lambda i, e: gate_warm(i.warm), reads_census=False),
-    Gate(GATE_DEPTH, _ALWAYS, lambda i, e: gate_depth(i.k, i.metrics_text), reads_census=False),
+    Gate(GATE_DEPTH, _ALWAYS, lambda i, e: gate_depth(i.k, i.metrics_text, i.auto_depth),
+         reads_census=False),
     Gate(GATE_PLATFORM,
          {"cpu": GateExpectation(expected={"platform": "cpu", "backend": "reference"}),
           "sm70": GateExpectation(expected={"platform": "cuda", "backend": "cuda",
@@ -603,8 +653,8 @@ def apply_gates(profile: EngineProfile, inputs: GateInputs,
 def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | None,
              census: Census | None, regions: set[str], *, tp: int | None = None,
              quantized_layers: dict | None = None, env: dict | None = None,
-             declared: dict | None = None,
-             checkpoint_modules: dict | None = None) -> list[GateResult]:
+             declared: dict | None = None, checkpoint_modules: dict | None = None,
+             auto_depth: AutoDepth | None = None) -> list[GateResult]:
     """Every gate, over what the launcher gathered after the warm request (see GateInputs)."""
     try:
         summary, error = CensusSummary.from_dict(census), ""
@@ -613,7 +663,8 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
     inputs = GateInputs(k=k, warm=warm, metrics_text=metrics_text, census=summary,
                         regions=frozenset(regions), tp=tp, quantized_layers=quantized_layers,
                         checkpoint_modules=checkpoint_modules, declared=declared, env=env,
-                        known_routes=qpn_route_names(), census_error=error)
+                        known_routes=qpn_route_names(), census_error=error,
+                        auto_depth=auto_depth)
     return apply_gates(profile, inputs)
 
 

@@ -77,16 +77,25 @@ def uncovered_widths(sizes: list[int], max_num_seqs: int, k: int) -> list[int]:
 
 
 def resolve_capture(spec: str | None, max_num_seqs: int, k: int, engine_rules: bool = False,
-                    tp: int = 1) -> list[int] | None:
+                    tp: int = 1, ladder: tuple[int, ...] | None = None) -> list[int] | None:
     """The capture list for a CAPTURE value: unset/empty -> derived ladder (with ``engine_rules``,
     the sm70 engine's: joined with ``engine_sm70_capture_sizes``); 'none' -> None (the engine's
     own default); otherwise a comma-separated list, checked to cover every width and to hold only
-    multiples of K+1 (vLLM would round the others up silently)."""
+    multiples of K+1 (vLLM would round the others up silently). ``ladder`` (K=auto): every depth
+    of it drafts, so the derived list covers N*(d+1) for each depth d, and a hand-written one is
+    refused."""
+    depths = tuple(ladder) if ladder else (k,)
     if spec is None or not spec.strip():
-        derived = derive_capture_sizes(max_num_seqs, k)
-        if engine_rules and k > 0:
-            derived = sorted(set(derived) | set(engine_sm70_capture_sizes(max_num_seqs, k, tp)))
-        return derived
+        derived: set[int] = set()
+        for d in depths:
+            derived |= set(derive_capture_sizes(max_num_seqs, d))
+            if engine_rules and d > 0:
+                derived |= set(engine_sm70_capture_sizes(max_num_seqs, d, tp))
+        return sorted(derived)
+    if ladder and spec.strip().lower() != "none":
+        raise CaptureSpecError(f"CAPTURE={spec!r} with K=auto: the widths of every depth of the "
+                               f"ladder {list(ladder)} must be captured; unset CAPTURE to derive "
+                               "them, or CAPTURE=none for the engine default")
     if spec.strip().lower() == "none":
         return None
     try:

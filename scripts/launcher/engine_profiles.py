@@ -32,6 +32,9 @@ class EngineProfile:
     # The derived capture ladder also holds every size the engine's own SM70 MTP rule would
     # capture (capture_ladder.engine_sm70_capture_sizes): passing a list replaces that rule.
     engine_capture_rules: bool = False
+    # K=auto: the engine drafts a depth chosen per scheduling step (fork_patches/auto_depth.py);
+    # None: it cannot, and the reason the launcher gives when it refuses K=auto.
+    no_per_step_depth: str | None = None
 
 
 CPU = EngineProfile(
@@ -86,6 +89,9 @@ SM70 = EngineProfile(
     # Four V100-SXM2-16GB hold the 27B checkpoint (seed 000's configuration).
     default_tensor_parallel=4,
     engine_capture_rules=True,
+    no_per_step_depth=("1Cat-vLLM drafts a fixed depth (its proposer loops over its own "
+                       "num_speculative_tokens, with CUDA graphs captured for it); serve K=7, or "
+                       "K=3 for long live contexts"),
 )
 
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (CPU, SM70)}

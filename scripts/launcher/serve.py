@@ -32,6 +32,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from qpn.fork_patches import depth_policy
 from qpn.scripts.launcher import boot_gates, request_limits, serve_preflight
 from qpn.scripts.launcher.capture_ladder import CaptureSpecError, resolve_capture
 from qpn.scripts.launcher.engine_profiles import (
@@ -131,6 +132,7 @@ class Launch:
     max_n: int = 4
     regions: set[str] = field(default_factory=set)
     environ: dict[str, str] = field(default_factory=dict)
+    depth: depth_policy.DepthPolicy | None = None  # K=auto; None: the fixed depth k
 
     @property
     def probe_host(self) -> str:
@@ -176,7 +178,8 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
     port = _int_setting(environ, "PORT", DEFAULT_PORT)
     serve_preflight.check_port(host, port)
     config = serve_preflight.load_checkpoint_config(argv[0])
-    k = _int_setting(environ, "K", DEFAULT_K)
+    depth = auto_depth_policy(environ)
+    k = depth.max_depth if depth else _int_setting(environ, "K", DEFAULT_K)
     serve_preflight.check_depth(k, config, ckpt)
     mns = _int_setting(environ, "MNS", 1)
     if mns < 1:
@@ -193,9 +196,12 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
             raise Refusal(f"ENGINE={environ['ENGINE']} but {python} has the {profile.name} engine"
                           f" ({profile.distribution} {version}); point ENV_PREFIX at the right "
                           "engine or drop ENGINE")
+    if depth and profile.no_per_step_depth:
+        raise Refusal(f"K=auto on the {profile.name} engine: {profile.no_per_step_depth}")
     try:
         capture = resolve_capture(environ.get("CAPTURE"), mns, k, profile.engine_capture_rules,
-                                  _int_setting(environ, "TP", profile.default_tensor_parallel) or 1)
+                                  _int_setting(environ, "TP", profile.default_tensor_parallel) or 1,
+                                  ladder=depth.ladder if depth else None)
     except CaptureSpecError as exc:
         raise Refusal(str(exc)) from None
     if profile.checks_gpus:
@@ -234,7 +240,27 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
         thinking=environ.get("THINKING", "true").lower() not in ("0", "false", "no", "off"),
         api_key=environ.get("VLLM_API_KEY") or None, run_dir=run_dir,
         boot_timeout=_int_setting(environ, "BOOT_TIMEOUT", 900), max_n=max_n,
-        regions=boot_gates.declared_regions(_quant_config(ckpt, config)), environ=environ)
+        regions=boot_gates.declared_regions(_quant_config(ckpt, config)), environ=environ,
+        depth=depth)
+
+
+def auto_depth_policy(environ: dict[str, str]) -> depth_policy.DepthPolicy | None:
+    """K=auto's policy from DEPTH_LADDER / DEPTH_CONSTANTS / DEPTH_PRIOR_ROUNDS (None for a
+    fixed K); a bad setting is refused, naming it."""
+    if environ.get("K", "").strip().lower() != "auto":
+        for name in ("DEPTH_LADDER", "DEPTH_CONSTANTS", "DEPTH_PRIOR_ROUNDS"):
+            if environ.get(name, "").strip():
+                raise Refusal(f"{name} is set but K={environ.get('K') or DEFAULT_K} is a fixed "
+                              "depth: set K=auto to use it, or unset it")
+        return None
+    rounds = environ.get("DEPTH_PRIOR_ROUNDS", "").strip()
+    try:
+        return depth_policy.policy_from_settings(
+            environ.get("DEPTH_LADDER", "").strip() or "auto",
+            environ.get("DEPTH_CONSTANTS", "").strip() or None,
+            float(rounds) if rounds else depth_policy.DEFAULT_PRIOR_ROUNDS)
+    except ValueError as exc:
+        raise Refusal(f"K=auto: {exc}") from None
 
 
 def server_command(launch: Launch) -> list[str]:
@@ -251,6 +277,10 @@ def server_command(launch: Launch) -> list[str]:
         cmd += ["--tensor-parallel-size", str(launch.tp)]
     if launch.k > 0:
         spec = {"method": "mtp", "num_speculative_tokens": launch.k, **p.speculative_extra}
+        if launch.depth:
+            # vLLM's per-step depth path, on for every batch size at the deepest depth; the
+            # auto-depth-per-step hook replaces its answer each step (fork_patches/auto_depth.py)
+            spec["num_speculative_tokens_per_batch_size"] = [[1, launch.mns, launch.k]]
         cmd += ["--speculative-config", json.dumps(spec)]
     if p.uses_cuda_graphs and launch.capture is not None:
         cmd += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": launch.capture})]
@@ -270,6 +300,12 @@ def server_env(launch: Launch) -> dict[str, str]:
     for key, value in tp_env(launch.profile, launch.tp or 1).items():
         env.setdefault(key, value)
     env["QPN_CENSUS_DIR"] = launch.census_dir
+    if launch.depth:
+        from qpn.fork_patches import auto_depth
+
+        env[auto_depth.ENV_LADDER] = ",".join(map(str, launch.depth.ladder))
+        env[auto_depth.ENV_PRIOR_ROUNDS] = repr(launch.depth.prior_rounds)
+        env[auto_depth.ENV_CONSTANTS] = json.dumps(launch.depth.costs.as_dict())
     env["QPN_MAX_N"] = env["VLLM_MAX_N_SEQUENCES"] = str(launch.max_n)
     if launch.mml:
         env["QPN_MAX_MODEL_LEN"] = str(launch.mml)
@@ -454,8 +490,13 @@ def wait_for_models(server: Server, progress: BootProgress | None = None) -> str
                       f"(BOOT_TIMEOUT); last lines of {launch.server_log}:\n{server.log_tail()}")
 
 
-def warm_request(launch: Launch, model: str) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": "Say ready."}],
+# K=auto's second warm request: a prompt of about this many words, so the policy decides for a
+# long live context too (DEPTH_WARM_WORDS overrides it).
+LONG_WARM_WORDS = 1500
+
+
+def warm_request(launch: Launch, model: str, prompt: str = "Say ready.") -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "temperature": 0.0, "max_tokens": 8, "seed": 0,
             "chat_template_kwargs": {"enable_thinking": False}}
     try:
@@ -470,7 +511,30 @@ def warm_request(launch: Launch, model: str) -> dict:
         tokens = int(reply["usage"]["completion_tokens"])
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         return {"ok": False, "error": f"malformed reply ({exc}): {raw[:200]!r}"}
-    return {"ok": True, "completion_tokens": tokens, "content": choice.get("content")}
+    return {"ok": True, "completion_tokens": tokens, "content": choice.get("content"),
+            "prompt_tokens": int(reply["usage"].get("prompt_tokens") or 0)}
+
+
+def long_warm_prompt(words: int) -> str:
+    """A prompt of ``words`` words of ordinary text, ending in a short question."""
+    text = ("The committee met again on Thursday to review the figures from the spring survey and "
+            "to agree on the wording of the summary that will go to the members next month. ")
+    filler = text.split()
+    return " ".join(filler[i % len(filler)] for i in range(words)) + " What did the committee do?"
+
+
+def auto_depth_warm(launch: Launch, model: str, short: dict) -> tuple[dict, boot_gates.AutoDepth]:
+    """K=auto: the long warm request, and the depths the policy picks (from its prior) for the
+    two warm contexts, which the served_depth gate checks the engine drafted."""
+    words = _int_setting(launch.environ, "DEPTH_WARM_WORDS", LONG_WARM_WORDS)
+    long = warm_request(launch, model, long_warm_prompt(words))
+    policy = launch.depth
+
+    def pick(reply: dict) -> tuple[int, int]:
+        context = int(reply.get("prompt_tokens", 0)) + int(reply.get("completion_tokens", 0))
+        return context, policy.decide(context).k
+
+    return long, boot_gates.AutoDepth(policy.ladder, pick(short), pick(long))
 
 
 def read_metrics(launch: Launch) -> str | None:
@@ -513,6 +577,12 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     model = wait_for_models(server, progress)
     progress.tick(force=True, phase="warm request (one greedy chat, 8 tokens)")
     warm = warm_request(launch, model)
+    auto = None
+    if launch.depth and warm.get("ok"):
+        progress.tick(force=True, phase="K=auto: a long warm request")
+        long, auto = auto_depth_warm(launch, model, warm)
+        if not long.get("ok"):
+            warm = {**long, "error": f"the long warm request: {long.get('error')}"}
     census = read_census(launch)
     metrics = read_metrics(launch)
     quantized_layers = boot_gates.declared_layers(
@@ -522,7 +592,7 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
                                env=server_env(launch), declared=declared,
-                               checkpoint_modules=declared if ct else None)
+                               checkpoint_modules=declared if ct else None, auto_depth=auto)
 
 
 # ---- after READY: the engine's health ---------------------------------------------------------
@@ -610,6 +680,10 @@ def announce(launch: Launch) -> None:
     log(f"engine {p.name}: {p.description}; {p.distribution} {launch.engine_version} "
         f"({launch.python})")
     log(f"checkpoint {launch.ckpt}")
+    if launch.depth:
+        log(f"K=auto over depths {list(launch.depth.ladder)}: each step drafts the depth the "
+            "policy picks for the longest live context (fork_patches/depth_policy.py); "
+            f"prior worth {launch.depth.prior_rounds:g} rounds")
     log(f"K={launch.k} ({'speculation off' if launch.k == 0 else 'native MTP, greedy drafting'})"
         f", MNS={launch.mns}, MML={launch.mml or 'model default'}, TP={launch.tp or 1}, "
         f"GMU={launch.gmu if launch.gmu is not None else 'n/a on this engine'}")
