@@ -18,6 +18,8 @@ Observed from outside: ``qpn:spec_decode_num_draft_tokens_per_pos`` (one ``posit
 draft slot, like vLLM's accepted-per-position counter) counts how many rounds drafted each
 position, so rounds at depth d are the position d-1 count less the position d count; the
 ``served_depth`` gate reads it (scripts/launcher/boot_gates.py).
+``qpn:spec_decode_rounds_per_depth`` and ``qpn:spec_decode_accepted_tokens_per_depth`` (label
+``depth``) give the rounds and accepted tokens at each depth: tokens per round per depth.
 
 Settings (set by the launcher from ``K=auto``, ``DEPTH_LADDER``, ``DEPTH_CONSTANTS``,
 ``DEPTH_PRIOR_ROUNDS``; docs/serving.md): ``QPN_DEPTH_LADDER`` (absent: fixed depth, the hooks
@@ -38,6 +40,11 @@ ENV_LADDER = "QPN_DEPTH_LADDER"
 ENV_CONSTANTS = "QPN_DEPTH_CONSTANTS"
 ENV_PRIOR_ROUNDS = "QPN_DEPTH_PRIOR_ROUNDS"
 DRAFT_PER_POS_METRIC = "qpn:spec_decode_num_draft_tokens_per_pos"
+# Per drafted depth d (a step drafts one depth for all its requests; a request trimmed by its
+# grammar or its length counts at the depth it reached): rounds, and tokens they accepted, so
+# tokens per round at depth d = 1 + accepted / rounds.
+ROUNDS_PER_DEPTH_METRIC = "qpn:spec_decode_rounds_per_depth"
+ACCEPTED_PER_DEPTH_METRIC = "qpn:spec_decode_accepted_tokens_per_depth"
 
 
 def policy_from_env(environ=None) -> depth_policy.DepthPolicy | None:
@@ -130,20 +137,22 @@ def wrap_make_spec_decoding_stats(original):
     return make_spec_decoding_stats
 
 
-# ---- /metrics: rounds that drafted each position (the frontend process) ------------------------
-_COUNTER = None
+# ---- /metrics: rounds that drafted each position, rounds and tokens per depth (frontend) -------
+_COUNTERS: dict[str, object] = {}
 _COUNTER_LOCK = threading.Lock()
+_DOCS = {DRAFT_PER_POS_METRIC: ("position", "Rounds that drafted each position (volta-qpn)."),
+         ROUNDS_PER_DEPTH_METRIC: ("depth", "Speculation rounds per drafted depth (volta-qpn)."),
+         ACCEPTED_PER_DEPTH_METRIC: ("depth", "Accepted draft tokens per drafted depth (volta-qpn).")}
 
 
-def _draft_counter(counter_cls, labelnames: list[str]):
-    """One counter per process: prometheus_client refuses a second metric of the same name."""
-    global _COUNTER
+def _counter(counter_cls, name: str, labelnames: list[str]):
+    """One counter of each name per process: prometheus_client refuses a second registration."""
     with _COUNTER_LOCK:
-        if _COUNTER is None:
-            _COUNTER = counter_cls(name=DRAFT_PER_POS_METRIC,
-                                   documentation="Rounds that drafted each position (volta-qpn).",
-                                   labelnames=labelnames + ["position"])
-        return _COUNTER
+        if name not in _COUNTERS:
+            label, doc = _DOCS[name]
+            _COUNTERS[name] = counter_cls(name=name, documentation=doc,
+                                          labelnames=labelnames + [label])
+        return _COUNTERS[name]
 
 
 def wrap_spec_prom_init(original):
@@ -153,13 +162,18 @@ def wrap_spec_prom_init(original):
     @functools.wraps(original)
     def __init__(self, speculative_config, labelnames, per_engine_labelvalues, *args, **kwargs):
         original(self, speculative_config, labelnames, per_engine_labelvalues, *args, **kwargs)
-        self._qpn_drafted_per_pos = {}
+        self._qpn_drafted_per_pos, self._qpn_per_depth = {}, {}
         if not getattr(self, "spec_decoding_enabled", False) or getattr(self, "is_diffusion", False):
             return
-        base = _draft_counter(self._counter_cls, list(labelnames))
         k = speculative_config.num_speculative_tokens
-        self._qpn_drafted_per_pos = {idx: [base.labels(*lv, str(pos)) for pos in range(k)]
-                                     for idx, lv in per_engine_labelvalues.items()}
+        labels = list(labelnames)
+        drafted = _counter(self._counter_cls, DRAFT_PER_POS_METRIC, labels)
+        rounds = _counter(self._counter_cls, ROUNDS_PER_DEPTH_METRIC, labels)
+        accepted = _counter(self._counter_cls, ACCEPTED_PER_DEPTH_METRIC, labels)
+        for idx, lv in per_engine_labelvalues.items():
+            self._qpn_drafted_per_pos[idx] = [drafted.labels(*lv, str(pos)) for pos in range(k)]
+            self._qpn_per_depth[idx] = {d: (rounds.labels(*lv, str(d)), accepted.labels(*lv, str(d)))
+                                        for d in range(1, k + 1)}
 
     return __init__
 
@@ -171,5 +185,10 @@ def wrap_spec_prom_observe(original):
         per_pos = getattr(spec_decoding_stats, "num_draft_tokens_per_pos", None) or []
         for counter, n in zip(getattr(self, "_qpn_drafted_per_pos", {}).get(engine_idx, []), per_pos):
             counter.inc(n)
+        depth = sum(1 for n in per_pos if n)  # positions this step drafted
+        slot = getattr(self, "_qpn_per_depth", {}).get(engine_idx, {}).get(depth)
+        if slot is not None and spec_decoding_stats.num_drafts:
+            slot[0].inc(spec_decoding_stats.num_drafts)
+            slot[1].inc(spec_decoding_stats.num_accepted_tokens)
 
     return observe

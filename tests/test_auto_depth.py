@@ -185,9 +185,25 @@ class _Counter:
         return self.children.setdefault(values, SimpleNamespace(value=0, inc=None))
 
 
+class _Value:
+    def __init__(self):
+        self.value = 0
+
+    def inc(self, n):
+        self.value += n
+
+
+class _Counter:
+    def __init__(self, name, documentation, labelnames):
+        self.name, self.labelnames, self.children = name, labelnames, {}
+
+    def labels(self, *values):
+        return self.children.setdefault(values, _Value())
+
+
 @pytest.mark.fast
-def test_the_drafted_per_position_counter_counts_rounds_per_position(monkeypatch):
-    monkeypatch.setattr(auto_depth, "_COUNTER", None)
+def test_the_speculation_counters_per_position_and_per_depth(monkeypatch):
+    monkeypatch.setattr(auto_depth, "_COUNTERS", {})
 
     class Prom:
         _counter_cls = _Counter
@@ -202,15 +218,18 @@ def test_the_drafted_per_position_counter_counts_rounds_per_position(monkeypatch
     observe = auto_depth.wrap_spec_prom_observe(Prom.observe)
     prom = Prom.__new__(Prom)
     init(prom, SimpleNamespace(num_speculative_tokens=4), ["model_name", "engine"], {0: ["m", "0"]})
-    counts = [0] * 4
-    for i, child in enumerate(prom._qpn_drafted_per_pos[0]):
-        child.inc = (lambda i: lambda n: counts.__setitem__(i, counts[i] + n))(i)
-    observe(prom, SimpleNamespace(num_draft_tokens_per_pos=[3, 3, 1, 1]), 0)
-    observe(prom, SimpleNamespace(num_draft_tokens_per_pos=[1, 0, 0, 0]), 0)
-    assert counts == [4, 3, 1, 1]
-    assert auto_depth._COUNTER.name == auto_depth.DRAFT_PER_POS_METRIC
-    assert auto_depth._COUNTER.labelnames == ["model_name", "engine", "position"]
-    assert set(auto_depth._COUNTER.children) == {("m", "0", str(p)) for p in range(4)}
+    # a step of three requests at depth 2, then one request at depth 4 that accepted 3
+    observe(prom, SimpleNamespace(num_draft_tokens_per_pos=[3, 3, 0, 0], num_drafts=3,
+                                  num_accepted_tokens=2), 0)
+    observe(prom, SimpleNamespace(num_draft_tokens_per_pos=[1, 1, 1, 1], num_drafts=1,
+                                  num_accepted_tokens=3), 0)
+    counters = auto_depth._COUNTERS
+    drafted = counters[auto_depth.DRAFT_PER_POS_METRIC]
+    assert drafted.labelnames == ["model_name", "engine", "position"]
+    assert {k[-1]: v.value for k, v in drafted.children.items()} == {"0": 4, "1": 4, "2": 1, "3": 1}
+    rounds = {k[-1]: v.value for k, v in counters[auto_depth.ROUNDS_PER_DEPTH_METRIC].children.items()}
+    accepted = {k[-1]: v.value for k, v in counters[auto_depth.ACCEPTED_PER_DEPTH_METRIC].children.items()}
+    assert rounds == {"1": 0, "2": 3, "3": 0, "4": 1} and accepted == {"1": 0, "2": 2, "3": 0, "4": 3}
 
 
 # ---- the served_depth gate under auto (fast) -------------------------------------------------
@@ -315,6 +334,16 @@ def test_auto_server_passes_its_gates_with_a_depth_change(servers):
     assert depth["status"] == "PASS" and "K=auto over [3, 7]" in depth["expected"], depth
     assert "rounds per depth" in depth["observed"] and "3: " in depth["observed"] \
         and "7: " in depth["observed"], depth
+    import urllib.request
+
+    with urllib.request.urlopen(auto.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    rounds = {}
+    for line in text.splitlines():
+        if line.startswith(auto_depth.ROUNDS_PER_DEPTH_METRIC + "_total{"):
+            d = int(line.split('depth="')[1].split('"')[0])
+            rounds[d] = rounds.get(d, 0.0) + float(line.rsplit(" ", 1)[1])
+    assert rounds.get(3, 0) > 0 and rounds.get(7, 0) > 0, rounds
 
 
 @pytest.mark.engine
