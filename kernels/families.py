@@ -1,5 +1,5 @@
 """Which numerics serve which weight format: the one place a format's data (formats.py) meets
-its family's implementation (family_nvfp4.py, family_fp8.py). Callers that handle tensors ask
+its family's implementation (family_nvfp4.py, family_fp8.py, family_int4.py). Callers that handle tensors ask
 ``numerics(fmt)``; callers that only read configs stay on formats.py, which imports no torch.
 """
 from __future__ import annotations
@@ -10,11 +10,13 @@ import torch
 
 from . import formats
 from .family_fp8 import FP8Numerics
+from .family_int4 import INT4Numerics
 from .family_nvfp4 import NVFP4Numerics
 
 # kernel family -> its numerics class (one per family module)
-NUMERICS = {"nvfp4": NVFP4Numerics, "fp8": FP8Numerics}
-_BY_KEY = {f.key: NUMERICS[f.family](f) for f in formats.WEIGHT_FORMATS}
+# (every format with numerics, served or not: formats.ALL_FORMATS)
+NUMERICS = {"nvfp4": NVFP4Numerics, "fp8": FP8Numerics, "int4": INT4Numerics}
+_BY_KEY = {f.key: NUMERICS[f.family](f) for f in formats.ALL_FORMATS}
 
 
 def numerics(fmt: Any):
@@ -22,7 +24,7 @@ def numerics(fmt: Any):
     format of a packed weight (anything with a ``format`` or ``fmt``)."""
     if hasattr(fmt, "n") and hasattr(fmt, "atom"):  # a packed weight or expert stack
         fmt = formats.format_of(fmt)
-    return _BY_KEY[formats.weight_format(fmt).key]
+    return _BY_KEY[formats.weight_format(fmt, served_only=False).key]
 
 
 def packed_types() -> tuple[type, ...]:

@@ -1,4 +1,6 @@
-"""The numeric weight formats QPN serves, as data: NVFP4, FP8 per tensor, FP8 per output channel.
+"""The numeric weight formats QPN serves, as data: NVFP4, FP8 per tensor, FP8 per output channel;
+and INT4 W4A16 (asymmetric and symmetric), whose numerics exist but whose kernels do not yet
+(``served=False``: known to the numerics, not to routes, kernel builds or checkpoint gates).
 Everything that depends on a weight's format asks its ``WeightFormat`` here instead of comparing
 format strings.
 
@@ -11,13 +13,20 @@ launcher's gates and the convention readers use it on configs alone).
 
 A weight's *source* is the tuple of checkpoint tensors in the format's ``roles`` order:
 NVFP4 (codes uint8 [N, K/2], group_scales float8_e4m3fn [N, K/16], global_scale float32, the
-multiplier); FP8 (codes float8_e4m3fn [N, K], scale float32 [1] per tensor or [N] per channel).
+multiplier); FP8 (codes float8_e4m3fn [N, K], scale float32 [1] per tensor or [N] per channel);
+INT4 (codes uint8 [N, K/2], low nibble = even k; group_scales float16 [N, K/g]; zero_points
+uint8 [N, K/g] holding 0..15, asymmetric member only; w = (code - zero) * scale, symmetric zero 8).
 Checkpoint conventions (fork_patches/conventions.py) map their tensor names onto these roles.
 
 Lookup: ``weight_format(x)`` takes a format key ("nvfp4", "fp8_tensor", "fp8_channel"), a
 kernel family name ("nvfp4", "fp8": the family's per-tensor member), a ModelOpt ``quant_algo``
 ("NVFP4", "W4A16_NVFP4", "FP8"), or a WeightFormat; ``format_of(packed)`` answers for a packed
-weight; ``format_for_route(route)`` for a QPN route name.
+weight; ``format_for_route(route)`` for a QPN route name. These look up SERVED formats only unless
+asked with ``served_only=False`` (families.numerics does: the numerics of every format exist).
+
+Group size: ``group_size`` is the format's default; a format whose checkpoints choose the group
+size per weight lists the choices in ``group_sizes`` (INT4: 32, 64, 128) and a packed weight
+carries its own (the source implies it: K / group_scales columns).
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ from typing import Any
 GROUP_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+INT4_GROUP_SIZES = (32, 64, 128)  # each a multiple of both atoms' per-lane input run (32 / 16)
 ATOMS = ("m8n8k4", "m16n8k16")
 
 
@@ -45,15 +55,19 @@ class MoeShapeError(ValueError):
 @dataclass(frozen=True)
 class WeightFormat:
     key: str               # unique name of this description
-    family: str            # kernel family: packed layout, census region, route family ("nvfp4" | "fp8")
-    route_prefix: str      # QPN route names of the family start with it ("qpn2" | "qpn8")
+    family: str            # kernel family: packed layout, census region, route family ("nvfp4" | "fp8" | "int4")
+    route_prefix: str      # QPN route names of the family start with it ("qpn2" | "qpn8" | "qpn4")
     algos: tuple[str, ...]  # ModelOpt quant_algo values that declare it
     roles: tuple[str, ...]  # the source tensors, in order
     code_dtype: str        # torch dtype name of the checkpoint codes
     codes_per_byte: int    # 2: two e2m1 codes per uint8; 1: one e4m3 byte per code
     group_size: int | None  # inputs per e4m3 group scale (None: no group scales)
-    output_scale: str      # how the float32 output scale applies: "global" | "tensor" | "channel"
+    output_scale: str      # how the float32 output scale applies: "global" | "tensor" | "channel" | "none"
     title: str             # for messages: "NVFP4", "FP8 per tensor", ...
+    # group sizes a checkpoint may choose per weight (() = group_size only)
+    group_sizes: tuple[int, ...] = ()
+    scale_dtype: str = "float8_e4m3fn"  # torch dtype name of the group scales
+    served: bool = True    # False: numerics only; no routes, kernels or checkpoint gates name it yet
 
     # ------------------------------------------------------------------------- shapes
     @property
@@ -61,9 +75,26 @@ class WeightFormat:
         return self.group_size is not None
 
     @property
+    def has_zero_points(self) -> bool:
+        return "zero_points" in self.roles
+
+    @property
+    def allowed_group_sizes(self) -> tuple[int, ...]:
+        return self.group_sizes or ((self.group_size,) if self.group_size else ())
+
+    @property
+    def scale_name(self) -> str:
+        """The group scales' type in messages ("e4m3", "float16")."""
+        return {"float8_e4m3fn": "e4m3"}.get(self.scale_dtype, self.scale_dtype)
+
+    @property
     def bytes_per_weight(self) -> float:
-        """Bytes a kernel streams per weight element: codes plus group scales."""
-        return 1 / self.codes_per_byte + (1 / self.group_size if self.group_size else 0.0)
+        """Bytes of checkpoint data per weight element at the default group size: codes plus
+        group scales (plus zero points, half a byte each stored as nibbles)."""
+        if not self.group_size:
+            return 1 / self.codes_per_byte
+        scale_bytes = 2 if self.scale_dtype in ("float16", "bfloat16") else 1
+        return 1 / self.codes_per_byte + (scale_bytes + 0.5 * self.has_zero_points) / self.group_size
 
     @property
     def moe_route(self) -> str:
@@ -78,14 +109,20 @@ class WeightFormat:
         """Columns of the checkpoint codes tensor for K inputs."""
         return k // self.codes_per_byte
 
-    def group_scale_cols(self, k: int) -> int | None:
-        return None if self.group_size is None else k // self.group_size
+    def group_scale_cols(self, k: int, group_size: int | None = None) -> int | None:
+        g = group_size or self.group_size
+        return None if g is None else k // g
 
-    def check_k(self, k: int) -> None:
-        """Raise FormatError unless K inputs can be stored in this format."""
-        if self.group_size is not None and k % self.group_size:
-            raise FormatError(f"{self.title} needs K to be a multiple of {self.group_size} (one e4m3 "
-                              f"scale per {self.group_size} inputs); got K={k}")
+    def check_k(self, k: int, group_size: int | None = None) -> None:
+        """Raise FormatError unless K inputs can be stored in this format (with ``group_size``,
+        one of ``allowed_group_sizes``; default: the format's group size)."""
+        g = group_size or self.group_size
+        if group_size is not None and group_size not in self.allowed_group_sizes:
+            raise FormatError(f"{self.title} has no group size {group_size}; it stores groups of "
+                              f"{', '.join(map(str, self.allowed_group_sizes))} inputs")
+        if g is not None and k % g:
+            raise FormatError(f"{self.title} needs K to be a multiple of {g} (one {self.scale_name} "
+                              f"scale per {g} inputs); got K={k}")
 
     # ----------------------------------------------------------------- kernel entry points
     def dense_entry_points(self, atom: str) -> tuple[str, ...]:
@@ -122,10 +159,28 @@ FP8_CHANNEL = WeightFormat(
     roles=("codes", "scale"), code_dtype="float8_e4m3fn", codes_per_byte=1,
     group_size=None, output_scale="channel", title="FP8 per channel")
 
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL)
+# W4A16 integer weights (AutoAWQ, GPTQ, compressed-tensors pack-quantized): the group size is the
+# checkpoint's choice per weight (group_sizes); group_size is the common default. No ModelOpt algo
+# declares them (the checkpoint conventions map their configs onto the keys).
+INT4 = WeightFormat(
+    key="int4", family="int4", route_prefix="qpn4", algos=(),
+    roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=2,
+    group_size=128, output_scale="none", title="INT4 W4A16", group_sizes=INT4_GROUP_SIZES,
+    scale_dtype="float16", served=False)
+INT4_SYM = WeightFormat(
+    key="int4_sym", family="int4", route_prefix="qpn4", algos=(),
+    roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=2,
+    group_size=128, output_scale="none", title="INT4 W4A16 symmetric", group_sizes=INT4_GROUP_SIZES,
+    scale_dtype="float16", served=False)
+
+# Every format with numerics (families.numerics); one member per kernel family in ALL_FAMILIES.
+ALL_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL, INT4, INT4_SYM)
+ALL_FAMILIES: dict[str, WeightFormat] = {"nvfp4": NVFP4, "fp8": FP8_TENSOR, "int4": INT4}
+# What the kernels serve: the routes, kernel builds and checkpoint gates read only these.
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = tuple(f for f in ALL_FORMATS if f.served)
 # One member per kernel family: the formats that differ only in how the output scale is stored
 # share the family's packed layout, routes and kernels.
-FAMILIES: dict[str, WeightFormat] = {"nvfp4": NVFP4, "fp8": FP8_TENSOR}
+FAMILIES: dict[str, WeightFormat] = {k: f for k, f in ALL_FAMILIES.items() if f.served}
 MODELOPT_ALGOS: dict[str, WeightFormat] = {a: f for f in WEIGHT_FORMATS for a in f.algos}
 
 
@@ -133,22 +188,26 @@ def _names() -> str:
     return ", ".join([f.key for f in WEIGHT_FORMATS] + sorted(FAMILIES) + sorted(MODELOPT_ALGOS))
 
 
-def find_format(name_or_algo: Any) -> WeightFormat | None:
-    """The WeightFormat a key, family name or ModelOpt algo (any case) names; None if none."""
+def find_format(name_or_algo: Any, served_only: bool = True) -> WeightFormat | None:
+    """The WeightFormat a key, family name or ModelOpt algo (any case) names; None if none (or,
+    with ``served_only``, if the format it names is not served yet)."""
     if isinstance(name_or_algo, WeightFormat):
         return name_or_algo
     s = str(name_or_algo)
-    for f in WEIGHT_FORMATS:
+    for f in ALL_FORMATS:
         if s.lower() == f.key:
-            return f
-    return FAMILIES.get(s.lower()) or MODELOPT_ALGOS.get(s.upper())
+            return f if f.served or not served_only else None
+    f = ALL_FAMILIES.get(s.lower()) or MODELOPT_ALGOS.get(s.upper())
+    return None if f is None or (served_only and not f.served) else f
 
 
-def weight_format(name_or_algo: Any, fp8_scale: str | None = None) -> WeightFormat:
+def weight_format(name_or_algo: Any, fp8_scale: str | None = None, served_only: bool = True) -> WeightFormat:
     """The WeightFormat named; ``fp8_scale`` ("tensor" | "channel") picks the FP8 member."""
-    f = find_format(name_or_algo)
+    f = find_format(name_or_algo, served_only)
     if f is None:
-        raise UnknownFormat(f"unknown weight format or quant algo {name_or_algo!r}; QPN serves {_names()}")
+        pending = find_format(name_or_algo, served_only=False)
+        why = f" ({pending.title} has CPU numerics but no QPN kernels yet)" if pending else ""
+        raise UnknownFormat(f"unknown weight format or quant algo {name_or_algo!r}{why}; QPN serves {_names()}")
     if fp8_scale is not None and f.family == "fp8":
         f = {"tensor": FP8_TENSOR, "channel": FP8_CHANNEL}.get(fp8_scale)
         if f is None:
@@ -157,7 +216,11 @@ def weight_format(name_or_algo: Any, fp8_scale: str | None = None) -> WeightForm
 
 
 def format_of(packed) -> WeightFormat:
-    """The WeightFormat of a packed weight or expert stack (by its ``fmt`` and scale layout)."""
+    """The WeightFormat of a packed weight or expert stack (by its ``format_key`` where it names
+    its member itself, else by its ``fmt`` and scale layout)."""
+    key = getattr(packed, "format_key", None)
+    if key is not None:
+        return weight_format(key, served_only=False)
     f = weight_format(packed.fmt)
     if f.family == "fp8" and getattr(packed, "per_channel", False):
         return FP8_CHANNEL

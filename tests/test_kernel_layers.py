@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("atoms",),                             # fragment maps per MMA atom
     ("prepack",),                           # packed layouts and their proven inverse
     ("reference", "routes"),                # CPU reference, route table
-    ("family_nvfp4", "family_fp8"),         # one module per weight family's numerics
+    ("family_nvfp4", "family_fp8", "family_int4"),         # one module per weight family's numerics
     ("families",),                          # format -> numerics
     ("nvrtc",),                             # driver and NVRTC
     ("jit",),                               # JIT build, entry points
