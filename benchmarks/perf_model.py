@@ -17,7 +17,11 @@ Time of one call, bytes B of packed weights:
     issue-bound rate   = SMs x clock x IPC / issue slots per byte
 with three constants fitted on the H200 run (L: loaded memory latency in us, IPC: achieved issue
 slots per SM-clock, t0: fixed cost per call in us) against every m16n8k16 kernel and shape timed
-in that run. The V100 column takes the same L, IPC and t0 (an assumption, stated in the output).
+in that run. That fit is the calibration of the sm_80+ kernels; the V100 column of ``--csv`` takes
+the same L, IPC and t0 (an assumption, stated in the output). Constants fitted on published V100
+measurements alone (benchmarks/v100_calibration.py: seed 000's m8n8k4 kernels on a V100-SXM2) are
+the sm_70 alternative; ``--v100-calibrated`` prints the TP4 estimates and the whole decode step
+under them.
 
     python -m qpn.benchmarks.perf_model --csv results/kernel_matched_sm80_cal_h200_20261201.csv \\
         --sweep results/kernel_sm80_cal_sweep_h200_20261201.csv --out-dir results
@@ -557,6 +561,61 @@ def v100_column_lines(results_dir: str | None = None) -> list[str]:
     return out
 
 
+# ------------------------------------------- the V100-calibrated constants (additive option)
+def v100_calibrated_constants() -> Constants:
+    """L, IPC and t0 fitted on published V100 measurements alone (benchmarks/v100_calibration.py:
+    the seed's m8n8k4 kernels on a V100-SXM2), instead of carried over from the H200 fit."""
+    from .v100_calibration import v100_constants
+    return Constants(*v100_constants())
+
+
+def predict_v100_calibrated(k: KernelStats, n: int, kdim: int, round_trips_kblock: float,
+                            c: Constants | None = None) -> dict:
+    """One m8n8k4 call on the V100 under the V100-calibrated constants, in the form they were fitted
+    with: bytes in flight per warp are the kernel's weight bytes per k-block over the memory round
+    trips per k-block its SASS replays to (v100_calibration.our_m8n8k4_round_trips()), occupancy and
+    waves as v100_calibration.rates() counts them. An ESTIMATE, not a V100 measurement."""
+    from . import v100_calibration as vc
+    c = c or v100_calibrated_constants()
+    v = V100_SXM2
+    n_tiles, kblocks = -(-n // 32), -(-kdim // 32)
+    _, tpb = ops.sm70_split(n_tiles, kblocks, 1, v.sms)
+    nbytes = n * kdim * bytes_per_weight(k.fmt)
+    r = vc.rates(inflight_warp=k.bytes_kblock / round_trips_kblock, issue_per_byte=k.issue_per_byte,
+                 registers=k.registers, threads=256, smem=k.smem_block, blocks=-(-n_tiles // tpb), gpu=v,
+                 c=vc.Fit(c.latency_us, c.ipc, c.t0_us))
+    bound = min(r, key=r.get)
+    t = c.t0_us + nbytes / r[bound] / 1e3
+    return dict(us=t, bound=bound, pct=100 * nbytes / (t * 1e3) / v.read_ceiling_gbps,
+                inflight_warp=k.bytes_kblock / round_trips_kblock)
+
+
+def v100_calibrated_lines(stats: dict[str, KernelStats] | None = None,
+                          round_trips: dict[str, float] | None = None) -> list[str]:
+    """The TP4 shapes' V100 estimates under the V100-calibrated constants (``--v100-calibrated``),
+    labelled as estimates; nothing is written to results/."""
+    from . import v100_calibration as vc
+    stats = stats if stats is not None else kernel_stats("m8n8k4", 70)
+    round_trips = round_trips if round_trips is not None else vc.our_m8n8k4_round_trips()
+    c = v100_calibrated_constants()
+    out = [f"[kernels] V100 estimate with the V100-calibrated constants (L = {c.latency_us} us, IPC = {c.ipc}, "
+           f"t0 = {c.t0_us} us; {vc.LABEL}); an ESTIMATE, NOT a V100 measurement:"]
+    for shape, (fmt, n, kdim) in TP4_SHAPES.items():
+        for form in ops.NVFP4_FORMS if fmt == "nvfp4" else ("restore",):
+            for m in (1, 8, 16):
+                kname = _kernel_for(fmt, m, form)
+                p = predict_v100_calibrated(stats[kname], n, kdim, round_trips[kname], c)
+                out.append(f"[kernels]   {kname:18s} {shape:24s} M={m:2d}  est {p['us']:7.1f} us "
+                           f"{p['pct']:4.0f}% of 879 GB/s, {p['bound']}-bound, {p['inflight_warp']:.0f} B in flight/warp")
+    for form in ops.NVFP4_FORMS:
+        st = vc.whole_step_m8n8k4(form, stats, round_trips)
+        out.append(f"[kernels] whole decode step per rank at TP4, NVFP4 {form} ({vc.STEP_LABEL}): {st['calls']} "
+                   f"GEMMs, {st['weight_bytes'] / 1e6:.0f} MB = {st['floor_us'] / 1e3:.2f} ms at 879 GB/s; est "
+                   + ", ".join(f"M={m}: {us / 1e3:.2f} ms" for m, us in st["step_us"].items())
+                   + f"; drafter lm_head {st['drafter_lm_head_us']:.0f} us")
+    return out
+
+
 # ------------------------------------------------------------------ checked against a V100
 def fitted_constants(estimate_csv: str) -> tuple[Constants, Constants | None]:
     """The H200 fits behind a V100 estimate file: its '# fitted:' line and, where the file has
@@ -670,11 +729,17 @@ def main(argv=None) -> int:
     ap.add_argument("--v100-column", action="store_true",
                     help="instead: print the newest committed V100 estimate (the bootstrap's sm70 step)")
     ap.add_argument("--results", default="", help="with --v100-column: the results folder to read")
+    ap.add_argument("--v100-calibrated", action="store_true",
+                    help="instead: print the TP4 V100 estimates under the constants fitted on published V100 "
+                         "measurements (benchmarks/v100_calibration.py); writes nothing")
     ap.add_argument("--out-dir", default="results")
     ap.add_argument("--stamp", default="", help="file name stamp (default: the run's date)")
     args = ap.parse_args(argv)
     if args.v100_column:
         print("\n".join(v100_column_lines(args.results or None)))
+        return 0
+    if args.v100_calibrated:
+        print("\n".join(v100_calibrated_lines()))
         return 0
     if bool(args.csv) == bool(args.check_m8n8k4):
         ap.error("give --csv (calibrate on an sm_80+ run) or --check-m8n8k4 (check against an m8n8k4 run)")
