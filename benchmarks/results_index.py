@@ -10,9 +10,18 @@ per cited file, where it is cited and what its provenance says (commit, command)
 notes (``*_notes_*.md``) are narrative written with the data they name; every other cited file
 carries the provenance block the harness writes (benchmarks/provenance.py, or the CSV header of
 the kernel benchmarks). tests/test_doc_references.py checks all of it.
+
+What stays under results/ is what the index reaches (``reachable``): the files README.md, docs/ and
+our sources cite (a pattern such as ``results/perf_model_v100_estimate_*.csv`` cites the newest
+file it matches, the one code reading the series takes; ``SERIES_READ_BY_CODE`` lists the series
+code looks up without spelling the path; a ``<date>`` placeholder names no file), then, transitively, what a kept file names (its data, its inputs), the other files of
+a kept file's run (same stem; a file whose provenance command wrote a kept file) and a session's
+notes that name a kept file. Anything else is a superseded iteration: it is removed, git keeps it.
 """
 from __future__ import annotations
 
+import itertools
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -24,6 +33,21 @@ RESULT_REF = re.compile(r"results/[A-Za-z0-9_.-]+\.(?:md|csv|png|json)")
 _COMMIT = re.compile(r"\bcommit\b[:\s]+([0-9a-f]{7,40})")
 _COMMAND = re.compile(r"\bcommand\b:\s*(.+)")
 PROVENANCE_LINES = 40
+# where a source (code, tests, docs) may cite results/: every such file outside results/ itself
+SOURCE_SUFFIXES = {".py", ".md", ".sh", ".toml"}
+SKIP_PARTS = {".git", "build", "results", "__pycache__"}
+# results/<name or pattern>: a name, ``*`` (the newest match), ``{a,b}`` alternatives
+# (results/kernel_sm80_depth{1,2}_sweep_...csv); a ``<placeholder>`` names no file
+_RESULT_CITE = re.compile(r"results/((?:[A-Za-z0-9_.*<>-]|\{[A-Za-z0-9_,.-]*\})+)")
+# a file name inside a results file (notes write names bare, with {a,b} alternatives)
+_NAME = re.compile(r"(?<![A-Za-z0-9_.}-])(?:[A-Za-z0-9_.-]|\{[A-Za-z0-9_,.-]*\})*"
+                   r"\.(?:md|csv|png|json|txt|\{[a-z,]+\})(?![A-Za-z0-9_])")
+_BRACES = re.compile(r"\{([^{}]*)\}")
+# series that code reads by looking up their newest file (not spelled results/... in the source)
+SERIES_READ_BY_CODE = {
+    "perf_model_v100_estimate_*.csv": "benchmarks/perf_model.py newest_estimate() (the bootstrap's sm70 step)",
+    "perf_model_v100_calibration_*.csv": "tests/test_v100_calibration.py (the newest committed calibration)",
+}
 
 
 @dataclass(frozen=True)
@@ -53,7 +77,8 @@ def is_notes(path: str) -> bool:
 
 def provenance(path: Path) -> dict[str, str]:
     """``commit`` and ``command`` from the first lines of a results file (absent keys: not found)."""
-    head = path.read_text(errors="replace").splitlines()[:PROVENANCE_LINES]
+    with path.open(errors="replace") as f:
+        head = [line.rstrip("\n") for line in itertools.islice(f, PROVENANCE_LINES)]
     out: dict[str, str] = {}
     for line in head:
         line = line.lstrip("#-* ").strip()
@@ -62,6 +87,103 @@ def provenance(path: Path) -> dict[str, str]:
         if "command" not in out and (m := _COMMAND.search(line)):
             out["command"] = m.group(1).strip().strip("`")
     return out
+
+
+def source_files(repo: Path = REPO) -> list[Path]:
+    """README.md, docs/ and every source outside results/ (code and tests cite results too)."""
+    out = []
+    for top, dirs, files in os.walk(repo):
+        at_root = Path(top) == repo
+        dirs[:] = [d for d in dirs if d not in SKIP_PARTS
+                   and not (at_root and (d.startswith(".") or d.endswith(".egg-info")))]
+        out += [Path(top) / f for f in files if Path(f).suffix in SOURCE_SUFFIXES]
+    return sorted(out)
+
+
+def expand_braces(text: str) -> list[str]:
+    m = _BRACES.search(text)
+    if not m:
+        return [text]
+    return [x for alt in m.group(1).split(",") for x in expand_braces(text[:m.start()] + alt + text[m.end():])]
+
+
+def resolve(ref: str, names: set[str]) -> list[str]:
+    """The results files a citation names: each exact name that exists, the newest match of a pattern."""
+    ref = ref.rstrip(".")
+    if not ref or "..." in ref:  # a pattern the text explains (results/<name>...)
+        return []
+    out = []
+    for one in expand_braces(ref):
+        if "<" in one:  # results/read_probe_<gpu>_<date>.csv: how a run names its file, no file
+            continue
+        if "*" in one:
+            pattern = ".*".join(map(re.escape, one.split("*")))
+            hits = sorted(n for n in names if re.fullmatch(pattern, n))
+            if hits:
+                out.append(hits[-1])  # the newest: names carry the date (or a later suffix) in order
+        elif one in names:
+            out.append(one)
+    return out
+
+
+def _named_in(text: str, names: set[str]) -> set[str]:
+    return {n for m in _NAME.finditer(text) for n in resolve(m.group(0), names)}
+
+
+def reachable(repo: Path = REPO) -> dict[str, str]:
+    """Every file under results/ the index reaches, ``results/<name>`` -> why it is kept (module doc)."""
+    results = repo / "results"
+    names = {p.name for p in results.iterdir() if p.is_file()} - {Path(INDEX).name}
+    why: dict[str, str] = {}
+    todo: list[str] = []
+
+    def keep(name: str, reason: str) -> None:
+        if name not in why:
+            why[name] = reason
+            todo.append(name)
+
+    for src in source_files(repo):  # the file, not the line: an edit elsewhere in it leaves the index current
+        where = f"cited by {src.relative_to(repo)}"
+        for m in _RESULT_CITE.finditer(src.read_text(errors="replace")):
+            for name in resolve(m.group(1), names):
+                keep(name, f"newest of results/{m.group(1)}, {where}" if "*" in m.group(1) else where)
+    for pattern, reader in SERIES_READ_BY_CODE.items():
+        for name in resolve(pattern, names):
+            keep(name, f"newest of results/{pattern}, read by {reader}")
+    named: dict[str, set[str]] = {}  # read once, when needed: what a results file names
+
+    def names_in(n: str) -> set[str]:
+        if n not in named:
+            named[n] = (set() if Path(n).suffix == ".png"
+                        else _named_in((results / n).read_text(errors="replace"), names) - {n})
+        return named[n]
+
+    commands = {n: _named_in(provenance(results / n).get("command", ""), names) - {n}
+                for n in sorted(names) if Path(n).suffix != ".png"}
+    stems: dict[str, list[str]] = {}
+    for n in sorted(names):
+        stems.setdefault(Path(n).stem, []).append(n)
+    while True:
+        while todo:
+            name = todo.pop(0)
+            for other in sorted(names_in(name)):
+                keep(other, f"named by results/{name}")
+            for other in stems[Path(name).stem]:
+                keep(other, f"same run as results/{name}")
+        for n in sorted(names - set(why)):  # what names a kept file: its run's command, a session's notes
+            if hit := sorted(commands.get(n, set()) & set(why)):
+                keep(n, f"same run as results/{hit[0]} (its command wrote it)")
+            elif is_notes(n) and (hit := sorted(names_in(n) & set(why))):
+                keep(n, f"notes on results/{hit[0]}")
+        if not todo:
+            return {f"results/{n}": why[n] for n in sorted(why)}
+
+
+def orphans(repo: Path = REPO) -> list[str]:
+    """Files under results/ the index does not reach: superseded iterations (git keeps them)."""
+    kept = reachable(repo)
+    return sorted(f"results/{p.name}" for p in (repo / "results").iterdir()
+                  if p.is_file() and f"results/{p.name}" not in kept and f"results/{p.name}" != INDEX)
 
 
 def render(repo: Path = REPO) -> str:
@@ -80,13 +202,19 @@ def render(repo: Path = REPO) -> str:
         p = provenance(repo / path)
         command = f"`{p['command']}`".replace("|", "\\|") if "command" in p else "see the file's header"
         rows.append(f"| `{path}` | {where} | {p.get('commit', 'none')[:12]} | {command} |")
+    support = ["| file | kept because |", "|---|---|"]
+    support += [f"| `{path}` | {why} |" for path, why in reachable(repo).items() if path not in by_file]
     return ("# Evidence index\n\n"
             "Which file under results/ backs which claim of README.md and docs/, where it is cited, and how "
             "to regenerate it (the command its own provenance names). Written by "
             "`python -m qpn.benchmarks.results_index`, not by hand; tests/test_doc_references.py fails when "
-            "it is stale, when a cited file is missing, or when a cited data file has no provenance. "
-            "Files not listed here are the data behind the listed ones (a notes file names its own) or "
-            "earlier iterations, which are not evidence for any current claim.\n\n" + "\n".join(rows) + "\n")
+            "it is stale, when a cited file is missing, when a data file under results/ has no provenance, "
+            "or when a file under results/ is in neither table below.\n\n" + "\n".join(rows) + "\n\n"
+            "## The files behind them\n\n"
+            "Kept because code, tests or a source cite them, or because a kept file names them (its data, "
+            "its inputs), they belong to a kept file's run, or they are a session's notes on a kept file "
+            "(benchmarks/results_index.py, `reachable`). Superseded iterations are removed; git history "
+            "keeps them.\n\n" + "\n".join(support) + "\n")
 
 
 def main(argv: list[str]) -> int:
@@ -98,7 +226,9 @@ def main(argv: list[str]) -> int:
             return 1
         return 0
     index.write_text(text)
-    print(f"wrote {INDEX} ({len({c.path for c in citations()})} files)")
+    print(f"wrote {INDEX} ({len({c.path for c in citations()})} cited files, {len(reachable())} kept in all)")
+    for path in orphans():
+        print(f"not reached from the index (a superseded iteration? git rm it): {path}", file=sys.stderr)
     return 0
 
 

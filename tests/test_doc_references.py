@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qpn.benchmarks import results_index
+from qpn.benchmarks.v100_calibration import THIRD_PARTY_FILES
 from tests._ci import onecat_archive
 
 pytestmark = pytest.mark.fast
@@ -47,8 +48,10 @@ def test_every_cited_path_exists(repo_root):
     cited = cited_paths(repo_root)
     with tarfile.open(onecat_archive("1.3.0")) as tar:
         onecat = {m.name.split("/", 1)[1] for m in tar if m.isfile() and "/docs/design/" in m.name}
+    third_party = {path for _, path in THIRD_PARTY_FILES}  # other repositories' files, cited by repository
     missing = {ref: where for ref, where in cited.items()
-               if not ((repo_root / ref).exists() or (ref.startswith(ONECAT_DOCS) and ref in onecat))}
+               if not ((repo_root / ref).exists() or (ref.startswith(ONECAT_DOCS) and ref in onecat)
+                       or ref in third_party)}
     assert not missing, "cited but not in the repository (or the 1Cat archive): " + "; ".join(
         f"{ref} ({', '.join(where[:3])})" for ref, where in sorted(missing.items()))
 
@@ -100,3 +103,126 @@ def test_every_test_file_is_in_the_contract_map(repo_root):
     files = {p.name for p in (repo_root / "tests").glob("test_*.py")}
     named = set(re.findall(r"tests/(test_\w+\.py)", doc))
     assert files - named == set(), f"test files missing from docs/testing.md: {sorted(files - named)}"
+
+
+# ---- results/ is the evidence index's closure (issue 27 item 4): nothing orphaned, everything proven
+
+import functools  # noqa: E402  (this section's own imports)
+
+from qpn.benchmarks import perf_model  # noqa: E402
+
+_reachable = functools.cache(results_index.reachable)  # one walk of the repository per session
+
+
+def _results_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "results").iterdir() if p.is_file() and p.name != Path(results_index.INDEX).name)
+
+
+def _unproven(root: Path) -> list[str]:
+    """Files under results/ that say nothing of how they were made: a data file (csv, md, json) with
+    no commit in its provenance block (a session's notes excepted: they are narrative and name their
+    data), a plot with no data file beside it, a tool's raw output (txt) no session's notes name, or a
+    file of any other kind."""
+    kept = {p.name for p in _results_files(root)}
+    notes_name = set().union(*(results_index._named_in(p.read_text(errors="replace"), kept)
+                               for p in _results_files(root) if results_index.is_notes(p.name)))
+    bad = []
+    for path in _results_files(root):
+        rel = f"results/{path.name}"
+        if path.suffix in {".csv", ".md", ".json"}:
+            if not results_index.is_notes(path.name) and "commit" not in results_index.provenance(path):
+                bad.append(f"{rel}: no commit in its first {results_index.PROVENANCE_LINES} lines")
+        elif path.suffix == ".png":
+            if not any(path.with_suffix(s).is_file() for s in (".csv", ".md")):
+                bad.append(f"{rel}: a plot with no data file beside it")
+        elif path.suffix == ".txt":
+            if path.name not in notes_name:
+                bad.append(f"{rel}: raw tool output that no session's notes name")
+        else:
+            bad.append(f"{rel}: not a results file (csv, md, json, png, txt)")
+    return bad
+
+
+def test_every_results_file_is_reached_from_the_index(repo_root):
+    """Superseded iterations are removed (git keeps them): each file under results/ is cited by the
+    docs or a source, or reached from a cited file, and listed in results/README.md."""
+    orphans = results_index.orphans(repo_root)
+    assert not orphans, ("not reached from the evidence index (superseded iterations: git rm them, or cite "
+                         "them): " + ", ".join(orphans))
+    kept = _reachable(repo_root)
+    index = (repo_root / results_index.INDEX).read_text()
+    assert [p for p in kept if f"`{p}`" not in index] == []
+    for c in results_index.citations(repo_root):  # every cited file is kept, as cited
+        assert c.path in kept or not (repo_root / c.path).is_file(), c
+    # the newest file of each series that code looks up is kept
+    newest = perf_model.newest_estimate(str(repo_root / "results"))
+    assert newest and f"results/{Path(newest).name}" in kept
+    for pattern in results_index.SERIES_READ_BY_CODE:
+        names = sorted(p.name for p in (repo_root / "results").glob(pattern))
+        assert not names or f"results/{names[-1]}" in kept, pattern
+
+
+def test_the_reachability_check_reports_an_orphan(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks").mkdir()
+    res = tmp_path / "results"
+    res.mkdir()
+    (tmp_path / "README.md").write_text("Measured in results/run_h200_20990101.md.\n")
+    (tmp_path / "benchmarks" / "reader.py").write_text('"""reads the newest results/series_*.csv"""\n')
+    prov = "# commit: 1234567\n"
+    files = {
+        "run_h200_20990101.md": prov + "# command: bench --in /x/inputs_20990101.csv\n",  # cited
+        "run_h200_20990101.png": "",  # same stem: the cited run's plot
+        "inputs_20990101.csv": prov,  # named by the cited run
+        "deep_20990101.csv": prov,  # named by what the cited run names: transitive
+        "writer_20990101.csv": prov + "# command: bench --out /root/out/run_h200_20990101.md\n",  # wrote it
+        "run_notes_20990101.md": "Notes on run_h200_20990101.md; ncu in ncu_20990101.txt, "
+                                 "sweeps sweep{1,2}_20990101.{csv,md}.\n",  # notes naming a kept file
+        "ncu_20990101.txt": "raw\n",
+        "sweep1_20990101.csv": prov, "sweep2_20990101.md": prov,
+        "series_20990101.csv": prov, "series_20990102.csv": prov,  # the reader takes the newest
+        "old_iteration_20990101.md": prov + "an earlier run of run_h200_20990101.md\n",  # names a kept file
+        "old_notes_20990101.md": "notes on old_iteration_20990101.md\n",
+    }
+    for name, text in files.items():
+        (res / name).write_text(text)
+    (res / "inputs_20990101.csv").write_text(prov + "# from deep_20990101.csv\n")
+    (res / "README.md").write_text(results_index.render(tmp_path))
+    assert results_index.orphans(tmp_path) == [
+        "results/old_iteration_20990101.md", "results/old_notes_20990101.md", "results/series_20990101.csv"]
+    kept = results_index.reachable(tmp_path)
+    assert kept["results/run_h200_20990101.md"] == "cited by README.md"
+    assert kept["results/series_20990102.csv"].startswith("newest of results/series_*.csv")
+    assert kept["results/deep_20990101.csv"] == "named by results/inputs_20990101.csv"
+    assert kept["results/writer_20990101.csv"].startswith("same run as results/run_h200_20990101.md")
+    assert kept["results/run_notes_20990101.md"] == "notes on results/run_h200_20990101.md"
+    assert {"results/sweep1_20990101.csv", "results/sweep2_20990101.md", "results/ncu_20990101.txt"} <= set(kept)
+    assert all(f"`{p}`" in (res / "README.md").read_text() for p in kept)
+    assert _unproven(tmp_path) == []
+    (res / "old_iteration_20990101.md").unlink()
+    (res / "old_notes_20990101.md").unlink()
+    (res / "series_20990101.csv").unlink()
+    assert results_index.orphans(tmp_path) == []
+
+
+def test_every_results_file_has_provenance(repo_root):
+    bad = _unproven(repo_root)
+    assert not bad, bad
+
+
+def test_the_provenance_check_reports_what_lacks_it(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "good.csv").write_text("# commit: 1234567\nm,n\n")
+    (res / "bare.csv").write_text("m,n\n1,2\n")  # data, no provenance
+    (res / "bare.md").write_text("# a table\n\nA commit of ours fixed it.\n")
+    (res / "x_notes_1.md").write_text("narrative on good.csv\n")  # notes: exempt
+    (res / "good.png").write_text("")
+    (res / "lonely.png").write_text("")  # a plot of no data file
+    (res / "loose.txt").write_text("ncu\n")  # raw output no notes name
+    (res / "raw.bin").write_text("")
+    assert _unproven(tmp_path) == [
+        "results/bare.csv: no commit in its first 40 lines", "results/bare.md: no commit in its first 40 lines",
+        "results/lonely.png: a plot with no data file beside it",
+        "results/loose.txt: raw tool output that no session's notes name",
+        "results/raw.bin: not a results file (csv, md, json, png, txt)"]
