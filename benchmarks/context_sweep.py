@@ -51,6 +51,8 @@ COLUMNS = [
     Column("runs", "runs"),
     Column("tau", "tau (whole depth)", 2),
     Column("rounds", "rounds (whole depth)", 0),
+    Column("drafted", "drafted per round", 2),
+    Column("rounds_per_depth", "rounds per drafted depth"),
     Column("speculation", "spec"),
     Column("device", "device"),
 ]
@@ -230,12 +232,15 @@ def main(argv=None) -> int:
                     else:
                         tau, rounds = (0.0, None) if bench.metrics_known else (None, None)
                         spec = "off" if bench.metrics_known else "unknown"
+                    # Under K=auto the depth drafted varies with the context: say which.
+                    drafted = delta.mean_drafted if delta is not None else None
                     writer.add_row({
                         "depth": depth, "pp": run.get("prompt_size", args.pp),
                         "tg": run.get("response_size", args.tg),
                         "live_context": depth + int(run.get("prompt_size", args.pp)),
                         "tg_tok_s": tg, "tg_tok_s_sd": tg_sd, "pp_tok_s": pp, "pp_tok_s_sd": pp_sd,
                         "e2e_ttft_ms": ttft, "runs": args.runs, "tau": tau, "rounds": rounds,
+                        "drafted": drafted, "rounds_per_depth": M.depth_text(delta),
                         "speculation": spec, "device": pre.device,
                     })
                     if tg is None:

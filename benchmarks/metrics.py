@@ -29,6 +29,8 @@ DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# volta-qpn's own counter under K=auto (fork_patches/auto_depth.py): rounds by drafted depth.
+ROUNDS_PER_DEPTH = "qpn:spec_decode_rounds_per_depth_total"
 
 THROUGHPUT_ROUND_LABEL = "tok/s (generated - (tau+1)) / decode_s"
 THROUGHPUT_ONE_TOKEN_LABEL = "tok/s (generated - 1) / decode_s"
@@ -62,6 +64,13 @@ class SpecCounters:
     draft_tokens: float
     accepted: float
     accepted_per_pos: tuple[float, ...]  # index = draft position
+    # (depth, rounds) for each depth drafted; empty unless the server exports ROUNDS_PER_DEPTH
+    rounds_per_depth: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def mean_drafted(self) -> float | None:
+        """Draft tokens per round: the depth actually drafted (below K under K=auto)."""
+        return self.draft_tokens / self.drafts if self.drafts else None
 
     @property
     def depth(self) -> int:
@@ -75,6 +84,7 @@ def spec_counters(samples, model: str | None = None) -> SpecCounters | None:
     sums = {DRAFTS: 0.0, DRAFT_TOKENS: 0.0, ACCEPTED: 0.0}
     seen = False
     per_pos: dict[int, float] = {}
+    per_depth: dict[int, float] = {}
     for name, labels, value in samples:
         if model is not None and labels.get("model_name", model) != model:
             continue
@@ -85,10 +95,14 @@ def spec_counters(samples, model: str | None = None) -> SpecCounters | None:
             pos = int(labels["position"])
             per_pos[pos] = per_pos.get(pos, 0.0) + value
             seen = True
+        elif name == ROUNDS_PER_DEPTH and "depth" in labels:
+            depth = int(labels["depth"])
+            per_depth[depth] = per_depth.get(depth, 0.0) + value
     if not seen:
         return None
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
-    return SpecCounters(sums[DRAFTS], sums[DRAFT_TOKENS], sums[ACCEPTED], positions)
+    return SpecCounters(sums[DRAFTS], sums[DRAFT_TOKENS], sums[ACCEPTED], positions,
+                        tuple(sorted(per_depth.items())))
 
 
 def counters_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecCounters | None:
@@ -101,7 +115,20 @@ def counters_delta(before: SpecCounters | None, after: SpecCounters | None) -> S
         after.draft_tokens - before.draft_tokens,
         after.accepted - before.accepted,
         tuple(a - b for a, b in zip(pad(after.accepted_per_pos), pad(before.accepted_per_pos))),
+        _depth_delta(before.rounds_per_depth, after.rounds_per_depth),
     )
+
+
+def _depth_delta(before, after) -> tuple[tuple[int, float], ...]:
+    was = dict(before)
+    return tuple((d, n - was.get(d, 0.0)) for d, n in after if n - was.get(d, 0.0) > 0)
+
+
+def depth_text(counters: SpecCounters | None) -> str:
+    """``"3:12 7:40"``: rounds per drafted depth, for a table cell; "" when not exported."""
+    if counters is None:
+        return ""
+    return " ".join(f"{d}:{n:.0f}" for d, n in counters.rounds_per_depth)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ with the engine's own NVFP4 arms beside QPN, and the end-to-end cells, into one 
 with provenance, ready to attach to an issue.
 
     bash scripts/v100-evidence.sh [--out DIR] [--base-url URL --model NAME] [--only STEP,...]
+    bash scripts/v100-evidence.sh --only depth --checkpoint ./Qwen3.8-27B-NVFP4
 
 Steps (each a subprocess; its output goes to ``logs/<step>.log`` and its exit status to the
 manifest; a failing step does not stop the others):
@@ -21,7 +22,13 @@ manifest; a failing step does not stop the others):
   provides them (the manifest says which, and why not);
 - ``cells``: the end-to-end workload cells (benchmarks/domain_cells.py) against a server the
   owner started with scripts/serve-qwen38-native.sh (``--base-url``/``--model``; left out, the
-  step is recorded as not run, with the reason).
+  step is recorded as not run, with the reason);
+- ``depth``: depth by context (benchmarks/depth_sweep.py): the checkpoint (``--checkpoint``) served
+  in turn at K=0, 3 and 7 by the launcher, each swept over live contexts; the K=auto policy's
+  step-cost constants fitted from those sweeps (drafter step, verify row, fixed round cost, each
+  against the context) and auto served and swept with them. The bundle gets the constants file
+  with the command that serves auto with them (SUMMARY.md repeats it). It boots its own servers
+  on the GPUs, so it does not run beside ``--base-url`` (run it on its own: ``--only depth``).
 
 The bundle: ``manifest.json`` (provenance from benchmarks/provenance.py, the GPU, every step's
 command, exit status, seconds, log and outputs, the engine-arm detection), ``SUMMARY.md`` (the
@@ -44,7 +51,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("numerics", "kernels", "model_check", "engine_arms", "cells")
+STEPS = ("numerics", "kernels", "model_check", "engine_arms", "cells", "depth")
+DEPTH_FILES = ("depth/depth_sweep.csv", "depth/depth_sweep.md", "depth/depth_sweep.png",
+               "depth/depth_sweep_depth_constants.json")
 MANIFEST_SCHEMA = 1
 
 
@@ -122,6 +131,18 @@ def plan(args, bundle: str) -> list[Step]:
     else:
         steps.append(Step("cells", [], [], "no --base-url/--model: start the server with "
                           "scripts/serve-qwen38-native.sh and pass its URL and model name"))
+    depth_cmd = [py, "-m", "qpn.benchmarks.depth_sweep", "--checkpoint", args.checkpoint, "--arms",
+                 "0,3,7,auto", "--depths", args.depth_contexts, "--results-dir", f"{bundle}/depth",
+                 "--name", "depth_sweep"]
+    if not args.checkpoint:
+        steps.append(Step("depth", [], [], "no --checkpoint: give the checkpoint folder; the step "
+                          "serves it itself, one depth at a time"))
+    elif args.base_url:
+        steps.append(Step("depth", depth_cmd, list(DEPTH_FILES),
+                          "the depth step serves the checkpoint itself on the GPUs the --base-url "
+                          "server holds: stop that server and run --only depth --checkpoint CKPT"))
+    else:
+        steps.append(Step("depth", depth_cmd, list(DEPTH_FILES)))
     only = set(args.only.split(",")) if args.only else set(STEPS)
     unknown = only - set(STEPS)
     if unknown:
@@ -168,6 +189,9 @@ def summary_markdown(manifest: dict) -> str:
     for r in manifest["steps"]:
         lines.append(f"| {r['name']} | {r['status']} | {r['seconds']} | {', '.join(r['outputs']) or '-'} "
                      f"| {r['reason'] or ''} |")
+    if manifest.get("depth_serve"):
+        lines += ["", "Serve K=auto with the step costs this box measured (depth step):", "",
+                  f"    {manifest['depth_serve']}"]
     lines += ["", "Engine NVFP4 arms:", ""]
     for a in manifest["engine_arms"]:
         lines.append(f"- {a['name']}: {a['why']}")
@@ -180,8 +204,10 @@ def summary_markdown(manifest: dict) -> str:
 def write_bundle(bundle: str, gpu: dict, results: list[StepResult], arms: list[dict],
                  provenance: dict) -> tuple[str, str]:
     """manifest.json + SUMMARY.md in ``bundle``, and ``<bundle>.tar.gz`` beside it."""
+    constants = os.path.join(bundle, DEPTH_FILES[-1])
+    depth_serve = json.load(open(constants))["serve"] if os.path.exists(constants) else None
     manifest = {"schema": MANIFEST_SCHEMA, "bundle": os.path.basename(bundle.rstrip("/")),
-                "gpu": gpu, "provenance": provenance, "engine_arms": arms,
+                "gpu": gpu, "provenance": provenance, "engine_arms": arms, "depth_serve": depth_serve,
                 "steps": [asdict(r) for r in results],
                 "passed": all(r.status == "ok" for r in results if r.status != "not run")}
     with open(os.path.join(bundle, "manifest.json"), "w") as f:
@@ -201,6 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="tp1,tp4", help="kernel benchmark shapes (its --shapes)")
     ap.add_argument("--base-url", default="", help="a running server for the end-to-end cells")
     ap.add_argument("--model", default="", help="its served model name")
+    ap.add_argument("--checkpoint", default="", help="the checkpoint folder, for the depth step")
+    ap.add_argument("--depth-contexts", default="0,8192,32768,65536",
+                    help="live contexts (tokens) the depth step sweeps")
     ap.add_argument("--only", default="", help=f"comma list of steps ({', '.join(STEPS)})")
     ap.add_argument("--allow-other-gpu", action="store_true",
                     help="run on a GPU that is not a V100 (the bundle says which GPU it was)")

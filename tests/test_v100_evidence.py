@@ -43,7 +43,13 @@ def test_bundle_layout_manifest_and_archive(tmp_path):
         ev.Step("model_check", [py, "-c", "print('needs kernel_matched.csv')"], ["perf_model_v100_check_bundle.md"]),
         ev.Step("engine_arms", [py, "-c", "print('no output file')"], ["engine_arms.csv"]),
         ev.Step("cells", [], [], "no --base-url/--model"),
+        ev.Step("depth", [py, "-c", "import json, os; "
+                                    f"[open(os.path.join({str(bundle)!r}, f), 'w').write('x') for f in {ev.DEPTH_FILES[:-1]!r}]; "
+                                    f"json.dump({{'serve': 'K=auto DEPTH_CONSTANTS={{}} bash scripts/serve-qwen38-native.sh C'}}, "
+                                    f"open(os.path.join({str(bundle)!r}, {ev.DEPTH_FILES[-1]!r}), 'w'))"],
+                list(ev.DEPTH_FILES)),
     ]
+    (bundle / "depth").mkdir()
     results = ev.run_steps(steps, str(bundle))
     by = {r.name: r for r in results}
     assert by["numerics"].status == "ok" and by["numerics"].outputs == ["numerics.xml", "numerics.md"]
@@ -60,6 +66,10 @@ def test_bundle_layout_manifest_and_archive(tmp_path):
     assert manifest["provenance"]["commit"] == "abc" and manifest["engine_arms"] == arms
     summary = (bundle / "SUMMARY.md").read_text()
     assert "**Not a V100**" in summary and "| kernels | failed |" in summary
+    assert by["depth"].status == "ok", by["depth"]
+    # the owner is handed the command that serves auto with the costs their box measured
+    assert manifest["depth_serve"].startswith("K=auto DEPTH_CONSTANTS=")
+    assert manifest["depth_serve"] in summary
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     assert {f"{bundle.name}/manifest.json", f"{bundle.name}/SUMMARY.md",
@@ -74,9 +84,23 @@ def _help(module: str) -> str:
 
 
 def test_every_step_calls_flags_its_tool_has(tmp_path):
-    args = SimpleNamespace(shapes="tp4", base_url="http://127.0.0.1:8000/v1", model="m", only="")
+    def ns(**kw):
+        return SimpleNamespace(**{"shapes": "tp4", "base_url": "", "model": "", "only": "", "checkpoint": "",
+                                  "depth_contexts": "0,8192", **kw})
+
+    args = ns(base_url="http://127.0.0.1:8000/v1", model="m")
     steps = {s.name: s for s in ev.plan(args, str(tmp_path))}
-    assert [s for s in steps] == list(ev.STEPS) and not any(s.skip_reason for s in steps.values())
+    assert [s for s in steps] == list(ev.STEPS)
+    assert not any(s.skip_reason for n, s in steps.items() if n != "depth")
+    assert "--checkpoint" in steps["depth"].skip_reason
+    # the depth step boots its own servers: not beside the owner's, and it says how to run it
+    beside = {s.name: s for s in ev.plan(ns(base_url="http://127.0.0.1:8000/v1", model="m",
+                                            checkpoint="/c"), str(tmp_path))}
+    assert "--only depth" in beside["depth"].skip_reason
+    depth = {s.name: s for s in ev.plan(ns(checkpoint="/c"), str(tmp_path))}["depth"]
+    assert depth.skip_reason is None and depth.command[depth.command.index("--checkpoint") + 1] == "/c"
+    assert "0,3,7,auto" in depth.command and "0,8192" in depth.command
+    steps["depth"] = depth
     for path in steps["numerics"].command:
         if path.startswith("tests/"):
             assert (REPO / path).is_file(), path
@@ -89,20 +113,19 @@ def test_every_step_calls_flags_its_tool_has(tmp_path):
     for name, module in (("kernels", "qpn.benchmarks.kernel_matched_bench"),
                          ("model_check", "qpn.benchmarks.perf_model"),
                          ("engine_arms", "qpn.benchmarks.engine_arms"),
-                         ("cells", "qpn.benchmarks.domain_cells")):
+                         ("cells", "qpn.benchmarks.domain_cells"),
+                         ("depth", "qpn.benchmarks.depth_sweep")):
         cmd = steps[name].command
         assert cmd[1:3] == ["-m", module]
         text = _help(module)
         for flag in (a for a in cmd if a.startswith("--")):
             assert flag in text, f"{module} has no {flag}"
-    no_server = {s.name: s for s in ev.plan(SimpleNamespace(shapes="tp4", base_url="", model="", only=""),
-                                            str(tmp_path))}
+    no_server = {s.name: s for s in ev.plan(ns(), str(tmp_path))}
     assert "serve-qwen38-native.sh" in no_server["cells"].skip_reason
-    only = {s.name: s for s in ev.plan(SimpleNamespace(shapes="tp4", base_url="", model="",
-                                                       only="kernels"), str(tmp_path))}
+    only = {s.name: s for s in ev.plan(ns(only="kernels"), str(tmp_path))}
     assert only["numerics"].skip_reason == "left out by --only" and only["kernels"].skip_reason is None
     with pytest.raises(SystemExit, match="unknown step"):
-        ev.plan(SimpleNamespace(shapes="tp4", base_url="", model="", only="kernel"), str(tmp_path))
+        ev.plan(ns(only="kernel"), str(tmp_path))
 
 
 def _detect(pythonpath: list[str]) -> dict:
