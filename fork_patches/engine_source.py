@@ -605,3 +605,72 @@ def verify_profile(src: EngineSource, cmd: list[str], env: dict[str, str],
         detail = "read by the engine" if status == "ok" else "the engine never reads this variable"
         rows.append(Row(f"env {name}", "profile", engine, name, status, detail))
     return rows
+
+
+# ------------------------------------------------------------------------------ registration
+# The extension point QPNConfig (qpn.fork_patches.qpn_config) relies on, per engine source: where it
+# lives and the text its behaviour rests on (ast.unparse of the function, so formatting is ignored).
+REGISTRATION_CHECKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("qpn-config-registration",
+     "vllm.model_executor.layers.quantization:register_quantization_config",
+     (("QUANTIZATION_METHODS.append(quantization)", "a new name is appended to QUANTIZATION_METHODS"),
+      ("sq.append(quantization)", "and to the platform's supported_quantization"),
+      ("_CUSTOMIZED_METHOD_TO_QUANT_CONFIG[quantization] = quant_config_cls",
+       "get_quantization_config then returns the registered class"))),
+    ("qpn-config-lookup",
+     "vllm.model_executor.layers.quantization:get_quantization_config",
+     (("_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", "a registered name is looked up in the custom table"),)),
+    ("qpn-config-probed-first",
+     "vllm.config.model:ModelConfig._verify_quantization",
+     (("quantization_methods = [q for q in supported_quantization if q not in overrides]",
+       "every method that is not a built-in override is probed ..."),
+      ("quantization_methods = quantization_methods + overrides", "... before the built-in overrides"),
+      ("method.override_quantization_method(quant_cfg, self.quantization, hf_config=self.hf_config)",
+       "with (hf_quant_cfg, user_quant, hf_config=)"),
+      ("name in get_args(me_quant.QuantizationMethods) and name not in overrides",
+       "a built-in that is no listed override may not claim (vLLM raises), a custom name may"),
+      ("break", "the first claim wins"))),
+    ("qpn-config-capability",
+     "vllm.config.vllm:VllmConfig._get_quantization_config",
+     (("capability < quant_config.get_min_capability()", "the claimed config's minimum capability is checked"),
+      ("get_quant_config(model_config, load_config)", "the config is built by get_quant_config"))),
+    ("qpn-config-from-config",
+     "vllm.model_executor.model_loader.weight_utils:get_quant_config",
+     (("quant_cls = get_quantization_config(model_config.quantization)", "the claimed name's class ..."),
+      ("quant_cls.from_config(", "... parses the checkpoint's quantization config"))),
+)
+
+
+def verify_registration(src: EngineSource, resolver: _Resolver | None = None) -> list[Row]:
+    """Rows proving, from the engine's source, the registration path QPNConfig relies on:
+    register_quantization_config adds a name vLLM then probes before its built-in overrides, a
+    claim makes the registered class parse the config (from_config), and its minimum capability
+    is checked. A text missing is a MISS naming where and what."""
+    resolver = resolver or _Resolver(src)
+    rows = []
+    for name, anchor, needles in REGISTRATION_CHECKS:
+        try:
+            found = resolver.find(anchor)
+            body = ast.unparse(found.node)
+            lacking = [why for text, why in needles if text not in body]
+            if lacking:
+                raise AnchorMissing(f"{found.where} no longer does: {'; '.join(lacking)}")
+            rows.append(Row(name, "registry", src.key, anchor, "ok",
+                            f"{found.where}: " + "; ".join(why for _, why in needles)))
+        except AnchorMissing as exc:
+            rows.append(Row(name, "registry", src.key, anchor, "MISS", str(exc)))
+    # our override's parameters are the base class's (the engine calls it by position + hf_config=)
+    try:
+        found = resolver.find("vllm.model_executor.layers.quantization.base_config:"
+                              "QuantizationConfig.override_quantization_method")
+        params = anchor_params(found.node)
+        want = ["cls", "hf_quant_cfg", "user_quant", "hf_config"]
+        status = "ok" if params["positional"][:4] == want else "MISS"
+        rows.append(Row("qpn-config-override-signature", "registry", src.key,
+                        "QuantizationConfig.override_quantization_method", status,
+                        f"{found.where} takes ({', '.join(params['positional'])}); QPNConfig takes "
+                        f"({', '.join(want)})"))
+    except AnchorMissing as exc:
+        rows.append(Row("qpn-config-override-signature", "registry", src.key,
+                        "QuantizationConfig.override_quantization_method", "MISS", str(exc)))
+    return rows
