@@ -17,18 +17,17 @@ Time of one call, bytes B of packed weights:
     issue-bound rate   = SMs x clock x IPC / issue slots per byte
 with three constants fitted on the H200 run (L: loaded memory latency in us, IPC: achieved issue
 slots per SM-clock, t0: fixed cost per call in us) against every m16n8k16 kernel and shape timed
-in that run. That fit is the calibration of the sm_80+ kernels; the V100 column of ``--csv`` takes
-the same L, IPC and t0 (an assumption, stated in the output). Constants fitted on published V100
-measurements alone (benchmarks/v100_calibration.py: seed 000's m8n8k4 kernels on a V100-SXM2) are
-the sm_70 alternative; ``--v100-calibrated`` prints the TP4 estimates and the whole decode step
-under them.
+in that run. That fit is the calibration of the sm_80+ kernels, and only of them.
 
     python -m qpn.benchmarks.perf_model --csv results/kernel_matched_sm80_cal_h200_20261201.csv \\
         --sweep results/kernel_sm80_cal_sweep_h200_20261201.csv --out-dir results
 
+The V100's m8n8k4 kernels are estimated with constants fitted on published V100 measurements alone
+(benchmarks/v100_calibration.py: seed 000's m8n8k4 kernels on a V100-SXM2), in the form those
+were fitted in (``predict_v100_calibrated``); benchmarks/v100_estimate.py writes the V100 table.
 Checked against a GPU that runs the m8n8k4 kernels natively (a V100; scripts/v100-evidence.sh
-runs it on its kernel benchmark): each measured call predicted with the H200 fit, the error per
-route, and the constants that run fits by itself (the fixed cost per call t0 above all):
+runs it on its kernel benchmark): each measured call predicted under the V100 calibration, the
+error per route, and the constants that run fits by itself (the fixed cost per call t0 above all):
 
     python -m qpn.benchmarks.perf_model --check-m8n8k4 BUNDLE/kernel_matched.csv --out-dir BUNDLE
 """
@@ -47,7 +46,8 @@ from dataclasses import dataclass
 
 from qpn.kernels import formats, jit, nvrtc, ops, routes
 
-ESTIMATE_LABEL = "calibrated estimate from the H200-calibrated model, NOT a V100 measurement"
+ESTIMATE_LABEL = ("estimate from the model calibrated on published V100 measurements "
+                  "(benchmarks/v100_calibration.py), NOT a V100 measurement")
 
 
 @dataclass(frozen=True)
@@ -374,32 +374,10 @@ def calibrate(stats: dict[str, KernelStats], gpu: Gpu, obs: list[dict], t0_max: 
 TP4_SHAPES = {"tp4_mlp_gate_up": ("nvfp4", 8704, 5120), "tp4_mlp_down": ("nvfp4", 5120, 4352),
               "tp4_lm_head": ("nvfp4", 62080, 5120), "tp4_gdn_in_proj_qkvz": ("fp8", 4096, 5120),
               "tp4_gdn_out_proj": ("fp8", 5120, 1536)}
-# 1Cat-vLLM 1.3.0, docs/design/sm70_nvfp4_turbomind_operator_optimization.md: TurboMind NVFP4 GEMM on
-# Qwen3.5-27B TP2 shapes at M = 1 under CUDA-graph replay on a V100 (the engine's published figures).
-ONECAT_TP2_M1_US = {"gate_up 17408x5120": (17408, 5120, 90.6), "down 5120x8704": (5120, 8704, 57.5),
-                    "in_proj_qkvz 8192x5120": (8192, 5120, 93.1), "out_proj 5120x3072": (5120, 3072, 30.1),
-                    "qkv 7168x5120": (7168, 5120, 47.7)}
-# Seed 000's V100 levels (its figures, % of 879 GB/s) the m8n8k4 kernels must not fall below.
-SEED_LEVELS = {("nvfp4", 1): 77.0, ("nvfp4", 8): 71.0, ("fp8", 1): 82.0, ("fp8", 8): 82.0, ("lm_head", 1): 96.0}
-
-
 def _kernel_for(fmt: str, m: int, form: str = "restore") -> str:
     """The m8n8k4 kernel of the tiled route for M <= 16 (ops names it)."""
     return ops._route_kernel(routes.tiled_route(formats.weight_format(fmt).family, 1 if m <= 8 else 2), m, form)[0] \
         + "_m8n8k4"
-
-
-def seed_verdict(seed_pct: float | None, est_pct: float, est_us: float, bound: str, t0_us: float) -> str:
-    """The V100 table's 'below seed?' cell: empty without a seed level, 'no', or 'YES' with what
-    limits the route: its main loop (issue- or latency-bound: the kernel's to fix, issue 14 item 4)
-    or, at the read ceiling, the fixed cost per call t0."""
-    if seed_pct is None:
-        return ""
-    if est_pct >= seed_pct:
-        return "no"
-    if bound == "read ceiling":
-        return f"YES: t0 = {t0_us:.1f} of {est_us:.1f} us (weights at the read ceiling)"
-    return f"YES: {bound}-bound main loop"
 
 
 def _route_errors(rows: list[dict], key: str) -> tuple[float, float]:
@@ -423,7 +401,8 @@ def _provenance() -> list[str]:
             f"# date: {provenance.now_iso()}"]
 
 
-def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tuple[str, str]:
+def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> str:
+    """The H200 calibration of the sm_80+ kernels: results/perf_model_h200_calibration_<stamp>.{csv,md}."""
     read, obs = observations(csv_path, sweep_path)
     gpu = h200(read)
     s80 = kernel_stats("m16n8k16", 90)
@@ -470,98 +449,36 @@ def run(csv_path: str, sweep_path: str | None, out_dir: str, stamp: str) -> tupl
     with open(cal_md, "w") as f:
         f.write("\n".join(lines) + "\n")
 
-    s70 = kernel_stats("m8n8k4", 70)
-    v = V100_SXM2
-    vrows = []
-    for shape, (fmt, n, kdim) in TP4_SHAPES.items():
-        # NVFP4 in both forms (ops.nvfp4_form): s7 where the GPU's probe passes, restore where it fails
-        for form in ops.NVFP4_FORMS if fmt == "nvfp4" else ("restore",):
-            for m in (1, 8, 16):
-                kname = _kernel_for(fmt, m, form)
-                p, q = predict(s70[kname], v, n, kdim, c), predict(s70[kname], v, n, kdim, cb)
-                seed = SEED_LEVELS.get(("lm_head", 1) if shape == "tp4_lm_head" and m == 1 else (fmt, min(m, 8)))
-                vrows.append(dict(table="tp4", shape=shape, n=n, k=kdim, m=m, kernel=kname, est_us=p["us"],
-                                  est_pct=p["pct"], bound=p["bound"], seed_pct=seed if m <= 8 else None,
-                                  onecat_us=None, est_us_t0b=q["us"], est_pct_t0b=q["pct"], bound_t0b=q["bound"]))
-    for form in ops.NVFP4_FORMS:
-        kname = _kernel_for("nvfp4", 1, form)
-        for shape, (n, kdim, us) in ONECAT_TP2_M1_US.items():
-            p, q = predict(s70[kname], v, n, kdim, c), predict(s70[kname], v, n, kdim, cb)
-            vrows.append(dict(table="1cat_tp2", shape=shape, n=n, k=kdim, m=1, kernel=kname, est_us=p["us"],
-                              est_pct=p["pct"], bound=p["bound"], seed_pct=None, onecat_us=us,
-                              est_us_t0b=q["us"], est_pct_t0b=q["pct"], bound_t0b=q["bound"]))
-    vprov = prov + [f"# V100 description: {v}", f"# LABEL: every est_* figure is a {ESTIMATE_LABEL}; the same L, "
-                    "IPC and t0 as fitted on the H200 are assumed", "# onecat_us: 1Cat-vLLM 1.3.0's published TurboMind "
-                    "NVFP4 GEMM time (docs/design/sm70_nvfp4_turbomind_operator_optimization.md), the engine's figure",
-                    "# seed_pct: seed 000's measured V100 level (% of 879 GB/s), the seed's figure"]
-    _write_csv(os.path.join(out_dir, f"perf_model_v100_estimate_{stamp}.csv"), vprov,
-               ["table", "shape", "n", "k", "m", "kernel", "est_us", "est_pct", "bound", "seed_pct", "onecat_us",
-                "est_us_t0b", "est_pct_t0b", "bound_t0b"], vrows)
-    vl = [f"# V100 estimates of the m8n8k4 kernels ({stamp}): {ESTIMATE_LABEL}", ""] + [p[2:] for p in vprov] + [
-        "", "| kernel | regs | warps/SM | in flight/warp (B) | issue slots/B | loop |", "|---|---:|---:|---:|---:|---|"]
-    for kname, k in sorted(s70.items()):
-        vl.append(f"| {kname} | {k.registers} | {resident_warps(k, v)} | {k.inflight_warp} | {k.issue_per_byte:.3f} | "
-                  f"{k.loop_kind} |")
-    vl += ["", "TP4 per-rank shapes (estimate; seed level = seed 000's measured figure), under the best fit and "
-           "under the t0-bounded fit:", "",
-           "| shape | M | kernel | est. us | est. % of 879 GB/s | bound | seed level | below seed? | "
-           "t0-bounded: est. % | bound | below seed? |",
-           "|---|---:|---|---:|---:|---|---:|---|---:|---|---|"]
-    for r in vrows:
-        if r["table"] == "tp4":
-            seed = "" if r["seed_pct"] is None else f"{r['seed_pct']:.0f}%"
-            best = seed_verdict(r["seed_pct"], r["est_pct"], r["est_us"], r["bound"], c.t0_us)
-            bounded = seed_verdict(r["seed_pct"], r["est_pct_t0b"], r["est_us_t0b"], r["bound_t0b"], cb.t0_us)
-            vl.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['est_us']:.1f} | {r['est_pct']:.0f}% | {r['bound']} | "
-                      f"{seed} | {best} | {r['est_pct_t0b']:.0f}% | {r['bound_t0b']} | {bounded} |")
-    vl += ["", "1Cat's TP2 shapes at M = 1 (1Cat = the engine's published TurboMind NVFP4 figure; QPN = estimate):", "",
-           "| shape | QPN kernel | 1Cat TurboMind (us) | QPN est. (us) | bound | est. speed-up | goal 1.5x | "
-           "t0-bounded: speed-up | bound |",
-           "|---|---|---:|---:|---|---:|---|---:|---|"]
-    for r in vrows:
-        if r["table"] == "1cat_tp2":
-            sp = r["onecat_us"] / r["est_us"]
-            vl.append(f"| {r['shape']} | {r['kernel']} | {r['onecat_us']:.1f} | {r['est_us']:.1f} | {r['bound']} | {sp:.2f}x | "
-                      f"{'met' if sp >= 1.5 else 'missed'} | {r['onecat_us'] / r['est_us_t0b']:.2f}x | {r['bound_t0b']} |")
-    vl += ["", "NVFP4 rows come in both forms of the tiled kernels (ops.nvfp4_form): *_s7_* where the GPU's probe "
-           "finds that its tensor cores take FP16-subnormal operands as they are (the form a V100 runs then), the "
-           "restore form where it does not."]
-    vl += ["", f"A route bound by the read ceiling streams its weights at 879 GB/s in the model; what keeps it below "
-           f"a level is the fixed cost per call, t0 = {c.t0_us:.1f} us in the best fit, fitted on the H200's m16n8k16 "
-           "kernels (their launch, pipeline fill and split-K finish) and assumed for the V100's m8n8k4 kernels.",
-           "", f"The two fits bracket the estimate. The best fit's t0 ({c.t0_us:.1f} us) is more than the H200's fastest "
-           f"calls allow ({cap:.2f} us); held to that bound, the fit needs a lower issue rate and a longer latency "
-           f"(IPC {cb.ipc:.2f}, L = {cb.latency_us:.2f} us) and fits the H200 less well (calibration file). Which one "
-           "the V100 follows only a V100 run can say: `python -m qpn.benchmarks.perf_model --check-m8n8k4` on its "
-           "kernel benchmark."]
-    v_md = os.path.join(out_dir, f"perf_model_v100_estimate_{stamp}.md")
-    with open(v_md, "w") as f:
-        f.write("\n".join(vl) + "\n")
     print("\n".join(lines))
-    print()
-    print("\n".join(vl))
-    return cal_md, v_md
+    return cal_md
 
 
 def v100_column_lines(results_dir: str | None = None) -> list[str]:
     """Lines the bootstrap prints after the sm70 kernel build (``python -m
-    qpn.benchmarks.perf_model --v100-column``): the newest committed V100 estimate table (results/perf_model_v100_estimate_*.csv), labelled as an estimate."""
+    qpn.benchmarks.perf_model --v100-column``): the newest committed V100 estimate
+    (results/perf_model_v100_estimate_*.csv, benchmarks/v100_estimate.py), one line per route and
+    band of M in the checkpoint's own formats, labelled as an estimate."""
     newest = newest_estimate(results_dir)
     if not newest:
         return ["[kernels] V100 estimate: no results/perf_model_v100_estimate_*.csv here "
-                "(run python -m qpn.benchmarks.perf_model on a checkout with an H200 run's CSV)"]
+                "(run python -m qpn.benchmarks.v100_estimate)"]
     _, rows = _read_csv(newest)
     out = [f"[kernels] V100 column ({ESTIMATE_LABEL}; {os.path.basename(newest)}):"]
+    seen = set()
     for r in rows:
-        extra = f", 1Cat TurboMind {float(r['onecat_us']):.1f} us (engine's figure)" if r["onecat_us"] else ""
-        bounded = (f" [t0-bounded fit: {float(r['est_pct_t0b']):.0f}%, {r['bound_t0b']}-bound]"
-                   if r.get("est_pct_t0b") else "")
-        out.append(f"[kernels]   {r['kernel']:18s} {r['shape']:24s} M={int(r['m']):2d}  est {float(r['est_us']):7.1f} us "
-                   f"{float(r['est_pct']):4.0f}% of 879 GB/s (seed 000's ceiling), {r['bound']}-bound{bounded}{extra}")
+        key = (r["table"], r["shape"], r["fmt"], r["form"], r["kernel"])
+        if r["fmt"] != r["checkpoint_fmt"] or (key in seen and not r["turbomind_us"]):
+            continue
+        seen.add(key)
+        extra = (f", 1Cat TurboMind {float(r['turbomind_us']):.1f} us at M={r['m']} (engine's figure) = "
+                 f"{float(r['speedup']):.2f}x" if r["turbomind_us"] else "")
+        out.append(f"[kernels]   {r['table']} {r['shape']:17s} {r['kernel']:20s} from M={int(r['m']):2d}  est "
+                   f"{float(r['est_us']):7.1f} us {float(r['est_pct']):4.0f}% of 879 GB/s (seed 000's ceiling), "
+                   f"{r['bound']}-bound{extra}")
     return out
 
 
-# ------------------------------------------- the V100-calibrated constants (additive option)
+# ------------------------------------------------------------- the V100-calibrated constants
 def v100_calibrated_constants() -> Constants:
     """L, IPC and t0 fitted on published V100 measurements alone (benchmarks/v100_calibration.py:
     the seed's m8n8k4 kernels on a V100-SXM2), instead of carried over from the H200 fit."""
@@ -570,68 +487,46 @@ def v100_calibrated_constants() -> Constants:
 
 
 def predict_v100_calibrated(k: KernelStats, n: int, kdim: int, round_trips_kblock: float,
-                            c: Constants | None = None) -> dict:
+                            c: Constants | None = None, gpu: Gpu = V100_SXM2) -> dict:
     """One m8n8k4 call on the V100 under the V100-calibrated constants, in the form they were fitted
     with: bytes in flight per warp are the kernel's weight bytes per k-block over the memory round
     trips per k-block its SASS replays to (v100_calibration.our_m8n8k4_round_trips()), occupancy and
     waves as v100_calibration.rates() counts them. An ESTIMATE, not a V100 measurement."""
     from . import v100_calibration as vc
     c = c or v100_calibrated_constants()
-    v = V100_SXM2
     n_tiles, kblocks = -(-n // 32), -(-kdim // 32)
-    _, tpb = ops.sm70_split(n_tiles, kblocks, 1, v.sms)
+    _, tpb = ops.sm70_split(n_tiles, kblocks, 1, gpu.sms)
     nbytes = n * kdim * bytes_per_weight(k.fmt)
     r = vc.rates(inflight_warp=k.bytes_kblock / round_trips_kblock, issue_per_byte=k.issue_per_byte,
-                 registers=k.registers, threads=256, smem=k.smem_block, blocks=-(-n_tiles // tpb), gpu=v,
+                 registers=k.registers, threads=256, smem=k.smem_block, blocks=-(-n_tiles // tpb), gpu=gpu,
                  c=vc.Fit(c.latency_us, c.ipc, c.t0_us))
     bound = min(r, key=r.get)
     t = c.t0_us + nbytes / r[bound] / 1e3
-    return dict(us=t, bound=bound, pct=100 * nbytes / (t * 1e3) / v.read_ceiling_gbps,
+    return dict(us=t, bound=bound, pct=100 * nbytes / (t * 1e3) / gpu.read_ceiling_gbps,
                 inflight_warp=k.bytes_kblock / round_trips_kblock)
 
 
-def v100_calibrated_lines(stats: dict[str, KernelStats] | None = None,
-                          round_trips: dict[str, float] | None = None) -> list[str]:
-    """The TP4 shapes' V100 estimates under the V100-calibrated constants (``--v100-calibrated``),
-    labelled as estimates; nothing is written to results/."""
+def fit_v100_form(stats: dict[str, KernelStats], trips: dict[str, float], gpu: Gpu, obs: list[dict]) -> Constants:
+    """L, IPC and t0 of predict_v100_calibrated fitted on measured m8n8k4 calls (mean |log error|,
+    a grid over v100_calibration.SEARCH refined three times around its best cell)."""
     from . import v100_calibration as vc
-    stats = stats if stats is not None else kernel_stats("m8n8k4", 70)
-    round_trips = round_trips if round_trips is not None else vc.our_m8n8k4_round_trips()
-    c = v100_calibrated_constants()
-    out = [f"[kernels] V100 estimate with the V100-calibrated constants (L = {c.latency_us} us, IPC = {c.ipc}, "
-           f"t0 = {c.t0_us} us; {vc.LABEL}); an ESTIMATE, NOT a V100 measurement:"]
-    for shape, (fmt, n, kdim) in TP4_SHAPES.items():
-        for form in ops.NVFP4_FORMS if fmt == "nvfp4" else ("restore",):
-            for m in (1, 8, 16):
-                kname = _kernel_for(fmt, m, form)
-                p = predict_v100_calibrated(stats[kname], n, kdim, round_trips[kname], c)
-                out.append(f"[kernels]   {kname:18s} {shape:24s} M={m:2d}  est {p['us']:7.1f} us "
-                           f"{p['pct']:4.0f}% of 879 GB/s, {p['bound']}-bound, {p['inflight_warp']:.0f} B in flight/warp")
-    for form in ops.NVFP4_FORMS:
-        st = vc.whole_step_m8n8k4(form, stats, round_trips)
-        out.append(f"[kernels] whole decode step per rank at TP4, NVFP4 {form} ({vc.STEP_LABEL}): {st['calls']} "
-                   f"GEMMs, {st['weight_bytes'] / 1e6:.0f} MB = {st['floor_us'] / 1e3:.2f} ms at 879 GB/s; est "
-                   + ", ".join(f"M={m}: {us / 1e3:.2f} ms" for m, us in st["step_us"].items())
-                   + f"; drafter lm_head {st['drafter_lm_head_us']:.0f} us")
-    return out
+
+    def err(c: Constants) -> float:
+        return sum(abs(math.log(predict_v100_calibrated(stats[o["kernel"]], o["n"], o["k"], trips[o["kernel"]],
+                                                        c, gpu)["us"] / o["us"])) for o in obs) / len(obs)
+    box = {key: vc.SEARCH[key] for key in ("latency_us", "ipc", "t0_us")}
+    best = None
+    for _ in range(4):
+        axes = {key: [lo + (hi - lo) * i / 9 for i in range(10)] for key, (lo, hi) in box.items()}
+        best = min((Constants(L, i, t) for L in axes["latency_us"] for i in axes["ipc"] for t in axes["t0_us"]), key=err)
+        for key, v in zip(("latency_us", "ipc", "t0_us"), (best.latency_us, best.ipc, best.t0_us)):
+            lo, hi = box[key]
+            step = (hi - lo) / 9
+            box[key] = (max(vc.SEARCH[key][0], v - step), min(vc.SEARCH[key][1], v + step))
+    return best
 
 
 # ------------------------------------------------------------------ checked against a V100
-def fitted_constants(estimate_csv: str) -> tuple[Constants, Constants | None]:
-    """The H200 fits behind a V100 estimate file: its '# fitted:' line and, where the file has
-    one, its '# t0-bounded fit' line."""
-    head, _ = _read_csv(estimate_csv)
-
-    def parse(text):
-        m = re.search(r"L = ([\d.]+) us, IPC = ([\d.]+)\D.*?t0 = ([\d.]+) us", text)
-        return Constants(float(m.group(1)), float(m.group(2)), float(m.group(3))) if m else None
-    best = parse(head.get("fitted", ""))
-    if best is None:
-        raise ValueError(f"{estimate_csv}: no '# fitted: L = .., IPC = .., t0 = ..' line")
-    bounded = next((parse(v) for k, v in head.items() if k.startswith("t0-bounded fit")), None)
-    return best, bounded
-
-
 def m8n8k4_observations(csv_path: str) -> tuple[dict, Gpu, list[dict]]:
     """(its header, the GPU the run describes, rows of kernel, n, k, m, measured us) of a
     kernel_matched_bench CSV that ran the m8n8k4 kernels (a V100 run: scripts/v100-evidence.sh's
@@ -661,45 +556,43 @@ def m8n8k4_observations(csv_path: str) -> tuple[dict, Gpu, list[dict]]:
     return head, gpu, obs
 
 
-def check_m8n8k4(csv_path: str, estimate_csv: str, out_dir: str, stamp: str,
-                 stats: dict[str, KernelStats] | None = None) -> str:
-    """The estimate checked against a measured m8n8k4 run: each point predicted with the H200 fit
-    (and the run's own read ceiling), its error per route, and the constants the run itself fits."""
+def check_m8n8k4(csv_path: str, out_dir: str, stamp: str, stats: dict[str, KernelStats] | None = None,
+                 trips: dict[str, float] | None = None) -> str:
+    """The V100 estimate checked against a measured m8n8k4 run: each point predicted under the V100
+    calibration (with the run's own SM count and read ceiling), its error per route, and the
+    constants the run itself fits in the same form."""
+    from . import v100_calibration as vc
     head, gpu, obs = m8n8k4_observations(csv_path)
-    c, cb = fitted_constants(estimate_csv)
-    cb = cb or c
+    c = v100_calibrated_constants()
     stats = stats if stats is not None else kernel_stats("m8n8k4", 70)
-    own = calibrate(stats, gpu, obs)
+    trips = trips if trips is not None else vc.our_m8n8k4_round_trips()
+    own = fit_v100_form(stats, trips, gpu, obs)
     rows = []
     for o in obs:
-        p = predict(stats[o["kernel"]], gpu, o["n"], o["k"], c)
-        b = predict(stats[o["kernel"]], gpu, o["n"], o["k"], cb)
-        q = predict(stats[o["kernel"]], gpu, o["n"], o["k"], own)
+        p = predict_v100_calibrated(stats[o["kernel"]], o["n"], o["k"], trips[o["kernel"]], c, gpu)
+        q = predict_v100_calibrated(stats[o["kernel"]], o["n"], o["k"], trips[o["kernel"]], own, gpu)
         rows.append(dict(o, pred_us=p["us"], err_pct=100 * (p["us"] / o["us"] - 1), bound=p["bound"],
-                         pred_us_t0b=b["us"], err_pct_t0b=100 * (b["us"] / o["us"] - 1),
                          refit_us=q["us"], refit_err_pct=100 * (q["us"] / o["us"] - 1)))
     is_v100 = "V100" in gpu.name and gpu.sms == V100_SXM2.sms
     label = ("measured on a V100" if is_v100 else
              f"measured on {gpu.name}, NOT a V100 (m8n8k4 there is emulated): this checks the harness only")
     prov = _provenance() + [f"# measured run: {csv_path} ({label}; its commit: {head.get('commit', '?')}, "
                             f"date: {head.get('date', '?')})",
-                            f"# estimate: {estimate_csv} (H200 fit: L = {c.latency_us:.2f} us, IPC = {c.ipc:.2f}, "
-                            f"t0 = {c.t0_us:.1f} us; t0-bounded fit: L = {cb.latency_us:.2f} us, IPC = {cb.ipc:.2f}, "
-                            f"t0 = {cb.t0_us:.1f} us)",
+                            f"# estimate: the V100 calibration (benchmarks/v100_calibration.py FIT_BASE: "
+                            f"L = {c.latency_us} us, IPC = {c.ipc}, t0 = {c.t0_us} us; {vc.LABEL})",
                             f"# this run's own fit: L = {own.latency_us:.2f} us, IPC = {own.ipc:.2f}, "
                             f"t0 = {own.t0_us:.1f} us"]
     _write_csv(os.path.join(out_dir, f"perf_model_v100_check_{stamp}.csv"), prov,
-               ["route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound", "pred_us_t0b",
-                "err_pct_t0b", "refit_us", "refit_err_pct"], rows)
+               ["route", "kernel", "shape", "n", "k", "m", "us", "pred_us", "err_pct", "bound", "refit_us",
+                "refit_err_pct"], rows)
     lines = [f"# The m8n8k4 estimate checked against a measured run ({stamp}): {label}", ""] + [p[2:] for p in prov] + [
         "", f"GPU description: {gpu}", "",
-        "| route | points | mean abs error (H200 fit) | worst | mean abs error (t0-bounded fit) | mean abs error "
-        "(this run's fit) |", "|---|---:|---:|---:|---:|---:|"]
+        "| route | points | mean abs error (V100 calibration) | worst | mean abs error (this run's fit) |",
+        "|---|---:|---:|---:|---:|"]
     for route in sorted({r["route"] for r in rows}):
         sub = [r for r in rows if r["route"] == route]
         mean, worst = _route_errors(sub, "err_pct")
-        lines.append(f"| {route} | {len(sub)} | {mean:.1f}% | {worst:+.1f}% | {_route_errors(sub, 'err_pct_t0b')[0]:.1f}% | "
-                     f"{_route_errors(sub, 'refit_err_pct')[0]:.1f}% |")
+        lines.append(f"| {route} | {len(sub)} | {mean:.1f}% | {worst:+.1f}% | {_route_errors(sub, 'refit_err_pct')[0]:.1f}% |")
     lines += ["", "| shape | M | kernel | measured us | estimate us | error | bound |", "|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['us']:.1f} | {r['pred_us']:.1f} | "
@@ -719,37 +612,26 @@ def newest_estimate(results_dir: str | None = None) -> str | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qpn.benchmarks.perf_model", description=__doc__.split("\n")[0])
-    ap.add_argument("--csv", default="", help="kernel_matched_bench CSV of an sm_80+ run (calibrate and estimate)")
+    ap.add_argument("--csv", default="", help="kernel_matched_bench CSV of an sm_80+ run (calibrate the sm_80+ kernels)")
     ap.add_argument("--sweep", default="", help="its --sweep CSV (more kernels to calibrate on)")
     ap.add_argument("--check-m8n8k4", default="", metavar="CSV",
-                    help="instead: check the V100 estimate against this kernel_matched_bench CSV of an m8n8k4 "
-                         "run (scripts/v100-evidence.sh's kernel_matched.csv)")
-    ap.add_argument("--estimate", default="", help="with --check-m8n8k4: the estimate CSV whose H200 fit to check "
-                                                  "(default: the newest results/perf_model_v100_estimate_*.csv)")
+                    help="instead: check the V100 calibration's estimate against this kernel_matched_bench CSV of "
+                         "an m8n8k4 run (scripts/v100-evidence.sh's kernel_matched.csv)")
     ap.add_argument("--v100-column", action="store_true",
                     help="instead: print the newest committed V100 estimate (the bootstrap's sm70 step)")
     ap.add_argument("--results", default="", help="with --v100-column: the results folder to read")
-    ap.add_argument("--v100-calibrated", action="store_true",
-                    help="instead: print the TP4 V100 estimates under the constants fitted on published V100 "
-                         "measurements (benchmarks/v100_calibration.py); writes nothing")
     ap.add_argument("--out-dir", default="results")
     ap.add_argument("--stamp", default="", help="file name stamp (default: the run's date)")
     args = ap.parse_args(argv)
     if args.v100_column:
         print("\n".join(v100_column_lines(args.results or None)))
         return 0
-    if args.v100_calibrated:
-        print("\n".join(v100_calibrated_lines()))
-        return 0
     if bool(args.csv) == bool(args.check_m8n8k4):
         ap.error("give --csv (calibrate on an sm_80+ run) or --check-m8n8k4 (check against an m8n8k4 run)")
     head, _ = _read_csv(args.csv or args.check_m8n8k4)
     stamp = args.stamp or head.get("date", "undated")[:10].replace("-", "")
     if args.check_m8n8k4:
-        estimate = args.estimate or newest_estimate()
-        if not estimate:
-            ap.error("no results/perf_model_v100_estimate_*.csv to check; pass --estimate")
-        check_m8n8k4(args.check_m8n8k4, estimate, args.out_dir, stamp)
+        check_m8n8k4(args.check_m8n8k4, args.out_dir, stamp)
         return 0
     run(args.csv, args.sweep or None, args.out_dir, stamp)
     return 0

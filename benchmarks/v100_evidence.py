@@ -14,9 +14,11 @@ manifest; a failing step does not stop the others):
   that picks the form of the NVFP4 kernels, ops.nvfp4_form);
 - ``kernels``: benchmarks/kernel_matched_bench.py on the TP1 and TP4 shapes (QPN, torch FP16,
   _scaled_mm, dequantize-then-matmul), with its CSV, targets table and chart;
-- ``model_check``: the V100 estimate of the performance model (benchmarks/perf_model.py, fitted on an
-  H200) checked against the kernels step's times: its error per route, and the constants (the
-  fixed cost per call above all) that this V100 run fits by itself;
+- ``model_check``: the V100 estimate (benchmarks/v100_estimate.py: the performance model calibrated
+  on published V100 measurements, benchmarks/v100_calibration.py) checked against the kernels
+  step's times: its error per route, and the constants (the fixed cost per call above all) that
+  this V100 run fits by itself, so the first owner who runs it corrects the model;
+- ``moe``: benchmarks/moe_bench.py, the grouped MoE kernels the estimate does not model, timed;
 - ``engine_arms``: the installed engine's own NVFP4 kernels (1Cat TurboMind ``nvfp4_gemm_sm70``,
   Marlin; benchmarks/engine_arms.py) on the same NVFP4 shapes and timers, where the engine
   provides them (the manifest says which, and why not);
@@ -51,7 +53,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("numerics", "kernels", "model_check", "engine_arms", "cells", "depth")
+STEPS = ("numerics", "kernels", "model_check", "moe", "engine_arms", "cells", "depth")
 DEPTH_FILES = ("depth/depth_sweep.csv", "depth/depth_sweep.md", "depth/depth_sweep.png",
                "depth/depth_sweep_depth_constants.json")
 MANIFEST_SCHEMA = 1
@@ -120,6 +122,7 @@ def plan(args, bundle: str) -> list[Step]:
         Step("model_check", [py, "-m", "qpn.benchmarks.perf_model", "--check-m8n8k4", f"{bundle}/kernel_matched.csv",
                              "--out-dir", bundle, "--stamp", "bundle"],
              ["perf_model_v100_check_bundle.md", "perf_model_v100_check_bundle.csv"]),
+        Step("moe", [py, "-m", "qpn.benchmarks.moe_bench", "--out", f"{bundle}/moe_bench.csv"], ["moe_bench.csv"]),
         Step("engine_arms", [py, "-m", "qpn.benchmarks.engine_arms", "--out",
                              f"{bundle}/engine_arms.csv", "--shapes", args.shapes],
              ["engine_arms.csv"]),

@@ -112,6 +112,7 @@ def test_every_step_calls_flags_its_tool_has(tmp_path):
         assert var in (REPO / "tests" / ("test_gpu_moe.py" if "MOE" in var else "test_gpu_kernels.py")).read_text()
     for name, module in (("kernels", "qpn.benchmarks.kernel_matched_bench"),
                          ("model_check", "qpn.benchmarks.perf_model"),
+                         ("moe", "qpn.benchmarks.moe_bench"),
                          ("engine_arms", "qpn.benchmarks.engine_arms"),
                          ("cells", "qpn.benchmarks.domain_cells"),
                          ("depth", "qpn.benchmarks.depth_sweep")):
