@@ -30,8 +30,9 @@ from pathlib import Path
 REPO = Path.cwd()  # run from the repository root (the installed package has no README or results)
 INDEX = "results/README.md"
 RESULT_REF = re.compile(r"results/[A-Za-z0-9_.-]+\.(?:md|csv|png|json)")
-_COMMIT = re.compile(r"\bcommit\b[:\s]+([0-9a-f]{7,40})")
-_COMMAND = re.compile(r"\bcommand\b:\s*(.+)")
+# "# commit: sha", "- **commit**: sha" (Markdown) and '"commit": "sha"' (JSON) alike
+_COMMIT = re.compile(r"\bcommit\b[\"*]*[:\s]+\"?([0-9a-f]{7,40})")
+_COMMAND = re.compile(r"\bcommand\b[\"*]*:\s*(.+)")
 PROVENANCE_LINES = 40
 # where a source (code, tests, docs) may cite results/: every such file outside results/ itself
 SOURCE_SUFFIXES = {".py", ".md", ".sh", ".toml"}

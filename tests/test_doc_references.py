@@ -214,6 +214,9 @@ def test_the_provenance_check_reports_what_lacks_it(tmp_path):
     res = tmp_path / "results"
     res.mkdir()
     (res / "good.csv").write_text("# commit: 1234567\nm,n\n")
+    (res / "sweep.md").write_text("# a sweep\n\n- **commit**: 89abcde0\n")   # the context sweep's Markdown form
+    (res / "fit.json").write_text('{"provenance": {\n  "commit": "89abcde0"}}\n')
+    (res / "bold.md").write_text("- **commit**: not a hash\n")
     (res / "bare.csv").write_text("m,n\n1,2\n")  # data, no provenance
     (res / "bare.md").write_text("# a table\n\nA commit of ours fixed it.\n")
     (res / "x_notes_1.md").write_text("narrative on good.csv\n")  # notes: exempt
@@ -223,6 +226,6 @@ def test_the_provenance_check_reports_what_lacks_it(tmp_path):
     (res / "raw.bin").write_text("")
     assert _unproven(tmp_path) == [
         "results/bare.csv: no commit in its first 40 lines", "results/bare.md: no commit in its first 40 lines",
-        "results/lonely.png: a plot with no data file beside it",
+        "results/bold.md: no commit in its first 40 lines", "results/lonely.png: a plot with no data file beside it",
         "results/loose.txt: raw tool output that no session's notes name",
         "results/raw.bin: not a results file (csv, md, json, png, txt)"]
