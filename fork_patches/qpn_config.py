@@ -60,25 +60,31 @@ def _modelopt_algo(cfg: dict) -> str | None:
     return str(algo).upper() if algo else None
 
 
-def int4_ready() -> tuple[bool, str]:
-    """(True, '') when the INT4 family serves: qpn.kernels.formats has int4 / int4_sym served,
-    qpn.kernels.family_int4 has its converters and the linear methods have an int4 family."""
-    from qpn.kernels import formats
+# The ModelOpt quant_algo of a single-format checkpoint -> the key of the engine config that parses it.
+MODELOPT_SINGLE = {"NVFP4": "modelopt_fp4", "FP8": "modelopt_fp8"}
 
-    if "int4" not in formats.FAMILIES:
-        return False, "qpn.kernels.formats does not serve the int4 family yet"
+
+def family_ready(fmt) -> tuple[bool, str]:
+    """(True, '') when QPN serves ``fmt``'s family end to end: the format is registered as served,
+    its family module imports, and the linear methods have a method for it; else why not."""
+    if not fmt.served:
+        return False, f"qpn.kernels.formats does not serve {fmt.title} yet (served=False)"
     try:
-        fam = importlib.import_module("qpn.kernels.family_int4")
+        importlib.import_module(f"qpn.kernels.family_{fmt.family}")
     except ImportError as e:
-        return False, f"qpn.kernels.family_int4 does not import ({e})"
-    missing = [f for f in ("from_awq", "from_gptq", "from_pack_quantized") if not hasattr(fam, f)]
-    if missing:
-        return False, f"qpn.kernels.family_int4 has no {', '.join(missing)}"
+        return False, f"qpn.kernels.family_{fmt.family} does not import ({e})"
     from qpn.fork_patches.linear_method import METHODS
 
-    if "int4" not in METHODS:
-        return False, "qpn.fork_patches.linear_method has no int4 linear method yet"
+    if fmt.family not in METHODS:
+        return False, f"qpn.fork_patches.linear_method has no {fmt.title} linear method yet"
     return True, ""
+
+
+def int4_ready() -> tuple[bool, str]:
+    """family_ready for the family the AWQ, GPTQ and pack-quantized conventions hand out."""
+    from qpn.kernels import formats
+
+    return family_ready(formats.INT4)
 
 
 def claim(hf_quant_cfg: Any) -> str | None:
@@ -94,9 +100,7 @@ def claim(hf_quant_cfg: Any) -> str | None:
         algo = _modelopt_algo(hf_quant_cfg)
         if algo == "MIXED_PRECISION":
             return "modelopt_mixed"
-        if algo in formats.MODELOPT_ALGOS:
-            return "modelopt_fp8" if formats.MODELOPT_ALGOS[algo].family == "fp8" else "modelopt_fp4"
-        return None
+        return MODELOPT_SINGLE.get(algo) if algo in formats.MODELOPT_ALGOS else None
     if method == "compressed-tensors":
         from qpn.fork_patches.conventions import ConventionError, ct_declared_formats
 
@@ -229,13 +233,13 @@ def qpn_method(inner, convention: str, layer, prefix: str):
         if inner.is_layer_excluded(prefix):
             return None
         return quant_config.qpn_method_for(inner, layer, prefix, target)
-    if convention in ("modelopt_fp4", "modelopt_fp8"):
+    if convention in MODELOPT_SINGLE.values():
         from qpn.fork_patches.linear_method import method_class
         from qpn.kernels import formats
 
         if inner.is_layer_excluded(prefix):
             return None
-        algo = "NVFP4" if convention == "modelopt_fp4" else "FP8"
+        algo = next(a for a, c in MODELOPT_SINGLE.items() if c == convention)
         proj = prefix.rsplit(".", 1)[-1]
         return method_class(formats.MODELOPT_ALGOS[algo])(
             prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"], atom=target["atom"],
