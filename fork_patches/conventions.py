@@ -56,6 +56,32 @@ in the checkpoint; ``ignore`` (names and patterns) wins over all.
 vLLM 0.32 resolves an FP8 KV cache from a ModelOpt directive (``get_kv_cache_quant_algo_string``
 reads modelopt configs only); a compressed-tensors ``kv_cache_scheme`` leaves ``--kv-cache-dtype
 auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked for explicitly.
+
+INT4 W4A16 (qpn.kernels.family_int4; not served yet, so kept apart: ``INT4_CONVENTIONS``,
+``detect_int4``; nothing routes a layer there). Three conventions, one ``INT4Convention`` each:
+names, the stored layout in symbols of (N, K, g), the family_int4 unpacker, the config keys.
+Proven against vLLM 0.32's and both 1Cat-vLLM archives' own create_weights / from_config by
+tests/test_int4_conventions.py (engine_source.verify_int4_conventions):
+  AWQ (AutoAWQ GEMM; ``quant_method: awq``, ``bits`` / ``w_bit``, ``group_size`` / ``q_group_size``,
+  ``zero_point`` true, ``version: gemm``, ``modules_to_not_convert``): ``qweight`` int32 [K, N/8]
+  and ``qzeros`` int32 [K/g, N/8], eight output columns per word in the order (0, 2, 4, 6, 1, 3,
+  5, 7); ``scales`` [K/g, N]; ``from_awq``. vLLM 0.32: auto_awq.AutoAWQMarlinLinearMethod; 1Cat:
+  awq.AWQLinearMethod.
+  GPTQ (``quant_method: gptq``, ``bits``, ``group_size``, ``sym``, ``desc_act``; GPTQModel's
+  ``checkpoint_format`` gptq = zero points stored minus 1, gptq_v2 = as they are; no engine reads
+  it, and neither serves ``sym: false``): ``qweight`` int32 [K/8, N] (eight inputs per word),
+  ``qzeros`` int32 [K/g, N/8], ``scales`` [K/g, N], ``g_idx`` int32 [K] (1Cat registers it;
+  vLLM 0.32 refuses desc_act and loads none); ``from_gptq``.
+  compressed-tensors pack-quantized (config group weights ``num_bits: 4``, ``type: int``,
+  ``strategy: group``, ``group_size``, ``symmetric``, ``actorder``; ``format: pack-quantized``):
+  ``weight_packed`` int32 [N, K/8], ``weight_scale`` [N, K/g], ``weight_zero_point`` int32
+  [N/8, K/g] (asymmetric), ``weight_g_idx`` int32 [K] (actorder group), ``weight_shape`` int64
+  [2]; ``from_pack_quantized``. vLLM's CompressedTensorsWNA16 (1Cat registers weight_g_idx).
+A g_idx that scatters the inputs of a group (desc_act / actorder group) is refused naming the
+module (``ActOrderRefused``); so are bits != 4, a group size other than 32 / 64 / 128, and a
+missing scale or zero-point tensor. The launcher runs ``int4_checkpoint_problems`` before boot
+(scripts/launcher/serve_preflight.check_checkpoint_tensors): truncated or corrupt safetensors,
+missing tensors, wrong dtypes and shapes, act-ordered g_idx, each naming the module.
 """
 from __future__ import annotations
 
@@ -92,6 +118,15 @@ class FP8Names:
     codes: str
     scale: str
     input_scale: str
+
+
+@dataclass(frozen=True)
+class INT4Names:
+    codes: str          # int32 words of eight 4-bit codes
+    group_scales: str   # float16 (bf16 / fp32 where float16 holds them exactly)
+    zero_points: str    # int32 words of eight 4-bit zero points (asymmetric only)
+    g_idx: str | None = None   # int32 [K] input -> group, where the convention stores one
+    shape: str | None = None   # int64 [2] = (N, K) (compressed-tensors' weight_shape)
 
 
 @dataclass(frozen=True)
@@ -134,6 +169,9 @@ class Convention:
     scheme_source: str   # where the config names each module's scheme
     kv_directive: str    # the config key of the KV-cache directive
     kv_scale_names: tuple[str, str]  # suffixes of the K / V scale tensors inside a layer
+    # the INT4 family's tensor names where the convention has an INT4 layout (compressed-tensors
+    # pack-quantized: CT_PACK_QUANTIZED below); INT4 is not served yet, so no loader asks
+    int4: INT4Names | None = None
 
     # ----------------------------------------------------------------------- names
     def names(self, fmt) -> NVFP4Names | FP8Names:
@@ -276,6 +314,7 @@ COMPRESSED_TENSORS = Convention(
                   "input_activations, format}} less 'ignore'",
     kv_directive="kv_cache_scheme",
     kv_scale_names=("self_attn.k_scale", "self_attn.v_scale"),
+    int4=INT4Names("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"),
 )
 
 CONVENTIONS = {c.name: c for c in (MODELOPT, COMPRESSED_TENSORS)}
@@ -319,6 +358,7 @@ def target_matches(name: str, target: str) -> bool:
 # BF16 router) does not.
 CLASS_TARGETS = ("Linear",)
 _SAFETENSORS_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3"}  # torch dtype name -> header dtype
+_STORED_CODES_DTYPE = {"int4": "I32"}  # a family whose checkpoint codes are not its canonical dtype
 
 
 def class_target_covers(module: str, target: str, scheme: ModuleScheme,
@@ -330,7 +370,8 @@ def class_target_covers(module: str, target: str, scheme: ModuleScheme,
         return False
     fmt = scheme.format
     codes = COMPRESSED_TENSORS.names(fmt).codes
-    return tensors.get(f"{module}.{codes}") == _SAFETENSORS_DTYPE[fmt.code_dtype]
+    stored = _STORED_CODES_DTYPE.get(fmt.family) or _SAFETENSORS_DTYPE[fmt.code_dtype]
+    return tensors.get(f"{module}.{codes}") == stored
 
 
 def ct_scheme_of(weights: Mapping, fmt_name: str | None, src: str) -> ModuleScheme:
@@ -373,17 +414,19 @@ def ct_declared_formats(quant_cfg: Mapping) -> set[str]:
 
 
 def _ct_schemes(quant_cfg: Mapping, modules: list[str],
-                tensors: Mapping[str, str] | None = None) -> dict[str, ModuleScheme | None]:
+                tensors: Mapping[str, str] | None = None, classify=None) -> dict[str, ModuleScheme | None]:
     """As vLLM's find_matched_target orders them: the first target (groups in config order) that
     names the module, exactly or by ``re:``; only then a class target (``class_target_covers``).
-    ``ignore`` entries (names or ``re:``) win over both."""
+    ``ignore`` entries (names or ``re:``) win over both. ``classify(weights, format, src)`` reads a
+    group's scheme (default ``ct_scheme_of``; the INT4 convention passes ``ct_int4_scheme_of``)."""
     ignore = list(quant_cfg.get("ignore") or [])
     groups = quant_cfg.get("config_groups") or {}
     global_fmt = quant_cfg.get("format")
+    classify = classify or ct_scheme_of
 
     def scheme(gname: str, g: Mapping, hit: str) -> ModuleScheme:
-        return ct_scheme_of(g.get("weights") or {}, g.get("format") or global_fmt,
-                            f"config_groups[{gname!r}] target {hit!r}")
+        return classify(g.get("weights") or {}, g.get("format") or global_fmt,
+                        f"config_groups[{gname!r}] target {hit!r}")
 
     # one scheme per class target, the last group naming it (vLLM's target_scheme_map is keyed by
     # the target string, so a later group overrides an earlier one)
@@ -459,3 +502,493 @@ def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
     raise ConventionError(f"{ckpt}: no quantization_config in config.json (quant_method modelopt or "
                           "compressed-tensors) and no hf_quant_config.json; not a checkpoint the QPN "
                           "path serves")
+
+
+# ==================================================================================== INT4 W4A16
+# The INT4 family (qpn.kernels.family_int4) is not served yet (formats marks it served=False): the
+# conventions below are not in CONVENTIONS and ``detect`` does not return them, so the loader,
+# QPNConfig and the boot gates never see an INT4 checkpoint as QPN's. What they do today: name
+# each convention's tensors, read its config, hand family_int4's unpackers the tensors
+# (``int4_inputs``), and let the launcher refuse before boot a checkpoint whose INT4 tensors are
+# not whole (``int4_checkpoint_problems``, called by serve_preflight.check_checkpoint_tensors).
+class ActOrderRefused(ConventionError):
+    """An activation-ordered INT4 module (g_idx mixing groups inside a block of g inputs): the
+    kernels read inputs in checkpoint order. Its __cause__ is family_int4's ActOrderError."""
+
+
+@dataclass(frozen=True)
+class INT4Layout:
+    """The stored shape of each role, in symbols of the module's (N outputs, K inputs) and group
+    size g: "K/8" / "N/8" hold eight 4-bit values per int32 along that axis (ceil for a
+    compressed-tensors zero point), "K/g" one entry per group. ``nibble_order``: nibble j of a word
+    holds element 8c + nibble_order[j] of its packed axis (codes and zero points alike)."""
+
+    codes: tuple[str, ...]
+    group_scales: tuple[str, ...]
+    zero_points: tuple[str, ...]
+    g_idx: tuple[str, ...] | None = None
+    shape: tuple[str, ...] | None = None
+    nibble_order: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7)
+
+    def dims(self, n: int, k: int, g: int) -> dict[str, tuple[int, ...]]:
+        """{role: the shape a module of N outputs, K inputs and group size g stores}."""
+        sym = {"N": n, "K": k, "N/8": -(-n // 8), "K/8": k // 8, "K/g": k // g, "2": 2}
+        return {role: tuple(sym[d] for d in getattr(self, role))
+                for role in ("codes", "group_scales", "zero_points", "g_idx", "shape")
+                if getattr(self, role) is not None}
+
+    def n_k(self, codes_shape) -> tuple[int, int] | None:
+        """(N, K) of a module from its codes tensor's shape; None if it is not 2-D."""
+        if len(codes_shape) != len(self.codes):
+            return None
+        got: dict[str, int] = {}
+        for sym, size in zip(self.codes, codes_shape):
+            got[sym[0]] = int(size) * (8 if sym.endswith("/8") else 1)
+        return got["N"], got["K"]
+
+
+@dataclass(frozen=True)
+class INT4Scheme:
+    """What a config declares for one INT4 module."""
+
+    symmetric: bool           # zero point 8 (uint4b8): no zero-point tensor is read
+    group_size: int           # one of formats.INT4_GROUP_SIZES
+    zero_offset: int = 0      # stored zero point = zero - zero_offset (GPTQ v1 format: 1)
+    act_order: bool = False   # the config declares activation ordering: g_idx decides per module
+    source: str = ""          # where the config says so (for error messages)
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        return formats.INT4_SYM if self.symmetric else formats.INT4
+
+    @property
+    def fmt(self) -> str:
+        return self.format.family
+
+
+@dataclass(frozen=True)
+class INT4Convention:
+    """One INT4 checkpoint convention: tensor names, stored layout, the family_int4 unpacker that
+    turns its tensors into the canonical source, and the config keys it reads.
+
+    ``config_keys``: (role, keys) pairs read as the engine's own config parsers read them (the
+    first key present wins: vLLM's get_from_keys; for compressed-tensors the QuantizationArgs
+    fields of a config group's ``weights``); tests/test_int4_conventions.py proves each list
+    against vLLM 0.32 and both 1Cat-vLLM archives (qpn.fork_patches.engine_source
+    .verify_int4_conventions). ``producer_keys``: keys the convention reads that no engine reads
+    (the producing library's; the engines assume their default)."""
+
+    name: str
+    quant_method: str
+    names: INT4Names
+    layout: INT4Layout
+    unpacker: str                 # the qpn.kernels.family_int4 function
+    config_keys: tuple[tuple[str, tuple[str, ...]], ...]
+    producer_keys: tuple[str, ...]
+    declared_by: str              # "codes": every module holding the codes tensor (less skips);
+    #                               "config_groups": compressed-tensors targets less ignore
+    scheme_source: str
+
+    # ----------------------------------------------------------------------- names
+    def keys(self, role: str) -> tuple[str, ...]:
+        return dict(self.config_keys)[role]
+
+    def roles(self, scheme: INT4Scheme) -> dict[str, bool]:
+        """{role: required} of the tensors a module of ``scheme`` stores (optional: read when there)."""
+        out = {"codes": True, "group_scales": True}
+        if not scheme.symmetric:
+            out["zero_points"] = True
+        if self.names.g_idx is not None:  # an act-ordered module needs its map; others may carry i // g
+            out["g_idx"] = scheme.act_order
+        if self.names.shape is not None:
+            out["shape"] = False
+        return out
+
+    def tensor_names(self, module: str, scheme: INT4Scheme) -> dict[str, str]:
+        """{role: full checkpoint tensor name} of the tensors a module of ``scheme`` may store."""
+        return {role: f"{module}.{getattr(self.names, role)}" for role in self.roles(scheme)}
+
+    # ------------------------------------------------------------------ config reading
+    def _get(self, cfg: Mapping, role: str, src: str, default=ConventionError):
+        for key in self.keys(role):
+            if key in cfg:
+                return cfg[key]
+        if default is ConventionError:
+            raise ConventionError(f"{src}: {self.name} config has none of {', '.join(self.keys(role))} "
+                                  f"({role}); the engine reads it from there")
+        return default
+
+    def scheme(self, quant_cfg: Mapping, src: str | None = None) -> INT4Scheme:
+        """The INT4Scheme an AWQ / GPTQ quantization config declares for its modules (one for
+        all; GPTQModel's per-module ``dynamic`` overrides are refused). ConventionError names the
+        key for what QPN does not serve: bits != 4, a group size other than 32 / 64 / 128
+        (-1 = per channel included), AWQ without zero points or in a non-GEMM packing, an
+        unknown GPTQ checkpoint_format."""
+        src = src or f"quantization_config ({self.name})"
+        if self.declared_by != "codes":
+            raise ConventionError(f"{self.name}: schemes come per config group (ct_int4_scheme_of)")
+        bits = self._get(quant_cfg, "bits", src)
+        if bits != 4:
+            raise ConventionError(f"{src}: {self.keys('bits')[-1]} = {bits}; the QPN INT4 family is 4-bit")
+        g = _int4_group(self._get(quant_cfg, "group_size", src), src)
+        if self.name == "awq":
+            if self._get(quant_cfg, "zero_point", src) is not True:
+                raise ConventionError(
+                    f"{src}: zero_point = {quant_cfg.get('zero_point')!r}; QPN serves AutoAWQ with zero points "
+                    "(vLLM 0.32 reads zero_point false as uint4b8, 1Cat-vLLM's AWQ GEMM subtracts qzeros "
+                    "anyway: the engines disagree on such a checkpoint)")
+            version = str(quant_cfg.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ConventionError(f"{src}: version {quant_cfg.get('version')!r}; QPN reads AutoAWQ's GEMM "
+                                      "packing (version gemm), which the other versions do not use")
+            return INT4Scheme(False, g, source=src)
+        sym = self._get(quant_cfg, "sym", src)
+        desc_act = bool(self._get(quant_cfg, "desc_act", src, default=False))
+        fmt = str(quant_cfg.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ConventionError(f"{src}: checkpoint_format {quant_cfg.get('checkpoint_format')!r}; QPN reads "
+                                  "gptq (zero points stored minus 1) and gptq_v2 (stored as they are)")
+        for pattern, override in (self._get(quant_cfg, "dynamic", src, default=None) or {}).items():
+            if not str(pattern).startswith("-:") and override:
+                raise ConventionError(f"{src}: dynamic rule {pattern!r} overrides {sorted(override)} for some "
+                                      "modules; QPN reads one INT4 scheme per checkpoint")
+        return INT4Scheme(bool(sym), g, zero_offset=0 if sym or fmt == "gptq_v2" else 1,
+                          act_order=desc_act, source=src)
+
+    def module_schemes(self, quant_cfg: Mapping, modules: list[str],
+                       tensors: Mapping[str, str]) -> dict[str, INT4Scheme | None]:
+        """{module: its INT4Scheme, or None (not quantized)}; ``tensors``: {tensor name:
+        safetensors dtype}. AWQ / GPTQ: the modules holding codes (``qweight``) less AWQ's
+        ``modules_to_not_convert`` (substrings, as vLLM's is_layer_skipped matches them) and
+        GPTQModel's negative ``dynamic`` rules; compressed-tensors: config_groups targets less
+        ``ignore`` (as for NVFP4 / FP8)."""
+        if self.declared_by == "config_groups":
+            for gname, g in (quant_cfg.get("config_groups") or {}).items():
+                for key in ("input_activations", "output_activations"):
+                    if g.get(key):
+                        raise ConventionError(f"config_groups[{gname!r}] quantizes {key}; the INT4 family "
+                                              "is W4A16 (weights only)")
+            # every codes tensor of an INT4 checkpoint is INT4's (a config mixing formats is refused):
+            # a class target covers it in any dtype, which header_problems then checks
+            codes = {name: "I32" if name.endswith("." + self.names.codes) else d for name, d in tensors.items()}
+            return _ct_schemes(quant_cfg, modules, codes, classify=ct_int4_scheme_of)
+        scheme = self.scheme(quant_cfg)
+        skip = list(self._get(quant_cfg, "modules_to_not_convert", "", default=None) or []) \
+            if self.name == "awq" else []
+        negative = [str(p)[2:] for p in (quant_cfg.get("dynamic") or {}) if str(p).startswith("-:")]
+        out: dict[str, INT4Scheme | None] = {}
+        for m in modules:
+            holds = f"{m}.{self.names.codes}" in tensors  # in any dtype: header_problems checks it
+            skipped = any(s and s in m for s in skip) or any(re.match(p, m) for p in negative)
+            out[m] = scheme if holds and not skipped else None
+        return out
+
+    # ------------------------------------------------------------------ the tensors
+    def header_problems(self, module: str, headers: Mapping[str, Mapping], scheme: INT4Scheme) -> list[str]:
+        """What is wrong with one module's INT4 tensors, from the safetensors headers alone (a
+        missing tensor, a wrong dtype, a shape that does not fit the codes): each message names
+        the module and the tensor. [] when they are whole."""
+        names = self.tensor_names(module, scheme)
+        out = []
+        for role, required in self.roles(scheme).items():
+            if required and names[role] not in headers:
+                out.append(f"{module}: {self.name} INT4 ({scheme.format.title}, group {scheme.group_size}) needs "
+                           f"tensor {names[role]!r} ({role}); the checkpoint has none")
+        codes = headers.get(names["codes"])
+        if codes is None:
+            return out
+        want_dtype = {"codes": ("I32",), "zero_points": ("I32",), "g_idx": ("I32",), "shape": ("I64",),
+                      "group_scales": ("F16", "BF16", "F32")}
+        for role, name in names.items():
+            h = headers.get(name)
+            if h is not None and h["dtype"] not in want_dtype[role]:
+                out.append(f"{module}: tensor {name!r} ({role}) is {h['dtype']}; {self.name} stores it as "
+                           f"{' or '.join(want_dtype[role])}")
+        nk = self.layout.n_k(codes["shape"])
+        if nk is None:
+            return out + [f"{module}: tensor {names['codes']!r} has shape {list(codes['shape'])}; {self.name} "
+                          f"stores codes as [{', '.join(self.layout.codes)}]"]
+        n, k = nk
+        g = scheme.group_size
+        if k % g:
+            return out + [f"{module}: K={k} inputs (from {names['codes']!r} {list(codes['shape'])}) is not a "
+                          f"multiple of the group size {g}"]
+        for role, dims in self.layout.dims(n, k, g).items():
+            h = headers.get(names.get(role, ""))
+            if h is not None and tuple(h["shape"]) != dims:
+                out.append(f"{module}: tensor {names[role]!r} ({role}) has shape {list(h['shape'])}; for "
+                           f"N={n}, K={k}, group {g} {self.name} stores "
+                           f"[{', '.join(getattr(self.layout, role))}] = {list(dims)}")
+        return out
+
+    def check_g_idx(self, module: str, g_idx, k: int, scheme: INT4Scheme) -> None:
+        """ActOrderRefused (naming the module) unless ``g_idx`` only moves whole groups
+        (family_int4.apply_g_idx decides)."""
+        import torch
+
+        from qpn.kernels import family_int4
+
+        cols = k // scheme.group_size
+        try:
+            family_int4.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx,
+                                    scheme.group_size, module)
+        except family_int4.ActOrderError as e:
+            raise ActOrderRefused(f"{module}: {e}") from e
+        except formats.FormatError as e:
+            raise ConventionError(f"{module}: {self.names.g_idx}: {e}") from e
+
+    def int4_inputs(self, tensors: Mapping[str, torch.Tensor], module: str, scheme: INT4Scheme) -> tuple:
+        """The canonical INT4 source of one module (codes uint8 [N, K/2], group_scales float16
+        [N, K/g][, zero_points uint8 [N, K/g]]) from its tensors (keys local or ``module.``-prefixed),
+        by the convention's family_int4 unpacker. ConventionError names the module and the
+        missing tensor; ActOrderRefused an activation-ordered g_idx."""
+        from qpn.kernels import family_int4
+
+        t = _local(tensors, module)
+        n = self.names
+        for role, required in self.roles(scheme).items():
+            if required and getattr(n, role) not in t:
+                raise ConventionError(f"{module or 'module'}: {self.name} INT4 needs tensor "
+                                      f"{getattr(n, role)!r} ({role}); found {sorted(t)}")
+        g_idx = t.get(n.g_idx) if n.g_idx else None
+        unpack = getattr(family_int4, self.unpacker)
+        try:
+            if self.unpacker == "from_awq":
+                return unpack(t[n.codes], t[n.zero_points], t[n.group_scales], scheme.group_size)
+            if self.unpacker == "from_gptq":
+                return unpack(t[n.codes], t.get(n.zero_points), t[n.group_scales], g_idx, scheme.group_size,
+                              scheme.symmetric, v2=scheme.zero_offset == 0, module=module)
+            return unpack(t[n.codes], t[n.group_scales], None if scheme.symmetric else t[n.zero_points],
+                          scheme.group_size, g_idx=g_idx, module=module)
+        except family_int4.ActOrderError as e:
+            raise ActOrderRefused(f"{module}: {e}") from e
+        except formats.FormatError as e:
+            raise ConventionError(f"{module}: {self.name} INT4: {e}") from e
+
+
+def _int4_group(value, src: str) -> int:
+    try:
+        g = int(value)
+    except (TypeError, ValueError):
+        g = None
+    if g not in formats.INT4_GROUP_SIZES:
+        raise ConventionError(f"{src}: group_size {value!r}{' (per channel)' if g == -1 else ''} is not an "
+                              f"INT4 group size QPN packs ({', '.join(map(str, formats.INT4_GROUP_SIZES))})")
+    return g
+
+
+AWQ = INT4Convention(
+    name="awq",
+    quant_method="awq",
+    names=INT4Names("qweight", "scales", "qzeros"),
+    layout=INT4Layout(codes=("K", "N/8"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
+                      nibble_order=(0, 2, 4, 6, 1, 3, 5, 7)),
+    unpacker="from_awq",
+    config_keys=(("bits", ("w_bit", "bits")), ("group_size", ("q_group_size", "group_size")),
+                 ("zero_point", ("zero_point",)), ("modules_to_not_convert", ("modules_to_not_convert",))),
+    producer_keys=("version",),
+    declared_by="codes",
+    scheme_source="config.json quantization_config {quant_method: awq, bits, group_size, zero_point, "
+                  "version: gemm, modules_to_not_convert}",
+)
+
+GPTQ = INT4Convention(
+    name="gptq",
+    quant_method="gptq",
+    names=INT4Names("qweight", "scales", "qzeros", "g_idx"),
+    layout=INT4Layout(codes=("K/8", "N"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
+                      g_idx=("K",)),
+    unpacker="from_gptq",
+    config_keys=(("bits", ("bits",)), ("group_size", ("group_size",)), ("desc_act", ("desc_act",)),
+                 ("sym", ("sym",)), ("dynamic", ("dynamic",))),
+    producer_keys=("checkpoint_format",),
+    declared_by="codes",
+    scheme_source="config.json quantization_config {quant_method: gptq, bits, group_size, sym, desc_act, "
+                  "checkpoint_format: gptq | gptq_v2}",
+)
+
+CT_PACK_QUANTIZED = INT4Convention(
+    name="compressed-tensors",
+    quant_method="compressed-tensors",
+    names=COMPRESSED_TENSORS.int4,
+    layout=INT4Layout(codes=("N", "K/8"), group_scales=("N", "K/g"), zero_points=("N/8", "K/g"),
+                      g_idx=("K",), shape=("2",)),
+    unpacker="from_pack_quantized",
+    config_keys=(("bits", ("num_bits",)), ("type", ("type",)), ("strategy", ("strategy",)),
+                 ("group_size", ("group_size",)), ("symmetric", ("symmetric",)), ("actorder", ("actorder",)),
+                 ("dynamic", ("dynamic",)), ("format", ("format",))),
+    producer_keys=(),
+    declared_by="config_groups",
+    scheme_source=COMPRESSED_TENSORS.scheme_source + " (weights num_bits 4, type int, strategy group; "
+                  "format pack-quantized)",
+)
+
+INT4_CONVENTIONS = {c.name: c for c in (AWQ, GPTQ, CT_PACK_QUANTIZED)}
+
+
+def ct_int4_scheme_of(weights, fmt_name: str | None, src: str) -> INT4Scheme:
+    """Classify a compressed-tensors ``weights`` QuantizationArgs dict (or pydantic model) as an
+    INT4 W4A16 scheme; ConventionError names what QPN does not serve."""
+    w = weights if isinstance(weights, Mapping) else weights.model_dump()
+    key = {role: keys[0] for role, keys in CT_PACK_QUANTIZED.config_keys}
+    typ, bits = str(w.get(key["type"], "")).lower().rsplit(".", 1)[-1], w.get(key["bits"])
+    strategy = str(w.get(key["strategy"]) or "").lower().rsplit(".", 1)[-1]
+    if typ != "int":
+        raise ConventionError(f"{src}: weights of type {typ!r} in a checkpoint read as INT4; QPN does not "
+                              "serve a compressed-tensors checkpoint mixing INT4 with other formats")
+    if bits != 4:
+        raise ConventionError(f"{src}: num_bits {bits}; the QPN INT4 family is 4-bit")
+    if strategy != "group":
+        raise ConventionError(f"{src}: strategy {strategy!r}; QPN serves INT4 with group scales (strategy group)")
+    g = _int4_group(w.get(key["group_size"]), src)
+    if fmt_name not in (None, "pack-quantized", "mixed-precision"):
+        raise ConventionError(f"{src}: INT4 weights stored as format {fmt_name!r}; expected pack-quantized")
+    if w.get(key["dynamic"]):
+        raise ConventionError(f"{src}: dynamic {w.get(key['dynamic'])!r} weights; QPN serves static INT4 weights")
+    actorder = str(w.get(key["actorder"]) or "").lower().rsplit(".", 1)[-1]
+    if actorder in ("false", "none"):
+        actorder = ""
+    if actorder not in ("", "static", "weight", "group", "true"):
+        raise ConventionError(f"{src}: actorder {w.get(key['actorder'])!r}; QPN reads static / weight ordering "
+                              "and group ordering whose weight_g_idx only moves whole groups")
+    return INT4Scheme(bool(w.get(key["symmetric"], True)), g, act_order=actorder in ("group", "true"), source=src)
+
+
+def detect_int4(ckpt_dir: str | Path) -> tuple[INT4Convention, dict] | None:
+    """(INT4 convention, quantization config) of a checkpoint folder whose config.json
+    ``quantization_config`` declares AWQ or GPTQ (any bits: ``scheme`` refuses all but 4), or a
+    compressed-tensors config group of 4-bit integer weights; None for any other folder
+    (OSError / ValueError for an unreadable config.json)."""
+    cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    if method in ("awq", "gptq"):
+        return INT4_CONVENTIONS[method], q
+    if method == "compressed-tensors":
+        for g in (q.get("config_groups") or {}).values():
+            w = g.get("weights") if isinstance(g, Mapping) else None
+            if isinstance(w, Mapping) and str(w.get("type", "")).lower().rsplit(".", 1)[-1] == "int" \
+                    and w.get("num_bits") == 4:
+                return CT_PACK_QUANTIZED, q
+    return None
+
+
+def int4_declared_modules(ckpt_dir: str | Path) -> tuple[INT4Convention, dict[str, INT4Scheme]]:
+    """(convention, {module: INT4Scheme}) of an INT4 checkpoint, over its safetensors headers'
+    module names; ConventionError for a folder that is not one, or a scheme QPN does not serve."""
+    found = detect_int4(ckpt_dir)
+    if found is None:
+        raise ConventionError(f"{ckpt_dir}: config.json declares no AWQ, GPTQ or compressed-tensors INT4 weights")
+    convention, quant_cfg = found
+    headers = tensor_headers(ckpt_dir)
+    modules = sorted({name.rsplit(".", 1)[0] for name in headers if "." in name})
+    dtypes = {name: h["dtype"] for name, h in headers.items()}
+    schemes = convention.module_schemes(quant_cfg, modules, dtypes)
+    return convention, {m: s for m, s in schemes.items() if s is not None}
+
+
+# ------------------------------------------------------------------- whole safetensors files
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
+                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+def safetensors_problems(ckpt_dir: str | Path) -> list[str]:
+    """Why the folder's safetensors files are not whole, one message per problem, each naming the
+    file, the tensor and its module: a shard the index names that is missing, a file shorter than
+    its header, a header that is not JSON, a tensor whose byte range does not match its dtype and
+    shape, or that runs past the end of the file (a truncated download). [] when whole."""
+    import struct
+
+    ckpt = Path(ckpt_dir)
+    out: list[str] = []
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        except (OSError, ValueError) as e:
+            return [f"{index.name} is unreadable or not JSON ({e})"]
+        out += [f"{index.name} names shard {s}, which is not in {ckpt}" for s in shards if not (ckpt / s).is_file()]
+    for path in sorted(ckpt.glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                out.append(f"{path.name}: truncated: {size} bytes, not even the header length")
+                continue
+            (length,) = struct.unpack("<Q", head)
+            if 8 + length > size:
+                out.append(f"{path.name}: truncated inside its header ({size} bytes, the header alone takes "
+                           f"{8 + length})")
+                continue
+            try:
+                header = json.loads(f.read(length))
+            except ValueError as e:
+                out.append(f"{path.name}: its header is not JSON ({e})")
+                continue
+        for name, h in header.items():
+            if name == "__metadata__":
+                continue
+            module = name.rsplit(".", 1)[0]
+            try:
+                begin, end = (int(x) for x in h["data_offsets"])
+                numel = 1
+                for d in h["shape"]:
+                    numel *= int(d)
+                want = numel * _DTYPE_BYTES[h["dtype"]]
+            except (KeyError, TypeError, ValueError):
+                out.append(f"{module}: tensor {name} in {path.name} has an unreadable header entry {h}")
+                continue
+            if end - begin != want:
+                out.append(f"{module}: tensor {name} in {path.name} spans {end - begin} bytes; a {h['dtype']} "
+                           f"{list(h['shape'])} takes {want} (corrupt header)")
+            elif 8 + length + end > size:
+                out.append(f"{module}: tensor {name} in {path.name} is truncated: it ends at byte "
+                           f"{8 + length + end}, the file has {size} bytes (re-download the checkpoint)")
+    return out
+
+
+def int4_checkpoint_problems(ckpt_dir: str | Path) -> list[str]:
+    """Everything that makes an INT4 checkpoint unservable before any engine starts, each message
+    naming the module: safetensors files that are not whole (``safetensors_problems``), a config
+    QPN does not serve (bits, group size, AWQ zero points / version, GPTQ format), a declared
+    module whose tensors are missing, of the wrong dtype or shape (``header_problems``), and an
+    activation-ordered g_idx (read from the file: ``check_g_idx``). [] for a whole checkpoint,
+    and for a folder that is not an INT4 checkpoint."""
+    if detect_int4(ckpt_dir) is None:
+        return []
+    out = safetensors_problems(ckpt_dir)
+    if any(": truncated inside" in p or "not JSON" in p or "not even the header" in p for p in out):
+        return out  # headers unreadable: nothing more can be said per module
+    try:
+        convention, schemes = int4_declared_modules(ckpt_dir)
+    except ConventionError as e:
+        return out + [str(e)]
+    if not schemes:
+        return out + [f"config.json declares {convention.name} INT4 weights, but no module holds its codes "
+                      f"tensor ({convention.names.codes}, int32)"]
+    headers = tensor_headers(ckpt_dir)
+    gidx: list[tuple[str, str, int, INT4Scheme]] = []
+    for module, scheme in schemes.items():
+        problems = convention.header_problems(module, headers, scheme)
+        out += problems
+        name = f"{module}.{convention.names.g_idx}" if convention.names.g_idx else None
+        if not problems and name in headers:
+            n, k = convention.layout.n_k(headers[f"{module}.{convention.names.codes}"]["shape"])
+            gidx.append((module, name, k, scheme))
+    if gidx and not out:  # the files are whole: read each module's g_idx (K int32)
+        from safetensors import safe_open
+
+        where = {}
+        for path in sorted(Path(ckpt_dir).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                where.update({k: path for k in f.keys()})
+        for module, name, k, scheme in gidx:
+            with safe_open(str(where[name]), framework="pt") as f:
+                g_idx = f.get_tensor(name)
+            try:
+                convention.check_g_idx(module, g_idx, k, scheme)
+            except ConventionError as e:
+                out.append(str(e))
+    return out

@@ -674,3 +674,253 @@ def verify_registration(src: EngineSource, resolver: _Resolver | None = None) ->
         rows.append(Row("qpn-config-override-signature", "registry", src.key,
                         "QuantizationConfig.override_quantization_method", "MISS", str(exc)))
     return rows
+
+
+# ------------------------------------------------------------------------------ INT4 conventions
+# Where an engine creates each INT4 convention's parameters (create_weights of its linear method)
+# and parses its config (from_config; for compressed-tensors the config module that reads the
+# QuantizationArgs), per convention: every candidate present in the source is checked, at least
+# one must be. vLLM 0.32 names AutoAWQ's method AutoAWQMarlinLinearMethod (auto_awq.py); 1Cat-vLLM
+# keeps the older awq.py AWQLinearMethod.
+_Q = "model_executor/layers/quantization/"
+INT4_ENGINE_SITES: dict[str, dict[str, tuple[tuple[str, str | None], ...]]] = {
+    "awq": {"weights": ((_Q + "auto_awq.py", "AutoAWQMarlinLinearMethod"), (_Q + "awq.py", "AWQLinearMethod")),
+            "config": ((_Q + "auto_awq.py", "AutoAWQConfig"), (_Q + "awq.py", "AWQConfig"))},
+    "gptq": {"weights": ((_Q + "auto_gptq.py", "AutoGPTQLinearMethod"),),
+             "config": ((_Q + "auto_gptq.py", "AutoGPTQConfig"),)},
+    "compressed-tensors": {
+        "weights": ((_Q + "compressed_tensors/schemes/compressed_tensors_wNa16.py", "CompressedTensorsWNA16"),),
+        "config": ((_Q + "compressed_tensors/compressed_tensors.py", None),)},
+}
+# AutoAWQ's nibble order, as the engine's own packer writes it (quant_utils.awq_pack's interleave)
+AWQ_ORDER_SITE = (_Q + "utils/quant_utils.py", "awq_pack")
+
+
+def _function(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef | None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == name:
+                    return item
+    return None
+
+
+def _dim_symbol(node: ast.AST, assigns: dict[str, list[ast.AST]], params: set[str]) -> str:
+    """A create_weights dimension as a layout symbol ("K", "N", "K/8", "N/8", "K/g", a constant):
+    local names are expanded (all their assignments, three levels), then read by the names they
+    use: input_size -> K, output_size / output_partition -> N, group_size / num_groups -> /g,
+    pack_factor or num_bits / 32 -> /8."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return str(node.value)
+    texts, todo, seen = [], [node], set()
+    for _ in range(4):
+        nxt = []
+        for n in todo:
+            texts.append(ast.unparse(n))
+            for sub in ast.walk(n):
+                if isinstance(sub, ast.Name) and sub.id in assigns and sub.id not in params and sub.id not in seen:
+                    seen.add(sub.id)
+                    nxt += assigns[sub.id]
+        todo = nxt
+    text = " ".join(texts)
+    k, n = "input_size" in text, bool(re.search(r"output_(size|partition)", text))
+    if k == n:
+        return f"?({ast.unparse(node)})"
+    base = "K" if k else "N"
+    if "group_size" in text or "num_groups" in text:
+        return base + "/g"
+    if "pack_factor" in text or re.search(r"num_bits\s*/\s*32", text):
+        return base + "/8"
+    return base
+
+
+def created_parameters(src: EngineSource, relpath: str, cls: str, func: str = "create_weights") -> dict[str, list[dict]]:
+    """{parameter name: [{"dims", "dtype", "packed_dim"}, ...] (one entry per assignment of the
+    registered variable)} of ``layer.register_parameter(name, var)`` calls in ``cls.func`` of
+    ``vllm/relpath``, read with ast: ``var = SomeParameter(data=torch.empty(d0, d1, dtype=...),
+    packed_dim=...)``, ``data`` given directly or through a ``**kwargs`` dict."""
+    text = src.text(relpath)
+    if text is None:
+        raise AnchorMissing(f"vllm/{relpath} does not exist")
+    fn = _function(ast.parse(text), cls, func)
+    if fn is None:
+        raise AnchorMissing(f"vllm/{relpath} defines no {cls}.{func}")
+    params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    assigns: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    assigns.setdefault(t.id, []).append(node.value)
+
+    def data_of(call: ast.Call) -> tuple[ast.AST | None, ast.AST | None]:
+        data = packed = None
+        for kw in call.keywords:
+            if kw.arg == "data":
+                data = kw.value
+            elif kw.arg == "packed_dim":
+                packed = kw.value
+            elif kw.arg is None and isinstance(kw.value, ast.Name):  # **weight_scale_args
+                for d in assigns.get(kw.value.id, []):
+                    if isinstance(d, ast.Dict):
+                        for key, val in zip(d.keys, d.values):
+                            if isinstance(key, ast.Constant) and key.value == "data":
+                                data = val
+        return data, packed
+
+    out: dict[str, list[dict]] = {}
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "register_parameter" and len(node.args) == 2
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[1], ast.Name)):
+            continue
+        name = node.args[0].value
+        for value in assigns.get(node.args[1].id, []):
+            if not isinstance(value, ast.Call):
+                continue
+            data, packed = data_of(value)
+            if not (isinstance(data, ast.Call) and isinstance(data.func, ast.Attribute)
+                    and data.func.attr in ("empty", "zeros", "ones")):
+                continue
+            dtype = next((ast.unparse(kw.value) for kw in data.keywords if kw.arg == "dtype"), "")
+            out.setdefault(name, []).append({
+                "dims": tuple(_dim_symbol(d, assigns, params) for d in data.args),
+                "dtype": dtype.rsplit(".", 1)[-1],
+                "packed_dim": packed.value if isinstance(packed, ast.Constant) else None})
+    return out
+
+
+def config_key_lists(src: EngineSource, relpath: str, cls: str) -> list[tuple[str, ...]]:
+    """The key lists ``cls.from_config`` passes to get_from_keys / get_from_keys_or."""
+    text = src.text(relpath)
+    if text is None:
+        raise AnchorMissing(f"vllm/{relpath} does not exist")
+    fn = _function(ast.parse(text), cls, "from_config")
+    if fn is None:
+        raise AnchorMissing(f"vllm/{relpath} defines no {cls}.from_config")
+    out = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("get_from_keys", "get_from_keys_or") and len(node.args) >= 2 \
+                and isinstance(node.args[1], (ast.List, ast.Tuple)):
+            out.append(tuple(e.value for e in node.args[1].elts if isinstance(e, ast.Constant)))
+    return out
+
+
+def awq_pack_order(src: EngineSource) -> tuple[int, ...] | None:
+    """The 4-bit interleave of the engine's quant_utils.awq_pack (None if not found)."""
+    relpath, func = AWQ_ORDER_SITE
+    text = src.text(relpath)
+    if text is None:
+        return None
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and node.name == func:
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.If) and ast.unparse(sub.test).replace(" ", "") == "num_bits==4":
+                    for st in sub.body:  # not the elif branch (8-bit)
+                        for lit in ast.walk(st):
+                            if isinstance(lit, ast.List) and all(isinstance(e, ast.Constant) for e in lit.elts):
+                                return tuple(e.value for e in lit.elts)
+    return None
+
+
+_ROLE_DTYPE = {"codes": "int32", "zero_points": "int32", "g_idx": "int32", "shape": "int64",
+               "group_scales": "params_dtype"}
+
+
+def _check_int4_weights(conv, found: dict[str, list[dict]], where: str) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the parameters one engine method creates against the convention."""
+    problems, notes = [], []
+    required = ("codes", "group_scales", "zero_points")
+    for role in ("codes", "group_scales", "zero_points", "g_idx", "shape"):
+        name, dims = getattr(conv.names, role), getattr(conv.layout, role)
+        if name is None or dims is None:
+            continue
+        entries = found.get(name)
+        if not entries:
+            if role in required:
+                problems.append(f"{where} registers no {name!r} ({role})")
+            else:
+                notes.append(f"no {name!r} ({role}) registered")
+            continue
+        for e in entries:
+            if e["dims"] != tuple(dims):
+                problems.append(f"{where}: {name!r} has dims [{', '.join(e['dims'])}], the convention "
+                                f"[{', '.join(dims)}]")
+            if e["dtype"] != _ROLE_DTYPE[role]:
+                problems.append(f"{where}: {name!r} is allocated as {e['dtype']!r}, the convention reads "
+                                f"{_ROLE_DTYPE[role]}")
+            packed = [i for i, d in enumerate(dims) if d.endswith("/8")]
+            if e["packed_dim"] is not None and packed and e["packed_dim"] != packed[0]:
+                problems.append(f"{where}: {name!r} packs dim {e['packed_dim']}, the convention dim {packed[0]}")
+        notes.append(f"{name} [{', '.join(dims)}]")
+    return problems, notes
+
+
+def verify_int4_conventions(src: EngineSource, conventions=None) -> list[Row]:
+    """Rows proving each INT4 convention (qpn.fork_patches.conventions.INT4_CONVENTIONS) against
+    the engine's own source: the tensor names its linear method registers with their dims, dtype
+    and packed dim (INT4_ENGINE_SITES "weights"), the config keys its from_config reads (AWQ /
+    GPTQ) or the QuantizationArgs fields and group keys its config module reads (compressed-
+    tensors), and AutoAWQ's nibble order in the engine's awq_pack. A g_idx the engine does not
+    register is noted, not missed (vLLM 0.32 refuses act order instead of loading one)."""
+    from qpn.fork_patches.conventions import INT4_CONVENTIONS
+
+    rows = []
+    for conv in (conventions or INT4_CONVENTIONS.values()):
+        sites = INT4_ENGINE_SITES[conv.name]
+        # tensors
+        present = [(rel, cls) for rel, cls in sites["weights"] if src.text(rel) is not None]
+        problems, notes = [], []
+        if not present:
+            problems.append("none of " + ", ".join(f"vllm/{r}" for r, _ in sites["weights"]) + " exists")
+        for rel, cls in present:
+            try:
+                p, n = _check_int4_weights(conv, created_parameters(src, rel, cls), f"vllm/{rel} {cls}.create_weights")
+            except AnchorMissing as e:
+                p, n = [str(e)], []
+            problems += p
+            notes.append(f"vllm/{rel} {cls}.create_weights: " + "; ".join(n))
+        rows.append(Row(f"int4-{conv.name}-tensors", "convention", src.key, ", ".join(c for _, c in present),
+                        "MISS" if problems else "ok", "; ".join(problems) if problems else " | ".join(notes)))
+        # config keys
+        problems, notes = [], []
+        for rel, cls in sites["config"]:
+            text = src.text(rel)
+            if text is None:
+                continue
+            if cls is None:  # compressed-tensors: QuantizationArgs attributes / config keys read
+                tree = ast.parse(text)
+                used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | _constants(tree)
+                for role, keys in conv.config_keys:
+                    missing = [k for k in keys if k not in used]
+                    if missing:
+                        problems.append(f"vllm/{rel} never reads {', '.join(missing)} ({role})")
+                notes.append(f"vllm/{rel} reads " + ", ".join(k for _, ks in conv.config_keys for k in ks))
+                continue
+            try:
+                lists = config_key_lists(src, rel, cls)
+            except AnchorMissing as e:
+                problems.append(str(e))
+                continue
+            for role, keys in conv.config_keys:
+                if tuple(keys) not in lists:
+                    problems.append(f"vllm/{rel} {cls}.from_config reads no key list {list(keys)} ({role}); "
+                                    f"it reads {[list(x) for x in lists]}")
+            for key in conv.producer_keys:
+                if any(key in x for x in lists):
+                    problems.append(f"vllm/{rel} {cls}.from_config reads {key!r}, which the convention calls a "
+                                    "producer-only key")
+            notes.append(f"vllm/{rel} {cls}.from_config: " + ", ".join("/".join(k) for _, k in conv.config_keys))
+        if not notes and not problems:
+            problems.append("no config parser of the convention in the source")
+        rows.append(Row(f"int4-{conv.name}-config", "convention", src.key, conv.quant_method,
+                        "MISS" if problems else "ok", "; ".join(problems) if problems else " | ".join(notes)))
+        if conv.name == "awq":
+            order = awq_pack_order(src)
+            ok = order == tuple(conv.layout.nibble_order)
+            rows.append(Row("int4-awq-nibble-order", "convention", src.key, ":".join(AWQ_ORDER_SITE),
+                            "ok" if ok else "MISS",
+                            f"vllm/{AWQ_ORDER_SITE[0]} {AWQ_ORDER_SITE[1]} interleaves {order}; the convention "
+                            f"reads {tuple(conv.layout.nibble_order)}"))
+    return rows

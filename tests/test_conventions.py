@@ -39,6 +39,25 @@ def test_tensor_names_are_the_libraries_names():
     assert cv.COMPRESSED_TENSORS.tensor_names("m.x", cv.NVFP4)["global_scale"] == "m.x.weight_global_scale"
 
 
+def test_int4_tensor_names_are_the_librarys_names():
+    """compressed-tensors' pack-quantized compressor writes exactly the INT4 names the convention
+    gives its roles (weight_zero_point when asymmetric, weight_g_idx under actorder group), and the
+    ModelOpt convention has no INT4 layout (tests/test_int4_conventions.py proves the rest)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    def names(**w):
+        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=128, **w)
+        return set(PackedQuantizationCompressor.compression_param_names(QuantizationScheme(targets=["Linear"],
+                                                                                          weights=args)))
+
+    n = cv.COMPRESSED_TENSORS.int4
+    assert names(symmetric=True) == {n.codes, n.group_scales, n.shape}
+    assert names(symmetric=False) == {n.codes, n.group_scales, n.shape, n.zero_points}
+    assert names(symmetric=False, actorder="group") == set(cv.COMPRESSED_TENSORS.param_names(cv.formats.INT4))
+    assert cv.MODELOPT.int4 is None and cv.CT_PACK_QUANTIZED.names is n
+
+
 def _vllm_file(rel: str) -> str:
     spec = importlib.util.find_spec("vllm")
     if spec is None:

@@ -229,11 +229,49 @@ def check_gpus_free(nvidia_smi: str = "nvidia-smi", visible: str | None = None) 
     return "free"
 
 
+def check_checkpoint_tensors(ckpt: str) -> str:
+    """Refuse an INT4 checkpoint (AutoAWQ, GPTQ, compressed-tensors pack-quantized:
+    qpn.fork_patches.conventions.detect_int4) that is not whole, before any engine starts: a
+    truncated or corrupt safetensors file, a config QPN's INT4 family does not serve (bits,
+    group size), a declared module whose codes, scales or zero points are missing or of the wrong
+    dtype or shape, an activation-ordered g_idx (conventions.int4_checkpoint_problems). Every line
+    names the module. Other checkpoints pass untouched (their modules are checked by the loader)."""
+    from qpn.fork_patches import conventions
+
+    try:
+        found = conventions.detect_int4(ckpt)
+    except (OSError, ValueError):
+        return "no INT4 checkpoint"
+    if found is None:
+        return "no INT4 checkpoint"
+    # Until QPN serves INT4 the engine's own INT4 kernels serve these checkpoints: only damage
+    # (a truncated or corrupt file) is refused then, not what QPN's INT4 family would not serve.
+    try:
+        from qpn.fork_patches.qpn_config import int4_ready
+        ours, why = int4_ready()
+    except ImportError as exc:
+        ours, why = False, f"qpn_config does not import here ({exc})"
+    try:
+        problems = (conventions.int4_checkpoint_problems(ckpt) if ours
+                    else conventions.safetensors_problems(ckpt))
+    except (OSError, ValueError) as exc:
+        problems = [f"cannot read the checkpoint's tensors: {exc}"]
+    if problems:
+        more = f"\n  (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise Refusal(f"{ckpt} ({found[0].name} INT4) cannot be served as stored:\n  "
+                      + "\n  ".join(problems[:8]) + more
+                      + "\nRe-download the checkpoint (a truncated or corrupt file), or re-export it without "
+                        "what the INT4 family does not serve")
+    return f"{found[0].name} INT4 tensors whole" + ("" if ours else f"; left to the engine's INT4 kernels ({why})")
+
+
 def check_tp_split(ckpt: str, tp: int | None) -> str:
     """Refuse a checkpoint whose quantized modules cannot be split over ``tp`` ranks with whole
     NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.tp_sharding), naming the module.
     The modules are those the checkpoint's convention declares (boot_gates.declared_modules:
-    ModelOpt or compressed-tensors alike)."""
+    ModelOpt or compressed-tensors alike). First, at any TP, an INT4 checkpoint's tensors must
+    be whole (``check_checkpoint_tensors``): the split is planned from the same headers."""
+    check_checkpoint_tensors(ckpt)
     if not tp or tp <= 1:
         return "single rank"
     from qpn.fork_patches.tp_sharding import checkpoint_modules, plan
