@@ -339,7 +339,8 @@ def _modelopt_schemes(quant_cfg: Mapping, modules: list[str]) -> dict[str, Modul
         if fmt.group_size is not None and int(entry.get("group_size", fmt.group_size)) != fmt.group_size:
             raise ConventionError(f"{src}: {fmt.title} group_size {entry.get('group_size')}; {fmt.title} has "
                                   f"one e4m3 scale per {fmt.group_size} inputs")
-        out[m] = ModuleScheme(fmt.family, fmt.output_scale if fmt.family == FP8 else "tensor", source=src)
+        # the registry's output scale as ModuleScheme stores it: NVFP4's global scale is one per tensor
+        out[m] = ModuleScheme(fmt.family, "tensor" if fmt.output_scale == "global" else fmt.output_scale, source=src)
     return out
 
 
