@@ -210,6 +210,7 @@ class Census:
         self._engine_config = None  # the engine's VllmConfig, read at snapshot time
         self.engine_quantized_layers: list[str] | None = None
         self.checkpoint_modules: dict[str, str | None] | None = None
+        self.draft_depth_steps: dict[str, int] = {}  # K=auto: depth -> steps drafted at it
         self._dirty = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -277,6 +278,14 @@ class Census:
             slot["graph" if graph else "eager"] += calls
             self._mark_dirty()
 
+    def count_draft_depth(self, depth: int, steps: int = 1) -> None:
+        """K=auto: one scheduling step whose drafter drafted ``depth`` tokens on this rank
+        (fork_patches/auto_depth.py, hook auto-depth-draft-depth)."""
+        key = str(int(depth))
+        with self._lock:
+            self.draft_depth_steps[key] = self.draft_depth_steps.get(key, 0) + steps
+            self._mark_dirty()
+
     def skip_hook(self, hook: str, reason: str, **details) -> None:
         """A hook the plugin did not apply (the gates fail if the checkpoint needs it); details:
         anchor, engine, engine_version, needed_for (census_schema.HookSkipped)."""
@@ -336,6 +345,8 @@ class Census:
                 "fallbacks": [{"module": m, "reason": r, "count": c}
                               for (m, r), c in sorted(self.fallbacks.items())],
                 "hooks_skipped": [dict(v) for _, v in sorted(self.hooks_skipped.items())],
+                "draft_depth_steps": dict(sorted(self.draft_depth_steps.items(),
+                                                 key=lambda kv: int(kv[0]))),
                 "updated": _now(),
             }
 
@@ -464,4 +475,7 @@ def aggregate(census_dir: str) -> dict:
         "lm_head": [r.get("lm_head") for r in ranks],
         "kv_resolved": [r.get("kv_cache") for r in ranks],
         "hooks_skipped": [{**h, "rank": r["rank"]} for r in ranks for h in r.get("hooks_skipped", [])],
+        # Every rank drafts the same steps (one SchedulerOutput reaches them all): the lowest
+        # rank's counts stand for the server; each rank's own are in its rank summary.
+        "draft_depth_steps": dict(ranks[0].get("draft_depth_steps") or {}) if ranks else {},
     }

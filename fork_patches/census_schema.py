@@ -21,13 +21,21 @@ Version history:
      engine's mapper drops it}: the modules a compressed-tensors checkpoint declares quantized,
      renamed in the engine by the model's own mapper, so the gates can pair the checkpoint's
      names with the per-module ``declared`` names the engine records).
+  5: adds ``draft_depth_steps`` ({depth as a string: scheduling steps whose drafter drafted that
+     many tokens on this rank}; K=auto only, empty at a fixed depth), counted where the worker
+     applies the depth the policy decided (fork_patches/auto_depth.py).
+
+Summary version history (``CensusSummary``):
+  1: the summary of schema 4.
+  2: adds ``draft_depth_steps`` (the lowest rank's; every rank drafts the same steps) and each
+     rank summary's own ``draft_depth_steps``.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class CensusSchemaError(ValueError):
@@ -145,6 +153,8 @@ class RankCensus:
     checkpoint_modules: dict[str, str | None] | None = None
     fallbacks: list[dict] = field(default_factory=list)  # {module, reason, count}
     hooks_skipped: list[HookSkipped] = field(default_factory=list)
+    # K=auto: {depth: scheduling steps drafted at that depth on this rank} (schema 5)
+    draft_depth_steps: dict[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- checking
@@ -240,7 +250,7 @@ def to_json_dict(record: Any) -> dict:
 # census.aggregate()'s result, typed: the boot gates read a CensusSummary and nothing else. Each
 # rank file was validated against RankCensus when it was read, so the nested records a rank
 # summary carries (serving, kv_cache, attention layers and routes) stay plain JSON objects here.
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2
 
 
 @dataclass
@@ -264,6 +274,7 @@ class RankSummary:
     modules_on_qpn: int = 0
     engine_quantized_layers: list[str] | None = None
     checkpoint_modules: dict[str, str | None] | None = None
+    draft_depth_steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -280,6 +291,8 @@ class CensusSummary:
     lm_head: list[dict | None] = field(default_factory=list)  # one per rank (None: no QPN head)
     kv_resolved: list[dict | None] = field(default_factory=list)  # each rank's KvCacheRecord
     hooks_skipped: list[dict] = field(default_factory=list)  # HookSkipped + rank
+    # K=auto: {depth: scheduling steps drafted at that depth} (summary version 2)
+    draft_depth_steps: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: "dict | CensusSummary | None") -> "CensusSummary":

@@ -17,7 +17,9 @@ added), it predicts
                                                  position i is accepted; the 1 is the token the
                                                  verify pass always commits)
     time per round    = F(ctx) + k * (drafter step(ctx) + verify row) [+ a wide-verify penalty]
-                        (k = 0: one plain decode step)
+                        (k = 0: one plain decode step; where the engine verifies the deepest
+                        depth's width every round, 1Cat-vLLM, the verify rows are that depth's
+                        and only the drafter steps scale with k: DepthPolicy.fixed_verify)
 
 and picks the depth with the most tokens per millisecond; a tie goes to the shallower depth,
 which costs less when the prediction is wrong. The cost constants are fitted to seed 000's
@@ -194,14 +196,22 @@ class CostConstants:
     def off_step_ms(self, context: int) -> float:
         return self.off_ms + self.off_ms_per_token * context
 
-    def round_ms(self, k: int, context: int) -> float:
-        """Time of one round at depth k (k = 0: one plain decode step)."""
+    def round_ms(self, k: int, context: int, verify_depth: int | None = None) -> float:
+        """Time of one round at depth k (k = 0: one plain decode step).
+
+        ``verify_depth``: the draft rows the verify batch holds when the engine verifies a fixed
+        width whatever was drafted (1Cat-vLLM under K=auto: the ladder's deepest, see
+        :class:`DepthPolicy`); None: it verifies the k drafted rows."""
         _check_depth(k, "k")
         _check_context(context)
         if k == 0:
             return self.off_step_ms(context)
-        wide = self.wide_verify_ms if k + 1 > VERIFY_TILE_ROWS else 0.0
-        return (self.fixed_round_ms(context) + k * (self.drafter_step_ms(context) + self.c_ms)
+        rows = k if verify_depth is None else verify_depth
+        if rows < k:
+            raise ValueError(f"verify_depth {rows} is below the drafted depth {k}: the verify "
+                             "batch holds every drafted row")
+        wide = self.wide_verify_ms if rows + 1 > VERIFY_TILE_ROWS else 0.0
+        return (self.fixed_round_ms(context) + k * self.drafter_step_ms(context) + rows * self.c_ms
                 + wide)
 
     def as_dict(self) -> dict[str, float]:
@@ -495,13 +505,14 @@ def expected_tokens_per_round(k: int, acceptance: Sequence[float]) -> float:
 
 def choose_depth(contexts: int | Sequence[int], acceptance: Sequence[float], *,
                  ladder: Sequence[int] = DEFAULT_LADDER,
-                 costs: CostConstants = DEFAULT_COSTS) -> DepthDecision:
+                 costs: CostConstants = DEFAULT_COSTS,
+                 verify_depth: int | None = None) -> DepthDecision:
     """The ladder depth with the most expected tokens per ms at the longest of ``contexts``.
 
     ``contexts``: the live context (tokens) of each running request, or one int. One depth
     serves the whole batch, so it is chosen for the most demanding request, the longest context.
     ``acceptance``: p_i per draft position (:func:`estimate_acceptance`). Ties go to the
-    shallower depth.
+    shallower depth. ``verify_depth``: see :meth:`CostConstants.round_ms`.
     """
     ladder = validate_ladder(ladder)
     context = _longest_context(contexts)
@@ -509,7 +520,7 @@ def choose_depth(contexts: int | Sequence[int], acceptance: Sequence[float], *,
     candidates = []
     for k in ladder:
         tokens = expected_tokens_per_round(k, acceptance)
-        round_ms = costs.round_ms(k, context)
+        round_ms = costs.round_ms(k, context, verify_depth)
         candidates.append(CandidateScore(k=k, tokens_per_round=tokens, round_ms=round_ms,
                                          tokens_per_ms=tokens / round_ms if round_ms > 0
                                          else math.inf))
@@ -529,12 +540,25 @@ class DepthPolicy:
     costs: CostConstants = DEFAULT_COSTS
     prior: tuple[float, ...] = DEFAULT_ACCEPTANCE_PRIOR
     prior_rounds: float = DEFAULT_PRIOR_ROUNDS
+    # True where the engine drafts the chosen depth but verifies the deepest one's width every
+    # round (1Cat-vLLM: fork_patches/auto_depth.py, "On 1Cat-vLLM"): a round at depth k then
+    # pays k drafter steps but max_depth verify rows, and cannot be 0 (speculation off).
+    fixed_verify: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ladder", validate_ladder(self.ladder))
         object.__setattr__(self, "prior", tuple(self.prior))  # frozen and hashable, like the rest
         # Validates prior and prior_rounds (raises on a bad one).
         estimate_acceptance(None, prior=self.prior, prior_rounds=self.prior_rounds)
+        if self.fixed_verify and 0 in self.ladder:
+            raise ValueError(f"ladder {list(self.ladder)} holds 0 (speculation off), which this "
+                             "engine cannot switch to per step: it drafts at least one token and "
+                             "verifies the deepest depth's width every round; drop the 0")
+
+    @property
+    def verify_depth(self) -> int | None:
+        """The draft rows every verify batch holds (None: the drafted depth's)."""
+        return self.max_depth if self.fixed_verify else None
 
     def acceptance(self, counters: AcceptanceCounters | None = None) -> tuple[float, ...]:
         return estimate_acceptance(counters, prior=self.prior, prior_rounds=self.prior_rounds)
@@ -543,7 +567,7 @@ class DepthPolicy:
                counters: AcceptanceCounters | None = None) -> DepthDecision:
         """The depth for the running requests' ``contexts``, given the engine's counters."""
         return choose_depth(contexts, self.acceptance(counters), ladder=self.ladder,
-                            costs=self.costs)
+                            costs=self.costs, verify_depth=self.verify_depth)
 
     @property
     def max_depth(self) -> int:
@@ -649,11 +673,12 @@ def parse_cost_overrides(overrides: str | Mapping[str, float] | None,
 
 def policy_from_settings(ladder: str | Sequence[int] = "auto",
                          constants: str | Mapping[str, float] | None = None,
-                         prior_rounds: float = DEFAULT_PRIOR_ROUNDS) -> DepthPolicy:
+                         prior_rounds: float = DEFAULT_PRIOR_ROUNDS,
+                         fixed_verify: bool = False) -> DepthPolicy:
     """The policy for an owner's ``K=auto`` settings; a ValueError names what is wrong."""
     depths = parse_ladder(ladder) if isinstance(ladder, str) else validate_ladder(ladder)
     return DepthPolicy(ladder=depths, costs=parse_cost_overrides(constants),
-                       prior_rounds=prior_rounds)
+                       prior_rounds=prior_rounds, fixed_verify=fixed_verify)
 
 
 # --------------------------------------------------------------------------------------------

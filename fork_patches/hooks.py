@@ -136,10 +136,11 @@ def _vision_guard(relpath: str) -> Hook:
     )
 
 
-_NO_PER_STEP_DEPTH = {"sm70": "1Cat 1.2.2 and 1.3.0 draft a fixed depth: their scheduler has no "
-                      "num_spec_tokens_to_schedule and the proposer loops over its own "
-                      "num_speculative_tokens (v1/spec_decode/llm_base_proposer.py), with CUDA graphs "
-                      "captured for that depth; the launcher refuses K=auto there"}
+_NO_PER_STEP_DEPTH = {"sm70": "1Cat 1.2.2 and 1.3.0's SpecDecodingStats has no num_draft_tokens_per_pos "
+                      "(v1/spec_decode/metrics.py), and under K=auto their verify batch stays K rows "
+                      "(auto-depth-drafter-loop), so the engine's own stats count K drafted rows every "
+                      "round; the served_depth gate reads the steps per drafted depth from the census "
+                      "(draft_depth_steps, hook auto-depth-draft-depth) there"}
 
 
 # Engine-quirk hooks (the bootstrap's) first, then the loader's. Keep one entry per hook.
@@ -560,15 +561,20 @@ REGISTRY: list[Hook] = [
         name="auto-depth-per-step",
         kind="runtime",
         anchor="vllm.v1.core.sched.scheduler:Scheduler._update_after_schedule",
-        engines=("cpu",),
-        not_on=_NO_PER_STEP_DEPTH,
-        what="the depth a scheduling step drafts (SchedulerOutput.num_spec_tokens_to_schedule), "
-        "under K=auto",
-        why="vLLM keys a per-step depth by batch size only; the best depth moves with the live "
-        "context (every drafter step reads the whole KV cache)",
-        how="when QPN_DEPTH_LADDER is set, replace the batch-size table's answer with "
-        "depth_policy's choice for the longest live context of the step, before the engine books "
-        "the step (qpn.fork_patches.auto_depth); otherwise call the engine's code unchanged",
+        apply_on={"sm70": "qpn.fork_patches.auto_depth:wrap_update_after_schedule_fixed_verify"},
+        what="the depth a scheduling step drafts, under K=auto: vLLM 0.32's "
+        "SchedulerOutput.num_spec_tokens_to_schedule; on 1Cat-vLLM 1.2.2 and 1.3.0, which have no "
+        "such field and book num_speculative_tokens draft placeholders every step "
+        "(v1/core/sched/async_scheduler.py), an attribute qpn_draft_depth the step's SchedulerOutput "
+        "carries to every rank (a plain dataclass the executor pickles), with qpn_verify_depths "
+        "(the depth each scheduled request's drafts under verification were drafted at)",
+        why="vLLM keys a per-step depth by batch size only and 1Cat not at all; the best depth moves "
+        "with the live context (every drafter step reads the whole KV cache)",
+        how="when QPN_DEPTH_LADDER is set, depth_policy's choice for the longest live context of the "
+        "step, decided before the engine books the step (qpn.fork_patches.auto_depth): on vLLM 0.32 "
+        "it replaces the batch-size table's answer; on 1Cat it is attached for "
+        "auto-depth-draft-depth and the engine's booking is left unchanged; otherwise the engine's "
+        "code runs unchanged",
         remove_when="vLLM schedules depth by context (an open upstream proposal)",
         apply="qpn.fork_patches.auto_depth:wrap_update_after_schedule",
     ),
@@ -576,15 +582,66 @@ REGISTRY: list[Hook] = [
         name="auto-depth-acceptance",
         kind="runtime",
         anchor="vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats",
-        engines=("cpu",),
-        not_on=_NO_PER_STEP_DEPTH,
         what="the scheduler's per-request speculation verdicts (drafted, accepted)",
         why="under K=auto a round drafts fewer positions than the deepest, and vLLM's drafts "
-        "counter does not say which: acceptance per position needs the per-position drafts",
-        how="count drafted and accepted tokens per draft position for the policy, then call the "
-        "engine's code (qpn.fork_patches.auto_depth)",
+        "counter does not say which (on 1Cat it counts the K verified rows): acceptance per "
+        "position needs the positions really drafted",
+        how="count drafted and accepted tokens per draft position for the policy (on 1Cat at most "
+        "the depth auto-depth-verify-depth says the rows were drafted at), then call the engine's "
+        "code (qpn.fork_patches.auto_depth)",
         remove_when="the depth policy is upstream",
         apply="qpn.fork_patches.auto_depth:wrap_make_spec_decoding_stats",
+    ),
+    Hook(
+        name="auto-depth-verify-depth",
+        kind="runtime",
+        anchor="vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        engines=("sm70",),
+        what="1Cat's booking of a finished step (where it calls make_spec_decoding_stats per request)",
+        why="on 1Cat every verify row count is K whatever the drafter drafted "
+        "(auto-depth-drafter-loop); the policy must learn acceptance only for the d positions "
+        "drafted",
+        how="during the engine's call, hand auto-depth-acceptance the step's qpn_verify_depths "
+        "(set by auto-depth-per-step when the drafts were scheduled); the engine's code unchanged",
+        remove_when="the depth policy is upstream, or 1Cat gains a per-step depth path",
+        apply="qpn.fork_patches.auto_depth:wrap_update_from_output",
+    ),
+    Hook(
+        name="auto-depth-draft-depth",
+        kind="runtime",
+        anchor="vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+        what="the model runner's drafting call of each step, where the step's SchedulerOutput and "
+        "the drafter meet (the same function in vLLM 0.32, whose CPU runner inherits it, and in "
+        "1Cat 1.2.2 / 1.3.0)",
+        why="1Cat's drafter does not see the SchedulerOutput, so the depth must be handed to it; and "
+        "the census must say which depths K=auto drafted (the served_depth gate reads it; 1Cat "
+        "exports no per-position drafts)",
+        how="under K=auto, set the step's depth (1Cat: qpn_draft_depth; vLLM 0.32: "
+        "num_spec_tokens_to_schedule) on the drafter for this call, run the engine's code, and "
+        "count the step at the depth the drafter really drafted in this rank's census "
+        "(draft_depth_steps); at a fixed K nothing changes",
+        remove_when="the depth policy is upstream and the engine exports steps per drafted depth",
+        apply="qpn.fork_patches.auto_depth:wrap_propose_draft_token_ids",
+    ),
+    Hook(
+        name="auto-depth-drafter-loop",
+        kind="runtime",
+        anchor="vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
+        engines=("sm70",),
+        what="1Cat's drafter (EagleProposer, the MTP drafter, inherits it): its num_speculative_tokens "
+        "- 1 sequential drafter steps (llm_base_proposer.py, `for token_index in "
+        "range(self.num_speculative_tokens - 1)`)",
+        why="the sequential drafter steps are the round cost that grows with the live context "
+        "(seed 000: 0.817 ms short, 3.65 ms at ~65K each); 1Cat always runs K of them",
+        how="with a depth d < K handed by auto-depth-draft-depth, run the engine's propose with "
+        "num_speculative_tokens = d (restored after; d = 1 takes its own one-token exit) and widen "
+        "the d drafted columns to K with each row's last drafted token, so the runner's K-column "
+        "indexing, the async K placeholders, the N x (K+1) verify batch and its full CUDA graphs "
+        "stay exactly those of a fixed-K server; filler rows are verified like any draft (exact "
+        "for greedy verification and, with greedy drafts, for the rejection sampler). Parallel or "
+        "probabilistic drafting (draft probabilities per position) keeps the full depth, logged",
+        remove_when="1Cat gains a per-step depth path",
+        apply="qpn.fork_patches.auto_depth:wrap_proposer_propose",
     ),
     Hook(
         name="draft-per-position-metric",

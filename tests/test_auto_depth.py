@@ -58,9 +58,59 @@ def test_auto_settings_parse_and_refuse_naming_the_setting():
 
 
 @pytest.mark.fast
-def test_only_an_engine_that_drafts_per_step_serves_auto():
-    assert CPU.no_per_step_depth is None
-    assert SM70.no_per_step_depth and "fixed depth" in SM70.no_per_step_depth
+def test_both_engines_serve_auto_each_the_way_its_engine_can():
+    from qpn.scripts.launcher.serve import auto_depth_for_engine, auto_depth_policy
+
+    assert CPU.no_per_step_depth is None and SM70.no_per_step_depth is None
+    # vLLM 0.32 schedules the depth; 1Cat only shortens its drafter loop (verify width stays K)
+    assert CPU.per_step_depth == "schedule" and SM70.per_step_depth == "draft"
+    default = auto_depth_policy({"K": "auto"})
+    assert auto_depth_for_engine(default, CPU, {"K": "auto"}) is default
+    assert not default.fixed_verify and default.verify_depth is None
+    sm = auto_depth_for_engine(default, SM70, {"K": "auto"})
+    assert sm.ladder == SM70.auto_ladder == (1, 3, 7) and sm.fixed_verify and sm.verify_depth == 7
+    env = {"K": "auto", "DEPTH_LADDER": "3,15"}
+    assert auto_depth_for_engine(auto_depth_policy(env), SM70, env).ladder == (3, 15)
+    env = {"K": "auto", "DEPTH_LADDER": "0,3,7"}
+    assert auto_depth_for_engine(auto_depth_policy(env), CPU, env).ladder == (0, 3, 7)
+    with pytest.raises(Refusal, match="sm70 engine.*holds 0"):
+        auto_depth_for_engine(auto_depth_policy(env), SM70, env)
+
+
+@pytest.mark.fast
+def test_the_capture_ladder_covers_the_widths_each_engine_verifies():
+    from qpn.scripts.launcher.serve import auto_depth_for_engine, verified_depths
+
+    policy = _test_policy()
+    assert verified_depths(policy, CPU) == (3, 7) and verified_depths(None, CPU) is None
+    sm = auto_depth_for_engine(policy, SM70, {"DEPTH_LADDER": "3,7"})
+    assert verified_depths(sm, SM70) is None  # 1Cat verifies N*(7+1) every round
+    ladder = resolve_capture(None, 4, 7, True, 4, ladder=verified_depths(sm, SM70))
+    assert ladder == resolve_capture(None, 4, 7, True, 4)  # a fixed K=7 server's, engine rule included
+    assert all(size % 8 == 0 for size in ladder)
+
+
+@pytest.mark.fast
+def test_a_fixed_verify_width_is_priced_by_the_policy():
+    costs = depth_policy.DEFAULT_COSTS
+    ctx = 65_536
+    drafter = costs.drafter_step_ms(ctx)
+    assert costs.round_ms(3, ctx, 7) == pytest.approx(
+        costs.fixed_round_ms(ctx) + 3 * drafter + 7 * costs.c_ms)
+    assert costs.round_ms(3, ctx, 7) - costs.round_ms(3, ctx) == pytest.approx(4 * costs.c_ms)
+    assert costs.round_ms(3, ctx, 15) - costs.round_ms(3, ctx, 7) == pytest.approx(
+        8 * costs.c_ms + costs.wide_verify_ms)  # 16 verify rows leave the 8-row tile
+    with pytest.raises(ValueError, match="below the drafted depth"):
+        costs.round_ms(7, ctx, 3)
+    fixed = depth_policy.DepthPolicy(ladder=(1, 3, 7), fixed_verify=True)
+    decision = fixed.decide([ctx])
+    assert decision.score(3).round_ms == pytest.approx(costs.round_ms(3, ctx, 7))
+    assert decision.score(7).round_ms == pytest.approx(costs.round_ms(7, ctx))
+    with pytest.raises(ValueError, match="holds 0"):
+        depth_policy.DepthPolicy(ladder=(0, 3, 7), fixed_verify=True)
+    # docs/serving.md: before anything is learned, 1Cat's default ladder drafts 7 up to ~166K
+    sm70 = depth_policy.DepthPolicy(ladder=SM70.auto_ladder, fixed_verify=True)
+    assert sm70.decide([165_000]).k == 7 and sm70.decide([167_000]).k == 3
 
 
 @pytest.mark.fast
@@ -91,6 +141,23 @@ def test_auto_turns_on_the_engines_per_step_path_and_hands_the_policy_over():
     assert "num_speculative_tokens_per_batch_size" not in _flag(server_command(fixed),
                                                                 "--speculative-config")
     assert auto_depth.ENV_LADDER not in server_env(fixed)
+    assert auto_depth.ENV_VERIFY not in env
+
+
+@pytest.mark.fast
+def test_auto_on_1cat_passes_no_per_step_table_and_says_the_verify_width_is_fixed():
+    from qpn.scripts.launcher.serve import auto_depth_for_engine, server_command, server_env
+    from tests.test_launcher_units import _flag, _launch
+
+    policy = auto_depth_for_engine(_test_policy(), SM70, {"DEPTH_LADDER": "3,7"})
+    launch = _launch(SM70, k=policy.max_depth, mns=4, depth=policy)
+    spec = json.loads(_flag(server_command(launch), "--speculative-config"))
+    assert spec["num_speculative_tokens"] == 7
+    assert "num_speculative_tokens_per_batch_size" not in spec  # not a 1Cat field
+    env = server_env(launch)
+    assert env[auto_depth.ENV_LADDER] == "3,7" and env[auto_depth.ENV_VERIFY] == "deepest"
+    again = auto_depth.policy_from_env(env)
+    assert again == policy and again.fixed_verify
 
 
 # ---- the engine hooks over a scheduler stand-in (fast) ---------------------------------------
@@ -112,7 +179,8 @@ class _Scheduler:
 
 
 def _hooked(monkeypatch, env):
-    for name in (auto_depth.ENV_LADDER, auto_depth.ENV_CONSTANTS, auto_depth.ENV_PRIOR_ROUNDS):
+    for name in (auto_depth.ENV_LADDER, auto_depth.ENV_CONSTANTS, auto_depth.ENV_PRIOR_ROUNDS,
+                 auto_depth.ENV_VERIFY):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -175,6 +243,204 @@ def test_verdicts_are_counted_per_draft_position_and_learned(monkeypatch):
     out = SimpleNamespace(num_scheduled_tokens={"r0": 1}, num_spec_tokens_to_schedule=7)
     update(sched, out)
     assert out.num_spec_tokens_to_schedule == 3
+
+
+# ---- the 1Cat hooks over stand-ins shaped like 1Cat's objects (fast) ----------------------
+# The same hooks run on the real 1Cat classes in tests/test_auto_depth_1cat.py.
+
+class _OneCatScheduler:
+    """1Cat's Scheduler as the hooks see it: num_spec_tokens, requests, no per-step table."""
+    num_spec_tokens = 7
+
+    def __init__(self, contexts):
+        self.requests = {f"r{i}": SimpleNamespace(num_tokens=n) for i, n in enumerate(contexts)}
+        self.booked, self.verdicts = [], []
+
+    def _update_after_schedule(self, out):
+        self.booked.append(getattr(out, auto_depth.DRAFT_DEPTH_ATTR, None))
+
+    def update_from_output(self, out, model_runner_output):
+        for req_id, (drafted, accepted) in model_runner_output.items():
+            self.make_spec_decoding_stats(None, num_draft_tokens=drafted,
+                                          num_accepted_tokens=accepted,
+                                          num_invalid_spec_tokens=None, request_id=req_id)
+
+    def make_spec_decoding_stats(self, stats, num_draft_tokens, num_accepted_tokens,
+                                 num_invalid_spec_tokens, request_id):
+        self.verdicts.append((request_id, num_draft_tokens, num_accepted_tokens))
+        return stats
+
+
+def _hooked_1cat(monkeypatch):
+    _hooked(monkeypatch, {**_AUTO_ENV, auto_depth.ENV_VERIFY: "deepest"})
+    cls = type("HookedScheduler", (_OneCatScheduler,), {})
+    cls._update_after_schedule = auto_depth.wrap_update_after_schedule_fixed_verify(
+        _OneCatScheduler._update_after_schedule)
+    cls.update_from_output = auto_depth.wrap_update_from_output(_OneCatScheduler.update_from_output)
+    cls.make_spec_decoding_stats = auto_depth.wrap_make_spec_decoding_stats(
+        _OneCatScheduler.make_spec_decoding_stats)
+    return cls
+
+
+@pytest.mark.fast
+def test_1cat_steps_carry_the_depth_and_a_request_crossing_the_threshold_changes_it(monkeypatch):
+    cls = _hooked_1cat(monkeypatch)
+    t = threshold_fixed_verify()
+    sched = cls([t - 3])
+    seen = []
+    for step in range(6):  # the request grows by one token a step across the threshold
+        sched.requests["r0"].num_tokens = t - 3 + step
+        out = SimpleNamespace(num_scheduled_tokens={"r0": 1})
+        sched._update_after_schedule(out)
+        seen.append((getattr(out, auto_depth.DRAFT_DEPTH_ATTR),
+                     getattr(out, auto_depth.VERIFY_DEPTHS_ATTR)["r0"]))
+    assert [d for d, _ in seen] == [7, 7, 7, 3, 3, 3], (t, seen)
+    # each step verifies what the step before it drafted (the first: the engine's own depth)
+    assert [v for _, v in seen] == [7, 7, 7, 7, 3, 3]
+    assert sched.booked == [7, 7, 7, 3, 3, 3]  # decided before the engine books the step
+    assert sched._qpn_depth.chosen == {7: 3, 3: 3}
+    # several requests: the longest live context decides for all
+    sched = cls([5, t + 10])
+    out = SimpleNamespace(num_scheduled_tokens={"r0": 1, "r1": 1})
+    sched._update_after_schedule(out)
+    assert getattr(out, auto_depth.DRAFT_DEPTH_ATTR) == 3
+
+
+def threshold_fixed_verify() -> int:
+    p = replace(_test_policy(), fixed_verify=True)
+    lo, hi = 0, 1 << 22  # first context where 3 beats 7 with 7 verify rows every round
+    assert p.decide([lo]).k == 7 and p.decide([hi]).k == 3
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if p.decide([mid]).k == 7 else (lo, mid)
+    return hi
+
+
+@pytest.mark.fast
+def test_1cat_acceptance_counts_only_the_positions_really_drafted(monkeypatch):
+    cls = _hooked_1cat(monkeypatch)
+    sched = cls([10, 10])
+    # the engine verifies 7 rows a request; r0's were drafted at depth 3, r1's at 7
+    out = SimpleNamespace(num_scheduled_tokens={"r0": 8, "r1": 8})
+    setattr(out, auto_depth.VERIFY_DEPTHS_ATTR, {"r0": 3, "r1": 7})
+    sched.update_from_output(out, {"r0": (7, 5), "r1": (7, 2)})  # r0: 2 filler tokens by luck
+    state = sched._qpn_depth
+    assert state.drafted == [2, 2, 2, 1, 1, 1, 1]
+    assert state.accepted == [2, 2, 1, 0, 0, 0, 0]  # r0 counted at 3 of 3, r1 at 2 of 7
+    assert sched.verdicts == [("r0", 7, 5), ("r1", 7, 2)]  # the engine's own stats unchanged
+    assert state.verifying is None  # only during the engine's call
+
+
+class _Proposer:
+    """1Cat's SpecDecodeBaseProposer.propose as far as the depth goes: one first pass, then
+    ``num_speculative_tokens - 1`` loop steps, each a drafter forward, read when the call runs
+    (llm_base_proposer.py); the d = 1 case returns through its one-token exit."""
+
+    def __init__(self, k=7, probabilistic=False):
+        self.num_speculative_tokens = k
+        self.parallel_drafting = False
+        self._enable_probabilistic_draft_probs = probabilistic
+        self.forwards: list[int] = []
+
+    def propose(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
+        import torch
+
+        n = next_token_ids.shape[0]
+        self.forwards.append(0)
+        cols = [torch.arange(n) + 100]
+        if self.num_speculative_tokens == 1:
+            return cols[0].view(-1, self.num_speculative_tokens)
+        for token_index in range(self.num_speculative_tokens - 1):
+            self.forwards.append(token_index + 1)
+            cols.append(torch.arange(n) + 100 * (token_index + 2))
+        return torch.stack(cols, dim=1)
+
+
+def _propose(proposer, hooked, depth):
+    import torch
+
+    setattr(proposer, auto_depth.PROPOSER_DEPTH_ATTR, depth)
+    proposer.forwards = []
+    return hooked(proposer, None, None, None, torch.zeros(3, dtype=torch.long), None, None, None)
+
+
+@pytest.mark.fast
+def test_1cat_drafter_loop_drafts_the_steps_depth_and_keeps_k_columns():
+    hooked = auto_depth.wrap_proposer_propose(_Proposer.propose)
+    proposer = _Proposer(k=7)
+    for depth in (7, 3, 1, 3, 7, None):  # the depth changes from step to step
+        drafts = _propose(proposer, hooked, depth)
+        d = depth or 7
+        assert proposer.forwards == list(range(d)), depth  # positions >= d never drafted
+        assert tuple(drafts.shape) == (3, 7)  # the runner indexes K columns
+        assert drafts[:, :d].tolist() == [[100 * (j + 1) + i for j in range(d)] for i in range(3)]
+        assert (drafts[:, d:] == drafts[:, d - 1:d]).all()  # filler: the last drafted token
+        assert proposer.num_speculative_tokens == 7  # restored
+        assert getattr(proposer, auto_depth.PROPOSER_DRAFTED_ATTR) == d
+    # probabilistic drafting keeps per-position draft probabilities: the full depth is drafted
+    proposer = _Proposer(k=7, probabilistic=True)
+    assert _propose(proposer, hooked, 3).shape[1] == 7 and proposer.forwards == list(range(7))
+    assert getattr(proposer, auto_depth.PROPOSER_DRAFTED_ATTR) == 7
+
+    class Failing(_Proposer):
+        def propose(self, *args, **kwargs):
+            raise RuntimeError("drafter failed")
+
+    failing = Failing(k=7)
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        _propose(failing, auto_depth.wrap_proposer_propose(Failing.propose), 3)
+    assert failing.num_speculative_tokens == 7  # restored on an error too
+
+
+@pytest.mark.fast
+def test_draft_columns_pad_lists_and_tensors():
+    import torch
+
+    assert auto_depth.pad_draft_columns([[5, 6], [], [7]], 4) == [[5, 6, 6, 6], [], [7, 7, 7, 7]]
+    t = torch.tensor([[1, 2], [3, 4]])
+    assert auto_depth.pad_draft_columns(t, 2) is t
+    assert auto_depth.pad_draft_columns(t, 3).tolist() == [[1, 2, 2], [3, 4, 4]]
+
+
+class _Runner:
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.seen = []
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+        depth = getattr(self.drafter, auto_depth.PROPOSER_DEPTH_ATTR, None)
+        self.seen.append(depth)
+        setattr(self.drafter, auto_depth.PROPOSER_DRAFTED_ATTR, depth)
+        return "drafts"
+
+
+@pytest.mark.fast
+def test_the_runner_hands_the_depth_over_and_the_census_counts_steps_per_depth(monkeypatch):
+    from qpn.fork_patches import census
+
+    fresh = census.Census()
+    monkeypatch.setattr(census, "CENSUS", fresh)
+    monkeypatch.setattr(fresh, "_mark_dirty", lambda: None)  # no flusher thread in a unit test
+    hooked = auto_depth.wrap_propose_draft_token_ids(_Runner.propose_draft_token_ids)
+    runner = _Runner(SimpleNamespace())
+    _hooked(monkeypatch, _AUTO_ENV)
+    for depth in (7, 3, 3, 1):  # 1Cat: the attached decision
+        out = SimpleNamespace(**{auto_depth.DRAFT_DEPTH_ATTR: depth})
+        assert hooked(runner, out, *[None] * 8) == "drafts"
+        assert getattr(runner.drafter, auto_depth.PROPOSER_DEPTH_ATTR) is None  # this call only
+    out = SimpleNamespace(num_spec_tokens_to_schedule=7)  # vLLM 0.32: its own field
+    hooked(runner, out, *[None] * 8)
+    assert runner.seen == [7, 3, 3, 1, 7]
+    assert fresh.draft_depth_steps == {"7": 2, "3": 2, "1": 1}
+    assert fresh.snapshot()["draft_depth_steps"] == {"1": 1, "3": 2, "7": 2}
+    # a fixed depth: nothing handed over, nothing counted
+    _hooked(monkeypatch, {})
+    hooked(runner, SimpleNamespace(**{auto_depth.DRAFT_DEPTH_ATTR: 3}), *[None] * 8)
+    assert runner.seen[-1] is None and fresh.draft_depth_steps == {"7": 2, "3": 2, "1": 1}
 
 
 class _Counter:
@@ -265,6 +531,24 @@ def test_the_gate_under_auto_fails_when_the_depth_never_changes():
     assert boot_gates.gate_depth(7, _metrics(15, [5] * 7 + [0] * 8), steady).failed  # positions
 
 
+@pytest.mark.fast
+def test_the_gate_under_auto_reads_the_census_steps_per_drafted_depth():
+    change = boot_gates.AutoDepth((3, 7), short=(30, 7), long=(400, 3))
+    # 1Cat exports no per-position drafts: the census's steps per drafted depth decide
+    both = {"draft_depth_steps": {"7": 4, "3": 9}}
+    ok = boot_gates.gate_depth(7, _metrics(7, None), change, both)
+    assert not ok.failed and "steps per drafted depth (census) 3: 9, 7: 4" in ok.observed
+    one = boot_gates.gate_depth(7, _metrics(7, None), change, {"draft_depth_steps": {"7": 13}})
+    assert one.failed and "never changed" in one.observed
+    stray = boot_gates.gate_depth(7, _metrics(7, None), change,
+                                  {"draft_depth_steps": {"7": 4, "3": 2, "5": 1}})
+    assert stray.failed and "[5] outside the ladder" in stray.observed
+    # the census wins over the counter where both are there; without it the counter decides
+    assert boot_gates.gate_depth(7, _metrics(7, [5, 5, 5, 5, 5, 5, 5]), change, both).failed is False
+    assert boot_gates.gate_depth(7, _metrics(7, [5, 5, 5, 2, 2, 2, 2]), change, {}).failed is False
+    assert boot_gates.census_depth_steps(None) == {}
+
+
 # ---- a real server on the cpu engine (engine) ------------------------------------------------
 
 def _prompt(words: int) -> str:
@@ -332,7 +616,8 @@ def test_auto_server_passes_its_gates_with_a_depth_change(servers):
     gates = {g["name"]: g for g in json.load(open(auto.gates_json))["gates"]}
     depth = gates["served_depth"]
     assert depth["status"] == "PASS" and "K=auto over [3, 7]" in depth["expected"], depth
-    assert "rounds per depth" in depth["observed"] and "3: " in depth["observed"] \
+    # the gate read the census's steps per drafted depth (auto-depth-draft-depth), both depths
+    assert "steps per drafted depth (census)" in depth["observed"] and "3: " in depth["observed"] \
         and "7: " in depth["observed"], depth
     import urllib.request
 

@@ -12,7 +12,9 @@ import torch
 
 from qpn.fork_patches import census as census_mod
 from qpn.fork_patches.census import Census, aggregate, attention_layer_groups
-from qpn.fork_patches.census_schema import SCHEMA_VERSION, CensusSchemaError, validate_rank
+from qpn.fork_patches.census_schema import (
+    SCHEMA_VERSION, SUMMARY_VERSION, CensusSchemaError, CensusSummary, validate_rank,
+)
 from qpn.scripts.launcher import boot_gates
 from qpn.scripts.launcher.engine_profiles import CPU
 
@@ -37,7 +39,8 @@ def _hub_to_vllm(name):  # what Qwen3.5's hf_to_vllm_mapper does to these names
     return name.replace("model.language_model.", "model.")
 
 
-def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True, rename=_same, lost=None):
+def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True, rename=_same, lost=None,
+                depth_steps=None):
     c = Census()
     c.platform = _PLATFORM
     c.rank = rank
@@ -64,6 +67,8 @@ def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True, renam
     if head:
         c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
     c.set_kv_cache("fp8_e4m3", "fp8_e4m3", "engine")
+    for depth, steps in (depth_steps or {}).items():
+        c.count_draft_depth(depth, steps)
     c._stop.set()
     return c.flush()
 
@@ -180,6 +185,36 @@ def test_lm_head_missing_on_one_rank_fails(tmp_path):
     _write_rank(tmp_path, 1, head=False)
     g = _gates(tmp_path)["lm_head_from_codes"]
     assert g.failed and "1 rank(s)" in g.observed
+
+
+def test_steps_per_drafted_depth_are_written_summarised_and_gated(tmp_path):
+    # K=auto: each rank counts the steps its drafter drafted at each depth (schema 5)
+    data = json.loads(open(_write_rank(tmp_path, 0, depth_steps={3: 5, 1: 2})).read())
+    assert data["schema"] == SCHEMA_VERSION == 5
+    assert data["draft_depth_steps"] == {"1": 2, "3": 5}
+    _write_rank(tmp_path, 1, depth_steps={3: 5, 1: 2})
+    agg = aggregate(str(tmp_path))
+    assert agg["summary_version"] == SUMMARY_VERSION == 2
+    assert agg["draft_depth_steps"] == {"1": 2, "3": 5}  # the ranks draft the same steps
+    assert [r["draft_depth_steps"] for r in agg["ranks"]] == [{"1": 2, "3": 5}] * 2
+    summary = CensusSummary.from_dict(agg)
+    assert boot_gates.census_depth_steps(summary) == {1: 2, 3: 5}
+    auto = boot_gates.AutoDepth((1, 3), short=(30, 3), long=(900, 1))
+    gates = {r.name: r for r in boot_gates.evaluate(
+        CPU, 3, {"ok": True, "completion_tokens": 4}, _metrics(3, drafted=True), agg,
+        {"nvfp4", "fp8"}, tp=2, quantized_layers=LAYERS, auto_depth=auto)}
+    assert not gates["served_depth"].failed, gates["served_depth"]
+    assert "(census) 1: 2, 3: 5" in gates["served_depth"].observed
+    # a fixed depth counts nothing; a count that is not a whole number is off schema
+    assert json.loads(open(_write_rank(tmp_path / "fixed", 0)).read())["draft_depth_steps"] == {}
+    bad = json.loads(json.dumps(data))
+    bad["draft_depth_steps"] = {"3": "5"}
+    with pytest.raises(CensusSchemaError, match="draft_depth_steps"):
+        validate_rank(bad)
+    with pytest.raises(CensusSchemaError, match="draft_depth_steps"):
+        CensusSummary.from_dict({**agg, "draft_depth_steps": {"3": 1.5}})
+    with pytest.raises(CensusSchemaError, match="summary version 1"):
+        CensusSummary.from_dict({**agg, "summary_version": 1})
 
 
 def test_served_depth_wants_drafts_proposed():

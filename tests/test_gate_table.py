@@ -100,6 +100,23 @@ def test_a_summary_that_does_not_validate_fails_every_census_gate_naming_the_fie
     assert not results[bg.GATE_WARM].failed and not results[bg.GATE_DEPTH].failed
 
 
+def test_served_depth_under_auto_on_sm70_reads_the_census_steps_per_depth():
+    # 1Cat exports no per-position drafts: under K=auto the gate reads the census summary's
+    # steps per drafted depth (summary version 2), which it reads even though it is not a
+    # census gate
+    auto = bg.AutoDepth((1, 3, 7), short=(30, 7), long=(900, 3))
+    inputs = dict(k=7, warm=WARM_OK, metrics_text=_metrics(7), regions=frozenset({"nvfp4"}),
+                  known_routes=bg.qpn_route_names(), auto_depth=auto)
+    both = CensusSummary.from_dict({**_good_cpu_summary(), "draft_depth_steps": {"7": 3, "3": 8}})
+    depth = {r.name: r for r in bg.apply_gates(SM70, bg.GateInputs(census=both, **inputs))}
+    assert not depth[bg.GATE_DEPTH].failed, depth[bg.GATE_DEPTH]
+    one = CensusSummary.from_dict({**_good_cpu_summary(), "draft_depth_steps": {"7": 11}})
+    depth = {r.name: r for r in bg.apply_gates(SM70, bg.GateInputs(census=one, **inputs))}
+    assert depth[bg.GATE_DEPTH].failed and "never changed" in depth[bg.GATE_DEPTH].observed
+    none = {r.name: r for r in bg.apply_gates(SM70, bg.GateInputs(census=None, **inputs))}
+    assert none[bg.GATE_DEPTH].failed and "not active" in none[bg.GATE_DEPTH].observed
+
+
 def test_the_docs_list_the_gates_of_the_table_in_its_order():
     text = (REPO / "docs" / "serving.md").read_text()
     header = text.index("| gate | source | sm70 | cpu |")

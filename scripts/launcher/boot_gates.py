@@ -208,14 +208,28 @@ class AutoDepth:
         return self.short[1] != self.long[1]
 
 
-def gate_depth(k: int, metrics_text: str | None, auto: AutoDepth | None = None) -> GateResult:
+def census_depth_steps(census) -> dict[int, int]:
+    """{depth: scheduling steps drafted at it} from the census summary (K=auto; counted on each
+    rank where the drafter applies the policy's depth, fork_patches/auto_depth.py); {} when the
+    census is absent or holds none."""
+    if census is None:
+        return {}
+    steps = _summary(census).draft_depth_steps or {}
+    return {int(d): int(n) for d, n in steps.items() if int(n) > 0}
+
+
+def gate_depth(k: int, metrics_text: str | None, auto: AutoDepth | None = None,
+               census=None) -> GateResult:
+    """Served depth; under K=auto also the depths drafted, read from the census's steps per
+    drafted depth where it has them (both engines; the only source on 1Cat, which exports no
+    per-position drafts), else from the per-position drafts counter on /metrics."""
     expected = f"{k} draft positions ({DEPTH_METRIC})" + (
         f", draft tokens proposed after the warm request ({DRAFT_TOKENS_METRIC} > 0)" if k else "")
     if auto is not None:
         expected = f"K=auto over {list(auto.ladder)}: " + expected + (
-            f"; at least two depths drafted ({DRAFT_PER_POS_METRIC}: the policy picks "
-            f"{auto.short[1]} at {auto.short[0]} tokens, {auto.long[1]} at {auto.long[0]})"
-            if auto.expects_change else "")
+            f"; at least two depths drafted (census draft_depth_steps, else {DRAFT_PER_POS_METRIC}:"
+            f" the policy picks {auto.short[1]} at {auto.short[0]} tokens, {auto.long[1]} at "
+            f"{auto.long[0]})" if auto.expects_change else "")
     if metrics_text is None:
         return GateResult(GATE_DEPTH, FAIL, expected, "/metrics unreadable")
     served = served_depth(metrics_text)
@@ -228,12 +242,18 @@ def gate_depth(k: int, metrics_text: str | None, auto: AutoDepth | None = None) 
     if k and draft_tokens <= 0:
         problems.append("no draft token proposed: speculation is configured but not running")
     if auto is not None:
-        rounds = rounds_per_depth(metrics_text)
-        observed += "; rounds per depth " + (", ".join(f"{d}: {n}" for d, n in sorted(rounds.items()))
-                                              or "none recorded")
+        steps = census_depth_steps(census)
+        rounds = steps or rounds_per_depth(metrics_text)
+        source = "steps per drafted depth (census)" if steps else "rounds per depth"
+        observed += f"; {source} " + (", ".join(f"{d}: {n}" for d, n in sorted(rounds.items()))
+                                      or "none recorded")
+        outside = sorted(set(rounds) - set(auto.ladder))
         if not rounds and draft_tokens > 0:
-            problems.append(f"no {DRAFT_PER_POS_METRIC} counts: the draft-per-position-metric "
-                            "hook is not active")
+            problems.append(f"no census draft_depth_steps and no {DRAFT_PER_POS_METRIC} counts: "
+                            "the auto-depth-draft-depth and draft-per-position-metric hooks are "
+                            "not active")
+        elif outside:
+            problems.append(f"drafted depth(s) {outside} outside the ladder")
         elif auto.expects_change and len(rounds) < 2:
             problems.append("the depth never changed")
     if problems:
@@ -599,7 +619,8 @@ _ALWAYS = {"cpu": GateExpectation(), "sm70": GateExpectation()}
 
 GATES: tuple[Gate, ...] = (
     Gate(GATE_WARM, _ALWAYS, lambda i, e: gate_warm(i.warm), reads_census=False),
-    Gate(GATE_DEPTH, _ALWAYS, lambda i, e: gate_depth(i.k, i.metrics_text, i.auto_depth),
+    # Reads the census only under K=auto (steps per drafted depth), so it does not need one.
+    Gate(GATE_DEPTH, _ALWAYS, lambda i, e: gate_depth(i.k, i.metrics_text, i.auto_depth, i.census),
          reads_census=False),
     Gate(GATE_PLATFORM,
          {"cpu": GateExpectation(expected={"platform": "cpu", "backend": "reference"}),

@@ -81,9 +81,14 @@ def resolve_capture(spec: str | None, max_num_seqs: int, k: int, engine_rules: b
     """The capture list for a CAPTURE value: unset/empty -> derived ladder (with ``engine_rules``,
     the sm70 engine's: joined with ``engine_sm70_capture_sizes``); 'none' -> None (the engine's
     own default); otherwise a comma-separated list, checked to cover every width and to hold only
-    multiples of K+1 (vLLM would round the others up silently). ``ladder`` (K=auto): every depth
-    of it drafts, so the derived list covers N*(d+1) for each depth d, and a hand-written one is
-    refused."""
+    multiples of K+1 (vLLM would round the others up silently). ``ladder`` (K=auto on an engine
+    that verifies the drafted depth, the cpu engine): every depth of it is verified, so the
+    derived list covers N*(d+1) for each depth d, and a hand-written one is refused. On 1Cat the
+    launcher passes no ladder: there K=auto shortens only the drafter loop and every verify batch
+    is N*(K+1) wide for the deepest K (fork_patches/auto_depth.py), the widths of a fixed-K
+    server, which is also all 1Cat captures full graphs for (its dispatcher's uniform decode
+    query length is 1 + num_speculative_tokens, and it rounds every capture size up to a
+    multiple of it)."""
     depths = tuple(ladder) if ladder else (k,)
     if spec is None or not spec.strip():
         derived: set[int] = set()

@@ -35,6 +35,13 @@ class EngineProfile:
     # K=auto: the engine drafts a depth chosen per scheduling step (fork_patches/auto_depth.py);
     # None: it cannot, and the reason the launcher gives when it refuses K=auto.
     no_per_step_depth: str | None = None
+    # How K=auto applies the depth: "schedule" (vLLM 0.32's num_spec_tokens_to_schedule path: a
+    # step at depth d drafts and verifies d tokens a request) or "draft" (1Cat: hooks shorten the
+    # drafter's loop to d steps while the verify batch keeps the deepest depth's width, so its
+    # shapes and CUDA graphs are a fixed-K server's; 0 cannot be on the ladder).
+    per_step_depth: str = "schedule"
+    # The ladder when DEPTH_LADDER is unset or "auto"; None: depth_policy.DEFAULT_LADDER.
+    auto_ladder: tuple[int, ...] | None = None
 
 
 CPU = EngineProfile(
@@ -89,9 +96,14 @@ SM70 = EngineProfile(
     # Four V100-SXM2-16GB hold the 27B checkpoint (seed 000's configuration).
     default_tensor_parallel=4,
     engine_capture_rules=True,
-    no_per_step_depth=("1Cat-vLLM drafts a fixed depth (its proposer loops over its own "
-                       "num_speculative_tokens, with CUDA graphs captured for it); serve K=7, or "
-                       "K=3 for long live contexts"),
+    # 1Cat 1.2.2 / 1.3.0 have no per-step depth path (no num_spec_tokens_to_schedule; the async
+    # scheduler books num_speculative_tokens placeholders, the runner indexes drafts as rows of
+    # num_spec_tokens, full graphs exist for 1 + num_speculative_tokens query rows only): the
+    # auto-depth hooks shorten the drafter loop instead and the verify width stays the deepest's.
+    per_step_depth="draft",
+    # Every round verifies the deepest depth's rows; past 7 they leave the 8-row tile (the wide
+    # verify path seed 000 measured slower), so the default ladder stops at 7.
+    auto_ladder=(1, 3, 7),
 )
 
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (CPU, SM70)}

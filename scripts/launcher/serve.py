@@ -20,6 +20,7 @@ server log and exits 1). During the boot a progress line every 5 s names the pha
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -198,10 +199,17 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
                           "engine or drop ENGINE")
     if depth and profile.no_per_step_depth:
         raise Refusal(f"K=auto on the {profile.name} engine: {profile.no_per_step_depth}")
+    if depth:
+        depth = auto_depth_for_engine(depth, profile, environ)
+        if depth.max_depth != k:
+            k = depth.max_depth
+            serve_preflight.check_depth(k, config, ckpt)
     try:
+        # K=auto verifies each ladder depth's width where the engine schedules the depth; where
+        # it only shortens the drafter loop ("draft") every verify batch is the deepest's.
         capture = resolve_capture(environ.get("CAPTURE"), mns, k, profile.engine_capture_rules,
                                   _int_setting(environ, "TP", profile.default_tensor_parallel) or 1,
-                                  ladder=depth.ladder if depth else None)
+                                  ladder=verified_depths(depth, profile))
     except CaptureSpecError as exc:
         raise Refusal(str(exc)) from None
     if profile.checks_gpus:
@@ -244,6 +252,31 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
         depth=depth)
 
 
+def verified_depths(depth: depth_policy.DepthPolicy | None,
+                    profile: EngineProfile) -> tuple[int, ...] | None:
+    """The depths whose verify widths the capture ladder must cover under K=auto: every ladder
+    depth where the engine verifies the drafted depth; None (the deepest, K, alone) where it
+    verifies the deepest depth's width every round (1Cat) or at a fixed depth."""
+    return depth.ladder if depth and profile.per_step_depth == "schedule" else None
+
+
+def auto_depth_for_engine(depth: depth_policy.DepthPolicy, profile: EngineProfile,
+                          environ: dict[str, str]) -> depth_policy.DepthPolicy:
+    """K=auto's policy as ``profile``'s engine applies it. Where the engine only shortens the
+    drafter loop and verifies the deepest depth's width every round (``per_step_depth ==
+    "draft"``, 1Cat: fork_patches/auto_depth.py) the policy prices that (``fixed_verify``), a
+    ladder with 0 is refused, and an unset or ``auto`` DEPTH_LADDER is the profile's ladder."""
+    if profile.per_step_depth != "draft":
+        return depth
+    ladder = environ.get("DEPTH_LADDER", "").strip()
+    default = profile.auto_ladder if not ladder or ladder.lower() == "auto" else None
+    try:
+        return dataclasses.replace(depth, fixed_verify=True,
+                                   **({"ladder": default} if default else {}))
+    except ValueError as exc:
+        raise Refusal(f"K=auto on the {profile.name} engine: {exc}") from None
+
+
 def auto_depth_policy(environ: dict[str, str]) -> depth_policy.DepthPolicy | None:
     """K=auto's policy from DEPTH_LADDER / DEPTH_CONSTANTS / DEPTH_PRIOR_ROUNDS (None for a
     fixed K); a bad setting is refused, naming it."""
@@ -277,9 +310,10 @@ def server_command(launch: Launch) -> list[str]:
         cmd += ["--tensor-parallel-size", str(launch.tp)]
     if launch.k > 0:
         spec = {"method": "mtp", "num_speculative_tokens": launch.k, **p.speculative_extra}
-        if launch.depth:
+        if launch.depth and p.per_step_depth == "schedule":
             # vLLM's per-step depth path, on for every batch size at the deepest depth; the
-            # auto-depth-per-step hook replaces its answer each step (fork_patches/auto_depth.py)
+            # auto-depth-per-step hook replaces its answer each step (fork_patches/auto_depth.py).
+            # 1Cat has no such field: its hooks need nothing from the engine's config.
             spec["num_speculative_tokens_per_batch_size"] = [[1, launch.mns, launch.k]]
         cmd += ["--speculative-config", json.dumps(spec)]
     if p.uses_cuda_graphs and launch.capture is not None:
@@ -306,6 +340,8 @@ def server_env(launch: Launch) -> dict[str, str]:
         env[auto_depth.ENV_LADDER] = ",".join(map(str, launch.depth.ladder))
         env[auto_depth.ENV_PRIOR_ROUNDS] = repr(launch.depth.prior_rounds)
         env[auto_depth.ENV_CONSTANTS] = json.dumps(launch.depth.costs.as_dict())
+        if launch.depth.fixed_verify:
+            env[auto_depth.ENV_VERIFY] = auto_depth.VERIFY_DEEPEST
     env["QPN_MAX_N"] = env["VLLM_MAX_N_SEQUENCES"] = str(launch.max_n)
     if launch.mml:
         env["QPN_MAX_MODEL_LEN"] = str(launch.mml)
@@ -683,7 +719,9 @@ def announce(launch: Launch) -> None:
     if launch.depth:
         log(f"K=auto over depths {list(launch.depth.ladder)}: each step drafts the depth the "
             "policy picks for the longest live context (fork_patches/depth_policy.py); "
-            f"prior worth {launch.depth.prior_rounds:g} rounds")
+            f"prior worth {launch.depth.prior_rounds:g} rounds"
+            + ("; the verify batch keeps the deepest depth's width every round (this engine "
+               "shortens only the drafter loop)" if launch.depth.fixed_verify else ""))
     log(f"K={launch.k} ({'speculation off' if launch.k == 0 else 'native MTP, greedy drafting'})"
         f", MNS={launch.mns}, MML={launch.mml or 'model default'}, TP={launch.tp or 1}, "
         f"GMU={launch.gmu if launch.gmu is not None else 'n/a on this engine'}")
