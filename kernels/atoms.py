@@ -158,13 +158,11 @@ def block_maps(atom: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     [tile_n * groups_per_block] (scales) tile-block: packed = src_flat[gather];
     src_flat = packed[scatter]."""
     g = geometry(atom)
-    if kind == "nvfp4":
-        flat = [r * g.k_block + k for r, k in zip(g.nvfp4_row_of, g.nvfp4_k_of)]
-    elif kind == "fp8":
-        flat = [r * g.k_block + k for r, k in zip(g.fp8_row_of, g.fp8_k_of)]
-    elif kind == "scale":
+    if kind == "scale":
         gpb = g.k_block // 16
         flat = [r * gpb + q for r, q in zip(g.scale_row_of, g.scale_group_of)]
+    elif hasattr(g, f"{kind}_row_of"):   # a family's code fragment: <family>_row_of / <family>_k_of
+        flat = [r * g.k_block + k for r, k in zip(getattr(g, f"{kind}_row_of"), getattr(g, f"{kind}_k_of"))]
     else:
         raise ValueError(kind)
     gather = torch.tensor(flat, dtype=torch.long)

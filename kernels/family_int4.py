@@ -5,8 +5,10 @@ member's zero point is the constant 8. value = (code - zero) * scale.
 What the family is (roles, group sizes, route prefix, entry point names) is data in formats.py
 (``INT4`` and ``INT4_SYM``); this module is its codec, the three checkpoint conventions' unpackers
 into the canonical source, the packed layout with its proven inverse, and the CPU reference.
-families.numerics(fmt) hands it out. The CUDA decoders are not written yet (formats marks both
-members ``served=False``), so nothing routes a layer here.
+families.numerics(fmt) hands it out. The m8n8k4 (SM70) CUDA decoders are DecINT4Form in
+csrc/qpn_family.cuh (entry points qpn4[_sym]_{mt1,mt2,reconstruct_ws}_m8n8k4); ops runs them
+through the family's unserved routes (routes.UNSERVED_ROUTES). No loader serves the family yet
+(formats marks both members ``served=False``), and the m16n8k16 kernels are not written.
 
 Canonical source (what a checkpoint convention hands the family; roles in formats.py):
   codes         uint8   [N, K/2]  two unsigned 4-bit codes per byte, the even k in the LOW nibble
@@ -62,6 +64,7 @@ WORD_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # nibble j of a word holds input 8w
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)         # AutoAWQ: nibble j of an int32 holds column 8c + AWQ_ORDER[j]
 SYM_ZERO = 8                                 # the symmetric member's zero point (uint4b8)
 _MAGIC = 1024                                 # 0x6400 as fp16: the decoder's exact integer offset
+_RECORD_DTYPE = {False: torch.int32, True: torch.int16}   # symmetric? -> one record as one integer
 
 
 class ActOrderError(FormatError):
@@ -585,13 +588,20 @@ class INT4Numerics:
         return w, torch.ones(packed.n, dtype=torch.float32, device=w.device)
 
     def packed_tensors(self, packed):
-        return packed.codes, packed.scales, packed.out_scale
+        """(codes, records, out_scale); the records as one integer per record (int32 asymmetric,
+        int16 symmetric), the same bytes: the kernel tensors then say which member they are, which
+        the ops record of a weight (family, not member) otherwise loses."""
+        return packed.codes, packed.scales.view(_RECORD_DTYPE[packed.symmetric]), packed.out_scale
 
     def packed_from_tensors(self, codes, scales, chscale, n, k, atom, group_size: int | None = None) -> PackedINT4:
-        """A PackedINT4 around kernel tensors. The group size is not in the tensors' shapes
+        """A PackedINT4 around kernel tensors (the member from the records' dtype, packed_tensors;
+        uint8 records: this numerics' member). The group size is not in the tensors' shapes
         alone for every K, so it is matched against the scales buffer's size for each of the
         format's group sizes; pass it to skip the search."""
         sym = not self.fmt.has_zero_points
+        for member_sym, dtype in _RECORD_DTYPE.items():
+            if scales.dtype == dtype:
+                sym, scales = member_sym, scales.view(torch.uint8)
         probe = PackedINT4(codes, scales, chscale.reshape(1), n, k, 0, sym, atom)
         tiles = probe.n_pad // geometry(atom).tile_n
         fits = [g for g in ((group_size,) if group_size else self.fmt.group_sizes)

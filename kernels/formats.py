@@ -1,6 +1,7 @@
 """The numeric weight formats QPN serves, as data: NVFP4, FP8 per tensor, FP8 per output channel;
-and INT4 W4A16 (asymmetric and symmetric), whose numerics exist but whose kernels do not yet
-(``served=False``: known to the numerics, not to routes, kernel builds or checkpoint gates).
+and INT4 W4A16 (asymmetric and symmetric), whose numerics and m8n8k4 kernels exist but which no
+loader serves yet (``served=False``: ops runs its kernels, ``kernel_atoms``; the served route
+list, the census, the checkpoint gates and the performance model do not name it).
 Everything that depends on a weight's format asks its ``WeightFormat`` here instead of comparing
 format strings.
 
@@ -67,7 +68,12 @@ class WeightFormat:
     # group sizes a checkpoint may choose per weight (() = group_size only)
     group_sizes: tuple[int, ...] = ()
     scale_dtype: str = "float8_e4m3fn"  # torch dtype name of the group scales
-    served: bool = True    # False: numerics only; no routes, kernels or checkpoint gates name it yet
+    served: bool = True    # False: no loader, served route list, census or checkpoint gate names it yet
+    # atoms whose dense kernels exist for this format (ops runs them, served or not); () = numerics only
+    kernel_atoms: tuple[str, ...] = ("m8n8k4", "m16n8k16")
+    # members of one family whose kernels differ (INT4: with / without zero points) tell their kernel
+    # names apart by this tag after the route prefix ("qpn4_sym_mt1_m8n8k4"); "" = the family's names
+    kernel_tag: str = ""
 
     # ------------------------------------------------------------------------- shapes
     @property
@@ -125,14 +131,26 @@ class WeightFormat:
                               f"scale per {g} inputs); got K={k}")
 
     # ----------------------------------------------------------------- kernel entry points
+    @property
+    def kernel_prefix(self) -> str:
+        """The start of this member's kernel names: the route prefix, plus the member's tag."""
+        return f"{self.route_prefix}_{self.kernel_tag}" if self.kernel_tag else self.route_prefix
+
+    @property
+    def has_s7_form(self) -> bool:
+        """Whether the m8n8k4 tiled kernels also come in the S7 form (ops.nvfp4_form), which folds
+        2^7 into an e4m3 group scale (DecNVFP4Form); an FP16 group scale has no such form."""
+        return self.has_group_scales and self.scale_dtype == "float8_e4m3fn"
+
     def dense_entry_points(self, atom: str) -> tuple[str, ...]:
-        """The dense kernels of the family on the m8n8k4 atom (one-tile, two-tile, their S7 forms
-        for a grouped format, workspace reconstruction); on m16n8k16 the configured kernels are
-        listed in kernels/jit.py."""
-        p = self.route_prefix
+        """The dense kernels of the format on the m8n8k4 atom (one-tile, two-tile, their S7 forms
+        for an e4m3-grouped format, workspace reconstruction); on m16n8k16 the configured kernels
+        are listed in kernels/jit.py. None on an atom outside ``kernel_atoms``."""
+        if atom not in self.kernel_atoms:
+            return ()
+        p = self.kernel_prefix
         if atom == "m8n8k4":
-            # a grouped format also has the S7 form of its two tiled kernels (ops.nvfp4_form)
-            s7 = (f"{p}_mt1_s7_{atom}", f"{p}_mt2_s7_{atom}") if self.has_group_scales else ()
+            s7 = (f"{p}_mt1_s7_{atom}", f"{p}_mt2_s7_{atom}") if self.has_s7_form else ()
             return (f"{p}_mt1_{atom}", f"{p}_mt2_{atom}") + s7 + (f"{p}_reconstruct_ws_{atom}",)
         return (f"{p}_reconstruct_ws_{atom}",)
 
@@ -166,12 +184,12 @@ INT4 = WeightFormat(
     key="int4", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False)
+    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4",))
 INT4_SYM = WeightFormat(
     key="int4_sym", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16 symmetric", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False)
+    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4",), kernel_tag="sym")
 
 # Every format with numerics (families.numerics); one member per kernel family in ALL_FAMILIES.
 ALL_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL, INT4, INT4_SYM)
@@ -182,6 +200,10 @@ WEIGHT_FORMATS: tuple[WeightFormat, ...] = tuple(f for f in ALL_FORMATS if f.ser
 # share the family's packed layout, routes and kernels.
 FAMILIES: dict[str, WeightFormat] = {k: f for k, f in ALL_FAMILIES.items() if f.served}
 MODELOPT_ALGOS: dict[str, WeightFormat] = {a: f for f in WEIGHT_FORMATS for a in f.algos}
+# What ops can run through kernels: every format with dense kernels on some atom, served or not
+# (routes.route_for(..., served_only=False), jit.UNSERVED_ENTRY_POINTS); one member per family.
+KERNEL_FORMATS: tuple[WeightFormat, ...] = tuple(f for f in ALL_FORMATS if f.kernel_atoms)
+KERNEL_FAMILIES: dict[str, WeightFormat] = {k: f for k, f in ALL_FAMILIES.items() if f.kernel_atoms}
 
 
 def _names() -> str:
@@ -206,12 +228,18 @@ def weight_format(name_or_algo: Any, fp8_scale: str | None = None, served_only: 
     f = find_format(name_or_algo, served_only)
     if f is None:
         pending = find_format(name_or_algo, served_only=False)
-        why = f" ({pending.title} has CPU numerics but no QPN kernels yet)" if pending else ""
+        why = ""
+        if pending:
+            why = (f" ({pending.title} has QPN kernels but no served route yet)" if pending.kernel_atoms
+                   else f" ({pending.title} has CPU numerics but no QPN kernels yet)")
         raise UnknownFormat(f"unknown weight format or quant algo {name_or_algo!r}{why}; QPN serves {_names()}")
-    if fp8_scale is not None and f.family == "fp8":
-        f = {"tensor": FP8_TENSOR, "channel": FP8_CHANNEL}.get(fp8_scale)
+    # a family whose members differ only in how the output scale is stored: pick the member
+    members = {m.output_scale: m for m in ALL_FORMATS if m.family == f.family}
+    if fp8_scale is not None and len(members) > 1:
+        f = members.get(fp8_scale)
         if f is None:
-            raise UnknownFormat(f"unknown FP8 scale layout {fp8_scale!r}; expected 'tensor' or 'channel'")
+            raise UnknownFormat(f"unknown {name_or_algo!s} scale layout {fp8_scale!r}; expected "
+                                + " or ".join(repr(k) for k in members))
     return f
 
 
@@ -222,14 +250,15 @@ def format_of(packed) -> WeightFormat:
     if key is not None:
         return weight_format(key, served_only=False)
     f = weight_format(packed.fmt)
-    if f.family == "fp8" and getattr(packed, "per_channel", False):
-        return FP8_CHANNEL
+    if getattr(packed, "per_channel", False):   # the family's per-channel member, where it has one
+        return next((m for m in ALL_FORMATS if m.family == f.family and m.output_scale == "channel"), f)
     return f
 
 
-def format_for_route(route: str) -> WeightFormat:
-    """The family member (``FAMILIES``) whose routes include ``route`` (by its prefix)."""
-    for f in FAMILIES.values():
+def format_for_route(route: str, served_only: bool = True) -> WeightFormat:
+    """The family member (``FAMILIES``; with ``served_only`` False, ``KERNEL_FAMILIES``) whose
+    routes or kernels include ``route`` (by its prefix)."""
+    for f in (FAMILIES if served_only else KERNEL_FAMILIES).values():
         if route == f.route_prefix or route.startswith(f.route_prefix + "_"):
             return f
     raise UnknownFormat(f"route {route!r} belongs to no QPN format (route prefixes: "

@@ -26,6 +26,12 @@ COMPILE_FLAGS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=t
 # ops.build() fails naming any that is missing.
 ENTRY_POINTS = {atom: tuple(e for f in formats.FAMILIES.values() for e in f.dense_entry_points(atom))
                 for atom in ("m8n8k4", "m16n8k16")}
+# The kernels of formats that have them but are not served yet (formats.INT4 / INT4_SYM): built,
+# loaded and checked with the rest (check_entry_points, sm70_check), run by ops, but kept out of
+# ENTRY_POINTS, which the served tools (benchmarks/perf_model.py) read as what they model.
+UNSERVED_ENTRY_POINTS = {atom: tuple(dict.fromkeys(e for f in formats.KERNEL_FORMATS if not f.served
+                                                   for e in f.dense_entry_points(atom)))
+                         for atom in ("m8n8k4", "m16n8k16")}
 MAIN_SOURCE = "qpn_kernels.cu"
 # The dense QPN family, one source per tensor-core atom (the m16n8k16 source needs sm_80+).
 ATOM_SOURCES = {"m8n8k4": MAIN_SOURCE, "m16n8k16": "qpn_kernels_sm80.cu"}
@@ -249,7 +255,7 @@ def compile_cubin(arch, use_cache: bool = True, source: str = MAIN_SOURCE) -> tu
 
 def check_entry_points(cubin: bytes, atom: str = "m8n8k4") -> None:
     """Raise QpnBuildError naming the first expected kernel symbol absent from the cubin."""
-    for name in ENTRY_POINTS[atom]:
+    for name in ENTRY_POINTS[atom] + UNSERVED_ENTRY_POINTS[atom]:
         if name.encode() + b"\0" not in cubin:
             raise QpnBuildError(f"built QPN module lacks the entry point {name!r} (atom {atom}); "
                                 "the csrc/ sources and jit.ENTRY_POINTS disagree")
@@ -342,7 +348,7 @@ def module_for(device, atom: str = "m8n8k4") -> LoadedModule:
             with torch.cuda.device(idx):
                 torch.cuda.current_stream(idx).synchronize()  # makes torch's primary context current
                 m = LoadedModule(cubin, path, arch)
-                for name in ENTRY_POINTS[atom]:
+                for name in ENTRY_POINTS[atom] + UNSERVED_ENTRY_POINTS[atom]:
                     m.function(name)
             _modules[key] = m
     return m

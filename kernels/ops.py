@@ -38,7 +38,7 @@ class QpnArgs(ctypes.Structure):
         ("x", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
         ("m", ctypes.c_int), ("n", ctypes.c_int), ("kblocks", ctypes.c_int), ("ldx", ctypes.c_int),
         ("ksplit", ctypes.c_int), ("tiles_per_block", ctypes.c_int), ("m_chunks", ctypes.c_int),
-        ("chscale_per_channel", ctypes.c_int),
+        ("chscale_per_channel", ctypes.c_int), ("group_shift", ctypes.c_int),
     ]
 
 
@@ -114,11 +114,11 @@ class WeightOperands(NamedTuple):
     """A packed weight as the kernels and the reference read it. Its fields, in this order, are
     the custom op's weight arguments (``qpn::linear``)."""
     codes: torch.Tensor              # uint8, fragment order
-    scales: Optional[torch.Tensor]   # NVFP4 e4m3 group scales (fragment order); None for FP8
-    chscale: torch.Tensor            # scale of the result: NVFP4 global [1]; FP8 [1] or [N]
+    scales: Optional[torch.Tensor]   # NVFP4 e4m3 group scales / INT4 group records (fragment order); None for FP8
+    chscale: torch.Tensor            # scale of the result: NVFP4 global [1]; FP8 [1] or [N]; INT4 [1] = 1
     n: int
     k: int
-    fmt: str                         # "nvfp4" | "fp8"
+    fmt: str                         # the kernel family (formats.KERNEL_FAMILIES key)
     atom: str
 
     # padded sizes, as every packed weight answers them (a NamedTuple cannot subclass PackedLayout)
@@ -127,8 +127,8 @@ class WeightOperands(NamedTuple):
 
     @property
     def format(self) -> formats.WeightFormat:
-        """The kernel family's description (``formats.FAMILIES``)."""
-        return formats.FAMILIES[self.fmt]
+        """The kernel family's description (``formats.KERNEL_FAMILIES``)."""
+        return formats.KERNEL_FAMILIES[self.fmt]
 
     def packed(self):
         """The packed weight (PackedNVFP4, PackedFP8, ...) these operands came from (what the
@@ -140,7 +140,7 @@ class WeightOperands(NamedTuple):
 # The packed dense weight class of each format family with its numerics, resolved once
 # (operands() runs under torch.compile).
 _DENSE_PACKED = tuple((families.numerics(f).packed_type, f, families.numerics(f))
-                      for f in formats.FAMILIES.values())
+                      for f in formats.KERNEL_FAMILIES.values())
 
 
 def operands(packed) -> WeightOperands:
@@ -153,12 +153,34 @@ def operands(packed) -> WeightOperands:
     raise TypeError(f"expected a packed dense weight ({kinds}), got {type(packed).__name__}")
 
 
-def _route_kernel(route: Route, m: int, form: str = "restore") -> tuple[str, int, int]:
+def _route_kernel(route: Route, m: int, form: str = "restore",
+                  member: Optional[formats.WeightFormat] = None) -> tuple[str, int, int]:
     """(entry point prefix, tiles per weight pass MT, m_chunks) of a tiled route on the m8n8k4 atom;
-    ``form`` "s7" names the S7 form of a grouped format's kernels (nvfp4_form)."""
+    ``form`` "s7" names the S7 form of an e4m3-grouped format's kernels (nvfp4_form); ``member`` is
+    the format member whose kernels run (kernel_member; default the route family's)."""
     route.check_m(m)
-    s7 = "_s7" if form == "s7" and formats.FAMILIES[route.format].has_group_scales else ""
-    return f"{route.prefix}_mt{route.tiles_per_pass}{s7}", route.tiles_per_pass, route.chunks(m)
+    member = member or route.weight_format
+    s7 = "_s7" if form == "s7" and member.has_s7_form else ""
+    return f"{member.kernel_prefix}_mt{route.tiles_per_pass}{s7}", route.tiles_per_pass, route.chunks(m)
+
+
+def kernel_member(w: WeightOperands) -> tuple[formats.WeightFormat, int]:
+    """(the format member whose kernels serve ``w``, log2 of k-blocks per group record). Only a
+    family whose weights choose their group size (``group_sizes``: INT4) has either to read off the
+    tensors (the packed weight names its member and group size); the others run the family's
+    kernels, whose group is fixed."""
+    f = w.format
+    if w.atom not in f.kernel_atoms:
+        raise ValueError(f"{f.title} has no {w.atom} kernels (they exist for {', '.join(f.kernel_atoms)}); "
+                         f"prepack it with atom={f.kernel_atoms[-1]!r}, or run it on the CPU reference")
+    if not f.group_sizes:
+        return f, 0
+    p = w.packed()
+    kpg = p.group_size // geometry(w.atom).k_block
+    if kpg < 1 or kpg & (kpg - 1):
+        raise ValueError(f"{f.title}: group size {p.group_size} is not a power-of-two number of "
+                         f"{w.atom} k-blocks ({geometry(w.atom).k_block} inputs)")
+    return formats.format_of(p), kpg.bit_length() - 1
 
 
 _sm_count: dict = {}
@@ -202,12 +224,13 @@ def fp16_activations(x2: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
 
 def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl: bool = False,
                    form: Optional[str] = None) -> torch.Tensor:
+    member, group_shift = kernel_member(w)   # refuses an atom the format has no kernels for
     if w.atom == "m16n8k16":
         return _launch_sm80(route, xh, w, bias, pdl=pdl)
     m = xh.shape[0]
     g = geometry(w.atom)
-    form = form or (nvfp4_form(xh.device) if w.format.has_group_scales else "restore")
-    name, mt, m_chunks = _route_kernel(route, m, form)
+    form = form or (nvfp4_form(xh.device) if member.has_s7_form else "restore")
+    name, mt, m_chunks = _route_kernel(route, m, form, member)
     n_tiles = -(-w.n // g.tile_n)
     kblocks = w.k_pad // g.k_block
     ksplit, tpb = _split(n_tiles, kblocks, m_chunks, xh.device)
@@ -217,7 +240,7 @@ def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl:
     mod = jit.module_for(xh.device, w.atom)
     a = QpnArgs(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
                 xh.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(),
-                m, w.n, kblocks, w.k_pad, ksplit, tpb, m_chunks, int(w.chscale.numel() != 1))
+                m, w.n, kblocks, w.k_pad, ksplit, tpb, m_chunks, int(w.chscale.numel() != 1), group_shift)
     grid = -(-n_tiles // tpb) * m_chunks
     smem = WARPS * g.tile_n * 8 * mt * 4
     stream = torch.cuda.current_stream(xh.device).cuda_stream
@@ -548,6 +571,7 @@ def _mm_f32(xh: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
 
 def _launch_reconstruct(route: Route, xh: torch.Tensor, w: WeightOperands, bias) -> torch.Tensor:
     g = geometry(w.atom)
+    member, group_shift = kernel_member(w)
     n_tiles, kblocks = w.n_pad // g.tile_n, w.k_pad // g.k_block
     mod = jit.module_for(xh.device, w.atom)
     ws = torch.empty((w.n_pad, w.k_pad), dtype=torch.float16, device=xh.device)  # lives for this call only
@@ -555,8 +579,10 @@ def _launch_reconstruct(route: Route, xh: torch.Tensor, w: WeightOperands, bias)
     args = [ctypes.c_void_p(w.codes.data_ptr()),
             ctypes.c_void_p(w.scales.data_ptr() if w.scales is not None else 0),
             ctypes.c_void_p(ws.data_ptr()), ctypes.c_int(n_tiles), ctypes.c_int(kblocks)]
+    if w.atom == "m8n8k4":   # the m8n8k4 reconstruct pass reads the group records' stride
+        args.append(ctypes.c_int(group_shift))
     stream = torch.cuda.current_stream(xh.device).cuda_stream
-    jit.launch(mod, f"{route.prefix}_reconstruct_ws_{w.atom}", -(-total // THREADS), THREADS, 0,
+    jit.launch(mod, f"{member.kernel_prefix}_reconstruct_ws_{w.atom}", -(-total // THREADS), THREADS, 0,
                stream, args)
     y32 = _mm_f32(xh, ws[:w.n])
     del ws
@@ -610,7 +636,7 @@ def _(x, codes, scales, chscale, n, k, fmt, atom, route, bias):
 
 def qpn_linear(x: torch.Tensor, packed, route: Route | str | None = None,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) for a packed NVFP4 / FP8 weight; x [..., K] -> fp16 [..., N]."""
+    """y = x @ W^T (+ bias) for a packed NVFP4 / FP8 / INT4 weight; x [..., K] -> fp16 [..., N]."""
     if x.is_cuda and x.dtype == torch.float16 and x.dim() == 2 and not torch.compiler.is_compiling():
         y = _eager_tiled(x, packed, route, bias)
         if y is not None:
@@ -625,7 +651,7 @@ def qpn_linear(x: torch.Tensor, packed, route: Route | str | None = None,
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
     if route is None:
-        route = routes.route_for(w.fmt, max(m, 1), w.n, w.k, arch=arch_for_atom(w.atom))
+        route = routes.route_for(w.fmt, max(m, 1), w.n, w.k, arch=arch_for_atom(w.atom), served_only=False)
     else:
         route = routes.as_route(route)
         if route.kernel not in (routes.TILED, routes.RECONSTRUCT) or route.format != w.fmt:
@@ -672,7 +698,8 @@ def _eager_weight(packed) -> Optional[_EagerWeight]:
         return None
     # Only where the kernels read the weight's own tensors: an FP32 scale (no converted copy that an
     # in-place update of the weight would bypass) and K = K_pad (x needs no padding).
-    if (w.atom != "m16n8k16" or not w.codes.is_cuda or w.chscale.dtype != torch.float32
+    if (w.atom != "m16n8k16" or w.atom not in w.format.kernel_atoms or not w.codes.is_cuda
+            or w.chscale.dtype != torch.float32
             or not w.chscale.is_contiguous() or w.chscale.device != w.codes.device or w.k != w.k_pad
             or (w.scales is not None and w.scales.device != w.codes.device)):
         return None
@@ -702,7 +729,7 @@ def _eager_tiled(x: torch.Tensor, packed, route, bias) -> Optional[torch.Tensor]
     key = (m, route, stream)
     plan = ent.plans.get(key)
     if plan is None:
-        r = (routes.route_for(w.fmt, m, w.n, w.k, arch=arch_for_atom(w.atom)) if route is None
+        r = (routes.route_for(w.fmt, m, w.n, w.k, arch=arch_for_atom(w.atom), served_only=False) if route is None
              else routes.as_route(route))
         if r.kernel != routes.TILED or r.format != w.fmt:
             ent.plans[key] = False

@@ -27,6 +27,10 @@ fallback: every M has exactly one named route, and every route below is a real k
   FP32 and the workspace is freed when the call returns. Nothing is persisted.
 * *_moe (kernels/moe.py): the grouped kernels of a mixture-of-experts layer, one route per format
   of its gate/up stack for every batch size (pairs are grouped by expert on the device).
+* INT4 W4A16 (qpn4, qpn4_mt2, qpn4_chunked, qpn4_reconstruct; kernels qpn4_* and qpn4_sym_* per
+  member): the same dense bands on the m8n8k4 atom, as UNSERVED_ROUTES: ops runs them
+  (``route_for(..., served_only=False)``), but the family is not served yet (formats.py), so
+  QPN_ROUTES, parse_route and route_for's default do not name them; no MoE route.
 
 A route travels as a ``Route`` value: its name is parsed once, here, into what the kernels need
 (format, kernel kind, token tiles per weight pass, chunk rows) and the M band the table gives it;
@@ -42,6 +46,10 @@ from . import formats
 # share the FP8 family's routes and kernels).
 FORMATS = tuple(formats.FAMILIES)
 ROUTE_PREFIX = {family: f.route_prefix for family, f in formats.FAMILIES.items()}
+# Every family with kernels, served or not (formats.KERNEL_FAMILIES): a family that is not served
+# yet (INT4) has the same dense bands, as UNSERVED_ROUTES, which ops runs when asked with
+# served_only=False and which no served list (QPN_ROUTES, the census, the gates) holds.
+_KERNEL_PREFIX = {family: f.route_prefix for family, f in formats.KERNEL_FAMILIES.items()}
 
 # Rows of one token tile (the 8 columns of an m8n8k4 / m16n8k16 MMA that hold tokens).
 TILE_ROWS = 8
@@ -80,12 +88,12 @@ class Route:
     @property
     def weight_format(self) -> formats.WeightFormat:
         """The family's description in kernels/formats.py (FP8: its per-tensor member)."""
-        return formats.FAMILIES[self.format]
+        return formats.KERNEL_FAMILIES[self.format]
 
     @property
     def prefix(self) -> str:
         """The format's route family (``qpn2`` / ``qpn8``), also the kernels' name prefix."""
-        return ROUTE_PREFIX[self.format]
+        return _KERNEL_PREFIX[self.format]
 
     @property
     def kernel_max_m(self) -> int | None:
@@ -133,10 +141,10 @@ _FORMAT_OF_PREFIX = {p: f for f, p in ROUTE_PREFIX.items()}
 
 def _route_name(r: Route) -> str:
     shape = (r.kernel, r.tiles_per_pass, r.chunk_rows)
-    if r.format not in ROUTE_PREFIX or shape not in _SUFFIX:
+    if r.format not in _KERNEL_PREFIX or shape not in _SUFFIX:
         raise ValueError(f"no QPN route is a {r.kernel} kernel with {r.tiles_per_pass} tile(s) per pass and "
                          f"{r.chunk_rows}-row chunks for format {r.format!r}")
-    return ROUTE_PREFIX[r.format] + _SUFFIX[shape]
+    return _KERNEL_PREFIX[r.format] + _SUFFIX[shape]
 
 
 def parse_route(name: str) -> Route:
@@ -158,32 +166,44 @@ QPN_ROUTES = frozenset(n for n, r in ALL_ROUTES.items() if r.kernel != MOE)
 # Mixture-of-experts layers (kernels/moe.py): one grouped route per format of the gate/up stack.
 QPN_MOE_ROUTES = frozenset(n for n, r in ALL_ROUTES.items() if r.kernel == MOE)
 
+# The dense routes of the families with kernels that are not served yet (no MoE route: no MoE
+# kernels), by name; routes.as_route knows them, parse_route and the served lists do not.
+UNSERVED_ROUTES: dict[str, Route] = {
+    p + s: Route(f, *shape, *_BAND[shape]) for f, p in _KERNEL_PREFIX.items() if f not in ROUTE_PREFIX
+    for s, shape in _SHAPE_OF_SUFFIX.items() if shape[0] != MOE}
+
 # Dense routes of each format in band order (route_for walks them).
-_DENSE_BANDS = {f: tuple(sorted((r for r in ALL_ROUTES.values() if r.format == f and r.kernel != MOE),
-                                key=lambda r: r.m_min)) for f in FORMATS}
+_DENSE_BANDS = {f: tuple(sorted((r for r in (*ALL_ROUTES.values(), *UNSERVED_ROUTES.values())
+                                 if r.format == f and r.kernel != MOE), key=lambda r: r.m_min))
+                for f in _KERNEL_PREFIX}
 
 
 def as_route(route: Route | str) -> Route:
     """A Route, given a Route or a route name (a table lookup: names were parsed at import)."""
     if isinstance(route, Route):
         return route
-    r = ALL_ROUTES.get(route)
+    r = ALL_ROUTES.get(route) or UNSERVED_ROUTES.get(route)
     return r if r is not None else parse_route(route)  # parse_route raises naming the known routes
 
 
-def _check_format(fmt: str) -> None:
-    if fmt not in ROUTE_PREFIX:
+def _check_format(fmt: str, served_only: bool = True) -> None:
+    if fmt not in (ROUTE_PREFIX if served_only else _KERNEL_PREFIX):
         raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
 
 
-def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70") -> Route:
-    """Route of one linear call: fmt is "nvfp4" or "fp8", m = rows in the batch."""
-    _check_format(fmt)
+def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70", served_only: bool = True) -> Route:
+    """Route of one linear call: fmt is a served family ("nvfp4", "fp8"), m = rows in the batch;
+    with ``served_only`` False also a family whose kernels exist but that is not served yet
+    (formats.KERNEL_FAMILIES: its UNSERVED_ROUTES)."""
+    _check_format(fmt, served_only)
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"M (rows in the batch) must be a positive int, got {m!r}")
     if n < 1 or k < 1:
         raise ValueError(f"N and K must be positive, got N={n} K={k}")
-    formats.FAMILIES[fmt].check_k(k)  # FormatError (a ValueError): NVFP4 needs K % 16 == 0
+    # FormatError (a ValueError): NVFP4 needs K % 16 == 0; a format whose weights choose their group
+    # size needs K to be a multiple of its smallest (the weight's own is checked at prepack)
+    f = formats.KERNEL_FAMILIES[fmt]
+    f.check_k(k, min(f.group_sizes) if f.group_sizes else None)
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {KNOWN_ARCHS}")
     for r in _DENSE_BANDS[fmt]:

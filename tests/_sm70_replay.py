@@ -127,6 +127,16 @@ class PTX:
         return U32(out)
 
     @classmethod
+    def hsub2(cls, a, b):           # sub.rn.f16x2: each half subtracted, rounded to nearest even
+        (al, ah), (bl, bh) = h2(a), h2(b)
+        out = []
+        for x, y in ((al, bl), (ah, bh)):
+            d = x - y                                   # exact in float64
+            cls.roundings += int((d.half().double() != d).sum())
+            out.append(_f64_to_half_bits(d))
+        return U32(out[0] | (out[1] << 16))
+
+    @classmethod
     def hmul2(cls, a, b):           # mul.rn.f16x2: each half multiplied, rounded to nearest even
         (al, ah), (bl, bh) = h2(a), h2(b)
         out = []
@@ -139,7 +149,7 @@ class PTX:
 
 
 _PTX_FUNCS = {name: getattr(PTX, name) for name in ("and_or", "hmul2", "shl_b32", "shr_b32", "and_b32", "or_and",
-                                                   "prmt")}
+                                                   "prmt", "hsub2")}
 
 
 # ------------------------------------------------------------------ C rule functions -> Python
@@ -298,7 +308,7 @@ def load_rules(family_src: str | None = None) -> SimpleNamespace:
     src = _strip_comments(family_src if family_src is not None else (CSRC / "qpn_family.cuh").read_text())
     glob = {**_PTX_FUNCS, "True": True, "False": False}
     top = src
-    for s in ("AtomM8N8K4", "DecNVFP4Form", "DecFP8"):
+    for s in ("AtomM8N8K4", "DecNVFP4Form", "DecFP8", "DecINT4Form"):
         top = top.replace(_struct_body(src, s), "")
     for f in _functions(top).values():
         _compile_or_stub(f, glob)
@@ -307,9 +317,15 @@ def load_rules(family_src: str | None = None) -> SimpleNamespace:
     if set(forms) != {"DecNVFP4", "DecNVFP4S7"}:
         raise ReplayParseError(f"qpn_family.cuh names the NVFP4 decoder forms {sorted(forms)}; the replay "
                                "reads DecNVFP4 and DecNVFP4S7 (DecNVFP4Form<false / true>)")
+    int4 = {m.group(1): m.group(2) == "true"
+            for m in re.finditer(r"using\s+(\w+)\s*=\s*DecINT4Form<\s*(true|false)\s*>\s*;", src)}
+    if set(int4) != {"DecINT4", "DecINT4Sym"} or set(int4.values()) != {False, True}:
+        raise ReplayParseError(f"qpn_family.cuh names the INT4 decoder forms {sorted(int4)}; the replay "
+                               "reads DecINT4 and DecINT4Sym (DecINT4Form<false / true>)")
     structs = {}
     for name, s, extra in ([("AtomM8N8K4", "AtomM8N8K4", {}), ("DecFP8", "DecFP8", {})]
-                           + [(n, "DecNVFP4Form", {"S7": v}) for n, v in forms.items()]):
+                           + [(n, "DecNVFP4Form", {"S7": v}) for n, v in forms.items()]
+                           + [(n, "DecINT4Form", {"SYM": v}) for n, v in int4.items()]):
         body = _struct_body(src, s)
         ns = {**glob, **extra}
         for k, v in _constants(body).items():
@@ -318,7 +334,8 @@ def load_rules(family_src: str | None = None) -> SimpleNamespace:
             _compile_or_stub(f, ns)
         structs[name] = SimpleNamespace(**{k: v for k, v in ns.items() if not k.startswith("__")})
     return SimpleNamespace(atom=structs["AtomM8N8K4"], nvfp4=structs["DecNVFP4"], nvfp4_s7=structs["DecNVFP4S7"],
-                           fp8=structs["DecFP8"], decoders=structs)
+                           fp8=structs["DecFP8"], int4=structs["DecINT4"], int4_sym=structs["DecINT4Sym"],
+                           decoders=structs)
 
 
 @dataclass
@@ -460,11 +477,15 @@ class Replay:
     replayed at once (a lane index is the last tensor dimension); each lane's values come from
     that lane's own addresses and rules."""
 
-    def __init__(self, family_src: str | None = None, kernels_src: str | None = None, moe_src: str | None = None):
+    def __init__(self, family_src: str | None = None, kernels_src: str | None = None, moe_src: str | None = None,
+                 recon_src: str | None = None):
         self.r = load_rules(family_src)
         ksrc = kernels_src if kernels_src is not None else kernel_body("qpn_kernels.cu", "qpn_linear_body")
         msrc = moe_src if moe_src is not None else kernel_body("qpn_moe.cu", "qpn_moe_gemm_body")
         self.dense_loop = load_loop(ksrc, "qpn_linear_body")
+        self._ksrc = ksrc
+        self._rsrc = recon_src if recon_src is not None else kernel_body("qpn_kernels.cu", "qpn_reconstruct_body")
+        self._int4 = None
         self.moe_loop = load_loop(msrc, "qpn_moe_gemm_body")
         m = re.search(r"v \*= (ldgf\(a\.chscale \+ [^;]+);", _strip_comments(ksrc))
         if m is None:
@@ -513,6 +534,86 @@ class Replay:
 
     def _dec(self, fmt):
         return self.r.nvfp4 if fmt == "nvfp4" else self.r.fp8
+
+    # ---------------------------------------------------------------- INT4 group records (parsed)
+    def int4_rules(self) -> SimpleNamespace:
+        """The INT4 record addressing and operand finish of qpn_linear_body and qpn_reconstruct_body,
+        parsed (on first use, so that the NVFP4 / FP8 drift tests never depend on them)."""
+        if self._int4 is None:
+            ds, rs = _strip_comments(self._ksrc), _strip_comments(self._rsrc)
+
+            def grab(src, pattern, what):
+                mm = re.search(pattern, src)
+                if mm is None:
+                    raise ReplayParseError(f"{what}: no longer matches {pattern!r}; update the replay")
+                return mm.groups() if len(mm.groups()) > 1 else mm.group(1)
+            self._int4 = SimpleNamespace(
+                groups_pad=grab(ds, r"const int groups_pad\s*=\s*([^;]+);", "qpn_linear_body groups_pad"),
+                rbase=grab(ds, r"rbase\s*=\s*a\.scales\s*\+\s*([^;]+);", "qpn_linear_body rbase"),
+                rec_first=grab(ds, r"spq\[d\]\s*=\s*Dec::record\(rbase\s*\+\s*([^;]+)\);", "ring prologue record"),
+                rec_next=grab(ds, r"spq\[AHEAD - 1\]\s*=\s*Dec::record\(rbase\s*\+\s*([^;]+)\);", "ring record"),
+                zb=grab(ds, r"zb\s*=\s*Dec::(\w+)\(spq\[0\]\);", "qpn_linear_body zero bias"),
+                sg=grab(ds, r"sg\s*=\s*Dec::(\w+)\(spq\[0\]\);", "qpn_linear_body group scale"),
+                a0=grab(ds, r"a0\s*=\s*Dec::apply\(a0,\s*(\w+),\s*(\w+)\);", "qpn_linear_body apply a0"),
+                a1=grab(ds, r"a1\s*=\s*Dec::apply\(a1,\s*(\w+),\s*(\w+)\);", "qpn_linear_body apply a1"),
+                r_groups_pad=grab(rs, r"const int groups_pad\s*=\s*([^;]+);", "qpn_reconstruct_body groups_pad"),
+                r_rec=grab(rs, r"const u32 rec\s*=\s*Dec::record\(scales\s*\+\s*([^;]+)\);", "reconstruct record"),
+                r_zb=grab(rs, r"zb\s*=\s*Dec::(\w+)\(rec\);", "qpn_reconstruct_body zero bias"),
+                r_sg=grab(rs, r"sg\s*=\s*Dec::(\w+)\(rec\);", "qpn_reconstruct_body group scale"),
+                r_apply=grab(rs, r"h\[idx\]\s*=\s*Dec::apply\(h\[idx\],\s*(\w+),\s*(\w+)\);", "reconstruct apply"))
+        return self._int4
+
+    @staticmethod
+    def _group_shift(packed) -> int:
+        kpg = packed.group_size // 32
+        return kpg.bit_length() - 1
+
+    def _int4_records(self, packed, dec, offsets: torch.Tensor) -> U32:
+        """The REC_BYTES-byte little-endian records at byte ``offsets`` of the packed records (an
+        address past the buffer is an IndexError, as it would be a fault)."""
+        buf = packed.scales.to(torch.int64)
+        v = torch.zeros_like(offsets)
+        for i in range(dec.REC_BYTES):
+            v = v | (buf[offsets + i] << (8 * i))
+        return U32(v)
+
+    def int4_lane_records(self, packed, dec, n_tiles: int, kblocks: int, ksplit: int, mt: int) -> U32:
+        """The record every lane of every (tile, k-block) loads, from the parsed addresses (the ring's
+        prologue form; its in-loop form must name the same bytes for every k-block it loads)."""
+        ru = self.int4_rules()
+        shift = self._group_shift(packed)
+        args = SimpleNamespace(kblocks=kblocks, group_shift=shift, ksplit=ksplit, scales=0)
+        gp = self._ev(ru.groups_pad, dec, a=args)
+        tile = torch.arange(n_tiles).reshape(-1, 1, 1)
+        lane = torch.arange(32).reshape(1, 1, -1)
+        kb = torch.arange(kblocks).reshape(1, -1, 1)
+        base = self._ev(ru.rbase, dec, a=args, tile=tile, lane=lane, groups_pad=gp)
+        first = base + self._ev(ru.rec_first, dec, a=args, ks=kb, d=0)
+        ahead = dec.KBLOCKS_AHEAD if mt == 1 else dec.KBLOCKS_AHEAD_MT2
+        if kblocks > ahead * ksplit:
+            prev = torch.arange(kblocks - ahead * ksplit).reshape(1, -1, 1)
+            nxt = base + self._ev(ru.rec_next, dec, a=args, kb=prev, AHEAD=ahead)
+            assert torch.equal(nxt.expand(n_tiles, -1, 32), first[:, ahead * ksplit:].expand(n_tiles, -1, 32)), \
+                "the ring's in-loop record load and its prologue name different records"
+        return self._int4_records(packed, dec, first.expand(n_tiles, kblocks, 32))
+
+    def int4_lane_operands(self, codes_blk, rec: U32, dec):
+        """As lane_operands, for the INT4 decoder: each register finished by Dec::apply with the
+        k-block's record (zero bias, group scale), in the argument order the loop passes them."""
+        ru, loop = self.int4_rules(), self.dense_loop
+        raw = codes_blk.reshape(*codes_blk.shape[:-1], 32, dec.WORDS * 4)
+        w = [U32(t) for t in _words(raw).unbind(-1)]
+        named = {"zb": getattr(dec, ru.zb)(rec), "sg": getattr(dec, ru.sg)(rec)}
+        pairs = self._ev(loop.pairs, dec)
+        regs = {}
+        for p in range(pairs):
+            for j in range(2):
+                a0 = dec.apply(dec.front_half2(w, self._ev(loop.a0, dec, j=j)), *(named[v] for v in ru.a0))
+                a1 = dec.apply(dec.front_half2(w, self._ev(loop.a1, dec, j=j)), *(named[v] for v in ru.a1))
+                regs[(p, j)] = h2(a0) + h2(a1)
+            n = self._ev(loop.rotate, dec)
+            w = [w[i + n] if i + n < len(w) else U32(0) for i in range(len(w))]
+        return regs, pairs
 
     def _load(self, fmt, codes_blk, scales_blk, loop, dec=None):
         """What every lane loads per (tile, k-block): its WORDS code words (cptr + lane *
@@ -586,10 +687,14 @@ class Replay:
         route = routes.as_route(route)
         if route.kernel == routes.RECONSTRUCT:
             return self.reconstruct(packed, x)
-        name, _, m_chunks = ops._route_kernel(route, m, form)
-        entries = entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY")
+        from qpn.kernels import formats
+        name, _, m_chunks = ops._route_kernel(route, m, form, formats.format_of(packed))
+        entries = {**entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY"),
+                   **entry_points("qpn_kernels.cu", "QPN_UNSERVED_LINEAR_ENTRY")}
         atom_s, dec_s, mt = entries[f"{name}_m8n8k4"]
-        assert atom_s == "AtomM8N8K4" and dec_s in (("DecNVFP4", "DecNVFP4S7") if fmt == "nvfp4" else ("DecFP8",))
+        allowed = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",),
+                   formats.INT4.family: ("DecINT4Sym",) if getattr(packed, "symmetric", False) else ("DecINT4",)}
+        assert atom_s == "AtomM8N8K4" and dec_s in allowed[fmt], (name, dec_s)
         dec = self.r.decoders[dec_s]
         mt = int(mt)
         tile_n, kbk = at.TILE_N, at.K_BLOCK
@@ -598,8 +703,12 @@ class Replay:
         xk[:m, :packed.k] = x.double()
         lane_bytes = dec.WORDS * 4
         codes = packed.codes.view(n_tiles, kblocks, 32 * lane_bytes)
-        scales = packed.scales.view(n_tiles, kblocks, at.SCALE_BLOCK_BYTES) if fmt == "nvfp4" else None
-        regs, pairs = self.lane_operands(fmt, codes, scales, self.dense_loop, dec)
+        if dec.GROUP_RECORDS:
+            rec = self.int4_lane_records(packed, dec, n_tiles, kblocks, ksplit, mt)
+            regs, pairs = self.int4_lane_operands(codes, rec, dec)
+        else:
+            scales = packed.scales.view(n_tiles, kblocks, at.SCALE_BLOCK_BYTES) if fmt == "nvfp4" else None
+            regs, pairs = self.lane_operands(fmt, codes, scales, self.dense_loop, dec)
         y = torch.zeros((m, packed.n), dtype=torch.float64)
         writes = torch.zeros((m, packed.n), dtype=torch.int64)
         tpb = 8 // ksplit
@@ -640,7 +749,8 @@ class Replay:
         assert bool((writes == 1).all()), "the epilogue must write every output element exactly once"
         # v *= <parsed factor>: ldgf(a.chscale + index) (NVFP4 passes [global], FP8 [1] or [N], ops.py),
         # times the decoder's OUT_MULT; evaluated for every output row n at once
-        chscale = (packed.global_scale if fmt == "nvfp4" else packed.scale).double().reshape(-1)
+        chscale = (packed.out_scale if dec.GROUP_RECORDS else packed.global_scale if fmt == "nvfp4"
+                   else packed.scale).double().reshape(-1)
         args = SimpleNamespace(chscale=_Pointer(chscale), chscale_per_channel=int(chscale.numel() != 1))
         factor = torch.as_tensor(self._ev(self.dense_scale, dec, a=args, n=torch.arange(packed.n), ldgf=lambda v: v),
                                  dtype=torch.float64)
@@ -652,12 +762,26 @@ class Replay:
         from qpn.kernels import codecs
         at = self.r.atom
         fmt = packed.fmt
-        dec = self._dec(fmt)
+        int4 = hasattr(packed, "symmetric")
+        dec = (self.r.int4_sym if packed.symmetric else self.r.int4) if int4 else self._dec(fmt)
         n_tiles, kblocks = -(-packed.n // at.TILE_N), -(-packed.k // at.K_BLOCK)
         lane_bytes = dec.WORDS * 4
         codes = packed.codes.view(n_tiles, kblocks, 32 * lane_bytes)
-        scales = packed.scales.view(n_tiles, kblocks, at.SCALE_BLOCK_BYTES) if fmt == "nvfp4" else None
-        w, sc2 = self._load(fmt, codes, scales, self.dense_loop)
+        if int4:   # qpn_reconstruct_body's record of (tile, k-block, lane), parsed
+            ru = self.int4_rules()
+            args = SimpleNamespace(kblocks=kblocks)
+            shift = self._group_shift(packed)
+            gp = self._ev(ru.r_groups_pad, dec, kblocks=kblocks, group_shift=shift)
+            off = self._ev(ru.r_rec, dec, tile=torch.arange(n_tiles).reshape(-1, 1, 1), groups_pad=gp,
+                           kb=torch.arange(kblocks).reshape(1, -1, 1), group_shift=shift,
+                           lane=torch.arange(32).reshape(1, 1, -1), a=args)
+            rec = self._int4_records(packed, dec, off.expand(n_tiles, kblocks, 32))
+            named = {"zb": getattr(dec, ru.r_zb)(rec), "sg": getattr(dec, ru.r_sg)(rec)}
+            raw = codes.reshape(n_tiles, kblocks, 32, lane_bytes)
+            w, sc2 = [U32(t) for t in _words(raw).unbind(-1)], None
+        else:
+            scales = packed.scales.view(n_tiles, kblocks, at.SCALE_BLOCK_BYTES) if fmt == "nvfp4" else None
+            w, sc2 = self._load(fmt, codes, scales, self.dense_loop)
         ws = torch.full((n_tiles * at.TILE_N, kblocks * at.K_BLOCK), float("nan"), dtype=torch.float64)
         pick = self.recon_pick.group(1)
         rows = (torch.arange(n_tiles).reshape(-1, 1, 1) * at.TILE_N + self.lane_a_row.reshape(1, 1, 32))
@@ -665,6 +789,8 @@ class Replay:
             hh = dec.half2(w, idx)
             if dec.GROUPED:
                 hh = PTX.hmul2(hh, sc2[eval(c_expr(pick), {"idx": idx})])   # noqa: S307
+            if dec.GROUP_RECORDS:
+                hh = dec.apply(hh, *(named[v] for v in ru.r_apply))
             lo, hi = h2(hh)                                                   # [T, KB, 32]
             cols = (torch.arange(kblocks) * at.K_BLOCK + 2 * idx).reshape(1, -1, 1)
             r_, c_ = rows.expand(lo.shape), cols.expand(lo.shape)
@@ -673,6 +799,8 @@ class Replay:
             ws[r_, c_ + 1] = hi
         assert not bool(torch.isnan(ws).any()), "the reconstruct pass left a workspace element unwritten"
         y = x.double() @ ws[: packed.n, : packed.k].t()
+        if int4:
+            return y * packed.out_scale.double().reshape(())
         if fmt == "nvfp4":
             return y * packed.global_scale.double().reshape(())
         return y * codecs.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)

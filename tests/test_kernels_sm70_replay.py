@@ -332,3 +332,136 @@ def test_a_drift_in_qpn_family_cuh_fails_the_replay(where, name):
         return
     errs = [float((y - ref).norm() / ref.norm()) for y in ys]
     assert any(not e <= 1e-3 for e in errs), f"CUDA drift '{name}' was not seen by the replay"   # NaN: seen
+
+
+# --------------------------------------------------------------------------- INT4 (DecINT4Form)
+# The INT4 m8n8k4 kernels (qpn4[_sym]_*), replayed from the same CUDA text: the decoder's bit
+# rules, the group-record address (groups_pad, rbase, the ring's two record loads, the
+# reconstruct pass's), which record feeds Dec::apply in which order. Their operands are
+# fp16((code - zero) * scale), rounded once, so the replay is compared with the float64 product
+# of those FP16 weights (family_int4.linear_int4's operands), to float64 noise.
+from qpn.kernels import family_int4 as fi  # noqa: E402
+
+
+def int4_weight(n: int, k: int, g: int, sym: bool, gen) -> tuple:
+    """A canonical INT4 source with every code 0..15 in every group's rows and every zero point
+    0..15 (asymmetric), random FP16 scales over four decades."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
+    q[:, :16] = torch.arange(16)          # every code in every row (and so in group 0 of each row)
+    cols = k // g
+    s = (torch.rand(n, cols, generator=gen) * 3 - 4).exp2().mul(torch.rand(n, cols, generator=gen) + 0.5).half()
+    codes = fi.pack_codes(q)
+    if sym:
+        return codes, s
+    z = (torch.arange(n * cols) % 16).reshape(n, cols).to(torch.uint8)
+    return codes, s, z
+
+
+def int4_ref(x: torch.Tensor, src: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    w = fi.dequantize(*src).half().double()   # the decoder's operands: one rounding to FP16
+    return x.double() @ w.t(), x.double().abs() @ w.abs().t()
+
+
+# (sym, g, K, route, M, ksplit): K not a multiple of 128 where the group allows; N = 72 pads a tile
+INT4_CASES = [
+    (False, 32, 224, "qpn4", 5, 1), (False, 64, 192, "qpn4_mt2", 13, 2), (False, 128, 384, "qpn4_chunked", 23, 4),
+    (False, 32, 224, "qpn4_reconstruct", 7, 1), (False, 128, 384, "qpn4_reconstruct", 3, 1),
+    (True, 32, 224, "qpn4_mt2", 16, 1), (True, 64, 192, "qpn4", 8, 2), (True, 128, 384, "qpn4_chunked", 17, 2),
+    (True, 64, 192, "qpn4_reconstruct", 9, 1), (True, 128, 384, "qpn4", 1, 8)]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("sym,g,k,route,m,ksplit", INT4_CASES)
+def test_int4_replayed_route_equals_its_fp16_weights(replay, sym, g, k, route, m, ksplit):
+    gen = torch.Generator().manual_seed(g + k + m)
+    src = int4_weight(72, k, g, sym, gen)
+    packed = fi.prepack_int4(*src)
+    x = fc.activations(m, k, gen, outliers=True)
+    y = replay.linear(packed, x, route, ksplit=ksplit)
+    ref, mag = int4_ref(x, src)
+    _assert_exact(y, ref, mag, f"INT4 {'sym' if sym else 'asym'} g={g} {route} M={m} ksplit={ksplit}")
+
+
+def _int4_drift_error(replay_obj, sym, g=128, k=384, route="qpn4", ksplit=2):
+    gen = torch.Generator().manual_seed(11)
+    src = int4_weight(72, k, g, sym, gen)
+    x = fc.activations(8, k, gen, outliers=False)
+    ref, _ = int4_ref(x, src)
+    y = replay_obj.linear(fi.prepack_int4(*src), x, route, ksplit=ksplit)
+    return float((y - ref).norm() / ref.norm())
+
+
+INT4_FAMILY_DRIFTS = {   # (old, new) in qpn_family.cuh; each must change what a lane hands the MMA
+    "code mask": ("and_or(t, 0x000F000Fu, 0x64006400u)", "and_or(t, 0x000F001Fu, 0x64006400u)"),
+    "1024 bias": ("and_or(t, 0x000F000Fu, 0x64006400u)", "and_or(t, 0x000F000Fu, 0x64106410u)"),
+    "pair shift": ("shr_b32(w[0], 4 * r)", "shr_b32(w[0], 4 * (r ^ 1))"),
+    "reconstruct word": ("biased(w[idx >> 2] >> (4 * (idx & 3)))", "biased(w[idx >> 2] >> (4 * (idx & 1)))"),
+    "zero byte": ("prmt(rec, 0x64u, 0x4242u)", "prmt(rec, 0x64u, 0x4343u)"),
+    "symmetric zero": ("SYM ? 0x64086408u :", "SYM ? 0x64076407u :"),
+    "scale bytes": ("return prmt(rec, 0u, 0x1010u); }", "return prmt(rec, 0u, 0x3232u); }"),
+    "subtract order": ("return hmul2(hsub2(h, zb), s); }", "return hmul2(hsub2(zb, h), s); }"),
+    "record size": ("static constexpr int REC_BYTES = SYM ? 2 : 4;", "static constexpr int REC_BYTES = SYM ? 2 : 2;"),
+}
+INT4_BODY_DRIFTS = {     # (old, new) in qpn_linear_body / qpn_reconstruct_body
+    "group of a k-block": ("((ks + d * a.ksplit) >> a.group_shift)", "((ks + d * a.ksplit) >> 1)"),
+    "ring record stride": ("((kb + AHEAD * a.ksplit) >> a.group_shift)", "((kb + a.ksplit) >> a.group_shift)"),
+    "groups per tile": ("const int groups_pad = (a.kblocks + (1 << a.group_shift) - 1) >> a.group_shift;",
+                        "const int groups_pad = (a.kblocks + (1 << a.group_shift)) >> a.group_shift;"),
+    "record lane": ("* 32 + lane) * Dec::REC_BYTES;", "* 32 + (lane ^ 1)) * Dec::REC_BYTES;"),
+    "apply arguments": ("a0 = Dec::apply(a0, zb, sg);", "a0 = Dec::apply(a0, sg, zb);"),
+    "reconstruct group": ("(kb >> group_shift)) * 32 + lane)", "kb) * 32 + lane)"),
+}
+RECON_BODY = rp.kernel_body("qpn_kernels.cu", "qpn_reconstruct_body")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("where,name", [("family", n) for n in INT4_FAMILY_DRIFTS]
+                         + [("body", n) for n in INT4_BODY_DRIFTS])
+def test_a_drift_in_the_int4_kernels_fails_the_replay(where, name):
+    old, new = (INT4_FAMILY_DRIFTS if where == "family" else INT4_BODY_DRIFTS)[name]
+    recon = "reconstruct" in name
+    text = FAMILY if where == "family" else (RECON_BODY if recon else KERNEL_BODY)
+    assert text.count(old) == 1, f"mutation '{name}' no longer matches the source: update it"
+    mutated = text.replace(old, new)
+    kw = {"family": "family_src", "body": "recon_src" if recon else "kernels_src"}[where]
+    route = "qpn4_reconstruct" if recon or "reconstruct" in name else "qpn4"
+    errs = []
+    for sym in (False, True):
+        try:
+            errs.append(_int4_drift_error(rp.Replay(**{kw: mutated}), sym, route=route))
+        except (rp.ReplayParseError, AssertionError, IndexError) as e:   # inconsistent / out of bounds: seen
+            assert re.search(r"\w", str(e)), e
+            errs.append(float("nan"))
+    assert _int4_drift_error(rp.Replay(), False, route=route) <= 1e-12    # control: the real source
+    assert any(not e <= 1e-3 for e in errs), f"INT4 CUDA drift '{name}' was not seen by the replay ({errs})"
+
+
+def _swap_nibbles_in_words(a, b):
+    def mutate(g):
+        v = g.view(-1, 8).clone()
+        v[:, [a, b]] = v[:, [b, a]]
+        return v.reshape(-1)
+    return mutate
+
+
+INT4_LAYOUT_DRIFTS = {   # family_int4's packed layout, mutated: the kernels' addressing must disagree
+    "word nibbles 0/4": ("code_gather", _swap_nibbles_in_words(0, 4)),
+    "word nibbles 1/2": ("code_gather", _swap_nibbles_in_words(1, 2)),
+    "code lanes 0/16": ("code_gather", _swap_lanes(32, 0, 16)),   # 32 nibbles per lane per k-block
+    "record rows 3/4": ("record_rows", lambda r: r[[*range(3), 4, 3, *range(5, 32)]]),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", list(INT4_LAYOUT_DRIFTS))
+def test_an_int4_layout_drift_fails_the_replay(replay, monkeypatch, name):
+    what, mutate = INT4_LAYOUT_DRIFTS[name]
+    real = getattr(fi, what)("m8n8k4")
+    monkeypatch.setattr(fi, what, lambda atom, _v=mutate(real.clone()): _v)
+    gen = torch.Generator().manual_seed(2)
+    src = int4_weight(64, 128, 32, False, gen)
+    packed = fi.prepack_int4(*src)
+    x = fc.activations(8, 128, gen, outliers=False)
+    ref, _ = int4_ref(x, src)
+    err = float((replay.linear(packed, x, "qpn4") - ref).norm() / ref.norm())
+    assert err > 1e-3, f"family_int4 layout drift '{name}' was not seen by the replay"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from qpn.kernels import families, formats, ops, routes
+from qpn.kernels import families, formats, jit, ops, routes
 
 pytestmark = pytest.mark.fast
 
@@ -49,8 +49,41 @@ def test_every_route_name_parses_to_its_meaning_and_back():
 def test_unknown_names_are_refused_naming_the_known_routes(bad):
     with pytest.raises(ValueError, match="known routes: .*qpn2_chunked"):
         routes.parse_route(bad)
+    if bad in routes.UNSERVED_ROUTES:   # not a served route, but one ops runs (INT4's)
+        assert str(routes.as_route(bad)) == bad
+        return
     with pytest.raises(ValueError, match="unknown QPN route"):
         routes.as_route(bad)
+
+
+def test_unserved_families_have_the_dense_bands_and_no_served_route():
+    """A family with kernels but not served (INT4) gets the dense route table's bands through
+    route_for(served_only=False), each route naming its member's kernels; the served lists,
+    parse_route and route_for's default know none of them."""
+    unserved = {f for f in formats.KERNEL_FAMILIES if f not in formats.FAMILIES}
+    assert unserved and not unserved & set(routes.FORMATS)
+    assert not set(routes.UNSERVED_ROUTES) & (routes.QPN_ROUTES | routes.QPN_MOE_ROUTES)
+    kernels = set(jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
+    for fam in unserved:
+        with pytest.raises(ValueError, match="unknown weight format"):
+            routes.route_for(fam, 1, 64, 128)
+        members = [f for f in formats.KERNEL_FORMATS if f.family == fam]
+        seen = set()
+        for m in range(1, 200):
+            r = routes.route_for(fam, m, 64, 128, served_only=False)
+            served_twin = routes.route_for("nvfp4", m, 64, 128)
+            assert (r.kernel, r.tiles_per_pass, r.chunk_rows, r.m_min, r.m_max) == (
+                served_twin.kernel, served_twin.tiles_per_pass, served_twin.chunk_rows, served_twin.m_min,
+                served_twin.m_max), m
+            assert routes.as_route(str(r)) is routes.UNSERVED_ROUTES[str(r)] and r.weight_format.family == fam
+            seen.add(str(r))
+            for member in members:
+                if r.kernel == routes.TILED:
+                    name = ops._route_kernel(r, m, "s7", member)[0] + "_m8n8k4"
+                else:
+                    name = f"{member.kernel_prefix}_reconstruct_ws_m8n8k4"
+                assert name in kernels, (m, name)
+        assert seen == set(routes.UNSERVED_ROUTES) & {n for n, r in routes.UNSERVED_ROUTES.items() if r.format == fam}
 
 
 def test_route_for_returns_the_route_whose_band_holds_m():
@@ -125,7 +158,23 @@ def test_weight_operands_are_the_custom_ops_weight_arguments():
                 assert a == b
         x = torch.randn((3, 64), generator=g)
         assert torch.equal(ops.qpn_linear(x, back), ops.qpn_linear(x, packed))
-    with pytest.raises(TypeError, match=r"packed dense weight \(PackedNVFP4 or PackedFP8\), got object"):
+    # INT4: both members travel as the family "int4"; the records' dtype says which member, the
+    # buffer size which group size, and kernel_member reads both back
+    for f4 in (formats.INT4, formats.INT4_SYM):
+        for gs in f4.group_sizes:
+            num = families.numerics(f4)
+            p4 = num.prepack(*num.quantize(torch.randn((40, 256), generator=g), gs))
+            w = ops.operands(p4)
+            assert w.fmt == f4.family and w.scales.data_ptr() == p4.scales.data_ptr()
+            back = w.packed()
+            assert formats.format_of(back) is f4 and back.group_size == gs and torch.equal(back.scales, p4.scales)
+            assert ops.kernel_member(w) == (f4, {32: 0, 64: 1, 128: 2}[gs])
+            x4 = torch.randn((3, 256), generator=g)
+            assert torch.equal(ops.qpn_linear(x4, back), num.reference_linear(x4, p4))
+        wide = ops.operands(num.prepack(*num.quantize(torch.randn((40, 256), generator=g), 32), atom="m16n8k16"))
+        with pytest.raises(ValueError, match="no m16n8k16 kernels"):
+            ops.kernel_member(wide)
+    with pytest.raises(TypeError, match=r"packed dense weight \(PackedNVFP4 or PackedFP8 or PackedINT4\), got object"):
         ops.operands(object())
     # an expert stack names a format family too, but is no dense weight
     from qpn.kernels import moe
@@ -170,7 +219,6 @@ def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bo
     if atom == "m8n8k4":
         name, _, chunks = ops._route_kernel(route, m)
         return f"{name}_{atom}", chunks
-    from qpn.kernels import jit
 
     name, chunks = ops._sm80_kernel_for(route, m, n)
     if not ring_fits and jit.sm80_kernels()[name].smem_bytes and not jit.sm80_kernels()[name].band:

@@ -232,13 +232,15 @@ def test_entry_points_are_the_kernels_the_sources_define():
     out, and each is instantiated with its family's decoder and its tile count."""
     from qpn.kernels import jit, moe
 
-    decoders = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",)}
+    decoders = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",), "int4": ("DecINT4", "DecINT4Sym")}
     dense = _instantiated("qpn_kernels.cu")
-    assert set(dense) == set(jit.ENTRY_POINTS["m8n8k4"])
+    assert set(dense) == set(jit.ENTRY_POINTS["m8n8k4"]) | set(jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
+    assert not set(jit.ENTRY_POINTS["m8n8k4"]) & set(jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
     for name, args in dense.items():
-        family = formats.format_for_route(name.split("_", 1)[0]).family
+        family = formats.format_for_route(name.split("_", 1)[0], served_only=False).family
         assert args[0] == "AtomM8N8K4" and args[1] in decoders[family], (name, args)
         assert (args[1] == "DecNVFP4S7") == ("_s7_" in name), name
+        assert (args[1] == "DecINT4Sym") == ("_sym_" in name), name
         if "_mt" in name:
             assert args[2] == name.split("_mt", 1)[1][0], (name, args)  # qpn2_mt2_... -> MT 2
     sparse = _instantiated("qpn_moe.cu")

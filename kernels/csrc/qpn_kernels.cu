@@ -1,4 +1,4 @@
-// QPN kernels: packed NVFP4 (qpn2*) and FP8 (qpn8*) linear layers, y[M, N] = x[M, K] * W[N, K]^T,
+// QPN kernels: packed NVFP4 (qpn2*), FP8 (qpn8*) and INT4 (qpn4*) linear layers, y[M, N] = x[M, K] * W[N, K]^T,
 // with W streamed in its packed form and decoded in registers straight into MMA operands.
 //
 // Grid: blockIdx.x = n_block * m_chunks + m_chunk, so the m_chunks blocks that read the same
@@ -15,7 +15,7 @@
 
 struct QpnArgs {
   const u8* codes;        // packed codes, fragment order
-  const u8* scales;       // NVFP4 packed e4m3 group scales (unused for FP8)
+  const u8* scales;       // NVFP4 packed e4m3 group scales; INT4 group records (unused for FP8)
   const float* chscale;   // FP32 scale of the result: NVFP4 global [1]; FP8 [1] or [N]
   const u16* x;           // activations fp16 [M, ldx], ldx = K padded to K_BLOCK, zero padded
   const u16* bias;        // fp16 [N] or null
@@ -23,6 +23,7 @@ struct QpnArgs {
   int m, n, kblocks, ldx;
   int ksplit, tiles_per_block, m_chunks;
   int chscale_per_channel;
+  int group_shift;        // INT4: log2(k-blocks per group record); the other families ignore it
 };
 
 template <class Atom, class Dec, int MT>
@@ -51,6 +52,14 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
     constexpr int PAIRS = Atom::STEPS / 2;           // activation loads per k-block per tile
     const u8* cptr = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
     const u8* sptr = a.scales + (size_t)tile * a.kblocks * Atom::SCALE_BLOCK_BYTES + Atom::scale_pair_offset(lane);
+    // INT4 (Dec::GROUP_RECORDS): the lane's record of k-block kb is record lane of group
+    // kb >> group_shift of its tile. Loaded with every k-block's codes, so the ring needs no
+    // group bookkeeping; the k-blocks of one group re-read the same bytes (from L1).
+    const u8* rbase = a.scales;
+    if constexpr (Dec::GROUP_RECORDS) {
+      const int groups_pad = (a.kblocks + (1 << a.group_shift) - 1) >> a.group_shift;
+      rbase = a.scales + ((size_t)tile * groups_pad * 32 + lane) * Dec::REC_BYTES;
+    }
     // Activation pointers of the lane's token rows at this warp's next k-block (a token past M
     // reads row 0: see AtomM8N8K4::load_x).
     const u16* xnext[MT];
@@ -76,6 +85,8 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
 #pragma unroll
         for (int j = 0; j < Dec::WORDS; j += 4) ldg128(cnext + 4 * j, wq[d][j], wq[d][j + 1], wq[d][j + 2], wq[d][j + 3]);
         if constexpr (Dec::GROUPED) spq[d] = ldg16(snext);
+        if constexpr (Dec::GROUP_RECORDS)
+          spq[d] = Dec::record(rbase + (size_t)((ks + d * a.ksplit) >> a.group_shift) * (32 * Dec::REC_BYTES));
       }
       cnext += (size_t)a.ksplit * BLOCK_BYTES;
       snext += (size_t)a.ksplit * Atom::SCALE_BLOCK_BYTES;
@@ -90,6 +101,11 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
         sc2[0] = prmt(sp2, 0u, 0x1010u);
         sc2[1] = prmt(sp2, 0u, 0x3232u);
       }
+      u32 zb = 0u, sg = 0u;   // INT4: (1024 + zero) and the group scale, both halves
+      if constexpr (Dec::GROUP_RECORDS) {
+        zb = Dec::zero_bias(spq[0]);
+        sg = Dec::scale2(spq[0]);
+      }
 #pragma unroll
       for (int d = 0; d + 1 < AHEAD; ++d) {
 #pragma unroll
@@ -101,6 +117,9 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
 #pragma unroll
         for (int j = 0; j < Dec::WORDS; j += 4) ldg128(cnext + 4 * j, last[j], last[j + 1], last[j + 2], last[j + 3]);
         if constexpr (Dec::GROUPED) spq[AHEAD - 1] = ldg16(snext);
+        if constexpr (Dec::GROUP_RECORDS)
+          spq[AHEAD - 1] =
+              Dec::record(rbase + (size_t)((kb + AHEAD * a.ksplit) >> a.group_shift) * (32 * Dec::REC_BYTES));
       }
       cnext += (size_t)a.ksplit * BLOCK_BYTES;
       snext += (size_t)a.ksplit * Atom::SCALE_BLOCK_BYTES;
@@ -129,6 +148,10 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
           if constexpr (Dec::GROUPED) {
             a0 = hmul2(a0, s);
             a1 = hmul2(a1, s);
+          }
+          if constexpr (Dec::GROUP_RECORDS) {
+            a0 = Dec::apply(a0, zb, sg);
+            a1 = Dec::apply(a1, zb, sg);
           }
 #pragma unroll
           for (int t = 0; t < MT; ++t) {
@@ -175,7 +198,7 @@ __device__ __forceinline__ void qpn_linear_body(const QpnArgs& a) {
 // here. One thread per (tile, k-block, lane): 32 consecutive halves of one row, 4 x 16-byte stores.
 template <class Atom, class Dec>
 __device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* scales, u16* ws,
-                                                     int n_tiles, int kblocks) {
+                                                     int n_tiles, int kblocks, int group_shift) {
   const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int lane = (int)(gid & 31);
   const long long tb = gid >> 5;
@@ -193,6 +216,14 @@ __device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* 
     sc2[0] = prmt(sp2, 0u, 0x1010u);
     sc2[1] = prmt(sp2, 0u, 0x3232u);
   }
+  u32 zb = 0u, sg = 0u;
+  if constexpr (Dec::GROUP_RECORDS) {
+    const int groups_pad = (kblocks + (1 << group_shift) - 1) >> group_shift;
+    const u32 rec =
+        Dec::record(scales + (((size_t)tile * groups_pad + (kb >> group_shift)) * 32 + lane) * Dec::REC_BYTES);
+    zb = Dec::zero_bias(rec);
+    sg = Dec::scale2(rec);
+  }
   const size_t ldw = (size_t)kblocks * Atom::K_BLOCK;
   u16* out = ws + ((size_t)tile * Atom::TILE_N + Atom::a_row(lane)) * ldw + (size_t)kb * Atom::K_BLOCK;
   u32 h[Atom::K_BLOCK / 2];
@@ -200,6 +231,7 @@ __device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* 
   for (int idx = 0; idx < Atom::K_BLOCK / 2; ++idx) {
     h[idx] = Dec::half2(w, idx);
     if constexpr (Dec::GROUPED) h[idx] = hmul2(h[idx], sc2[idx / 8]);
+    if constexpr (Dec::GROUP_RECORDS) h[idx] = Dec::apply(h[idx], zb, sg);
   }
 #pragma unroll
   for (int j = 0; j < Atom::K_BLOCK / 2; j += 4) stg128(out + 2 * j, h[j], h[j + 1], h[j + 2], h[j + 3]);
@@ -212,8 +244,8 @@ __device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* 
 
 #define QPN_RECONSTRUCT_ENTRY(NAME, ATOM, DEC)                                              \
   extern "C" __global__ void __launch_bounds__(QPN_THREADS) NAME(                           \
-      const u8* codes, const u8* scales, u16* ws, int n_tiles, int kblocks) {                 \
-    qpn_reconstruct_body<ATOM, DEC>(codes, scales, ws, n_tiles, kblocks);                   \
+      const u8* codes, const u8* scales, u16* ws, int n_tiles, int kblocks, int group_shift) { \
+    qpn_reconstruct_body<ATOM, DEC>(codes, scales, ws, n_tiles, kblocks, group_shift);      \
   }
 
 // Entry points, one per (format, tiles per weight pass, atom). Route -> entry point lives in ops.py.
@@ -225,3 +257,15 @@ QPN_LINEAR_ENTRY(qpn8_mt1_m8n8k4, AtomM8N8K4, DecFP8, 1)
 QPN_LINEAR_ENTRY(qpn8_mt2_m8n8k4, AtomM8N8K4, DecFP8, 2)
 QPN_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m8n8k4, AtomM8N8K4, DecNVFP4)
 QPN_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m8n8k4, AtomM8N8K4, DecFP8)
+
+// INT4 W4A16, both members (formats.INT4 / INT4_SYM, served=False: ops runs them, no loader route
+// does yet). The same kernels as QPN_LINEAR_ENTRY under another macro name only because
+// benchmarks/perf_model.py reads QPN_LINEAR_ENTRY lines as the served kernels it models; these
+// lines become QPN_LINEAR_ENTRY when the family is served (jit.UNSERVED_ENTRY_POINTS).
+#define QPN_UNSERVED_LINEAR_ENTRY(NAME, ATOM, DEC, MT) QPN_LINEAR_ENTRY(NAME, ATOM, DEC, MT)
+QPN_UNSERVED_LINEAR_ENTRY(qpn4_mt1_m8n8k4, AtomM8N8K4, DecINT4, 1)
+QPN_UNSERVED_LINEAR_ENTRY(qpn4_mt2_m8n8k4, AtomM8N8K4, DecINT4, 2)
+QPN_UNSERVED_LINEAR_ENTRY(qpn4_sym_mt1_m8n8k4, AtomM8N8K4, DecINT4Sym, 1)
+QPN_UNSERVED_LINEAR_ENTRY(qpn4_sym_mt2_m8n8k4, AtomM8N8K4, DecINT4Sym, 2)
+QPN_RECONSTRUCT_ENTRY(qpn4_reconstruct_ws_m8n8k4, AtomM8N8K4, DecINT4)
+QPN_RECONSTRUCT_ENTRY(qpn4_sym_reconstruct_ws_m8n8k4, AtomM8N8K4, DecINT4Sym)

@@ -61,6 +61,13 @@ QPN_DEV u32 hmul2(u32 a, u32 b) {
   return d;
 }
 
+// FP16x2 subtract, round to nearest (the INT4 decoder's (1024 + c) - (1024 + z): exact integers).
+QPN_DEV u32 hsub2(u32 a, u32 b) {
+  u32 d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 QPN_DEV u16 f32_to_f16(float f) {
   u16 h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));

@@ -1,0 +1,211 @@
+"""GPU numerics of the INT4 W4A16 kernels (qpn4_* asymmetric, qpn4_sym_* symmetric; m8n8k4, which
+an sm_80+ GPU runs emulated) against family_int4's reference. Run on the H200 through the device
+tool; without a GPU every test skips (CI has none), and with a GPU but no NVRTC the build fixture
+fails under CI=true (tests/_ci.py) and skips elsewhere.
+
+The INT4 family has no m16n8k16 kernels yet (formats.INT4.kernel_atoms): a weight prepacked for
+that atom must be refused with the atom named, never run through another family's kernel.
+
+Bound, and why it can be tight. The decoder hands the MMA fp16((code - zero) * scale), one
+rounding, which is exactly the FP16 weight linear_int4 multiplies (w16 below); a product of two
+FP16 values is exact in FP32, so the kernel and the reference differ only in the order of their
+FP32 sums (split-K, the MMA's internal order, torch's). Per element:
+  |y - fp16(y64)| <= ulp16(y64) + (K + 2) 2^-23 S,   S = sum_k |x_k w16_k|,
+with y64 the float64 product of the FP16 operands: a chain of K FP32 additions errs by at most
+K 2^-23 S even if the tensor core truncates, and two FP16 roundings of values that close differ
+by at most one ulp plus their distance. The same bound holds for linear_int4's output, so the
+two must agree within twice it. No norm-wise slack: a wrong code, zero point, group or row moves
+an element by a whole weight (|x_k| * scale), far outside that bound for these activations.
+The one-hot probe (tests/_per_group.py) then checks every (row, input) bit-exact, so no sum can
+hide a wrong group, and a corrupted record must be named by its (row, group).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpn.kernels import family_int4 as fi
+from qpn.kernels import formats, ops, routes
+from tests import _format_cases as fc
+from tests import _per_group as pg
+from tests._ci import unavailable
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (numerics run on an H200 via the device tool; CI has none)")
+
+ATOM = "m8n8k4"
+MEMBERS = {"asym": formats.INT4, "sym": formats.INT4_SYM}
+# M at and around every band edge of the route table (mt1 1-8, mt2 9-16, chunked 17-96, reconstruct)
+M_LIST = [1, 2, 8, 9, 16, 17, 96, 97]
+# (name, N, K, g): K a multiple of the group but not of 128 wherever the group allows; N not a
+# multiple of the 32-row tile; the last two are a TP4 MLP-sized and an attention-sized layer
+SHAPES = [("odd_72x224", 72, 224, 32), ("odd_1000x320", 1000, 320, 64), ("odd_257x2080", 257, 2080, 32),
+          ("odd_130x384", 130, 384, 128), ("tp4_down_5120x4352", 5120, 4352, 128), ("attn_1024x1536", 1024, 1536, 64)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    """The m8n8k4 module for this GPU, with every INT4 entry point (ops.build checks them)."""
+    from qpn.kernels import jit, nvrtc
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        ops.build(f"sm{major}{minor}", atom=ATOM)
+    except nvrtc.NvrtcUnavailable as e:
+        unavailable("NVRTC", str(e), "pip install nvidia-cuda-nvrtc-cu12 (the test extra)")
+    mod = jit.module_for(torch.device("cuda", torch.cuda.current_device()), ATOM)
+    for name in jit.UNSERVED_ENTRY_POINTS[ATOM]:
+        assert mod.function(name), name
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def outlier_weight(n: int, k: int, gen) -> torch.Tensor:
+    """Gaussian weights with a few input columns 20-60x larger (what AWQ / GPTQ checkpoints of real
+    models carry: the groups holding them get large scales, the rest keep fine ones)."""
+    w = torch.randn((n, k), generator=gen) * 0.02
+    cols = torch.randperm(k, generator=gen)[: max(2, k // 256)]
+    w[:, cols] *= torch.rand((1, cols.numel()), generator=gen) * 40 + 20
+    return w
+
+
+def all_values_source(n: int, k: int, g: int, sym: bool, gen) -> tuple:
+    """Every code 0..15 in every row, every zero point 0..15 (asymmetric) cycling over the
+    (row, group) records, FP16 scales over six binades: the whole of the format's codes."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
+    q[:, :16] = torch.arange(16)
+    cols = k // g
+    s = (torch.exp2(torch.randint(-12, -6, (n, cols), generator=gen).float())
+         * (1 + torch.randint(0, 8, (n, cols), generator=gen).float() / 8)).half()
+    codes = fi.pack_codes(q)
+    if sym:
+        return codes, s
+    return codes, s, (torch.arange(n * cols) % 16).reshape(n, cols).to(torch.uint8)
+
+
+def _source(kind: str, n: int, k: int, g: int, sym: bool, gen) -> tuple:
+    if kind == "all_values":
+        return all_values_source(n, k, g, sym, gen)
+    return fi.quantize(outlier_weight(n, k, gen), g, symmetric=sym)
+
+
+def _w16(src) -> torch.Tensor:
+    """The FP16 operands the decoder makes (and linear_int4 multiplies), as float64."""
+    return fi.dequantize(*src).half().double()
+
+
+def _ulp16(v: torch.Tensor) -> torch.Tensor:
+    a = v.abs().clamp(min=2.0 ** -14)
+    return torch.exp2(torch.floor(torch.log2(a)) - 10)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w16: torch.Tensor, what: str) -> None:
+    """y (the kernel's FP16 output) against the float64 product of the FP16 operands, within the
+    FP32-order bound of the module docstring, and against linear_int4's formula within twice it."""
+    xd = x.double()
+    y64 = xd @ w16.t()
+    mag = xd.abs() @ w16.abs().t()
+    bound = _ulp16(y64) + (x.shape[1] + 2) * 2.0 ** -23 * mag
+    yd = y.double().cpu()
+    ref16 = y64.half().double()
+    finite = torch.isfinite(ref16)
+    assert bool(torch.isfinite(yd[finite]).all()), f"{what}: inf/NaN where the reference is finite"
+    err = (yd - ref16).abs()
+    worst = float((err / bound)[finite].max()) if bool(finite.any()) else 0.0
+    assert bool((err[finite] <= bound[finite]).all()), f"{what}: beyond the FP32-order bound (worst {worst:.3f} of it)"
+    ref = (x.float() @ w16.float().t()).half().double()      # linear_int4, without re-decoding per call
+    assert bool(((yd - ref).abs()[finite] <= 2 * bound[finite]).all()), f"{what}: differs from linear_int4"
+
+
+@pytest.mark.parametrize("member", list(MEMBERS))
+@pytest.mark.parametrize("kind", ["all_values", "outliers"])
+@pytest.mark.parametrize("name,n,k,g", SHAPES, ids=[s[0] for s in SHAPES])
+def test_int4_routes_vs_reference(name, n, k, g, kind, member):
+    sym = member == "sym"
+    gen = _gen(n + k + g + sym)
+    src = _source(kind, n, k, g, sym, gen)
+    if kind == "all_values":
+        assert set(fi.unpack_codes(src[0]).unique().tolist()) == set(range(16))
+        if not sym:
+            assert set(src[2].unique().tolist()) == set(range(16)) or n * (k // g) < 16
+    dev = torch.device("cuda")
+    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=ATOM)
+    assert formats.format_of(packed) is MEMBERS[member] and packed.group_size == g
+    w16 = _w16(src)
+    x0 = fc.activations(3, k, gen, outliers=True)   # the formula _check uses is linear_int4's, read from the packed bytes
+    assert torch.equal(fi.linear_int4(x0, packed.to("cpu")), (x0.float() @ w16.float().t()).half())
+    bias = (torch.randn(n, generator=gen) * 0.1).half()
+    for m in M_LIST:
+        x = fc.activations(m, k, gen, outliers=True)
+        route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
+        y = ops.qpn_linear(x.to(dev), packed)
+        torch.cuda.synchronize()
+        _check(y, x, w16, f"{name} {kind} {member} g={g} M={m} ({route})")
+        yb = ops.qpn_linear(x.to(dev), packed, bias=bias.to(dev)).double().cpu()
+        assert torch.allclose(yb, (y.double().cpu() + bias.double()).half().double(), rtol=2e-3, atol=2e-3), \
+            f"{name} {member} M={m}: bias"
+    # every tiled route also serves any M below its band's top when asked for by name
+    for route in ("qpn4", "qpn4_mt2", "qpn4_chunked", "qpn4_reconstruct"):
+        r = routes.as_route(route)
+        m = min(5, r.kernel_max_m or 5)
+        x = fc.activations(m, k, gen, outliers=False)
+        _check(ops.qpn_linear(x.to(dev), packed, route=r), x, w16, f"{name} {member} {route} M={m}")
+
+
+@pytest.mark.parametrize("member", list(MEMBERS))
+@pytest.mark.parametrize("g", formats.INT4.group_sizes)
+def test_int4_every_position_and_record_exact_on_gpu(g, member):
+    """One-hot activations: every (row, input) is one FP16 weight, bit-exact on every route; a
+    corrupted record (its zero point, or its scale's low byte) is named by its (row, group)."""
+    sym = member == "sym"
+    n, k = 40, 2 * 128 + (g if g < 128 else 128)   # K = 288 / 320 / 384: several groups, one partial tile
+    src = all_values_source(n, k, g, sym, _gen(g))
+    dev = torch.device("cuda")
+    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=ATOM)
+    w64 = _w16(src)
+
+    def run(route, p):
+        return lambda x: ops.qpn_linear(x.to(dev), p, route=route).cpu()
+
+    for route, tokens in (("qpn4", 8), ("qpn4_mt2", 16), ("qpn4_chunked", 96), ("qpn4_reconstruct", 128)):
+        bad = pg.probe(run(route, packed), w64, tokens)
+        assert not bad, f"{member} g={g} {route}: {len(bad)} wrong (row, input), first {bad[:4]}"
+    # corrupt one record: row 33 (second tile), group 1
+    row, grp = 33, 1
+    rec = packed.record_bytes
+    slot = int(torch.argsort(fi.record_rows(ATOM))[row % 32])
+    off = (((row // 32) * packed.groups_pad + grp) * 32 + slot) * rec
+    broken = fi.PackedINT4(packed.codes, packed.scales.clone(), packed.out_scale, n, k, g, sym, ATOM)
+    broken.scales[off + (0 if sym else 2)] ^= 0x01 if sym else 0x03
+    bad = pg.probe(run("qpn4", broken), w64, 8)
+    assert {(r, kk // g) for r, kk in bad} == {(row, grp)}, f"{member} g={g}: corruption reported as {sorted(set(bad))[:6]}"
+
+
+@pytest.mark.parametrize("member", list(MEMBERS))
+def test_int4_subnormal_operands(member):
+    """Group scales small enough that (code - zero) * scale is an FP16 subnormal (down to 2^-24):
+    the decoder's hmul2 keeps them (no .ftz) and so does the reference; whether the tensor cores
+    take them as they are is a property of the GPU (on a V100 unmeasured), settled here by the
+    one-hot probe on mt1 and the reconstruct route."""
+    sym = member == "sym"
+    n, k, g = 32, 128, 32
+    q = torch.randint(0, 16, (n, k), generator=_gen(5), dtype=torch.int64)
+    q[:, :16] = torch.arange(16)
+    s = torch.full((n, k // g), 2.0 ** -24, dtype=torch.float16) * torch.randint(1, 64, (n, k // g), generator=_gen(6))
+    src = (fi.pack_codes(q), s.half()) if sym else (fi.pack_codes(q), s.half(),
+                                                     (torch.arange(n * k // g) % 16).reshape(n, k // g).to(torch.uint8))
+    w64 = _w16(src)
+    assert bool(((w64 != 0) & (w64.abs() < 2.0 ** -14)).any()), "the case must hold subnormal operands"
+    dev = torch.device("cuda")
+    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=ATOM)
+    for route, tokens in (("qpn4", 8), ("qpn4_reconstruct", 128)):
+        bad = pg.probe(lambda x, r=route: ops.qpn_linear(x.to(dev), packed, route=r).cpu(), w64, tokens)
+        assert not bad, f"{member} {route}: {len(bad)} subnormal operands changed, first {bad[:4]}"
+
+
+def test_int4_on_m16n8k16_is_refused_naming_the_atom():
+    src = fi.quantize(torch.randn(64, 128, generator=_gen(1)), 32)
+    packed = fi.prepack_int4(*(t.cuda() for t in src), atom="m16n8k16")
+    with pytest.raises(ValueError, match="no m16n8k16 kernels.*atom='m8n8k4'"):
+        ops.qpn_linear(torch.randn(4, 128, generator=_gen(2)).half().cuda(), packed)
