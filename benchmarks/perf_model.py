@@ -92,7 +92,7 @@ class KernelStats:
 
 
 def bytes_per_weight(fmt: str) -> float:
-    return formats.weight_format(fmt).bytes_per_weight
+    return formats.weight_format(fmt, served_only=False).bytes_per_weight
 
 
 def resident_warps(k: KernelStats, gpu: Gpu) -> int:
@@ -226,7 +226,7 @@ def sm70_linear_entries(kernels_src: str) -> dict[str, tuple[str, int]]:
     ATOM, DEC, MT)`` line of csrc/qpn_kernels.cu: what each SM70 GEMM kernel instantiates, read
     from the source rather than guessed from its name."""
     return {m.group(1): (m.group(2), int(m.group(3)))
-            for m in re.finditer(r"^QPN_LINEAR_ENTRY\((\w+), \w+, (\w+), (\d+)\)", kernels_src, re.M)}
+            for m in re.finditer(r"^QPN_(?:UNSERVED_)?LINEAR_ENTRY\((\w+), \w+, (\w+), (\d+)\)", kernels_src, re.M)}
 
 
 def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
@@ -252,10 +252,11 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
     else:
         family = nvrtc.read_sources()["qpn_family.cuh"]
         entries = sm70_linear_entries(nvrtc.read_sources()[source])
-        for name in jit.ENTRY_POINTS["m8n8k4"]:
+        # served kernels and those of a family with kernels but no served route yet (INT4)
+        for name in jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"]:
             if name not in entries or name not in funcs:   # the reconstruct kernels are not GEMMs
                 continue
-            fmt = formats.format_for_route(name).family
+            fmt = formats.format_for_route(name, served_only=False).family
             decoder, mt = entries[name]
             hmma_total = sum("HMMA" in t for _, t in funcs[name])
             sass_per_mma = hmma_total / max(1, mma_ptx.get(name, 0))
