@@ -41,6 +41,8 @@ def test_bundle_layout_manifest_and_archive(tmp_path):
                 ["numerics.xml", "numerics.md"], env={"QPN_NUMERICS_REPORT": str(bundle / "numerics.md")}),
         ev.Step("kernels", [py, "-c", "import sys; print('boom'); sys.exit(3)"], ["kernel_matched.csv"]),
         ev.Step("model_check", [py, "-c", "print('needs kernel_matched.csv')"], ["perf_model_v100_check_bundle.md"]),
+        ev.Step("moe", [py, "-c", f"open({str(bundle / 'moe_bench.csv')!r}, 'w').write('# commit: x')"],
+                ["moe_bench.csv"]),
         ev.Step("engine_arms", [py, "-c", "print('no output file')"], ["engine_arms.csv"]),
         ev.Step("cells", [], [], "no --base-url/--model"),
         ev.Step("depth", [py, "-c", "import json, os; "
@@ -54,6 +56,7 @@ def test_bundle_layout_manifest_and_archive(tmp_path):
     by = {r.name: r for r in results}
     assert by["numerics"].status == "ok" and by["numerics"].outputs == ["numerics.xml", "numerics.md"]
     assert by["kernels"].status == "failed" and by["kernels"].returncode == 3
+    assert by["moe"].status == "ok" and by["moe"].outputs == ["moe_bench.csv"]
     assert by["engine_arms"].status == "failed" and "missing: ['engine_arms.csv']" in by["engine_arms"].reason
     assert by["cells"].status == "not run" and by["cells"].reason == "no --base-url/--model"
     assert (bundle / "logs" / "kernels.log").read_text().strip() == "boom"
