@@ -107,9 +107,10 @@ def claim(hf_quant_cfg: Any) -> str | None:
         try:
             fmts = ct_declared_formats(hf_quant_cfg)
         except ConventionError as e:  # an INT4 pack-quantized group, block FP8, ...
-            if "neither NVFP4 nor FP8" in str(e) and not int4_ready()[0]:
+            ok, why = int4_ready() if "neither NVFP4 nor FP8" in str(e) else (True, "")
+            if not ok:
                 logger.warning("volta-qpn: not claiming this compressed-tensors checkpoint (%s): %s; "
-                               "fix: finish the INT4 family (qpn.kernels.family_int4)", e, int4_ready()[1])
+                               "fix: finish the INT4 family (qpn.kernels.family_int4)", e, why)
             return None
         return "compressed-tensors" if fmts else None
     if method in ("awq", "gptq"):
