@@ -13,7 +13,11 @@ Arms (all on the same weight values; each timed twice, the same way for every ar
                  activations already quantized to e4m3 and padded to a multiple of 16 rows (their
                  quantization is NOT timed: the most favourable timing for this peer)
   dequant_matmul dequantize the checkpoint tensors with torch ops (a byte -> two-value FP16 lookup
-                 for NVFP4, a cast for FP8), then x @ W^T: the naive path
+                 for NVFP4, a cast for FP8, nibbles minus zero times scale for INT4), then x @ W^T: the
+                 naive path
+  gemlite        NVFP4 shapes: gemlite's A16W4 NVFP layer where it compiles, else its int4 group-64
+                 layer on random codes; INT4 shapes (int4_*): its A16W4 int4 layer on the arm's own codes,
+                 scales and zero points, checked against the dequantized weights before it is timed
   read_limit     no weights, no compute: the fastest of a few pure-read kernels (benchmarks/read_probe.py,
                  LIMIT_CONFIGS; chosen per shape in the same run) over as many bytes as the qpn arm
                  streams: how close to the read ceiling ANY single kernel of this layer's size gets
@@ -60,7 +64,21 @@ SHAPES = {
     "tp4_lm_head": ("nvfp4", 62080, 5120),
     "tp4_gdn_in_proj_qkvz": ("fp8", 4096, 5120),
     "tp4_gdn_out_proj": ("fp8", 5120, 1536),
+    # INT4 W4A16 (group 128 with zero points, AutoAWQ's default): the MLP at TP1 (the issue 26
+    # goal against torch FP16), and the four per-rank shapes of 1Cat's TurboMind AWQ notes at TP2 and
+    # TP4 (gate/up, down, attention qkv/z, attention out)
+    "int4_tp1_mlp_gate_up": ("int4", 34816, 5120),
+    "int4_tp1_mlp_down": ("int4", 5120, 17408),
+    "int4_tp2_mlp_gate_up": ("int4", 17408, 5120),
+    "int4_tp2_mlp_down": ("int4", 5120, 8704),
+    "int4_tp2_attn_qkvz": ("int4", 8192, 5120),
+    "int4_tp2_attn_out": ("int4", 5120, 3072),
+    "int4_tp4_mlp_gate_up": ("int4", 8704, 5120),
+    "int4_tp4_mlp_down": ("int4", 5120, 4352),
+    "int4_tp4_attn_qkvz": ("int4", 4096, 5120),
+    "int4_tp4_attn_out": ("int4", 5120, 1536),
 }
+INT4_GROUP = 128
 DEFAULT_M = (1, 2, 4, 8, 12, 16, 32, 64)
 EMULATION_NOTE = ("m8n8k4 (the SM70 atom) is emulated on sm_80 and later GPUs: qpn figures measured there "
                   "prove the harness and the routes, NOT V100 speed")
@@ -153,6 +171,13 @@ def _weights(fmt: str, n: int, k: int, gen):
         s = torch.randint(0x28, 0x58, (n, k // 16), dtype=torch.uint8, device=dev, generator=gen).view(torch.float8_e4m3fn)
         gs = torch.tensor(0.25 / (k ** 0.5) / 8, dtype=torch.float32, device=dev)
         return (w, s, gs)
+    if fmt == "int4":
+        # every byte value of the codes, every zero point, scales in the range AWQ checkpoints hold
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=gen)
+        groups = k // INT4_GROUP
+        sc = (torch.rand((n, groups), device=dev, generator=gen) * 0.03 + 0.002).to(torch.float16)
+        zr = torch.randint(0, 16, (n, groups), dtype=torch.uint8, device=dev, generator=gen)
+        return (codes, sc, zr)
     b = torch.randint(0, 256, (n, k), dtype=torch.uint8, device=dev, generator=gen) & 0xDF
     return (b.view(torch.float8_e4m3fn), torch.tensor(0.03 / k ** 0.5, device=dev))
 
@@ -175,6 +200,12 @@ class NaiveDequant:
     @staticmethod
     def fp8(w, scale) -> torch.Tensor:
         return w.to(torch.float16) * scale.to(torch.float16)
+
+    @staticmethod
+    def int4(codes, scales, zeros) -> torch.Tensor:
+        n, kh = codes.shape
+        q = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(n, scales.shape[1], -1).to(torch.float16)
+        return ((q - zeros.to(torch.float16).unsqueeze(-1)) * scales.unsqueeze(-1)).view(n, kh * 2)
 
 
 def _fp16_copy(fmt, src, naive: NaiveDequant) -> torch.Tensor:
@@ -239,6 +270,32 @@ def gemlite_layer(src, n: int, k: int, gen):
     return layer, nbytes, GEMLITE_STATE["mode"]
 
 
+def gemlite_int4_layer(src, x):
+    """gemlite's A16W4 int4 layer over the INT4 arm's own codes, scales and zero points (group 128;
+    gemlite dequantizes (W_q - zero) * scale, the same values), or (None, 0, reason). Its output is
+    checked against the dequantized weights here: a peer with a wrong result is not timed."""
+    try:
+        from gemlite.helper import A16W4_HQQ_INT
+    except Exception as e:  # noqa: BLE001 - any import failure means the arm is skipped, with the reason
+        return None, 0, f"gemlite not importable: {type(e).__name__}: {e}"
+    codes, sc, zr = src
+    n, k = codes.shape[0], codes.shape[1] * 2
+    wq = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(n, k)
+    try:
+        layer = A16W4_HQQ_INT(device="cuda", dtype=torch.float16).from_weights(wq, sc, zr.to(torch.float16))
+        y = layer(x)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return None, 0, f"gemlite A16W4 int4 g{INT4_GROUP} failed: {type(e).__name__}: {str(e)[:200]}"
+    ref = x.float() @ NaiveDequant.int4(codes, sc, zr).float().t()
+    err = float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+    if not err < 2e-2:
+        return None, 0, f"gemlite A16W4 int4 g{INT4_GROUP} result differs from the dequantized weights (rel {err:.3g})"
+    nbytes = sum(t.numel() * t.element_size() for t in layer.parameters() if t.dim() >= 1)
+    nbytes += sum(b.numel() * b.element_size() for b in layer.buffers() if b.dim() >= 1)
+    return layer, nbytes, f"A16W4_int4_g{INT4_GROUP}"
+
+
 def _row(name, fmt, n, k, m, arm, route, wbytes, eager_ms, graph_ms, read, copy) -> dict:
     r = dict(shape=name, fmt=fmt, n=n, k=k, m=m, arm=arm, route=route, weight_bytes=wbytes,
              eager_us=eager_ms * 1e3, graph_us=graph_ms * 1e3)
@@ -251,6 +308,10 @@ def _row(name, fmt, n, k, m, arm, route, wbytes, eager_ms, graph_ms, read, copy)
 
 
 def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, writer=None):
+    if atom not in formats.weight_format(fmt, served_only=False).kernel_atoms:
+        print(f"{name}: skipped, {fmt} has no {atom} kernels (formats.{fmt.upper()}.kernel_atoms); "
+              "try --atom with one it has", flush=True)
+        return
     src0 = _weights(fmt, n, k, gen)
     packed0 = _pack(fmt, src0, atom)
     qbytes = packed0.nbytes
@@ -265,9 +326,10 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
     x_all = torch.randn((max(ms), k), device="cuda", generator=gen).to(torch.float16)
     arch = ops.arch_for_atom(atom)
     gl = []
-    if fmt == "nvfp4" and GEMLITE:
+    if fmt in ("nvfp4", "int4") and GEMLITE:
         for i in range(n_q):
-            layer, gbytes, gmode = gemlite_layer(srcs[i], n, k, gen)
+            layer, gbytes, gmode = (gemlite_layer(srcs[i], n, k, gen) if fmt == "nvfp4"
+                                    else gemlite_int4_layer(srcs[i], x_all[:1]))
             if layer is None:
                 print(f"{name}: gemlite arm skipped: {gmode}", flush=True)
                 gl = []
@@ -285,7 +347,7 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
         limit = _READ_LIMIT.best(rbufs, lambda fn: time_graph(fn, target_ms=10, repeats=2))
     for m in ms:
         x = x_all[:m]
-        route = str(routes.route_for(fmt, m, n, k, arch=arch))
+        route = str(routes.route_for(fmt, m, n, k, arch=arch, served_only=False))
         arms = [("qpn", route, qbytes, lambda i: ops.qpn_linear(x, packs[i % n_q])),
                 ("torch_fp16", "torch.matmul", fp16_bytes, lambda i: x @ w16[i % n_h].t())]
         plain_fn, plain_name = qpn_plain_call(fmt, m, n, k, packs, x)
@@ -298,10 +360,10 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
                 print(f"ERROR {name} M={m}: {plain_name} differs from the qpn arm's result; qpn_plain arm not "
                       "timed", flush=True)
         if packs[0].atom == "m16n8k16" and routes.as_route(route).chunk_rows \
-                and formats.FAMILIES[fmt] in jit.SM80_BAND_KERNELS:
+                and formats.KERNEL_FAMILIES[fmt] in jit.SM80_BAND_KERNELS:
             # the chunked route as it ran before the M-band kernels: the MT = 2 route kernel once per
             # 16-row chunk, each chunk streaming the weights again (FP8 still runs it: no such arm)
-            k16 = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
+            k16 = jit.SM80_ROUTE_KERNELS[(formats.KERNEL_FAMILIES[fmt], 2)]
             arms.insert(1, ("qpn_chunk16", k16, qbytes, lambda i: ops.run_sm80_kernel(x, packs[i % n_q], k16, route)))
         if fmt == "fp8":
             mp = -(-m // 16) * 16
@@ -313,6 +375,10 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
                                                     scale_b=srcs[i % n_q][1].reshape(()),
                                                     out_dtype=torch.float16)))
             arms.append(("dequant_matmul", "torch", qbytes, lambda i: x @ naive.fp8(*srcs[i % n_q]).t()))
+        elif fmt == "int4":
+            arms.append(("dequant_matmul", "torch", qbytes, lambda i: x @ naive.int4(*srcs[i % n_q]).t()))
+            if gl:
+                arms.append(("gemlite", f"gemlite {gmode}", gbytes, lambda i: gl[i % len(gl)](x)))
         else:
             arms.append(("dequant_matmul", "torch", qbytes, lambda i: x @ naive.nvfp4(*srcs[i % n_q]).t()))
             if gl:
@@ -347,7 +413,7 @@ def qpn_plain_call(fmt, m, n, k, packs, x):
     built here once (so the eager column times the launch, not the planning)."""
     if packs[0].atom != "m16n8k16":
         return None, ""
-    route = routes.route_for(fmt, m, n, k, arch="sm80")
+    route = routes.route_for(fmt, m, n, k, arch="sm80", served_only=False)
     if route.kernel != routes.TILED:
         return None, ""
     kname = ops._sm80_kernel_for(route, m, n)[0]
@@ -589,6 +655,12 @@ def targets(rows) -> list[dict]:
                     continue
                 out.append(dict(column=col, shape=shape, target=what, goal=goal, measured=val, met=val >= goal,
                                 read_limit=lim))
+        # issue 26 item 6: INT4 W4A16 at TP1, against torch FP16 at M = 1
+        for shape in ("int4_tp1_mlp_gate_up", "int4_tp1_mlp_down"):
+            val = ratio(shape, "torch_fp16", 1, 1, col)
+            if val is not None:
+                out.append(dict(column=col, shape=shape, target="x faster than torch FP16 GEMM, M=1", goal=2.5,
+                                measured=val, met=val >= 2.5, read_limit=None))
         for shape in ("tp4_mlp_gate_up", "tp4_mlp_down", "tp4_lm_head"):
             val = pct(shape, 1, 8, col)
             if val is not None:
@@ -633,7 +705,7 @@ def band_table(rows) -> list[str]:
 
 
 def targets_markdown(tg, header, rows=()) -> str:
-    lines = [f"# Issue 14 targets on {header.get('gpu', '?')}", "",
+    lines = [f"# Kernel targets (issues 14 and 26) on {header.get('gpu', '?')}", "",
              f"commit {header.get('commit', '?')}, {header.get('date', '?')}; read ceiling "
              f"{header.get('read_ceiling_gbps', '?')} GB/s measured in the same run", "",
              f"command: {header.get('command', '?')}", "",
@@ -779,7 +851,7 @@ def main(argv=None) -> int:
     ap.add_argument("--atom", default="", help="qpn arm's MMA atom (default: the GPU's own)")
     ap.add_argument("--commit", default="", help="commit hash to record when the tree has no .git")
     ap.add_argument("--plot", default="", help="also write a PNG of GB/s against M per shape")
-    ap.add_argument("--targets", default="", help="also write the issue 14 target table (Markdown)")
+    ap.add_argument("--targets", default="", help="also write the target table of issues 14 and 26 (Markdown)")
     ap.add_argument("--no-gemlite", action="store_true", help="leave the gemlite arm out")
     ap.add_argument("--no-read-limit", action="store_true", help="leave the read_limit arm out")
     ap.add_argument("--host-time", action="store_true",

@@ -1,4 +1,8 @@
-"""kernel_matched_bench's issue-14 target table and its gemlite arm's skip reason (no GPU needed)."""
+"""kernel_matched_bench's target table (issues 14 and 26), its gemlite arm's skip reason and its INT4
+dequantize-then-matmul arm (no GPU needed)."""
+import torch
+
+from qpn.kernels import family_int4
 from qpn.benchmarks import kernel_matched_bench as kb
 
 
@@ -24,7 +28,7 @@ def test_issue14_targets_use_the_issue14_goals():
     assert tp4["goal"] == 75.0 and tp4["met"]                                    # M=16 is outside M 1-8
     md = kb.targets_markdown(kb.targets(rows), {"gpu": "X", "host_us_per_call (256x256)": "qpn=40.0, torch=15.0",
                                                 "command": "python -m qpn.benchmarks.kernel_matched_bench --m 1"})
-    assert "Issue 14 targets on X" in md and "Host time per eager call" in md and "qpn=40.0" in md
+    assert "Kernel targets (issues 14 and 26) on X" in md and "Host time per eager call" in md and "qpn=40.0" in md
     assert "command: python -m qpn.benchmarks.kernel_matched_bench --m 1" in md   # provenance beside the figures
 
 
@@ -75,3 +79,28 @@ def test_gemlite_arm_is_skipped_with_the_reason_when_not_importable(monkeypatch)
     monkeypatch.setattr(kb, "GEMLITE_STATE", {"reason": None, "mode": None})
     layer, nbytes, why = kb.gemlite_layer(None, 16, 64, None)
     assert layer is None and nbytes == 0 and why.startswith("gemlite not importable") and "gemlite" in why
+
+
+def test_int4_goal_is_2p5x_torch_fp16_at_m1_on_the_tp1_shapes():
+    rows = [_row("int4_tp1_mlp_gate_up", "qpn", 1, 70.0, 36.0), _row("int4_tp1_mlp_gate_up", "torch_fp16", 1, 95.0, 90.0),
+            _row("int4_tp1_mlp_down", "qpn", 1, 60.0, 20.0), _row("int4_tp1_mlp_down", "torch_fp16", 1, 95.0, 49.0),
+            _row("int4_tp1_mlp_down", "qpn", 8, 60.0, 5.0), _row("int4_tp1_mlp_down", "torch_fp16", 8, 95.0, 49.0),
+            _row("int4_tp2_mlp_down", "qpn", 1, 60.0, 1.0), _row("int4_tp2_mlp_down", "torch_fp16", 1, 95.0, 49.0)]
+    got = {(t["column"], t["shape"], t["target"]): t for t in kb.targets(rows)}
+    gu = got[("graph", "int4_tp1_mlp_gate_up", "x faster than torch FP16 GEMM, M=1")]
+    assert gu["goal"] == 2.5 and gu["measured"] == 2.5 and gu["met"]
+    dn = got[("graph", "int4_tp1_mlp_down", "x faster than torch FP16 GEMM, M=1")]
+    assert abs(dn["measured"] - 2.45) < 1e-9 and not dn["met"]       # M = 8's 9.8x does not count
+    assert not any(shape == "int4_tp2_mlp_down" for _, shape, _ in got)   # the goal is at TP1
+
+
+def test_int4_naive_dequant_matches_the_family_reference_over_every_byte_and_zero():
+    gen = torch.Generator().manual_seed(3)
+    n, k, g = 16, 512, kb.INT4_GROUP
+    codes = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(n, k // 2)
+    codes = codes[:, torch.randperm(k // 2, generator=gen)]                # every byte value, shuffled
+    sc = (torch.rand((n, k // g), generator=gen) * 0.03 + 0.002).to(torch.float16)
+    zr = torch.arange(n * k // g).remainder(16).to(torch.uint8).view(n, k // g)   # every zero point
+    got = kb.NaiveDequant.int4(codes, sc, zr)
+    want = family_int4.dequantize(codes, sc, zr).to(torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, want)
