@@ -242,7 +242,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
         for name, c in jit.sm80_kernels().items():
             if c.variant != 0 or name not in funcs:
                 continue
-            fmt = formats.format_for_route(name).family
+            fmt = c.fmt   # served kernels and those of a family not served yet (INT4), as on m8n8k4
             tile_kb = int(16 * 64 * bytes_per_weight(fmt))  # codes and scales of a 16 x 64 tile k-block
             depth = c.depth if not c.stages else c.stages - 1
             hmma = 4 * c.tiles * c.mt
@@ -282,7 +282,7 @@ def _active_warps(k: KernelStats, gpu: Gpu, n: int, kdim: int) -> tuple[float, f
     w = resident_warps(k, gpu)
     if k.atom == "m16n8k16":
         kblocks = -(-kdim // 64)
-        _, nwarps, _ = ops.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w, jit.SM80_MIN_ITEMS[formats.FAMILIES[k.fmt]])
+        _, nwarps, _ = ops.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w, jit.SM80_MIN_ITEMS[formats.KERNEL_FAMILIES[k.fmt]])
         return min(w, nwarps / gpu.sms), 1.0
     n_tiles, kblocks = -(-n // 32), -(-kdim // 32)
     _, tpb = ops.sm70_split(n_tiles, kblocks, 1, gpu.sms)

@@ -48,6 +48,9 @@ class AtomGeometry:
     # NVFP4 scales per (tile, k-block): byte p holds the scale of (row, group-in-block).
     scale_row_of: tuple
     scale_group_of: tuple
+    # Inputs of one row a lane supplies contiguously per k-block in the layouts without an MMA per
+    # group (FP8, INT4): the unit a group record index counts (INT4 groups are multiples of it).
+    lane_run: int = 0
 
 
 def _m8n8k4() -> AtomGeometry:
@@ -74,7 +77,7 @@ def _m8n8k4() -> AtomGeometry:
         for j in range(2):
             sc_row.append(lane_row[l]); sc_g.append(j)
     return AtomGeometry("m8n8k4", 32, 32, 32, tuple(nv_row), tuple(nv_k), tuple(f8_row),
-                        tuple(f8_k), tuple(sc_row), tuple(sc_g))
+                        tuple(f8_k), tuple(sc_row), tuple(sc_g), lane_run=32)
 
 
 def _m16n8k16() -> AtomGeometry:
@@ -122,7 +125,7 @@ def _m16n8k16() -> AtomGeometry:
                 sc_row.append(g + 8 * h)
                 sc_g.append(grp)
     return AtomGeometry("m16n8k16", 16, 64, 32, tuple(nv_row), tuple(nv_k), tuple(f8_row),
-                        tuple(f8_k), tuple(sc_row), tuple(sc_g))
+                        tuple(f8_k), tuple(sc_row), tuple(sc_g), lane_run=16)
 
 
 # Which atom an architecture runs natively: m8n8k4 is HMMA.884 on sm_70/sm_75 and emulated on

@@ -6,9 +6,11 @@ What the family is (roles, group sizes, route prefix, entry point names) is data
 (``INT4`` and ``INT4_SYM``); this module is its codec, the three checkpoint conventions' unpackers
 into the canonical source, the packed layout with its proven inverse, and the CPU reference.
 families.numerics(fmt) hands it out. The m8n8k4 (SM70) CUDA decoders are DecINT4Form in
-csrc/qpn_family.cuh (entry points qpn4[_sym]_{mt1,mt2,reconstruct_ws}_m8n8k4); ops runs them
-through the family's unserved routes (routes.UNSERVED_ROUTES). No loader serves the family yet
-(formats marks both members ``served=False``), and the m16n8k16 kernels are not written.
+csrc/qpn_family.cuh (entry points qpn4[_sym]_{mt1,mt2,reconstruct_ws}_m8n8k4); the m16n8k16
+(sm_80+) ones are Frag16INT4Form in csrc/qpn_atom_m16n8k16.cuh (qpn4[_sym]_mt1_m16n8k16_t2d4p0,
+qpn4[_sym]_mt2_m16n8k16_t1d4p0, qpn4[_sym]_reconstruct_ws_m16n8k16; jit.SM80_UNSERVED_ROUTE_KERNELS).
+ops runs them through the family's unserved routes (routes.UNSERVED_ROUTES). No loader serves the
+family yet (formats marks both members ``served=False``).
 
 Canonical source (what a checkpoint convention hands the family; roles in formats.py):
   codes         uint8   [N, K/2]  two unsigned 4-bit codes per byte, the even k in the LOW nibble

@@ -1,5 +1,5 @@
 """The numeric weight formats QPN serves, as data: NVFP4, FP8 per tensor, FP8 per output channel;
-and INT4 W4A16 (asymmetric and symmetric), whose numerics and m8n8k4 kernels exist but which no
+and INT4 W4A16 (asymmetric and symmetric), whose numerics and kernels (both atoms) exist but which no
 loader serves yet (``served=False``: ops runs its kernels, ``kernel_atoms``; the served route
 list, the census, the checkpoint gates and the performance model do not name it).
 Everything that depends on a weight's format asks its ``WeightFormat`` here instead of comparing
@@ -184,12 +184,12 @@ INT4 = WeightFormat(
     key="int4", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4",))
+    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"))
 INT4_SYM = WeightFormat(
     key="int4_sym", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16 symmetric", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4",), kernel_tag="sym")
+    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), kernel_tag="sym")
 
 # Every format with numerics (families.numerics); one member per kernel family in ALL_FAMILIES.
 ALL_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL, INT4, INT4_SYM)

@@ -99,18 +99,34 @@ SM80_ROUTE_KERNELS_NO_SMEM = {
     (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2c",   # 16 KB of static shared memory: fits every sm_80+ GPU
     (_FP8, 2): "qpn8_mt2_m16n8k16_t1d4p0",
 }
-# Fewest work items (k-blocks of one weight group) per warp, per format family: below about the
-# ring depth a warp spends its time filling the ring and reducing, so small layers get fewer,
-# longer runs (ops.sm80_partition).
-SM80_MIN_ITEMS = {_NVFP4: 4, _FP8: 2}
-# The fragment decoder each family's kernels are configured with (QPN80*_ENTRY's second field starts
-# with it).
-SM80_FRAGMENTS = {"Frag16NVFP4": _NVFP4, "Frag16FP8": _FP8}
+# The route kernels of the formats with kernels but no served route yet (formats.INT4 / INT4_SYM),
+# by (format MEMBER, token tiles per weight pass): the two members of the INT4 family have different
+# kernels (formats.WeightFormat.kernel_tag), so ops looks them up by the member kernel_member names.
+# Kept out of SM80_ROUTE_KERNELS, which the served tools (benchmarks, route checks) read as the
+# served set. The register ring in the NVFP4 routes' configurations (M <= 8: t2d4p0; M 9-16 and,
+# once per 16-row chunk, the chunked route: t1d4p0, the NVFP4 register-ring M 9-16 form); no H200
+# sweep has chosen them yet.
+_INT4, _INT4_SYM = formats.INT4, formats.INT4_SYM
+SM80_UNSERVED_ROUTE_KERNELS = {
+    (_INT4, 1): "qpn4_mt1_m16n8k16_t2d4p0",
+    (_INT4, 2): "qpn4_mt2_m16n8k16_t1d4p0",
+    (_INT4_SYM, 1): "qpn4_sym_mt1_m16n8k16_t2d4p0",
+    (_INT4_SYM, 2): "qpn4_sym_mt2_m16n8k16_t1d4p0",
+}
+# Fewest work items (k-blocks of one weight group) per warp, per format (family member): below about
+# the ring depth a warp spends its time filling the ring and reducing, so small layers get fewer,
+# longer runs (ops.sm80_partition). INT4 as NVFP4, whose ring depth its kernels share.
+SM80_MIN_ITEMS = {_NVFP4: 4, _FP8: 2, _INT4: 4, _INT4_SYM: 4}
+# The fragment decoder each format's kernels are configured with (QPN80*_ENTRY's second field starts
+# with it; no key is the start of another).
+SM80_FRAGMENTS = {"Frag16NVFP4": _NVFP4, "Frag16FP8": _FP8, "Frag16INT4Asym": _INT4, "Frag16INT4Sym": _INT4_SYM}
 ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_ROUTE_KERNELS.values())
                                                + list(SM80_LARGE_N_KERNELS.values())
                                                + list(SM80_ROUTE_KERNELS_NO_SMEM.values())
                                                + [k for ks in SM80_BAND_KERNELS.values() for k in ks])
                                  ) + ENTRY_POINTS["m16n8k16"]
+UNSERVED_ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(SM80_UNSERVED_ROUTE_KERNELS.values())
+                                                        + list(UNSERVED_ENTRY_POINTS["m16n8k16"])))
 
 
 @dataclass(frozen=True)
@@ -140,7 +156,7 @@ class Sm80Kernel:
 
     @property
     def fmt(self) -> str:
-        """The kernel family's name ("nvfp4" | "fp8")."""
+        """The kernel family's name (its WeightFormat.family)."""
         return self.weight_format.family
 
     @property

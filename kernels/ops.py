@@ -165,10 +165,11 @@ def _route_kernel(route: Route, m: int, form: str = "restore",
 
 
 def kernel_member(w: WeightOperands) -> tuple[formats.WeightFormat, int]:
-    """(the format member whose kernels serve ``w``, log2 of k-blocks per group record). Only a
-    family whose weights choose their group size (``group_sizes``: INT4) has either to read off the
-    tensors (the packed weight names its member and group size); the others run the family's
-    kernels, whose group is fixed."""
+    """(the format member whose kernels serve ``w``, log2 of a lane's input runs per group record:
+    m8n8k4 k-blocks of 32, m16n8k16 runs of 16, AtomGeometry.lane_run). Only a family whose weights
+    choose their group size (``group_sizes``: INT4) has either to read off the tensors (the packed
+    weight names its member and group size); the others run the family's kernels, whose group is
+    fixed."""
     f = w.format
     if w.atom not in f.kernel_atoms:
         raise ValueError(f"{f.title} has no {w.atom} kernels (they exist for {', '.join(f.kernel_atoms)}); "
@@ -176,10 +177,11 @@ def kernel_member(w: WeightOperands) -> tuple[formats.WeightFormat, int]:
     if not f.group_sizes:
         return f, 0
     p = w.packed()
-    kpg = p.group_size // geometry(w.atom).k_block
-    if kpg < 1 or kpg & (kpg - 1):
+    run = geometry(w.atom).lane_run
+    kpg = p.group_size // run
+    if kpg < 1 or kpg & (kpg - 1) or p.group_size % run:
         raise ValueError(f"{f.title}: group size {p.group_size} is not a power-of-two number of "
-                         f"{w.atom} k-blocks ({geometry(w.atom).k_block} inputs)")
+                         f"{w.atom} lane runs ({run} inputs)")
     return formats.format_of(p), kpg.bit_length() - 1
 
 
@@ -320,7 +322,7 @@ class Qpn80Args(ctypes.Structure):
         ("partials", ctypes.c_void_p), ("counters", ctypes.c_void_p),
         ("m", ctypes.c_int), ("n", ctypes.c_int), ("kblocks", ctypes.c_int), ("ldx", ctypes.c_int),
         ("n_groups", ctypes.c_int), ("nwarps", ctypes.c_int), ("chunks", ctypes.c_int),
-        ("chscale_per_channel", ctypes.c_int),
+        ("chscale_per_channel", ctypes.c_int), ("group_shift", ctypes.c_int),
     ]
 
 
@@ -421,19 +423,22 @@ def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps
     return -(-runs * unit_warps // WARPS) * chunks, runs, n_groups
 
 
-def _sm80_kernel_for(route: Route, m: int, n: int = 0) -> tuple[str, int]:
+def _sm80_kernel_for(route: Route, m: int, n: int = 0,
+                     member: Optional[formats.WeightFormat] = None) -> tuple[str, int]:
     """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows. The
     *_chunked route runs an M-band kernel where jit.SM80_BAND_KERNELS lists one for the format (one
-    weight pass per 8 x MT rows), else the MT = 2 kernel once per 16-row chunk."""
+    weight pass per 8 x MT rows), else the MT = 2 kernel once per 16-row chunk. ``member``: the
+    format member whose kernels run (kernel_member; default the route family's); a format not served
+    yet finds its kernels in jit.SM80_UNSERVED_ROUTE_KERNELS."""
     route.check_m(m)
-    key = (route.weight_format, route.tiles_per_pass)
+    key = (member or route.weight_format, route.tiles_per_pass)
     if route.chunk_rows and route.weight_format in jit.SM80_BAND_KERNELS:
         bands = jit.SM80_BAND_KERNELS[route.weight_format]
         name = next((k for k in bands if routes.TILE_ROWS * _sm80_config(k).mt >= m), bands[-1])
     elif n >= jit.SM80_LARGE_N and key in jit.SM80_LARGE_N_KERNELS:
         name = jit.SM80_LARGE_N_KERNELS[key]
     else:
-        name = jit.SM80_ROUTE_KERNELS[key]
+        name = jit.SM80_ROUTE_KERNELS.get(key) or jit.SM80_UNSERVED_ROUTE_KERNELS[key]
     return name, _sm80_chunks(route, m, _sm80_config(name))
 
 
@@ -515,12 +520,13 @@ def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
     ``stream``; ``w.chscale`` must already be the flat FP32 scale (``_fp32_scale``). ``pdl``: the
     caller vouches that no kernel of this call wrote the weight's tensors (a *_pdl kernel reads
     them before it waits for the previous kernel), so the route's *_pdl form may serve it."""
-    name, chunks = _sm80_kernel_for(route, m, w.n)
+    member, group_shift = kernel_member(w)
+    name, chunks = _sm80_kernel_for(route, m, w.n, member)
     if kernel is not None:  # another kernel of the same token tiling (benchmarks only)
         cfg = jit.sm80_kernels().get(kernel)
         # a chunked route takes any kernel of two or more token tiles (chunks follow its MT)
         fits = cfg is not None and (cfg.mt >= 2 if route.chunk_rows else cfg.mt == _sm80_config(name).mt)
-        if not fits or cfg.weight_format != w.format:
+        if not fits or cfg.weight_format != member:
             raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
         name, chunks = kernel, _sm80_chunks(route, m, cfg)
     mod = jit.module_for(device, "m16n8k16")
@@ -535,7 +541,7 @@ def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
     partials, counters = _sm80_buffers(device, stream, chunks * nwarps * per_run, chunks * planes * n_groups)
     a = Qpn80Args(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
                   0, 0, 0, partials.data_ptr(), counters.data_ptr(),
-                  m, w.n, kblocks, w.k_pad, n_groups, nwarps, chunks, int(w.chscale.numel() != 1))
+                  m, w.n, kblocks, w.k_pad, n_groups, nwarps, chunks, int(w.chscale.numel() != 1), group_shift)
     return _Launch(mod.function(name), grid, smem, stream, a, (w.codes, w.scales, w.chscale, partials, counters),
                    pdl=pdl_name is not None)
 
@@ -579,7 +585,9 @@ def _launch_reconstruct(route: Route, xh: torch.Tensor, w: WeightOperands, bias)
     args = [ctypes.c_void_p(w.codes.data_ptr()),
             ctypes.c_void_p(w.scales.data_ptr() if w.scales is not None else 0),
             ctypes.c_void_p(ws.data_ptr()), ctypes.c_int(n_tiles), ctypes.c_int(kblocks)]
-    if w.atom == "m8n8k4":   # the m8n8k4 reconstruct pass reads the group records' stride
+    # the m8n8k4 reconstruct pass reads the group records' stride, and so does the m16n8k16 one of
+    # a format whose weights choose their group size (QPN80_RECONSTRUCT_GS_ENTRY)
+    if w.atom == "m8n8k4" or member.group_sizes:
         args.append(ctypes.c_int(group_shift))
     stream = torch.cuda.current_stream(xh.device).cuda_stream
     jit.launch(mod, f"{member.kernel_prefix}_reconstruct_ws_{w.atom}", -(-total // THREADS), THREADS, 0,

@@ -215,7 +215,7 @@ def test_registry_data():
     with pytest.raises(formats.UnknownFormat, match=r"has QPN kernels but no served route yet\); QPN serves"):
         formats.weight_format("int4_sym")
     assert formats.KERNEL_FAMILIES["int4"] is INT4 and {INT4, INT4_SYM} <= set(formats.KERNEL_FORMATS)
-    assert INT4.kernel_atoms == INT4_SYM.kernel_atoms == ("m8n8k4",) and not INT4.has_s7_form
+    assert INT4.kernel_atoms == INT4_SYM.kernel_atoms == ("m8n8k4", "m16n8k16") and not INT4.has_s7_form
     prefixes = [f.route_prefix for f in formats.ALL_FAMILIES.values()]
     assert len(set(prefixes)) == len(prefixes)
     assert not any(a != b and b.startswith(a + "_") for a in prefixes for b in prefixes)
@@ -223,7 +223,9 @@ def test_registry_data():
     assert INT4.dense_entry_points("m8n8k4") == ("qpn4_mt1_m8n8k4", "qpn4_mt2_m8n8k4", "qpn4_reconstruct_ws_m8n8k4")
     assert INT4_SYM.dense_entry_points("m8n8k4") == ("qpn4_sym_mt1_m8n8k4", "qpn4_sym_mt2_m8n8k4",
                                                      "qpn4_sym_reconstruct_ws_m8n8k4")
-    assert INT4.dense_entry_points("m16n8k16") == ()
+    # m16n8k16: the reconstruct pass here; the configured GEMM kernels are jit.SM80_UNSERVED_ROUTE_KERNELS
+    assert INT4.dense_entry_points("m16n8k16") == ("qpn4_reconstruct_ws_m16n8k16",)
+    assert INT4_SYM.dense_entry_points("m16n8k16") == ("qpn4_sym_reconstruct_ws_m16n8k16",)
 
 
 def test_no_runtime_code_branches_on_the_family_name():

@@ -1,10 +1,8 @@
-"""GPU numerics of the INT4 W4A16 kernels (qpn4_* asymmetric, qpn4_sym_* symmetric; m8n8k4, which
-an sm_80+ GPU runs emulated) against family_int4's reference. Run on the H200 through the device
+"""GPU numerics of the INT4 W4A16 kernels (qpn4_* asymmetric, qpn4_sym_* symmetric) on both atoms:
+m8n8k4 (which an sm_80+ GPU runs emulated) and, on sm_80+, m16n8k16 (Frag16INT4Form in
+csrc/qpn_atom_m16n8k16.cuh), against family_int4's reference. Run on the H200 through the device
 tool; without a GPU every test skips (CI has none), and with a GPU but no NVRTC the build fixture
 fails under CI=true (tests/_ci.py) and skips elsewhere.
-
-The INT4 family has no m16n8k16 kernels yet (formats.INT4.kernel_atoms): a weight prepacked for
-that atom must be refused with the atom named, never run through another family's kernel.
 
 Bound, and why it can be tight. The decoder hands the MMA fp16((code - zero) * scale), one
 rounding, which is exactly the FP16 weight linear_int4 multiplies (w16 below); a product of two
@@ -26,6 +24,7 @@ import torch
 
 from qpn.kernels import family_int4 as fi
 from qpn.kernels import formats, ops, routes
+from qpn.kernels.atoms import geometry
 from tests import _format_cases as fc
 from tests import _per_group as pg
 from tests._ci import unavailable
@@ -33,28 +32,40 @@ from tests._ci import unavailable
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (numerics run on an H200 via the device tool; CI has none)")
 
-ATOM = "m8n8k4"
+# the atoms this GPU runs (m16n8k16 from sm_80 on); each test runs once per atom
+ATOMS = ("m8n8k4", "m16n8k16")
 MEMBERS = {"asym": formats.INT4, "sym": formats.INT4_SYM}
 # M at and around every band edge of the route table (mt1 1-8, mt2 9-16, chunked 17-96, reconstruct)
 M_LIST = [1, 2, 8, 9, 16, 17, 96, 97]
-# (name, N, K, g): K a multiple of the group but not of 128 wherever the group allows; N not a
-# multiple of the 32-row tile; the last two are a TP4 MLP-sized and an attention-sized layer
+# (name, N, K, g): K a multiple of the group but not of 128 wherever the group allows (m16n8k16: nor
+# of its 64-input k-block: 224, 2080); N not a multiple of either atom's tile (32 / 16 rows); the last two are a TP4 MLP-sized and an attention-sized layer
 SHAPES = [("odd_72x224", 72, 224, 32), ("odd_1000x320", 1000, 320, 64), ("odd_257x2080", 257, 2080, 32),
           ("odd_130x384", 130, 384, 128), ("tp4_down_5120x4352", 5120, 4352, 128), ("attn_1024x1536", 1024, 1536, 64)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _built():
-    """The m8n8k4 module for this GPU, with every INT4 entry point (ops.build checks them)."""
+_built_atoms: set = set()
+
+
+@pytest.fixture(params=ATOMS)
+def atom(request):
+    """The atom under test, its module built for this GPU with every INT4 entry point (ops.build
+    checks them); m16n8k16 skips below sm_80."""
     from qpn.kernels import jit, nvrtc
+    a = request.param
     major, minor = torch.cuda.get_device_capability()
-    try:
-        ops.build(f"sm{major}{minor}", atom=ATOM)
-    except nvrtc.NvrtcUnavailable as e:
-        unavailable("NVRTC", str(e), "pip install nvidia-cuda-nvrtc-cu12 (the test extra)")
-    mod = jit.module_for(torch.device("cuda", torch.cuda.current_device()), ATOM)
-    for name in jit.UNSERVED_ENTRY_POINTS[ATOM]:
-        assert mod.function(name), name
+    if a not in jit.atoms_for_arch(major * 10 + minor):
+        pytest.skip(f"{a} needs sm_{jit.ATOM_MIN_ARCH[a]}+; this GPU is sm_{major}{minor}")
+    if a not in _built_atoms:
+        try:
+            ops.build(f"sm{major}{minor}", atom=a)
+        except nvrtc.NvrtcUnavailable as e:
+            unavailable("NVRTC", str(e), "pip install nvidia-cuda-nvrtc-cu12 (the test extra)")
+        mod = jit.module_for(torch.device("cuda", torch.cuda.current_device()), a)
+        assert jit.UNSERVED_ENTRY_POINTS[a]
+        for name in jit.UNSERVED_ENTRY_POINTS[a]:
+            assert mod.function(name), name
+        _built_atoms.add(a)
+    return a
 
 
 def _gen(seed):
@@ -121,7 +132,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w16: torch.Tensor, what: str) -> No
 @pytest.mark.parametrize("member", list(MEMBERS))
 @pytest.mark.parametrize("kind", ["all_values", "outliers"])
 @pytest.mark.parametrize("name,n,k,g", SHAPES, ids=[s[0] for s in SHAPES])
-def test_int4_routes_vs_reference(name, n, k, g, kind, member):
+def test_int4_routes_vs_reference(name, n, k, g, kind, member, atom):
     sym = member == "sym"
     gen = _gen(n + k + g + sym)
     src = _source(kind, n, k, g, sym, gen)
@@ -130,7 +141,7 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member):
         if not sym:
             assert set(src[2].unique().tolist()) == set(range(16)) or n * (k // g) < 16
     dev = torch.device("cuda")
-    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=ATOM)
+    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
     assert formats.format_of(packed) is MEMBERS[member] and packed.group_size == g
     w16 = _w16(src)
     x0 = fc.activations(3, k, gen, outliers=True)   # the formula _check uses is linear_int4's, read from the packed bytes
@@ -141,7 +152,7 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member):
         route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
         y = ops.qpn_linear(x.to(dev), packed)
         torch.cuda.synchronize()
-        _check(y, x, w16, f"{name} {kind} {member} g={g} M={m} ({route})")
+        _check(y, x, w16, f"{name} {kind} {member} g={g} M={m} ({route}, {atom})")
         yb = ops.qpn_linear(x.to(dev), packed, bias=bias.to(dev)).double().cpu()
         assert torch.allclose(yb, (y.double().cpu() + bias.double()).half().double(), rtol=2e-3, atol=2e-3), \
             f"{name} {member} M={m}: bias"
@@ -150,19 +161,19 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member):
         r = routes.as_route(route)
         m = min(5, r.kernel_max_m or 5)
         x = fc.activations(m, k, gen, outliers=False)
-        _check(ops.qpn_linear(x.to(dev), packed, route=r), x, w16, f"{name} {member} {route} M={m}")
+        _check(ops.qpn_linear(x.to(dev), packed, route=r), x, w16, f"{name} {member} {route} M={m} ({atom})")
 
 
 @pytest.mark.parametrize("member", list(MEMBERS))
 @pytest.mark.parametrize("g", formats.INT4.group_sizes)
-def test_int4_every_position_and_record_exact_on_gpu(g, member):
+def test_int4_every_position_and_record_exact_on_gpu(g, member, atom):
     """One-hot activations: every (row, input) is one FP16 weight, bit-exact on every route; a
     corrupted record (its zero point, or its scale's low byte) is named by its (row, group)."""
     sym = member == "sym"
     n, k = 40, 2 * 128 + (g if g < 128 else 128)   # K = 288 / 320 / 384: several groups, one partial tile
     src = all_values_source(n, k, g, sym, _gen(g))
     dev = torch.device("cuda")
-    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=ATOM)
+    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
     w64 = _w16(src)
 
     def run(route, p):
@@ -170,20 +181,21 @@ def test_int4_every_position_and_record_exact_on_gpu(g, member):
 
     for route, tokens in (("qpn4", 8), ("qpn4_mt2", 16), ("qpn4_chunked", 96), ("qpn4_reconstruct", 128)):
         bad = pg.probe(run(route, packed), w64, tokens)
-        assert not bad, f"{member} g={g} {route}: {len(bad)} wrong (row, input), first {bad[:4]}"
-    # corrupt one record: row 33 (second tile), group 1
+        assert not bad, f"{member} g={g} {route} ({atom}): {len(bad)} wrong (row, input), first {bad[:4]}"
+    # corrupt one record: row 33 (second tile on m8n8k4, third on m16n8k16), group 1
     row, grp = 33, 1
-    rec = packed.record_bytes
-    slot = int(torch.argsort(fi.record_rows(ATOM))[row % 32])
-    off = (((row // 32) * packed.groups_pad + grp) * 32 + slot) * rec
-    broken = fi.PackedINT4(packed.codes, packed.scales.clone(), packed.out_scale, n, k, g, sym, ATOM)
+    rec, tile = packed.record_bytes, geometry(atom).tile_n
+    slot = int(torch.argsort(fi.record_rows(atom))[row % tile])
+    off = (((row // tile) * packed.groups_pad + grp) * tile + slot) * rec
+    broken = fi.PackedINT4(packed.codes, packed.scales.clone(), packed.out_scale, n, k, g, sym, atom)
     broken.scales[off + (0 if sym else 2)] ^= 0x01 if sym else 0x03
     bad = pg.probe(run("qpn4", broken), w64, 8)
-    assert {(r, kk // g) for r, kk in bad} == {(row, grp)}, f"{member} g={g}: corruption reported as {sorted(set(bad))[:6]}"
+    assert {(r, kk // g) for r, kk in bad} == {(row, grp)}, \
+        f"{member} g={g} ({atom}): corruption reported as {sorted(set(bad))[:6]}"
 
 
 @pytest.mark.parametrize("member", list(MEMBERS))
-def test_int4_subnormal_operands(member):
+def test_int4_subnormal_operands(member, atom):
     """Group scales small enough that (code - zero) * scale is an FP16 subnormal (down to 2^-24):
     the decoder's hmul2 keeps them (no .ftz) and so does the reference; whether the tensor cores
     take them as they are is a property of the GPU (on a V100 unmeasured), settled here by the
@@ -198,14 +210,33 @@ def test_int4_subnormal_operands(member):
     w64 = _w16(src)
     assert bool(((w64 != 0) & (w64.abs() < 2.0 ** -14)).any()), "the case must hold subnormal operands"
     dev = torch.device("cuda")
-    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=ATOM)
+    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
     for route, tokens in (("qpn4", 8), ("qpn4_reconstruct", 128)):
         bad = pg.probe(lambda x, r=route: ops.qpn_linear(x.to(dev), packed, route=r).cpu(), w64, tokens)
-        assert not bad, f"{member} {route}: {len(bad)} subnormal operands changed, first {bad[:4]}"
+        assert not bad, f"{member} {route} ({atom}): {len(bad)} subnormal operands changed, first {bad[:4]}"
 
 
-def test_int4_on_m16n8k16_is_refused_naming_the_atom():
-    src = fi.quantize(torch.randn(64, 128, generator=_gen(1)), 32)
-    packed = fi.prepack_int4(*(t.cuda() for t in src), atom="m16n8k16")
-    with pytest.raises(ValueError, match="no m16n8k16 kernels.*atom='m8n8k4'"):
-        ops.qpn_linear(torch.randn(4, 128, generator=_gen(2)).half().cuda(), packed)
+@pytest.mark.parametrize("member", list(MEMBERS))
+def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
+    """On m16n8k16 each band runs the member's own configured kernel (jit.SM80_UNSERVED_ROUTE_KERNELS,
+    never another family's or member's) with the weight's group shift, and a chunked M (40: three
+    16-row chunks of the MT = 2 kernel) agrees with the reference too."""
+    if atom != "m16n8k16":
+        pytest.skip("the m16n8k16 kernel table")
+    from qpn.kernels import jit
+    sym = member == "sym"
+    fmt = MEMBERS[member]
+    gen = _gen(11 + sym)
+    for g in formats.INT4.group_sizes:
+        n, k = 48, 4 * g + 64 if g < 128 else 384
+        src = fi.quantize(outlier_weight(n, k, gen), g, symmetric=sym)
+        packed = fi.prepack_int4(*(t.cuda() for t in src), atom=atom)
+        w = ops.operands(packed)
+        assert ops.kernel_member(w) == (fmt, {32: 1, 64: 2, 128: 3}[g])
+        for m, mt in ((1, 1), (8, 1), (9, 2), (16, 2), (40, 2)):
+            route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
+            name, chunks = ops._sm80_kernel_for(route, m, n, fmt)
+            assert name == jit.SM80_UNSERVED_ROUTE_KERNELS[(fmt, mt)] and name.startswith(fmt.kernel_prefix + "_")
+            assert chunks == (-(-m // 16) if route.chunk_rows else 1)
+            x = fc.activations(m, k, gen, outliers=True)
+            _check(ops.qpn_linear(x.cuda(), packed), x, _w16(src), f"{member} g={g} M={m} ({route}, {name})")

@@ -284,6 +284,80 @@ def test_replay_detects_a_wrong_layout():
     assert float((y - y64).norm() / y64.norm()) > 0.1
 
 
+def _replay_int4(packed, x: torch.Tensor) -> torch.Tensor:
+    """y (float64) as the INT4 m16n8k16 kernels compute it (Frag16INT4Form): the lane's records
+    fetched at the kernel's own addresses (tile_records + record_step, group shift from
+    ops.kernel_member), the four registers of each step decoded as fp16((code - zero) * scale),
+    placed by the PTX fragment layout, with the lane's activations at inputs 16t + 4s .. +3."""
+    from qpn.kernels import family_int4 as fi
+    tiles, kblocks = packed.n_pad // 16, packed.k_pad // 64
+    m = x.shape[0]
+    assert m <= 8
+    xp = torch.zeros((8, packed.k_pad), dtype=torch.float64)
+    xp[:m, : packed.k] = x.double()
+    words = _words(packed.codes.view(tiles, kblocks, 32, -1))           # [tiles, kb, lane, 4]
+    _, gs = ops.kernel_member(ops.operands(packed))
+    rec = packed.record_bytes
+    groups = (4 * kblocks + (1 << gs) - 1) >> gs
+    assert groups == packed.groups_pad
+    sbytes = packed.scales.to(torch.int64)
+    A = torch.zeros((tiles, kblocks, 4, 16, 16), dtype=torch.float64)
+    B = torch.zeros((kblocks, 4, 16, 8), dtype=torch.float64)
+    kb = torch.arange(kblocks)
+    for lane in range(32):
+        gq, t = lane >> 2, lane & 3
+        # byte offsets of the lane's record of row g (h = 0) and g + 8 (h = 1), per (tile, k-block)
+        base = ((torch.arange(tiles)[:, None] * groups + (t >> gs)) * (16 * rec) + gq * 2 * rec
+                + ((4 * kb[None, :]) >> gs) * (16 * rec))
+        scale, zero = [], []
+        for h in range(2):
+            o = base + h * rec
+            bits = sbytes[o] | (sbytes[o + 1] << 8)
+            scale.append(torch.tensor(bits.to(torch.int16).numpy()).view(torch.float16))
+            zero.append(torch.full_like(bits, fi.SYM_ZERO) if packed.symmetric else sbytes[o + 2])
+        for s in range(4):
+            v = words[:, :, lane, s]
+            for r, (row, col) in enumerate(((gq, 2 * t), (gq + 8, 2 * t), (gq, 2 * t + 8), (gq + 8, 2 * t + 8))):
+                h = r & 1
+                for j in range(2):      # pair r: nibbles r (low half) and r + 4 (high half)
+                    code = (v >> (4 * (r + 4 * j))) & 0xF
+                    w16 = ((code - zero[h]).to(torch.float16) * scale[h]).double()   # one FP16 rounding
+                    A[:, :, s, row, col + j] = w16
+            kx = kb * 64 + 16 * t + 4 * s
+            B[:, s, 2 * t, gq] = xp[gq, kx]
+            B[:, s, 2 * t + 1, gq] = xp[gq, kx + 1]
+            B[:, s, 2 * t + 8, gq] = xp[gq, kx + 2]
+            B[:, s, 2 * t + 9, gq] = xp[gq, kx + 3]
+    D = torch.einsum("tksij,ksjn->tin", A, B)
+    return D.reshape(tiles * 16, 8).t()[:m, : packed.n]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
+@pytest.mark.parametrize("n,k,g,m", [(48, 224, 32, 5), (16, 320, 64, 8), (33, 384, 128, 1), (40, 640, 128, 3)])
+def test_replayed_int4_fragments_give_the_exact_product(n, k, g, m, sym):
+    """Every code 0..15 and zero point 0..15; K not a multiple of the 64-input k-block (224, 320)
+    and, at g = 128, an odd number of k-blocks (384: 6; 640: 10), so the last group record is half
+    used. The product of the FP16 operands the decoder makes, exactly."""
+    from qpn.kernels import family_int4 as fi
+    gen = torch.Generator().manual_seed(n + k + g + sym)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
+    q[:, :16] = torch.arange(16)
+    s = (torch.rand((n, k // g), generator=gen) * 0.02 + 1e-3).half()
+    z = None if sym else (torch.arange(n * (k // g)) % 16).reshape(n, k // g).to(torch.uint8)
+    p = fi.prepack_int4(fi.pack_codes(q), s, z, atom=ATOM)
+    x = torch.randn((m, k), generator=gen).half()
+    y = _replay_int4(p, x)
+    w16 = fi.dequantize(fi.pack_codes(q), s, z).half().double()
+    y64 = x.double() @ w16.t()
+    assert float((y - y64).norm() / y64.norm()) < 1e-12
+    # not vacuous: the records of the neighbouring group size (the wrong group shift) give another product
+    if g < 128:
+        wrong = fi.PackedINT4(p.codes, p.scales, p.out_scale, n, k, 2 * g, sym, ATOM) if k % (2 * g) == 0 else None
+        if wrong is not None and wrong.groups_pad * 16 * wrong.record_bytes * (p.n_pad // 16) <= p.scales.numel():
+            assert float((_replay_int4(wrong, x) - y64).norm() / y64.norm()) > 0.01
+
+
 # ------------------------------------------------------------- split-K work partition
 def _kernel_partition(n_groups, kblocks, nwarps):
     """The kernel's integer logic (csrc/qpn_kernels_sm80.cu Qpn80::run), replayed."""
@@ -370,7 +444,7 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     nv, ptxas, cuobjdump = nvrtc12, ptxas12, cuobjdump12
     src = nvrtc.read_sources()[jit.ATOM_SOURCES[ATOM]]
     res = nv.compile(src, jit.ATOM_SOURCES[ATOM], arch, list(jit.COMPILE_FLAGS), want_cubin=True)
-    for name in jit.ENTRY_POINTS[ATOM]:
+    for name in jit.ENTRY_POINTS[ATOM] + jit.UNSERVED_ENTRY_POINTS[ATOM]:   # INT4's too
         assert name.encode() + b"\0" in res.cubin, name
     (tmp_path / "k.ptx").write_text(res.ptx)
     r = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
@@ -378,7 +452,9 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     assert r.returncode == 0, r.stderr
     reps = sm70_check._parse_ptxas(r.stdout + r.stderr)
     configured = jit.sm80_kernels()
-    assert set(configured) | {"qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16"} == set(reps)
+    reconstruct = {"qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16",
+                   "qpn4_reconstruct_ws_m16n8k16", "qpn4_sym_reconstruct_ws_m16n8k16"}
+    assert set(configured) | reconstruct == set(reps)
     assert len(configured) >= 20
     lines = []
     for name, rep in sorted(reps.items()):
@@ -453,7 +529,8 @@ def test_sm80_kernel_table_and_route_kernels():
     assert ops._sm80_kernel_for(route("qpn8_chunked"), 40) == (jit.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 2)], 3)
     with pytest.raises(ValueError, match="M <= 8"):
         ops._sm80_kernel_for(route("qpn8"), 9)
-    assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "fp8") for c in configured.values())
+    assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "int4" if c.frag.startswith("Frag16INT4")
+                         else "fp8") for c in configured.values())
     with pytest.raises(jit.QpnBuildError, match="sm_80"):
         jit.compile_cubin(75, source=jit.ATOM_SOURCES[ATOM])
     assert jit.atoms_for_arch("sm70") == ("m8n8k4",) and jit.atoms_for_arch(90) == ("m8n8k4", ATOM)

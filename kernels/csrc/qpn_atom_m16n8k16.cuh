@@ -159,6 +159,7 @@ QPN_DEV void e2m1x2_quad_fma(u32 v, u32& h0, u32& h1, u32& h2, u32& h3) {
 template <int UP>
 struct Frag16NVFP4Scaled {
   static constexpr bool GROUPED = true;
+  static constexpr bool RECORDS = false;     // scales per (tile, k-block): SCALE_BLOCK_BYTES each
   static constexpr int WORDS = 4;            // 16 bytes of codes per lane per (tile, k-block)
   static constexpr float OUT_MULT = float(1 << (14 - UP));
   // Activations: lane (g, t) reads token g's inputs 16s + 4t .. +3 for step s (4 x 8 bytes).
@@ -231,6 +232,7 @@ struct Frag16NVFP4Exact : Frag16NVFP4 {
 // (a2, a3). Exact e4m3 values in FP16; the per-tensor / per-channel scale is applied in FP32.
 struct Frag16FP8 {
   static constexpr bool GROUPED = false;
+  static constexpr bool RECORDS = false;
   static constexpr int WORDS = 8;            // 32 bytes of codes per lane per (tile, k-block)
   static constexpr float OUT_MULT = 1.0f;
   // Activations: lane (g, t) reads token g's inputs 16t .. 16t+15 (32 contiguous bytes): step s
@@ -256,3 +258,69 @@ struct Frag16FP8 {
     stg64(p + 8 * ldw, a1, a3);
   }
 };
+
+// INT4 W4A16 in m16n8k16 order (family_int4.py, "Fragment map m16n8k16"): the FP8 k-slot
+// permutation, so lane (g, t) covers inputs 16t .. 16t+15 of each k-block in one contiguous run.
+// Every allowed group size (32, 64, 128) is a multiple of that run, so the run lies in ONE group:
+// the lane needs one record per row (g, g+8) per k-block, loaded once and used by all four steps.
+// Record index of the lane at k-block kb = (64 kb + 16 t) / gsize = (4 kb + t) >> GS, GS =
+// log2(gsize / 16) (ops.kernel_member, Qpn80Args.group_shift). Since t < 4 and 4 kb is a multiple
+// of 2^min(GS, 2), that is ((4 kb) >> GS) + (t >> GS): the lane's part goes into its tile pointer
+// (tile_records), the k-block's part is record_step.
+// Word s feeds step s; pair r (nibbles r, r+4) is register a_r: row g + 8 (r & 1), inputs
+// 16t + 4s + 2 (r >> 1) + (0, 1). Decode as DecINT4Form: (1024 + code) exactly by OR-ing the
+// nibble under 0x6400, minus (1024 + zero) exactly, times the FP16 group scale: one rounding,
+// fp16((code - zero) * scale), what family_int4.linear_int4 models.
+// Mixing groups in one MMA (lanes t of different groups for gsize 32) is harmless here: unlike
+// NVFP4's e4m3 scales, the operands are ordinary FP16 weights, as in any FP16 GEMM.
+template <bool SYM>
+struct Frag16INT4Form {
+  static constexpr bool GROUPED = true;      // per-lane scale registers (sc) feed the decode
+  static constexpr bool RECORDS = true;      // ... addressed per (tile, group), not per k-block
+  static constexpr int REC = SYM ? 2 : 4;    // record bytes: scale (+ zero point, pad)
+  static constexpr int WORDS = 4;            // 16 bytes of codes per lane per (tile, k-block)
+  static constexpr float OUT_MULT = 1.0f;    // no output scale (ops passes [1.0])
+  QPN_DEV static int x_offset(int lane) { return 16 * (lane & 3); }
+  QPN_DEV static void load_x(const u16* p, u32 (&xr)[8]) {
+    ldg128(p, xr[0], xr[1], xr[2], xr[3]);
+    ldg128(p + 8, xr[4], xr[5], xr[6], xr[7]);
+  }
+  // The lane's records of tile ``tile`` at k-block 0: slot 2g + h of a (tile, group) is row g + 8h.
+  QPN_DEV static const u8* tile_records(const u8* scales, int tile, int kblocks, int lane, int gs) {
+    const int groups = (4 * kblocks + (1 << gs) - 1) >> gs;   // PackedINT4.groups_pad
+    return scales + ((size_t)tile * groups + ((lane & 3) >> gs)) * (16 * REC) + (lane >> 2) * (2 * REC);
+  }
+  QPN_DEV static size_t record_step(int kb, int gs) { return (size_t)((4 * kb) >> gs) * (16 * REC); }
+  // Asymmetric: sc[0], sc[1] = the records of rows g, g+8; symmetric: sc[0] = (s_g, s_g8).
+  QPN_DEV static void load_scales(const u8* p, u32 (&sc)[2]) {
+    if constexpr (SYM) {
+      sc[0] = ldg32(p);
+      sc[1] = 0u;
+    } else {
+      ldg64(p, sc[0], sc[1]);
+    }
+  }
+  QPN_DEV static u32 biased(u32 t) { return and_or(t, 0x000F000Fu, 0x64006400u); }
+  QPN_DEV static u32 apply(u32 h, u32 zb, u32 s) { return hmul2(hsub2(h, zb), s); }
+  QPN_DEV static void frag(const u32 (&w)[WORDS], int s, const u32 (&sc)[2],
+                           u32& a0, u32& a1, u32& a2, u32& a3) {
+    // (1024 + zero) in both halves: record byte 2 under 0x64; the scale's two bytes in both halves
+    const u32 zg = SYM ? 0x64086408u : prmt(sc[0], 0x64u, 0x4242u);
+    const u32 zg8 = SYM ? 0x64086408u : prmt(sc[1], 0x64u, 0x4242u);
+    const u32 sg = prmt(sc[0], 0u, 0x1010u);
+    const u32 sg8 = SYM ? prmt(sc[0], 0u, 0x3232u) : prmt(sc[1], 0u, 0x1010u);
+    const u32 v = w[s];
+    a0 = apply(biased(v), zg, sg);
+    a1 = apply(biased(shr_b32(v, 4)), zg8, sg8);
+    a2 = apply(biased(shr_b32(v, 8)), zg, sg);
+    a3 = apply(biased(shr_b32(v, 12)), zg8, sg8);
+  }
+  // Reconstruct: step s covers inputs 16t + 4s .. +3 (a0 a2 on row g, a1 a3 on row g+8).
+  QPN_DEV static void store_ws(u16* row_g, size_t ldw, int lane, int s, u32 a0, u32 a1, u32 a2, u32 a3) {
+    u16* p = row_g + 4 * s + x_offset(lane);
+    stg64(p, a0, a2);
+    stg64(p + 8 * ldw, a1, a3);
+  }
+};
+using Frag16INT4Asym = Frag16INT4Form<false>;
+using Frag16INT4Sym = Frag16INT4Form<true>;

@@ -1,4 +1,4 @@
-// QPN kernels on the sm_80+ atom (m16n8k16): packed NVFP4 (qpn2*) and FP8 (qpn8*) linear layers,
+// QPN kernels on the sm_80+ atom (m16n8k16): packed NVFP4 (qpn2*), FP8 (qpn8*) and INT4 W4A16 (qpn4*) linear layers,
 // y[M, N] = x[M, K] * W[N, K]^T, weights streamed in their packed form and decoded in registers
 // straight into MMA operands. Same formats, prepack rules, decoders and routes as the SM70 family
 // (qpn_kernels.cu); what differs is the atom and the way the grid covers the work.
@@ -27,7 +27,7 @@
 
 struct Qpn80Args {
   const u8* codes;        // packed codes, m16n8k16 fragment order
-  const u8* scales;       // NVFP4 packed e4m3 group scales (unused for FP8)
+  const u8* scales;       // NVFP4 packed e4m3 group scales / INT4 group records (unused for FP8)
   const float* chscale;   // FP32 scale of the result: NVFP4 global [1]; FP8 [1] or [N]
   const u16* x;           // activations fp16 [M, ldx], ldx = K padded to 64, zero padded
   const u16* bias;        // fp16 [N] or null
@@ -39,6 +39,7 @@ struct Qpn80Args {
   int nwarps;             // warps per chunk plane (<= n_groups * kblocks)
   int chunks;             // 16-row token chunks (the *_chunked route); 1 otherwise
   int chscale_per_channel;
+  int group_shift;        // INT4: log2(group size / 16) (Frag16INT4Form); 0 and unread otherwise
 };
 
 // VAR: 0 the kernel; measured variants that drop one stage (results are NOT the product):
@@ -108,10 +109,13 @@ struct Qpn80 {
         ldg128_stream(cp[j] + (size_t)kb * BLOCK_BYTES + 4 * q, w[j][q], w[j][q + 1], w[j][q + 2], w[j][q + 3]);
     }
   }
-  QPN_DEV static void load_sc(const u8* const (&sp)[T], int kb, u32 (&sc)[T][2]) {
+  // gs: Qpn80Args.group_shift, read only by a decoder whose scales are group records (INT4).
+  QPN_DEV static void load_sc(const u8* const (&sp)[T], int kb, u32 (&sc)[T][2], int gs = 0) {
 #pragma unroll
-    for (int j = 0; j < T; ++j)
-      if constexpr (F::GROUPED) F::load_scales(sp[j] + (size_t)kb * A::SCALE_BLOCK_BYTES, sc[j]);
+    for (int j = 0; j < T; ++j) {
+      if constexpr (F::RECORDS) F::load_scales(sp[j] + F::record_step(kb, gs), sc[j]);
+      else if constexpr (F::GROUPED) F::load_scales(sp[j] + (size_t)kb * A::SCALE_BLOCK_BYTES, sc[j]);
+    }
   }
 
   // The lane's activation row of each token tile starting at token m0 (a row past M reads row 0
@@ -178,7 +182,8 @@ struct Qpn80 {
     for (int j = 0; j < T; ++j) {
       const int tile = min(grp * T + j, n_tiles - 1);
       cp[j] = a.codes + (size_t)tile * a.kblocks * BLOCK_BYTES + lane * LANE_BYTES;
-      sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + F::scale_offset(lane);
+      if constexpr (F::RECORDS) sp[j] = F::tile_records(a.scales, tile, a.kblocks, lane, a.group_shift);
+      else sp[j] = a.scales + (size_t)tile * a.kblocks * A::SCALE_BLOCK_BYTES + F::scale_offset(lane);
     }
   }
 
@@ -197,7 +202,7 @@ struct Qpn80 {
       if (kb0 + d < kb1) load_w(cp, kb0 + d, w[d]);
 #pragma unroll
     for (int d = 0; d < DS; ++d)
-      if (kb0 + d < kb1) load_sc(sp, kb0 + d, sc[d]);
+      if (kb0 + d < kb1) load_sc(sp, kb0 + d, sc[d], a.group_shift);
     if constexpr (PDL) {
       if (first) pdl_wait();   // the weight ring is in flight; x comes from the previous kernel
     }
@@ -222,7 +227,7 @@ struct Qpn80 {
           }
           compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
           if (k + D < kb1) load_w(cp, k + D, w[d]);
-          if (k + DS < kb1) load_sc(sp, k + DS, sc[d % DS]);
+          if (k + DS < kb1) load_sc(sp, k + DS, sc[d % DS], a.group_shift);
           if (k + DX < kb1) load_x(xp, xv, k + DX, xr[d % DX]);
         }
       }
@@ -435,6 +440,7 @@ struct Qpn80 {
 // and k-block, as many bytes as two weight tiles) costing more at M = 8 than at M = 1.
 template <class F, int MT, int T, int S, int XG, int VAR>
 struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
+  static_assert(!F::RECORDS, "group-record decoders (INT4) run on the register ring Qpn80 only");
   using B = Qpn80<F, MT, T, 1, 0, VAR>;
   using A = AtomM16N8K16;
   static constexpr int LANE_BYTES = F::WORDS * 4;
@@ -632,6 +638,7 @@ struct Qpn80Ring : Qpn80<F, MT, T, 1, 0, VAR> {
 // by group parity, so one group's reduction can run while the warps fill the next one's slots).
 template <class F, int MT, int T, int D, int VAR>
 struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
+  static_assert(!F::RECORDS, "group-record decoders (INT4) run on the register ring Qpn80 only");
   using B = Qpn80<F, MT, T, 1, 0, VAR>;
   using A = AtomM16N8K16;
   static constexpr int DX = D >= 2 ? 2 : 1;
@@ -776,6 +783,7 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
 // per slot when D = 0 (dynamic; jit.Sm80Kernel.smem_bytes).
 template <class F, int MT, int T, int D, int S, int VAR>
 struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
+  static_assert(!F::RECORDS, "group-record decoders (INT4) run on the register ring Qpn80 only");
   using B = Qpn80<F, MT, T, 1, 0, VAR>;
   using A = AtomM16N8K16;
   static_assert(VAR == 0 || VAR == 3, "the band kernel has the plain and the loads-only forms");
@@ -958,7 +966,7 @@ struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
 // layout, Frag16*::store_ws), eight 8-byte stores.
 template <class F>
 __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8* scales, u16* ws,
-                                                       int n_tiles, int kblocks) {
+                                                       int n_tiles, int kblocks, int gs = 0) {
   using A = AtomM16N8K16;
   const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int lane = (int)(gid & 31);
@@ -971,7 +979,9 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
 #pragma unroll
   for (int q = 0; q < F::WORDS; q += 4) ldg128(p + 4 * q, w[q], w[q + 1], w[q + 2], w[q + 3]);
   u32 sc[2] = {0u, 0u};
-  if constexpr (F::GROUPED)
+  if constexpr (F::RECORDS)
+    F::load_scales(F::tile_records(scales, tile, kblocks, lane, gs) + F::record_step(kb, gs), sc);
+  else if constexpr (F::GROUPED)
     F::load_scales(scales + ((size_t)tile * kblocks + kb) * A::SCALE_BLOCK_BYTES + F::scale_offset(lane), sc);
   const size_t ldw = (size_t)kblocks * A::K_BLOCK;
   u16* row_g = ws + ((size_t)tile * A::TILE_N + (lane >> 2)) * ldw + (size_t)kb * A::K_BLOCK;
@@ -1030,6 +1040,13 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
       const u8* codes, const u8* scales, u16* ws, int n_tiles, int kblocks) {                 \
     qpn80_reconstruct_body<F>(codes, scales, ws, n_tiles, kblocks);                           \
   }
+// The same for a decoder with per-(tile, group) records (INT4): the group shift as one more
+// argument (ops._launch_reconstruct passes it for a format whose weights choose their group size).
+#define QPN80_RECONSTRUCT_GS_ENTRY(NAME, F)                                                 \
+  extern "C" __global__ void __launch_bounds__(QPN80_THREADS) NAME(                          \
+      const u8* codes, const u8* scales, u16* ws, int n_tiles, int kblocks, int gs) {         \
+    qpn80_reconstruct_body<F>(codes, scales, ws, n_tiles, kblocks, gs);                       \
+  }
 
 // Every kernel is named by its configuration: <format>_mt<MT>_m16n8k16_t<T>d<D>p<PF>[_variant],
 // T = weight tiles of 16 rows per warp (they share each activation load), D = ring depth in
@@ -1078,6 +1095,18 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 // shared-memory reads and the copy issue to the already issue-bound decode.
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
+// INT4 W4A16 (issue 26; not served yet: jit.SM80_UNSERVED_ROUTE_KERNELS, UNSERVED_ENTRY_POINTS).
+// The register ring of the NVFP4 routes in the NVFP4 routes' configurations: the same 16 code bytes
+// per lane per (tile, k-block) and an 8-byte (asymmetric) or 4-byte (symmetric) scale record load
+// where NVFP4 has an 8-byte scale load. Not measured on a GPU yet: no ring kernel (their cp.async
+// layout copies per-k-block scale blocks, not group records) and no M-band kernel (the chunked
+// route runs the MT = 2 kernel once per 16-row chunk).
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d4p0, Frag16INT4Asym, 1, 2, 4, 0, 0)
+QPN80_ENTRY(qpn4_mt2_m16n8k16_t1d4p0, Frag16INT4Asym, 2, 1, 4, 0, 0)
+QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d4p0, Frag16INT4Sym, 1, 2, 4, 0, 0)
+QPN80_ENTRY(qpn4_sym_mt2_m16n8k16_t1d4p0, Frag16INT4Sym, 2, 1, 4, 0, 0)
+QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
+QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
 
 // Measured variants (same arguments; never routes): *_exact: NVFP4 with normal FP16 operands (one
 // more multiply per register); *_nodecode, *_nomma, *_loadonly: one stage dropped, to see where
