@@ -30,6 +30,15 @@ Tensor names and the global-scale rule come from the checkpoint's convention
 float32 reciprocal, per shard) / ``input_global_scale``, and may store FP8 scales per output
 channel ([N, 1], ``fp8_scale="channel"``).
 
+INT4 W4A16 (QPN4LinearMethod; the family is not served yet, so no config routes a layer here:
+``int4_method_for`` is the constructor the config side will call) registers the tensors of its
+checkpoint convention (qpn.fork_patches.conventions.AWQ / GPTQ / CT_PACK_QUANTIZED) as stored,
+with vLLM's packed / group-scale parameter classes placed by the convention's layout. Before the
+prepack, the canonical source the family unpacker made is written back in the convention's layout
+and must equal the loaded words (so a misread nibble order or zero point refuses the module);
+then the packed inverse is proven as for the other families. A row-parallel split that breaks a
+group, and an act-ordered g_idx, are refused naming the module.
+
 The activation scales (``input_scale``) are loaded, checked, and dropped: QPN computes with FP16
 activations (W4A16 / W8A16), so they have no use.
 """
@@ -45,13 +54,24 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.parameter import (
+    BasevLLMParameter,
     ChannelQuantScaleParameter,
+    GroupQuantScaleParameter,
     ModelWeightParameter,
+    PackedvLLMParameter,
     PerTensorScaleParameter,
+    RowvLLMParameter,
 )
 
 from qpn.fork_patches.census import CENSUS
-from qpn.fork_patches.conventions import MODELOPT, Convention
+from qpn.fork_patches.conventions import (
+    INT4_CONVENTIONS,
+    MODELOPT,
+    Convention,
+    ConventionError,
+    INT4Convention,
+    INT4Scheme,
+)
 from qpn.kernels import families, formats
 
 logger = logging.getLogger("vllm.qpn.linear_method")
@@ -225,7 +245,7 @@ class _QPNLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         self._check_complete()
         self._prepack(layer)
-        for name in self.convention.param_names(self.fmt):
+        for name in self._param_names():
             if name in layer._parameters:
                 delattr(layer, name)
         self.census_name = CENSUS.register_module(layer, self.prefix, self.fmt, self.n, self.k,
@@ -236,6 +256,10 @@ class _QPNLinearMethod(LinearMethodBase):
             CENSUS.set_lm_head(module=self.census_name, region=self.fmt, source=self.weight_source(),
                                route_family=self.format.route_prefix,
                                repack_fallback=not self._served_from_packed_codes())
+
+    def _param_names(self) -> tuple[str, ...]:
+        """Every parameter this method registered (freed once the prepack is proven)."""
+        return self.convention.param_names(self.fmt)
 
     def weight_source(self) -> str:
         """What the loader did for this module's weights, as the census reports it:
@@ -277,7 +301,8 @@ class _QPNLinearMethod(LinearMethodBase):
         m = x2.shape[0]
         if m == 0:
             return x2.new_empty((0, self.n))
-        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch)
+        # a family not yet served (INT4) has its dense routes in the unserved table only
+        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch, served_only=self.format.served)
         if len(self.pieces) == 1:
             y = self._ops.qpn_linear(x2, self.pieces[0][2], route=route)
         else:
@@ -434,7 +459,273 @@ class QPN8LinearMethod(_QPNLinearMethod):
         self.pieces = [(0, self.n, packed)]
 
 
-METHODS = {cls.fmt: cls for cls in (QPN2LinearMethod, QPN8LinearMethod)}
+# The stored dtype of each INT4 role (the safetensors dtypes conventions.header_problems accepts).
+_INT4_DTYPES = {"codes": (torch.int32,), "zero_points": (torch.int32,), "g_idx": (torch.int32,),
+                "shape": (torch.int64,), "group_scales": (torch.float16, torch.bfloat16, torch.float32)}
+_NIBBLES = 8  # 4-bit values per int32 word: the "/8" of a layout symbol
+
+
+def _pack_words(values: torch.Tensor, dim: int, order) -> torch.Tensor:
+    """Integer values 0..15 -> int32 words of eight along ``dim``, nibble j = element 8c + order[j]:
+    the convention's own packing, so the loaded words can be compared with what was served."""
+    v = values.to(torch.int64)
+    if dim == 0:
+        return _pack_words(v.t(), 1, order).t().contiguous()
+    rows, cols = v.shape
+    if cols % _NIBBLES:
+        v = torch.cat([v, v.new_zeros(rows, -cols % _NIBBLES)], 1)
+    v = v.view(rows, -1, _NIBBLES)
+    word = torch.zeros(v.shape[:2], dtype=torch.int64, device=v.device)
+    for j, src in enumerate(order):
+        word |= v[:, :, src] << (4 * j)
+    return (word - ((word >> 31) << 32)).to(torch.int32)
+
+
+@register_weight_loader_v2_supported_method
+class QPN4LinearMethod(_QPNLinearMethod):
+    """INT4 W4A16 region -> QPN4 family: unsigned 4-bit codes x float16 group scale, less a uint4
+    zero point per group (asymmetric) or 8 (symmetric), from an AutoAWQ, GPTQ or compressed-tensors
+    pack-quantized checkpoint (qpn.fork_patches.conventions.INT4_CONVENTIONS).
+
+    The parameters are the convention's tensors as stored (names and layout from its
+    ``INT4Convention``: which axis is N or K, which one is packed eight per int32, which one holds
+    one entry per group), as vLLM's parameter classes, so the engine's fused and tensor-parallel
+    loaders narrow them per shard and per rank as they do for its own INT4 methods. Scales are kept
+    in float32 until the prepack (any fp16 / bf16 / fp32 checkpoint value fits exactly); the family
+    unpacker then refuses one float16 cannot hold."""
+
+    weight_format = formats.INT4
+    fmt = weight_format.family
+
+    def __init__(self, prefix: str, convention: INT4Convention, scheme: INT4Scheme, backend: str,
+                 arch: str = "sm70", atom: str = "m8n8k4", shard_names: list[str] | None = None,
+                 declared: list[str] | None = None) -> None:
+        super().__init__(prefix, convention.name, backend, arch=arch, atom=atom, shard_names=shard_names,
+                         declared=declared)
+        self.int4 = convention
+        self.scheme = scheme
+        self.k_full = 0
+        self.g_idx: dict[int, torch.Tensor] = {}  # output part -> this rank's g_idx as loaded
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        return self.scheme.format
+
+    def _where(self) -> str:
+        return (f"{self.prefix} ({self.int4.name} {self.format.title}, group {self.scheme.group_size}, "
+                f"{self.format.method_family} route family)")
+
+    # ------------------------------------------------------------------------ names
+    def _roles(self) -> dict[str, str]:
+        """{role: tensor name} of every tensor the convention may store for this module. A symmetric
+        GPTQ checkpoint still carries qzeros (unread), and GPTQ a trivial g_idx: both are registered
+        so that the engine's loader finds a parameter for every tensor of the module."""
+        n = self.int4.names
+        return {role: getattr(n, role) for role in n.__dataclass_fields__ if getattr(n, role) is not None}
+
+    def _param_names(self) -> tuple[str, ...]:
+        return tuple(self._roles().values())
+
+    def _required(self) -> tuple[str, ...]:
+        roles = self._roles()
+        return tuple(roles[r] for r, required in self.int4.roles(self.scheme).items() if required)
+
+    def _role_of(self, name: str) -> str:
+        return next(r for r, n in self._roles().items() if n == name)
+
+    # --------------------------------------------------------------------- checking
+    def _check_tensor(self, layer, name: str, t: torch.Tensor, shard) -> None:
+        role = self._role_of(name)
+        parts = self._parts(shard)
+        what = f"tensor {name} ({role}) of " + ", ".join(self._shard_label(i) for i in parts)
+        if t.dtype not in _INT4_DTYPES[role]:
+            self._fail(f"{what} is stored as {t.dtype}, expected "
+                       f"{' or '.join(str(d) for d in _INT4_DTYPES[role])} ({self.int4.name} layout)")
+        rows, g = self._expected_rows(layer, shard), self.scheme.group_size
+        want = self.int4.layout.dims(rows, self.k_full, g)[role]
+        if tuple(t.shape) != want:
+            self._fail(f"{what} has shape {tuple(t.shape)}, expected {want} = "
+                       f"[{', '.join(getattr(self.int4.layout, role))}] for N={rows}, K={self.k_full}, "
+                       f"group {g}")
+        if role == "shape" and [int(v) for v in t.reshape(-1)] != [rows, self.k_full]:
+            self._fail(f"{what} says the module is {[int(v) for v in t.reshape(-1)]}, the layer expects "
+                       f"[{rows}, {self.k_full}] for this shard")
+        if role == "g_idx":
+            try:
+                self.int4.check_g_idx(self.prefix, t, self.k_full, self.scheme)
+            except ConventionError as e:
+                self._fail(f"{what}: {e}")
+        if role == "group_scales":
+            v = t.float()
+            n_bad = int((~torch.isfinite(v)).sum())
+            if n_bad:
+                self._fail(f"{what} is not finite: {n_bad} NaN / inf value(s) out of {v.numel()}; re-export "
+                           "the checkpoint")
+            if bool((v < 0).any()):
+                self._fail(f"{what} holds negative scale(s); scales must be >= 0")
+            if not bool((t.to(torch.float16).to(t.dtype) == t).all()):
+                self._fail(f"{what} ({t.dtype}) holds values float16 cannot represent exactly; the INT4 "
+                           "kernels read float16 scales and would change the weights")
+
+    def _checked_loader(self, layer, name: str, loader):
+        inner = super()._checked_loader(layer, name, loader)
+        if self._role_of(name) != "g_idx":
+            return inner
+
+        def load(param, loaded_weight, *args, **kwargs):
+            # One g_idx parameter serves every fused shard, so each shard's map (this rank's
+            # slice, as the engine narrowed it) is kept the moment it arrives.
+            out = inner(param, loaded_weight, *args, **kwargs)
+            shard = args[0] if args else kwargs.get("loaded_shard_id")
+            for idx in self._parts(shard):
+                self.g_idx[idx] = param.data.clone()
+            return out
+
+        return load
+
+    # ---------------------------------------------------------------------- weights
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs) -> None:
+        self.k_full = int(input_size)  # before any row-parallel split: what the checkpoint stores
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
+                               output_size, params_dtype, **extra_weight_attrs)
+
+    def _create(self, layer, loader) -> None:
+        g = self.scheme.group_size
+        roles = self._roles()
+        if self.k % g:
+            if self.k != self.k_full:
+                tp = self.k_full // self.k if self.k else 0
+                fits = [t for t in range(1, 9) if self.k_full % t == 0 and (self.k_full // t) % g == 0]
+                self._fail(f"row-parallel K={self.k_full} split over TP={tp} gives {self.k} inputs per rank, "
+                           f"which breaks an INT4 group of {g} inputs (one scale"
+                           f"{'' if self.scheme.symmetric else ' and zero point'} per group); fix: serve at a "
+                           f"TP size that keeps whole groups (TP in {fits}) or use a checkpoint quantized with "
+                           f"a group size that divides {self.k}")
+            self._fail(f"K={self.k} input features is not a multiple of the group size {g}")
+        needed = set(self.int4.roles(self.scheme))
+        packs_n = any(sym.startswith("N/") for role in needed for sym in getattr(self.int4.layout, role))
+        for idx, rows in enumerate(self.partition_sizes):
+            if packs_n and rows % _NIBBLES:
+                self._fail(f"{self._shard_label(idx)} has {rows} rows on this rank; {self.int4.name} packs "
+                           f"{_NIBBLES} output rows per int32 word, so every shard on every rank needs a "
+                           f"multiple of {_NIBBLES} rows (fix: a TP size that keeps it)")
+        dims = self.int4.layout.dims(self.n, self.k, g)
+        for role, name in roles.items():
+            syms = getattr(self.int4.layout, role)
+            shape = dims[role]
+            if role == "shape":
+                self._register(layer, name, shape, torch.int64, BasevLLMParameter, loader)
+                continue
+            in_dim = next(i for i, s in enumerate(syms) if s.startswith("K"))
+            if len(syms) == 1:
+                self._register(layer, name, shape, torch.int32, RowvLLMParameter, loader, input_dim=in_dim)
+                continue
+            out_dim = next(i for i, s in enumerate(syms) if s.startswith("N"))
+            packed = [i for i, s in enumerate(syms) if s.endswith(f"/{_NIBBLES}")]
+            if packed:
+                self._register(layer, name, shape, torch.int32, PackedvLLMParameter, loader, input_dim=in_dim,
+                               output_dim=out_dim, packed_dim=packed[0], packed_factor=_NIBBLES)
+            else:
+                self._register(layer, name, shape, torch.float32, GroupQuantScaleParameter, loader,
+                               input_dim=in_dim, output_dim=out_dim)
+
+    def _layout_tensors(self, codes, scales, zeros) -> dict[str, torch.Tensor]:
+        """The canonical source written back in the convention's layout: compared with the loaded
+        tensors, it proves the unpacker read every word as the convention stores it."""
+        lay, roles = self.int4.layout, self._roles()
+
+        def orient(t, syms):  # canonical tensors are [N, *]; a layout may store [K, N]
+            return t.t() if syms[0].startswith("K") else t
+
+        def words(values, syms):
+            v = orient(values, syms)
+            return _pack_words(v, next(i for i, s in enumerate(syms) if s.endswith(f"/{_NIBBLES}")),
+                               lay.nibble_order)
+
+        from qpn.kernels import family_int4
+
+        out = {roles["codes"]: words(family_int4.unpack_codes(codes), lay.codes),
+               roles["group_scales"]: orient(scales, lay.group_scales).float()}
+        if zeros is not None:
+            out[roles["zero_points"]] = words(zeros.to(torch.int64) - self.scheme.zero_offset, lay.zero_points)
+        return out
+
+    def _prepack(self, layer) -> None:
+        import dataclasses
+
+        from qpn.kernels import family_int4, prepack
+
+        roles, g = self._roles(), self.scheme.group_size
+        keep = ["codes", "group_scales"] + ([] if self.scheme.symmetric else ["zero_points"])
+        tensors = {roles[r]: getattr(layer, roles[r]).data for r in keep}
+        # g_idx is applied per shard below (fused shards each carry their own)
+        scheme = dataclasses.replace(self.scheme, act_order=False)
+        try:
+            src = self.int4.int4_inputs(tensors, self.prefix, scheme)
+        except ConventionError as e:
+            self._fail(f"cannot unpack: {e}")
+        codes, scales = src[0], src[1]
+        zeros = None if self.scheme.symmetric else src[2]
+        for name, want in self._layout_tensors(codes, scales, zeros).items():
+            got = tensors[name]
+            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+                self._fail(f"the unpacked {name} does not give the loaded tensor back; the checkpoint does "
+                           f"not follow the {self.int4.name} layout")
+        if self.g_idx:
+            scales, zeros = scales.clone(), None if zeros is None else zeros.clone()
+            # a rank of a row-parallel layer holds groups from its own offset on
+            first = 0 if self.k == self.k_full else int(layer.tp_rank) * (self.k // g)
+            for idx, gi in sorted(self.g_idx.items()):
+                r0 = sum(self.partition_sizes[:idx])
+                r1 = r0 + self.partition_sizes[idx]
+                try:
+                    s, z = family_int4.apply_g_idx(scales[r0:r1], None if zeros is None else zeros[r0:r1],
+                                                   gi.to(torch.int64) - first, g, self.prefix)
+                except formats.FormatError as e:
+                    self._fail(f"{self._shard_label(idx)}: {e}")
+                scales[r0:r1] = s
+                if zeros is not None:
+                    zeros[r0:r1] = z
+        src = (codes, scales) if zeros is None else (codes, scales, zeros)
+        try:
+            num = families.numerics(self.format)
+            packed = num.prepack(*src, atom=self.atom)
+            num.verify_roundtrip(packed, *src)
+        except prepack.PrepackMismatch as e:
+            self._fail(f"prepack inverse is not byte-identical: {e}")
+        except formats.FormatError as e:
+            self._fail(f"cannot prepack: {e}")
+        self.pieces = [(0, self.n, packed)]
+        self.g_idx = {}
+
+
+def int4_method_for(convention: INT4Convention | str, layer, prefix: str, target: dict, group_size: int,
+                    symmetric: bool, *, zero_offset: int = 0, act_order: bool = False,
+                    shard_names: list[str] | None = None, declared: list[str] | None = None,
+                    source: str = "") -> QPN4LinearMethod:
+    """The QPN4 method of one INT4 module, for the config side (qpn_config.qpn_method).
+
+    ``convention``: conventions.AWQ / GPTQ / CT_PACK_QUANTIZED or its name; ``target``:
+    platform_gate.serving_target() ({"backend", "arch", "atom"}); ``group_size``, ``symmetric``,
+    ``zero_offset`` (GPTQ v1: 1) and ``act_order`` as the module's conventions.INT4Scheme has
+    them; ``shard_names``: the packed_modules_mapping entry of the layer's leaf (fused shards).
+    QPNCheckpointError names the module for a scheme the family does not serve."""
+    conv = INT4_CONVENTIONS.get(convention) if isinstance(convention, str) else convention
+    if conv is None:
+        raise QPNCheckpointError(f"{prefix}: unknown INT4 convention {convention!r}; expected one of "
+                                 f"{sorted(INT4_CONVENTIONS)}")
+    scheme = INT4Scheme(bool(symmetric), int(group_size), zero_offset=int(zero_offset), act_order=bool(act_order),
+                        source=source)
+    if scheme.group_size not in scheme.format.group_sizes:
+        raise QPNCheckpointError(f"{prefix} ({conv.name}): group size {group_size} is not one the INT4 family "
+                                 f"packs ({', '.join(map(str, scheme.format.group_sizes))})")
+    return QPN4LinearMethod(prefix, conv, scheme, backend=target["backend"], arch=target.get("arch", "sm70"),
+                            atom=target.get("atom", "m8n8k4"), shard_names=shard_names, declared=declared)
+
+
+METHODS = {cls.fmt: cls for cls in (QPN2LinearMethod, QPN8LinearMethod, QPN4LinearMethod)}
 
 
 def method_class(fmt: formats.WeightFormat | str) -> type[_QPNLinearMethod]:
