@@ -12,6 +12,25 @@ ct-qpn-linear-methods, ct-qpn-moe-method) still choose the QPN methods. The swit
 plugin.register, delete those five hooks, census field ``quant_config`` + its gate) is left for a
 session that can run the engine e2e tests on it; see docs/hooks.md.
 
+Settled here for the switch (proven against vLLM 0.32 in .venv-cpu and 1Cat-vLLM 1.2.2 / 1.3.0,
+whose call sites are the same; tests/test_quant_config.py):
+
+* engine code keyed on the config's name: qwen3_5_mtp.py builds ``mtp.fc`` unquantized only for
+  ``get_name() == "modelopt_fp4"``; ``get_name()`` stays "qpn" (the census and a quant_config gate
+  key on it) and ``get_quant_method`` takes the same decision (``is_mtp_fc``). config/model.py
+  ``is_nvfp4_quantized`` (keyed on ``quantization``) only turns on vLLM's FP4 custom-op fusion
+  pass (config/vllm.py), which QPN's methods do not use: left False under "qpn" on purpose.
+* ``get_config_filenames``: weight_utils.get_quant_config reads these for a checkpoint without an
+  embedded quantization_config; "qpn" reads ``hf_quant_config.json``, ModelOpt's file (the
+  compressed-tensors class reads none), so the ModelOpt file form parses through the engine's
+  ModelOpt config.
+
+Not settled yet: weight_utils' fall-through to the file for a config.json-embedded mixed config
+without ``quantized_layers`` is keyed on ``quantization == "modelopt_mixed"``, so under "qpn" such
+a checkpoint reaches ``from_config`` without the per-layer map (needs from_config to read the
+file itself, or a hook); the per-rank census record of declared modules that the
+ct-qpn-linear-methods hook does.
+
 What the class does once registered:
 
 * ``override_quantization_method(hf_quant_cfg, user_quant)``: "qpn" for a checkpoint QPN serves
@@ -47,6 +66,16 @@ ENGINE_NAMES = {
     "awq": "awq",
     "gptq": "gptq",
 }
+
+
+# The files weight_utils.get_quant_config may read for a "qpn" checkpoint without an embedded
+# quantization_config (see QPNConfig.get_config_filenames).
+CONFIG_FILENAMES = ("hf_quant_config.json",)
+
+
+def is_mtp_fc(prefix: str) -> bool:
+    """The MTP head's fc layer (qwen3_5_mtp.py ``self.fc``: ``mtp.fc``, any model prefix)."""
+    return prefix == "mtp.fc" or prefix.endswith(".mtp.fc")
 
 
 class NotServed(ValueError):
@@ -177,7 +206,12 @@ def make_config_class():
 
         @staticmethod
         def get_config_filenames() -> list[str]:
-            return []
+            # weight_utils.get_quant_config reads these only when config.json carries no
+            # quantization_config: the ModelOpt file form (hf_quant_config.json, the one name
+            # ModelOptQuantConfigBase.get_config_filenames gives in vLLM 0.32 and both 1Cat
+            # releases). compressed-tensors' class gives [] (its config is always in config.json),
+            # so the union over the conventions QPN claims is the ModelOpt file.
+            return list(CONFIG_FILENAMES)
 
         @classmethod
         def from_config(cls, config: dict[str, Any]):
@@ -201,6 +235,14 @@ def make_config_class():
             return QPN_NAME
 
         def get_quant_method(self, layer, prefix: str):
+            if self.convention == "modelopt_fp4" and is_mtp_fc(prefix):
+                # vLLM 0.32 qwen3_5_mtp.py (and 1Cat's) builds mtp.fc unquantized only when
+                # quant_config.get_name() == "modelopt_fp4": the layer is BF16 in NVFP4 checkpoints
+                # but missing from exclude_modules. get_name() stays "qpn" (the census and the
+                # quant_config gate key on it), so the same decision is taken here, no hook needed.
+                from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+                return UnquantizedLinearMethod()
             method = qpn_method(self._inner, self.convention, layer, prefix)
             return method if method is not None else self._inner.get_quant_method(layer, prefix)
 

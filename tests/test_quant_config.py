@@ -126,3 +126,40 @@ def test_no_claim_where_qpn_does_not_serve(registered, monkeypatch):
 
     monkeypatch.setattr(platform_gate, "serving_target", lambda: None)
     assert registered.override_quantization_method(_mixed_file_form(), None) is None
+
+
+def test_config_filenames_are_those_of_the_claimed_conventions(registered):
+    """weight_utils.get_quant_config reads quant_cls.get_config_filenames() for a checkpoint
+    without an embedded quantization_config: "qpn" must read what the convention's class reads."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    union = set()
+    for _, engine_name, _ in CLAIMED.values():
+        union |= set(get_quantization_config(engine_name).get_config_filenames())
+    assert set(registered.get_config_filenames()) == union == {"hf_quant_config.json"}
+
+
+def test_file_form_loads_through_the_engine_loader(registered, tmp_path):
+    """The ModelOpt file form (hf_quant_config.json, nothing in config.json) through vLLM's own
+    get_quant_config under quantization "qpn": parsed by the engine's ModelOpt config."""
+    import json
+
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(_mixed_file_form()))
+    mc = SimpleNamespace(quantization="qpn", model=str(tmp_path), revision=None, quantization_config=None,
+                         hf_config=SimpleNamespace(), hf_overrides={})
+    lc = SimpleNamespace(download_dir=None)
+    cfg = get_quant_config(mc, lc)
+    assert cfg.get_name() == "qpn" and type(cfg._inner).__name__ == "ModelOptMixedPrecisionConfig"
+
+
+def test_mtp_fc_stays_unquantized_under_modelopt_nvfp4(registered):
+    """vLLM's qwen3_5_mtp.py keys mtp.fc's workaround on get_name() == "modelopt_fp4"; the QPN
+    config (named "qpn") takes the same decision in get_quant_method."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    cfg = registered.from_config(_modelopt("NVFP4"))
+    assert qpn_config.is_mtp_fc("mtp.fc") and qpn_config.is_mtp_fc("model.mtp.fc")
+    assert not qpn_config.is_mtp_fc("model.layers.0.mlp.fc")
+    assert isinstance(cfg.get_quant_method(object(), "mtp.fc"), UnquantizedLinearMethod)
