@@ -714,6 +714,17 @@ def _eager_weight(packed) -> Optional[_EagerWeight]:
     return _EagerWeight(packed, w, _fp32_scale(w), w.codes.get_device())
 
 
+def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """The same bytes as the tensor a plan was built on. Not identity alone: a family may hand out
+    its tensors as a fresh view per call (INT4's records, viewed as one integer per record), and
+    an identity test would then re-plan every call. The plan's entry holds the tensor it was built
+    on, so no other live tensor can have its address, shape and dtype unless it views the same bytes."""
+    if a is b:
+        return True
+    return (a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
 def _eager_tiled(x: torch.Tensor, packed, route, bias) -> Optional[torch.Tensor]:
     """qpn_linear for an FP16 2-D CUDA x through a cached _Launch, or None when the general path
     must serve the call (another atom or route kind, a weight whose tensors were replaced,
@@ -727,7 +738,8 @@ def _eager_tiled(x: torch.Tensor, packed, route, bias) -> Optional[torch.Tensor]
     w = ent.w
     codes, scales, chscale = ent.source
     now_codes, now_scales, now_chscale = families.numerics(ent.format).packed_tensors(packed)
-    if now_codes is not codes or now_scales is not scales or now_chscale is not chscale:
+    if not (_same_tensor(now_codes, codes) and _same_tensor(now_scales, scales)
+            and _same_tensor(now_chscale, chscale)):
         _eager_weights.pop(id(packed), None)   # the weight's tensors were replaced: plan again next call
         return None
     m, k = x.shape

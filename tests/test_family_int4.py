@@ -439,3 +439,20 @@ def test_mutation_is_caught(name, old, new, check, tmp_path, request, monkeypatc
     mutant = _mutant(tmp_path, monkeypatch, old, new)
     with pytest.raises((AssertionError, formats.FormatError, RuntimeError, IndexError)):
         runs[check](mutant)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_kernel_tensors_handed_out_per_call_match_the_eager_cache(sym):
+    """packed_tensors views INT4's records afresh on every call; the eager launch cache
+    (ops._eager_tiled) must see the same bytes there, not a replaced weight (else it re-plans
+    every call), and must still see a replaced record tensor as replaced."""
+    from qpn.kernels import ops
+
+    w = torch.randn((16, 256), generator=torch.Generator().manual_seed(5)) * 0.02
+    packed = family_int4.prepack_int4(*family_int4.quantize(w, 128, symmetric=sym), atom="m16n8k16")
+    num = families.numerics(packed)
+    first, again = num.packed_tensors(packed), num.packed_tensors(packed)
+    assert first[1] is not again[1]                       # a fresh view: identity alone would re-plan
+    assert all(ops._same_tensor(a, b) for a, b in zip(first, again))
+    packed.scales = packed.scales.clone()                 # the records replaced: a new plan is due
+    assert not ops._same_tensor(first[1], num.packed_tensors(packed)[1])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import ops, prepack, routes
+from qpn.kernels import family_int4, ops, prepack, routes
 from tests import _format_cases as fc
 
 pytestmark = [
@@ -21,6 +21,10 @@ M_LIST = [1, 2, 7, 8, 9, 16, 17, 40, 96]
 
 
 def _packed(fmt, n, k, gen, per_channel=False):
+    if fmt in ("int4", "int4_sym"):   # quantized Gaussian weights, group 128 (32 where K needs it)
+        w = torch.randn((n, k), generator=torch.Generator().manual_seed(n * k)) * 0.02
+        src = family_int4.quantize(w, 128 if k % 128 == 0 else 32, symmetric=fmt == "int4_sym")
+        return family_int4.prepack_int4(*(t.cuda() if t is not None else None for t in src), atom="m16n8k16")
     if fmt == "nvfp4":
         return prepack.prepack_nvfp4(*fc.nvfp4_weight(n, k, "gauss", gen), atom="m16n8k16")
     return prepack.prepack_fp8(*fc.fp8_weight(n, k, "gauss", gen, per_channel), atom="m16n8k16")
@@ -30,11 +34,12 @@ def _general(x, packed, route, bias):
     """The general (uncached) path on the same call."""
     w = ops.operands(packed)
     r = routes.as_route(route) if route is not None else routes.route_for(
-        w.fmt, x.shape[0], w.n, w.k, arch="sm80")
+        w.fmt, x.shape[0], w.n, w.k, arch="sm80", served_only=False)
     return ops._linear(x, w, r, bias)
 
 
-@pytest.mark.parametrize("fmt,per_channel", [("nvfp4", False), ("fp8", False), ("fp8", True)])
+@pytest.mark.parametrize("fmt,per_channel", [("nvfp4", False), ("fp8", False), ("fp8", True),
+                                             ("int4", False), ("int4_sym", False)])
 @pytest.mark.parametrize("n,k", [(300, 1024), (33, 128), (5120, 1536)])
 def test_cached_path_is_bit_identical_to_the_general_path(fmt, per_channel, n, k):
     gen = torch.Generator(device="cuda").manual_seed(n + k)
@@ -47,7 +52,8 @@ def test_cached_path_is_bit_identical_to_the_general_path(fmt, per_channel, n, k
     for m in M_LIST:
         x = x_all[:m].contiguous()
         for bname, bias in biases.items():
-            for route in (None, str(routes.route_for(fmt, m, n, k, arch="sm80"))):
+            for route in (None, str(routes.route_for(ops.operands(packed).fmt, m, n, k, arch="sm80",
+                                                     served_only=False))):
                 y = ops.qpn_linear(x, packed, route=route, bias=bias)
                 ent = ops._eager_weights.get(id(packed))
                 assert ent is not None and ent.ref() is packed, "the cached path was not taken"
