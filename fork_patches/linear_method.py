@@ -160,6 +160,20 @@ class _QPNLinearMethod(LinearMethodBase):
     def _fail(self, msg: str):
         raise QPNCheckpointError(f"{self._where()}: {msg}")
 
+    def _prepack_proven(self, src: tuple, rows: str = ""):
+        """The packed weight of ``src`` once its unpacked form is proven byte-identical to ``src``
+        (the sources may be freed only after this returns); a failure names the module and rows."""
+        what = f" for rows {rows}" if rows else ""
+        try:
+            num = families.numerics(self.format)
+            packed = num.prepack(*src, atom=self.atom)
+            num.verify_roundtrip(packed, *src)
+        except prepack.PrepackMismatch as e:
+            self._fail(f"prepack inverse is not byte-identical{what}: {e}")
+        except formats.FormatError as e:
+            self._fail(f"cannot prepack{what}: {e}")
+        return packed
+
     def _expected_cols(self, name: str, k_full: int) -> int | None:
         raise NotImplementedError
 
@@ -385,15 +399,7 @@ class QPN2LinearMethod(_QPNLinearMethod):
             r0 = sum(self.partition_sizes[: run[0]])
             r1 = sum(self.partition_sizes[: run[-1] + 1])
             src = (w[r0:r1], s[r0:r1], s2[run[0]].reshape(()))
-            try:
-                num = families.numerics(self.format)
-                packed = num.prepack(*src, atom=self.atom)
-                num.verify_roundtrip(packed, *src)
-            except prepack.PrepackMismatch as e:
-                self._fail(f"prepack inverse is not byte-identical for rows {r0}-{r1 - 1}: {e}")
-            except formats.FormatError as e:
-                self._fail(f"cannot prepack rows {r0}-{r1 - 1}: {e}")
-            pieces.append((r0, r1, packed))
+            pieces.append((r0, r1, self._prepack_proven(src, f"{r0}-{r1 - 1}")))
         if len(pieces) > 1:
             logger.info("volta-qpn: %s: %d fused NVFP4 shards with different global scales served "
                         "as %d packed pieces (codes and scales unchanged)", self.prefix,
@@ -448,15 +454,7 @@ class QPN8LinearMethod(_QPNLinearMethod):
             # Each shard keeps its own scale: repeat it over the shard's rows (no requantization).
             scale = torch.repeat_interleave(
                 ws, torch.tensor(self.partition_sizes, device=ws.device)).contiguous()
-        try:
-            num = families.numerics(self.format)
-            packed = num.prepack(w, scale, atom=self.atom)
-            num.verify_roundtrip(packed, w, scale)
-        except prepack.PrepackMismatch as e:
-            self._fail(f"prepack inverse is not byte-identical: {e}")
-        except formats.FormatError as e:
-            self._fail(f"cannot prepack: {e}")
-        self.pieces = [(0, self.n, packed)]
+        self.pieces = [(0, self.n, self._prepack_proven((w, scale)))]
 
 
 # The stored dtype of each INT4 role (the safetensors dtypes conventions.header_problems accepts).
@@ -689,15 +687,7 @@ class QPN4LinearMethod(_QPNLinearMethod):
                 if zeros is not None:
                     zeros[r0:r1] = z
         src = (codes, scales) if zeros is None else (codes, scales, zeros)
-        try:
-            num = families.numerics(self.format)
-            packed = num.prepack(*src, atom=self.atom)
-            num.verify_roundtrip(packed, *src)
-        except prepack.PrepackMismatch as e:
-            self._fail(f"prepack inverse is not byte-identical: {e}")
-        except formats.FormatError as e:
-            self._fail(f"cannot prepack: {e}")
-        self.pieces = [(0, self.n, packed)]
+        self.pieces = [(0, self.n, self._prepack_proven(src))]
         self.g_idx = {}
 
 
