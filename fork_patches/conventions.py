@@ -359,6 +359,10 @@ def target_matches(name: str, target: str) -> bool:
 # BF16 router) does not.
 CLASS_TARGETS = ("Linear",)
 _SAFETENSORS_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3"}  # torch dtype name -> header dtype
+# The safetensors dtypes an INT4 convention stores each role in (header_problems before boot; the
+# loader's QPN4LinearMethod checks the loaded tensors against the same table).
+INT4_STORED_DTYPES = {"codes": ("I32",), "zero_points": ("I32",), "g_idx": ("I32",), "shape": ("I64",),
+                      "group_scales": ("F16", "BF16", "F32")}
 _STORED_CODES_DTYPE = {"int4": "I32"}  # a family whose checkpoint codes are not its canonical dtype
 
 
@@ -698,13 +702,11 @@ class INT4Convention:
         codes = headers.get(names["codes"])
         if codes is None:
             return out
-        want_dtype = {"codes": ("I32",), "zero_points": ("I32",), "g_idx": ("I32",), "shape": ("I64",),
-                      "group_scales": ("F16", "BF16", "F32")}
         for role, name in names.items():
             h = headers.get(name)
-            if h is not None and h["dtype"] not in want_dtype[role]:
+            if h is not None and h["dtype"] not in INT4_STORED_DTYPES[role]:
                 out.append(f"{module}: tensor {name!r} ({role}) is {h['dtype']}; {self.name} stores it as "
-                           f"{' or '.join(want_dtype[role])}")
+                           f"{' or '.join(INT4_STORED_DTYPES[role])}")
         nk = self.layout.n_k(codes["shape"])
         if nk is None:
             return out + [f"{module}: tensor {names['codes']!r} has shape {list(codes['shape'])}; {self.name} "

@@ -66,6 +66,7 @@ from vllm.model_executor.parameter import (
 from qpn.fork_patches.census import CENSUS
 from qpn.fork_patches.conventions import (
     INT4_CONVENTIONS,
+    INT4_STORED_DTYPES,
     MODELOPT,
     Convention,
     ConventionError,
@@ -457,9 +458,11 @@ class QPN8LinearMethod(_QPNLinearMethod):
         self.pieces = [(0, self.n, self._prepack_proven((w, scale)))]
 
 
-# The stored dtype of each INT4 role (the safetensors dtypes conventions.header_problems accepts).
-_INT4_DTYPES = {"codes": (torch.int32,), "zero_points": (torch.int32,), "g_idx": (torch.int32,),
-                "shape": (torch.int64,), "group_scales": (torch.float16, torch.bfloat16, torch.float32)}
+# The stored dtypes of each INT4 role: conventions.INT4_STORED_DTYPES (the safetensors names the
+# launcher checks before boot), as the torch dtypes the loaded tensors have.
+_TORCH_DTYPE = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F32": torch.float32}
+_INT4_DTYPES = {role: tuple(_TORCH_DTYPE[d] for d in names) for role, names in INT4_STORED_DTYPES.items()}
 _NIBBLES = 8  # 4-bit values per int32 word: the "/8" of a layout symbol
 
 
