@@ -230,19 +230,30 @@ struct Frag16NVFP4Exact : Frag16NVFP4 {
 
 // FP8 e4m3 in m16n8k16 order: step s takes words 2s (a0 = bytes 0-1, a1 = bytes 2-3) and 2s+1
 // (a2, a3). Exact e4m3 values in FP16; the per-tensor / per-channel scale is applied in FP32.
-struct Frag16FP8 {
-  static constexpr bool GROUPED = false;
-  static constexpr bool RECORDS = false;
-  static constexpr int WORDS = 8;            // 32 bytes of codes per lane per (tile, k-block)
-  static constexpr float OUT_MULT = 1.0f;
-  // Activations: lane (g, t) reads token g's inputs 16t .. 16t+15 (32 contiguous bytes): step s
-  // takes words 2s, 2s+1 (inputs 16t + 4s .. +3). FP8 has no group scale, so no need to keep an
-  // MMA within 16 consecutive inputs.
+// The k-slot permutation of the fragments without an MMA per scale group (FP8, INT4): lane (g, t)
+// covers token g's inputs 16t .. 16t+15 of each k-block in one contiguous run (32 bytes of
+// activations), and step s its inputs 16t + 4s .. +3.
+struct Frag16LaneRun16 {
   QPN_DEV static int x_offset(int lane) { return 16 * (lane & 3); }
   QPN_DEV static void load_x(const u16* p, u32 (&xr)[8]) {
     ldg128(p, xr[0], xr[1], xr[2], xr[3]);
     ldg128(p + 8, xr[4], xr[5], xr[6], xr[7]);
   }
+  // Reconstruct: step s covers inputs 16t + 4s .. +3 (a0 a2 on row g, a1 a3 on row g+8).
+  QPN_DEV static void store_ws(u16* row_g, size_t ldw, int lane, int s, u32 a0, u32 a1, u32 a2, u32 a3) {
+    u16* p = row_g + 4 * s + x_offset(lane);
+    stg64(p, a0, a2);
+    stg64(p + 8 * ldw, a1, a3);
+  }
+};
+
+struct Frag16FP8 : Frag16LaneRun16 {
+  static constexpr bool GROUPED = false;
+  static constexpr bool RECORDS = false;
+  static constexpr int WORDS = 8;            // 32 bytes of codes per lane per (tile, k-block)
+  static constexpr float OUT_MULT = 1.0f;
+  // Activations (Frag16LaneRun16): step s takes words 2s, 2s+1. FP8 has no group scale, so no need
+  // to keep an MMA within 16 consecutive inputs.
   QPN_DEV static int scale_offset(int) { return 0; }
   QPN_DEV static void load_scales(const u8*, u32 (&sc)[2]) { sc[0] = sc[1] = 0u; }
   QPN_DEV static void frag(const u32 (&w)[WORDS], int s, const u32 (&)[2], u32& a0, u32& a1, u32& a2, u32& a3) {
@@ -250,12 +261,6 @@ struct Frag16FP8 {
     a1 = cvt_e4m3x2_hi(w[2 * s]);
     a2 = cvt_e4m3x2_lo(w[2 * s + 1]);
     a3 = cvt_e4m3x2_hi(w[2 * s + 1]);
-  }
-  // Reconstruct: step s covers inputs 16t + 4s .. +3 (a0 a2 on row g, a1 a3 on row g+8).
-  QPN_DEV static void store_ws(u16* row_g, size_t ldw, int lane, int s, u32 a0, u32 a1, u32 a2, u32 a3) {
-    u16* p = row_g + 4 * s + x_offset(lane);
-    stg64(p, a0, a2);
-    stg64(p + 8 * ldw, a1, a3);
   }
 };
 
@@ -274,17 +279,12 @@ struct Frag16FP8 {
 // Mixing groups in one MMA (lanes t of different groups for gsize 32) is harmless here: unlike
 // NVFP4's e4m3 scales, the operands are ordinary FP16 weights, as in any FP16 GEMM.
 template <bool SYM>
-struct Frag16INT4Form {
+struct Frag16INT4Form : Frag16LaneRun16 {
   static constexpr bool GROUPED = true;      // per-lane scale registers (sc) feed the decode
   static constexpr bool RECORDS = true;      // ... addressed per (tile, group), not per k-block
   static constexpr int REC = SYM ? 2 : 4;    // record bytes: scale (+ zero point, pad)
   static constexpr int WORDS = 4;            // 16 bytes of codes per lane per (tile, k-block)
   static constexpr float OUT_MULT = 1.0f;    // no output scale (ops passes [1.0])
-  QPN_DEV static int x_offset(int lane) { return 16 * (lane & 3); }
-  QPN_DEV static void load_x(const u16* p, u32 (&xr)[8]) {
-    ldg128(p, xr[0], xr[1], xr[2], xr[3]);
-    ldg128(p + 8, xr[4], xr[5], xr[6], xr[7]);
-  }
   // The lane's records of tile ``tile`` at k-block 0: slot 2g + h of a (tile, group) is row g + 8h.
   QPN_DEV static const u8* tile_records(const u8* scales, int tile, int kblocks, int lane, int gs) {
     const int groups = (4 * kblocks + (1 << gs) - 1) >> gs;   // PackedINT4.groups_pad
@@ -314,12 +314,6 @@ struct Frag16INT4Form {
     a1 = apply(biased(shr_b32(v, 4)), zg8, sg8);
     a2 = apply(biased(shr_b32(v, 8)), zg, sg);
     a3 = apply(biased(shr_b32(v, 12)), zg8, sg8);
-  }
-  // Reconstruct: step s covers inputs 16t + 4s .. +3 (a0 a2 on row g, a1 a3 on row g+8).
-  QPN_DEV static void store_ws(u16* row_g, size_t ldw, int lane, int s, u32 a0, u32 a1, u32 a2, u32 a3) {
-    u16* p = row_g + 4 * s + x_offset(lane);
-    stg64(p, a0, a2);
-    stg64(p + 8 * ldw, a1, a3);
   }
 };
 using Frag16INT4Asym = Frag16INT4Form<false>;
