@@ -1098,9 +1098,10 @@ QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 // INT4 W4A16 (issue 26; not served yet: jit.SM80_UNSERVED_ROUTE_KERNELS, UNSERVED_ENTRY_POINTS).
 // The register ring of the NVFP4 routes in the NVFP4 routes' configurations: the same 16 code bytes
 // per lane per (tile, k-block) and an 8-byte (asymmetric) or 4-byte (symmetric) scale record load
-// where NVFP4 has an 8-byte scale load. Not measured on a GPU yet: no ring kernel (their cp.async
-// layout copies per-k-block scale blocks, not group records) and no M-band kernel (the chunked
-// route runs the MT = 2 kernel once per 16-row chunk).
+// where NVFP4 has an 8-byte scale load. Timed on the H200 as they are, not swept
+// (results/kernel_matched_int4_h200_20261203.csv). No ring kernel (their cp.async layout copies
+// per-k-block scale blocks, not group records) and no M-band kernel (the chunked route runs the
+// MT = 2 kernel once per 16-row chunk).
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d4p0, Frag16INT4Asym, 1, 2, 4, 0, 0)
 QPN80_ENTRY(qpn4_mt2_m16n8k16_t1d4p0, Frag16INT4Asym, 2, 1, 4, 0, 0)
 QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d4p0, Frag16INT4Sym, 1, 2, 4, 0, 0)
