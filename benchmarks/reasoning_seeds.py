@@ -14,6 +14,7 @@ table; TTFT and end-to-end seconds stand beside it.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from . import metrics as M
@@ -59,12 +60,17 @@ def summarize(rows: list[dict]) -> list[str]:
     n = len(rows)
     lines = []
     for key, label, digits in SUMMARY_FIELDS:
-        mean, sd = M.mean_sd(r.get(key) for r in rows)
+        values = [r.get(key) for r in rows]
+        mean, sd = M.mean_sd(values)
+        # a seed whose answer came in fewer than two text chunks has no decode time (nor the
+        # figures made from it): n counts the seeds that have the figure, and says who had none
+        have = sum(1 for v in values if v is not None and math.isfinite(float(v)))
+        missing = f"; {n - have} of {n} seeds have none" if have < n else ""
         if mean is None:
-            lines.append(f"{label}: no values")
+            lines.append(f"{label}: no values{missing}")
             continue
         sd_text = f"{sd:.{digits}f}" if sd is not None else "n/a (one value)"
-        lines.append(f"{label}: {mean:.{digits}f} ± {sd_text} (mean ± sd, n={n})")
+        lines.append(f"{label}: {mean:.{digits}f} ± {sd_text} (mean ± sd, n={have}{missing})")
     correct = sum(1 for r in rows if r.get("correct"))
     natural = sum(1 for r in rows if r.get("natural_stop"))
     lines.append(f"final answer correct: {correct}/{n} (expected {REASONING_ANSWER}); "

@@ -199,3 +199,20 @@ def test_mean_and_sample_sd():
 ])
 def test_final_integer(text, expected):
     assert metrics.final_integer(text) == expected
+
+
+def test_reasoning_summary_counts_only_the_seeds_with_a_figure():
+    # seed 2 answered within one text chunk: no decode time, and the summary must neither
+    # average it as zero nor call the one value n=2
+    from qpn.benchmarks.reasoning_seeds import summarize
+
+    rows = [{"decode_s": 2.0, "e2e_s": 3.0, "completion_tokens": 10, "correct": True},
+            {"decode_s": None, "e2e_s": 1.0, "completion_tokens": 1, "correct": False},
+            {"decode_s": 4.0, "e2e_s": 5.0, "completion_tokens": 12, "correct": False}]
+    lines = summarize(rows)
+    decode = next(l for l in lines if l.startswith("seconds to answer"))
+    assert decode == "seconds to answer (decode only): 3.00 ± 1.41 (mean ± sd, n=2; 1 of 3 seeds have none)"
+    e2e = next(l for l in lines if l.startswith("seconds end to end"))
+    assert e2e == "seconds end to end: 3.00 ± 2.00 (mean ± sd, n=3)"
+    assert next(l for l in lines if l.startswith("tau")) == "tau: no values; 3 of 3 seeds have none"
+    assert lines[-1].startswith("final answer correct: 1/3")
