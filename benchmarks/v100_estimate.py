@@ -55,6 +55,53 @@ MOE_NOT_ESTIMATED = (
     "kernel exists to calibrate it on; scripts/v100-evidence.sh's moe step measures them on the owner's V100")
 
 
+# The four V100 times issue 26 quotes as its INT4 yardstick (its table, "% of 879 GB/s" beside
+# them). In 1Cat's note they are Nsight Compute durations of its exact-M5 FP16 GEMV prototype, not
+# the accepted latency of the engine's TurboMind GEMM (the note: NCU "locks/replays the kernel, so
+# its duration is used only for same-report attribution"); they are set beside our estimate as the
+# issue's own figures, the engine's fastest accepted time (turbomind_times) as the real yardstick.
+# (shape key -> (us, the doc line's substrings, checked against the archive by the tests))
+ISSUE_26_AWQ_M5 = {
+    "5x17408x5120": (85.056, ("gate/up `5x17408x5120`", "| 85.056 us |")),
+    "5x5120x8704": (54.304, ("down `5x5120x8704`", "| 54.304 us |")),
+    "5x8192x5120": (49.920, ("qkv/z `5x8192x5120`", "| 49.920 us |")),
+    "5x5120x3072": (25.600, ("out `5x5120x3072`", "| 25.600 us |")),
+}
+ISSUE_26_WHAT = ("1Cat's exact-M5 FP16 GEMV prototype, Nsight Compute duration "
+                 f"({vc.ONECAT_DOCS['awq_m5']}, its NCU table)")
+INT4_GOAL = 1.3  # issue 26: at least 1.3x TurboMind AWQ at M <= 8 on every shape, estimated
+
+
+def int4_goal_lines(rows: list[dict]) -> list[str]:
+    """Issue 26's INT4 goal per shape at M = 5: the estimate against 1Cat's fastest accepted
+    TurboMind AWQ time, the most any kernel could gain over that time on our model's V100 (the
+    layer's bytes alone at the read ceiling, no fixed cost), and the issue's own figures."""
+    awq = [r for r in rows if r["speedup"] is not None and r["fmt"] == "int4"]
+    if not awq:
+        return []
+    out = []
+    for r in awq:
+        floor_us = r["est_us"] * r["est_pct"] / 100.0  # the bytes at 879 GB/s
+        issue = ISSUE_26_AWQ_M5.get(_shape_key(r["m"], r["n"], r["k"]))
+        out.append(f"{r['shape']}: {r['speedup']:.2f}x the accepted {r['turbomind_us']:.1f} us (ceiling: "
+                   f"{r['turbomind_us'] / floor_us:.2f}x, the bytes alone take {floor_us:.1f} us at 879 GB/s)"
+                   + (f", {issue[0] / r['est_us']:.2f}x the issue's {issue[0]:.1f} us" if issue else ""))
+    met = [r for r in awq if r["speedup"] >= INT4_GOAL]
+    beyond = [r for r in awq if r["turbomind_us"] / (r["est_us"] * r["est_pct"] / 100.0) < INT4_GOAL]
+    vs_issue = [r for r in awq if (i := ISSUE_26_AWQ_M5.get(_shape_key(r["m"], r["n"], r["k"])))
+                and i[0] / r["est_us"] >= INT4_GOAL]
+    return [
+        f"INT4 (its m8n8k4 kernels) against 1Cat's TurboMind AWQ at M = 5, estimated: " + "; ".join(out) + ".",
+        f"Issue 26's goal ({INT4_GOAL}x on every shape) against the engine's fastest accepted time: "
+        + ("met." if len(met) == len(awq) else
+           f"MISSED on {len(awq) - len(met)} of {len(awq)} shapes"
+           + (f"; on {', '.join(r['shape'] for r in beyond)} no kernel can reach it on this V100, whose read "
+              f"ceiling caps the gain below {INT4_GOAL}x" if beyond else "") + "."),
+        f"Against the figures the issue quotes ({ISSUE_26_WHAT}): {len(vs_issue)} of {len(awq)} shapes at "
+        f"{INT4_GOAL}x or more.",
+    ]
+
+
 def _shape_key(m: int, n: int, k: int) -> str:
     return f"{m}x{n}x{k}"
 
@@ -185,12 +232,7 @@ def markdown(stamp: str, prov: list[str], rows: list[dict], notes: list[str], st
         worst = min(sp, key=lambda r: r["speedup"])
         md.append(f"NVFP4 (S7 form) against TurboMind NVFP4 at M = 1: {min(r['speedup'] for r in sp):.2f}x to "
                   f"{max(r['speedup'] for r in sp):.2f}x (lowest: {worst['shape']}), estimated.")
-    awq = [r for r in rows if r["speedup"] is not None and r["fmt"] == "int4"]
-    if awq:
-        md.append(f"INT4 (its m8n8k4 kernels; the family is not served yet) against TurboMind AWQ's faster route at "
-                  f"M = 5: " + ", ".join(f"{r['shape']} {r['speedup']:.2f}x" for r in awq)
-                  + f", estimated; issue 26's goal of 1.3x on every shape is "
-                  + ("met." if all(r["speedup"] >= 1.3 for r in awq) else "MISSED."))
+    md += int4_goal_lines(rows)
     below = [r for r in rows if r["seed_verdict"] == "below" and (r["form"] in ("s7", "-"))]
     md.append(f"Rows below seed 000's measured level (S7 form and FP8): {len(below)}"
               + (": " + ", ".join(f"{r['shape']} M={r['m']} ({r['est_pct']:.0f}% vs {r['seed_pct']:.0f}%)" for r in below)

@@ -104,3 +104,43 @@ def test_the_files_are_labelled_estimates_with_provenance(tmp_path, estimate, mo
     # the bootstrap's column reads this file
     lines = pm.v100_column_lines(str(tmp_path))
     assert "20990101" in lines[0] and len(lines) > 1 and all("est" in l for l in lines[1:])
+
+
+@fast
+def test_the_issues_awq_figures_are_the_archives_own():
+    from tests._ci import onecat_archive
+
+    doc = vc.read_onecat_file(str(onecat_archive("1.3.0")), vc.ONECAT_DOCS["awq_m5"]).splitlines()
+    for shape, (us, match) in ve.ISSUE_26_AWQ_M5.items():
+        line = next((ln for ln in doc if all(s in ln for s in match)), None)
+        assert line is not None, (shape, match)
+        assert f"{us:.3f} us" in line and shape in line
+
+
+@fast
+def test_int4_goal_lines_bound_each_shape_by_its_bytes_at_the_ceiling(estimate):
+    _, _, rows, _ = estimate
+    awq = [r for r in rows if r["speedup"] is not None and r["fmt"] == "int4"]
+    lines = ve.int4_goal_lines(rows)
+    if not awq:
+        assert lines == []
+        return
+    per_shape, verdict, issue = lines
+    for r in awq:
+        # the ceiling time is the weight bytes (codes + records) at 879 GB/s, recomputed here
+        # from the format, not from the estimate's own percentage
+        nbytes = r["n"] * r["k"] * pm.bytes_per_weight("int4")
+        floor_us = nbytes / pm.V100_SXM2.read_ceiling_gbps / 1e3
+        assert floor_us < r["est_us"]
+        assert f"the bytes alone take {floor_us:.1f} us" in per_shape, (r["shape"], per_shape)
+        assert f"ceiling: {r['turbomind_us'] / floor_us:.2f}x" in per_shape
+        issue_us = ve.ISSUE_26_AWQ_M5[f"{r['m']}x{r['n']}x{r['k']}"][0]
+        assert f"{issue_us / r['est_us']:.2f}x the issue's" in per_shape
+    missed = [r for r in awq if r["speedup"] < ve.INT4_GOAL]
+    assert ("met." in verdict) == (not missed)
+    named = verdict.split("; on ")[1].split(" no kernel can reach it")[0].split(", ") if "no kernel" in verdict else []
+    capped = [r["shape"] for r in awq
+              if r["turbomind_us"] / (r["n"] * r["k"] * pm.bytes_per_weight("int4") / 879.0 / 1e3) < ve.INT4_GOAL]
+    assert named == capped
+    n_issue = sum(1 for r in awq if ve.ISSUE_26_AWQ_M5[f"{r['m']}x{r['n']}x{r['k']}"][0] / r["est_us"] >= ve.INT4_GOAL)
+    assert f": {n_issue} of {len(awq)} shapes" in issue
