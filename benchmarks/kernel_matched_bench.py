@@ -22,7 +22,7 @@ Arms (all on the same weight values; each timed twice, the same way for every ar
                  LIMIT_CONFIGS; chosen per shape in the same run) over as many bytes as the qpn arm
                  streams: how close to the read ceiling ANY single kernel of this layer's size gets
   qpn_plain      sm_90+ only, where the qpn arm launches its route kernel's *_pdl form
-                 (jit.SM80_PDL_KERNELS): the route's kernel without the programmatic-dependent-launch
+                 (sm80_tables.SM80_PDL_KERNELS): the route's kernel without the programmatic-dependent-launch
                  hooks, launched with plain cuLaunchKernel, as the library did before; the qpn arm
                  minus this one is what PDL buys
 Columns: eager_* = CUDA events around a loop of calls (host launch cost included, as an engine
@@ -50,7 +50,7 @@ import sys
 
 import torch
 
-from qpn.kernels import codecs, families, formats, jit, ops, routes
+from qpn.kernels import atoms, codecs, families, formats, kernel_inputs, ops, routes, sm80_plan, sm80_tables
 
 SHAPES = {
     # name: (format, N, K) -- Qwen3.8-27B's per-rank shapes (tests/test_tp_sharding.py)
@@ -324,7 +324,7 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
     if fmt == "fp8":
         sa = torch.tensor(1.0 / 64, device="cuda")
     x_all = torch.randn((max(ms), k), device="cuda", generator=gen).to(torch.float16)
-    arch = ops.arch_for_atom(atom)
+    arch = atoms.arch_for_atom(atom)
     gl = []
     if fmt in ("nvfp4", "int4") and GEMLITE:
         for i in range(n_q):
@@ -360,11 +360,12 @@ def bench_shape(name, fmt, n, k, ms, read, copy, gen, atom, naive, out_rows, wri
                 print(f"ERROR {name} M={m}: {plain_name} differs from the qpn arm's result; qpn_plain arm not "
                       "timed", flush=True)
         if packs[0].atom == "m16n8k16" and routes.as_route(route).chunk_rows \
-                and formats.KERNEL_FAMILIES[fmt] in jit.SM80_BAND_KERNELS:
+                and formats.KERNEL_FAMILIES[fmt] in sm80_tables.SM80_BAND_KERNELS:
             # the chunked route as it ran before the M-band kernels: the MT = 2 route kernel once per
             # 16-row chunk, each chunk streaming the weights again (FP8 still runs it: no such arm)
-            k16 = jit.SM80_ROUTE_KERNELS[(formats.KERNEL_FAMILIES[fmt], 2)]
-            arms.insert(1, ("qpn_chunk16", k16, qbytes, lambda i: ops.run_sm80_kernel(x, packs[i % n_q], k16, route)))
+            k16 = sm80_tables.SM80_ROUTE_KERNELS[(formats.KERNEL_FAMILIES[fmt], 2)]
+            arms.insert(1, ("qpn_chunk16", k16, qbytes,
+                            lambda i: sm80_plan.run_sm80_kernel(x, packs[i % n_q], k16, route)))
         if fmt == "fp8":
             mp = -(-m // 16) * 16
             xq = torch.zeros((mp, k), device="cuda", dtype=torch.float16)
@@ -416,11 +417,11 @@ def qpn_plain_call(fmt, m, n, k, packs, x):
     route = routes.route_for(fmt, m, n, k, arch="sm80", served_only=False)
     if route.kernel != routes.TILED:
         return None, ""
-    kname = ops._sm80_kernel_for(route, m, n)[0]
+    kname = sm80_plan._sm80_kernel_for(route, m, n)[0]
     dev = x.device
-    if ops._pdl_form(kname, dev.index if dev.index is not None else torch.cuda.current_device()) is None:
+    if sm80_plan._pdl_form(kname, dev.index if dev.index is not None else torch.cuda.current_device()) is None:
         return None, ""
-    ws = [ops._fp32_scale(ops.operands(p)) for p in packs]
+    ws = [kernel_inputs.fp32_scale(ops.operands(p)) for p in packs]
     plans = {}   # (weight, stream): graph capture runs on a stream of its own
     xc = x.contiguous()
 
@@ -428,7 +429,7 @@ def qpn_plain_call(fmt, m, n, k, packs, x):
         stream = torch.cuda.current_stream().cuda_stream
         plan = plans.get((i % len(ws), stream))
         if plan is None:
-            plan = plans[i % len(ws), stream] = ops._sm80_launch(route, m, ws[i % len(ws)], dev, stream)
+            plan = plans[i % len(ws), stream] = sm80_plan._sm80_launch(route, m, ws[i % len(ws)], dev, stream)
             assert plan.pdl is None
         y = torch.empty((m, n), dtype=torch.float16, device=dev)
         plan.run(xc.data_ptr(), y.data_ptr(), 0)
@@ -449,7 +450,7 @@ def host_time_per_call(n: int = 256, k: int = 256, calls: int = 2000) -> dict:
         x = torch.randn((1, k), device="cuda", generator=gen).to(torch.float16)
         w = torch.randn((n, k), device="cuda", generator=gen).to(torch.float16)
         wop = ops.operands(packed)
-        route = routes.route_for(fmt, 1, n, k, arch=ops.arch_for_atom(packed.atom))
+        route = routes.route_for(fmt, 1, n, k, arch=atoms.arch_for_atom(packed.atom))
         arms = ((f"qpn_linear_{fmt}", lambda: ops.qpn_linear(x, packed)),
                 # the same call through the general (uncached) launch path, for comparison
                 (f"qpn_general_path_{fmt}", lambda: ops._linear(x, wop, route, None)),
@@ -475,8 +476,8 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
     """sm_80+ only: every configured kernel and every stage-dropping variant of the m16n8k16
     source, graph-timed on the same weights, plus the split-K minimum-items knob."""
     rows = []
-    kernels = jit.sm80_kernels()
-    saved = {f.family: v for f, v in jit.SM80_MIN_ITEMS.items()}
+    kernels = sm80_plan.sm80_kernels()
+    saved = {f.family: v for f, v in sm80_tables.SM80_MIN_ITEMS.items()}
     for name in names:
         fmt, n, k = SHAPES[name]
         src0 = _weights(fmt, n, k, gen)
@@ -489,20 +490,20 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
             key = _sweep_key(m)
             route = str(routes.route_for(fmt, m, n, k, arch="sm80"))
             if key == BAND:   # the M-band kernels, beside the MT = 2 route kernel once per 16-row chunk
-                default = ops._sm80_kernel_for(routes.as_route(route), m, n)[0]
-                old = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
+                default = sm80_plan._sm80_kernel_for(routes.as_route(route), m, n)[0]
+                old = sm80_tables.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
                 fits = lambda kn, c: c.band or kn == old  # noqa: E731
             else:
-                default = jit.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], key)]
+                default = sm80_tables.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], key)]
                 fits = lambda kn, c: c.mt == key and not c.band  # noqa: E731
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
                       if c.fmt == fmt and fits(kn, c) and (kn == default or not only or any(o in kn for o in only))]
             if not only and key != BAND:
                 trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
             for kn, mi in trials:
-                jit.SM80_MIN_ITEMS[formats.FAMILIES[fmt]] = mi
-                ops._sm80_plans.clear()
-                t = time_graph(lambda i: ops.run_sm80_kernel(x, packs[i % n_q], kn, route), target_ms=15)
+                sm80_tables.SM80_MIN_ITEMS[formats.FAMILIES[fmt]] = mi
+                sm80_plan._sm80_plans.clear()
+                t = time_graph(lambda i: sm80_plan.run_sm80_kernel(x, packs[i % n_q], kn, route), target_ms=15)
                 gbps = p0.nbytes / (t * 1e-3) / 1e9
                 c = kernels[kn]
                 rows.append(dict(shape=name, fmt=fmt, n=n, k=k, m=m, kernel=kn, tiles=c.tiles, depth=c.depth,
@@ -510,8 +511,8 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
                                  gbps=gbps, pct_read=100 * gbps / read))
                 print(f"sweep {name:22s} M={m:3d} {kn:34s} min_items={mi} {t * 1e3:8.1f} us "
                       f"{100 * gbps / read:5.1f}% read", flush=True)
-            jit.SM80_MIN_ITEMS.update({formats.FAMILIES[f]: v for f, v in saved.items()})
-            ops._sm80_plans.clear()
+            sm80_tables.SM80_MIN_ITEMS.update({formats.FAMILIES[f]: v for f, v in saved.items()})
+            sm80_plan._sm80_plans.clear()
         del packs
         torch.cuda.empty_cache()
     with open(path, "w", newline="") as f:
@@ -541,16 +542,16 @@ def _sweep_key(m: int):
 
 
 def sweep_winners(rows) -> dict:
-    """(format family's WeightFormat, mt), the keys of jit.SM80_ROUTE_KERNELS -> the route-capable
+    """(format family's WeightFormat, mt), the keys of sm80_tables.SM80_ROUTE_KERNELS -> the route-capable
     kernel (variant 0) with the best mean share of the read ceiling over the swept shapes and M, at
     the default split-K setting."""
-    kernels = jit.sm80_kernels()
+    kernels = sm80_plan.sm80_kernels()
     best = {}
     for key in {(r["fmt"], _sweep_key(r["m"])) for r in rows if _sweep_key(r["m"]) != BAND}:
         scores = {}
         for r in rows:
             if (r["fmt"], _sweep_key(r["m"])) == key and kernels[r["kernel"]].variant == 0 \
-                    and r["min_items"] == jit.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
+                    and r["min_items"] == sm80_tables.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
                 scores.setdefault(r["kernel"], []).append(r["pct_read"])
         if scores:
             best[(formats.FAMILIES[key[0]], key[1])] = max(scores, key=lambda kn: statistics.mean(scores[kn]))
@@ -584,10 +585,11 @@ def provenance(args, atom) -> list[str]:
         f"# qpn atom: {atom}"
         + (f"; m8n8k4 NVFP4 form: {ops.nvfp4_form(torch.device('cuda', 0))}" if atom == "m8n8k4" else "")
         + "; sm_80+ route kernels: "
-        + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in jit.SM80_ROUTE_KERNELS.items())
-        + "".join(f"; {f.family}/mt{mt} with N >= {jit.SM80_LARGE_N}={k}" for (f, mt), k in jit.SM80_LARGE_N_KERNELS.items())
-        + "".join(f"; {f.family}/chunked (M band)={'/'.join(k)}" for f, k in jit.SM80_BAND_KERNELS.items())
-        + f"; split-K min items { {f.family: v for f, v in jit.SM80_MIN_ITEMS.items()} }",
+        + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in sm80_tables.SM80_ROUTE_KERNELS.items())
+        + "".join(f"; {f.family}/mt{mt} with N >= {sm80_tables.SM80_LARGE_N}={k}"
+                  for (f, mt), k in sm80_tables.SM80_LARGE_N_KERNELS.items())
+        + "".join(f"; {f.family}/chunked (M band)={'/'.join(k)}" for f, k in sm80_tables.SM80_BAND_KERNELS.items())
+        + f"; split-K min items { {f.family: v for f, v in sm80_tables.SM80_MIN_ITEMS.items()} }",
     ]
     if cap >= (8, 0) and atom == "m8n8k4":
         lines.append(f"# NOTE: {EMULATION_NOTE}")
@@ -677,7 +679,7 @@ def band_table(rows) -> list[str]:
     other arms. A qpn_chunk16 row of a format without band kernels (FP8 runs the same kernel in both
     arms) is left out. Empty without such rows."""
     arms = ("qpn", "qpn_chunk16", "torch_fp16", "scaled_mm")
-    banded = {f.family for f in jit.SM80_BAND_KERNELS}
+    banded = {f.family for f in sm80_tables.SM80_BAND_KERNELS}
     cells = {(r["shape"], int(r["m"]), r["arm"]): r for r in rows
              if r["m"] > routes.M_MT2_MAX and r["arm"] in arms and r["shape"].startswith("tp1_")
              and (r["arm"] != "qpn_chunk16" or SHAPES[r["shape"]][0] in banded)}
@@ -789,7 +791,7 @@ def mlp_block_time(ms=(1, 8), read: float = 0.0) -> dict:
     """Graph-replay microseconds (median of MLP_BLOCK_ROUNDS alternating rounds) of one MLP block as
     a model runs it -- an RMS norm in torch, gate_up on QPN, SiLU-and-mul in torch, down on QPN --
     for TP1 and TP4: with the library's launches (programmatic dependent launch where
-    jit.SM80_PDL_KERNELS says), with plain launches (the library's own switch, QPN_PDL=0, while
+    sm80_tables.SM80_PDL_KERNELS says), with plain launches (the library's own switch, QPN_PDL=0, while
     that arm plans its launches on its own copies of the weights), and with FP16 weights through
     torch. Unlike the per-shape arms, where each QPN call follows another, here the kernel before
     each QPN call is torch's: what PDL buys in a model."""
@@ -823,17 +825,17 @@ def mlp_block_time(ms=(1, 8), read: float = 0.0) -> dict:
             y, times = {}, {arm: [] for arm in arms}
             for rnd in range(MLP_BLOCK_ROUNDS):   # the arms alternate, in turned order every other round
                 for arm in (list(arms) if rnd % 2 == 0 else list(arms)[::-1]):
-                    saved = os.environ.get(ops.PDL_ENV)
+                    saved = os.environ.get(sm80_plan.PDL_ENV)
                     if arm == "qpn_plain":
-                        os.environ[ops.PDL_ENV] = "0"
+                        os.environ[sm80_plan.PDL_ENV] = "0"
                     try:
                         y[arm] = arms[arm](0)
                         times[arm].append(time_graph(arms[arm]) * 1e3)
                     finally:
                         if saved is None:
-                            os.environ.pop(ops.PDL_ENV, None)
+                            os.environ.pop(sm80_plan.PDL_ENV, None)
                         else:
-                            os.environ[ops.PDL_ENV] = saved
+                            os.environ[sm80_plan.PDL_ENV] = saved
             for arm, ts in times.items():
                 out[f"{tp}_M{m}_{arm}"] = statistics.median(ts)
             if not torch.equal(y["qpn"], y["qpn_plain"]):
@@ -901,7 +903,7 @@ def main(argv=None) -> int:
             packed = _pack(fmt, _weights(fmt, n, k, gen), args.atom or ops.atom_for_device(0))
             x = torch.randn((int(m), k), device="cuda", generator=gen).to(torch.float16)
             calls.append((lambda x=x, packed=packed, kn=kernel[0] if kernel else None:
-                          ops.run_sm80_kernel(x, packed, kn) if kn else ops.qpn_linear(x, packed)))
+                          sm80_plan.run_sm80_kernel(x, packed, kn) if kn else ops.qpn_linear(x, packed)))
         for call in calls:   # warm-up: module load, workspace
             call()
         torch.cuda.synchronize()
@@ -945,9 +947,9 @@ def main(argv=None) -> int:
                       only=tuple(s for s in args.sweep_kernels.split(",") if s))
         if args.adopt_sweep:
             win = sweep_winners(srows)
-            jit.SM80_ROUTE_KERNELS.update(win)
-            jit.SM80_LARGE_N_KERNELS.clear()   # the sweep's winners serve every layer size
-            ops._sm80_plans.clear()
+            sm80_tables.SM80_ROUTE_KERNELS.update(win)
+            sm80_tables.SM80_LARGE_N_KERNELS.clear()   # the sweep's winners serve every layer size
+            sm80_plan._sm80_plans.clear()
             print("adopted from the sweep: " + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in
                                                      sorted(win.items(), key=lambda it: (it[0][0].family, it[0][1]))))
             prov = provenance(args, atom) + extra

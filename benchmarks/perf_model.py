@@ -44,7 +44,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from qpn.kernels import formats, jit, nvrtc, ops, routes
+from qpn.kernels import formats, jit, nvrtc, ops, routes, sm80_plan, sm80_tables
 
 ESTIMATE_LABEL = ("estimate from the model calibrated on published V100 measurements "
                   "(benchmarks/v100_calibration.py), NOT a V100 measurement")
@@ -239,7 +239,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
     mma_ptx = _ptx_mma_counts(res.ptx)
     out = {}
     if atom == "m16n8k16":
-        for name, c in jit.sm80_kernels().items():
+        for name, c in sm80_plan.sm80_kernels().items():
             if c.variant != 0 or name not in funcs:
                 continue
             fmt = c.fmt   # served kernels and those of a family not served yet (INT4), as on m8n8k4
@@ -282,7 +282,8 @@ def _active_warps(k: KernelStats, gpu: Gpu, n: int, kdim: int) -> tuple[float, f
     w = resident_warps(k, gpu)
     if k.atom == "m16n8k16":
         kblocks = -(-kdim // 64)
-        _, nwarps, _ = ops.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w, jit.SM80_MIN_ITEMS[formats.KERNEL_FAMILIES[k.fmt]])
+        _, nwarps, _ = sm80_plan.sm80_partition(n, kblocks, k.tiles, 1, gpu.sms * w,
+                                                sm80_tables.SM80_MIN_ITEMS[formats.KERNEL_FAMILIES[k.fmt]])
         return min(w, nwarps / gpu.sms), 1.0
     n_tiles, kblocks = -(-n // 32), -(-kdim // 32)
     _, tpb = ops.sm70_split(n_tiles, kblocks, 1, gpu.sms)
@@ -334,7 +335,7 @@ def observations(csv_path: str, sweep_path: str | None) -> tuple[float, list[dic
     if sweep_path:
         _, srows = _read_csv(sweep_path)
         for r in srows:
-            if int(r["variant"]) == 0 and int(r["min_items"]) == jit.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
+            if int(r["variant"]) == 0 and int(r["min_items"]) == sm80_tables.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
                 mt = 1 if int(r["m"]) <= 8 else 2
                 obs.append(dict(kernel=r["kernel"], shape=r["shape"], n=int(r["n"]), k=int(r["k"]), m=int(r["m"]),
                                 route=str(routes.tiled_route(r["fmt"], mt)),

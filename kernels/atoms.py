@@ -146,6 +146,11 @@ def atom_for_arch(arch) -> str:
     return "m8n8k4" if num < 80 else "m16n8k16"
 
 
+
+def arch_for_atom(atom: str) -> str:
+    """The route-table architecture key of an atom's kernels (the bands are the same today)."""
+    return "sm70" if atom == "m8n8k4" else "sm80"
+
 @lru_cache(maxsize=None)
 def geometry(atom: str) -> AtomGeometry:
     if atom == "m8n8k4":

@@ -145,7 +145,7 @@ class WeightFormat:
     def dense_entry_points(self, atom: str) -> tuple[str, ...]:
         """The dense kernels of the format on the m8n8k4 atom (one-tile, two-tile, their S7 forms
         for an e4m3-grouped format, workspace reconstruction); on m16n8k16 the configured kernels
-        are listed in kernels/jit.py. None on an atom outside ``kernel_atoms``."""
+        are listed in kernels/sm80_tables.py. None on an atom outside ``kernel_atoms``."""
         if atom not in self.kernel_atoms:
             return ()
         p = self.kernel_prefix

@@ -34,9 +34,9 @@ import torch
 
 from . import families, formats, jit, prepack, routes
 from .atoms import geometry
+from .kernel_inputs import fp16_activations
 from .moe_reference import MAX_EXPERTS, check_routing, moe_reference
 from .prepack import split_gate_up
-from .ops import fp16_activations
 
 MOE_SOURCE = "qpn_moe.cu"
 # Source per atom: the sm_80+ file includes qpn_moe.cu (routing, combine, m8n8k4 entries) and adds
@@ -327,15 +327,8 @@ def max_groups(pairs: int, num_experts: int, rows: int) -> int:
     return max(1, min(pairs, -(-pairs // rows) + min(num_experts, pairs)))
 
 
-_sm_count: dict = {}
-
-
 def _sms(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    s = _sm_count.get(idx)
-    if s is None:
-        s = _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return s
+    return jit.sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_for(n_tiles_total: int, kblocks: int, est_groups: int, sms: int, max_ksplit: int) -> int:

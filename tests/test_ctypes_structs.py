@@ -1,5 +1,5 @@
 """The kernel argument structs: every ctypes.Structure the launchers fill (kernels/ops.py,
-kernels/moe.py) has the layout of its CUDA struct in kernels/csrc (same field names in the same
+kernels/sm80_plan.py, kernels/moe.py) has the layout of its CUDA struct in kernels/csrc (same field names in the same
 order, same offsets and sizes, same total size).
 
 The CUDA side's layout is not computed here by C layout rules: the struct definitions are cut
@@ -15,11 +15,11 @@ import re
 
 import pytest
 
-from qpn.kernels import jit, moe, nvrtc, ops
+from qpn.kernels import moe, nvrtc, ops, sm80_plan
 
 pytestmark = pytest.mark.fast
 
-MODULES = (ops, moe, jit)
+MODULES = (ops, moe, sm80_plan)
 
 
 # The CUDA driver's own launch description (cuda.h), not a kernel argument block: checked below
@@ -43,16 +43,17 @@ def test_driver_launch_structs_have_the_cuda_h_layout():
     """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute (cuda.h, CUDA 12.0-13.0; the
     attribute value is a 64-byte union): offsets and sizes on a 64-bit host. A wrong offset would
     hand the driver a garbage stream or attribute list on the first PDL launch."""
-    cfg = {f: (getattr(jit.LaunchConfig, f).offset, getattr(jit.LaunchConfig, f).size)
-           for f, _ in jit.LaunchConfig._fields_}
+    cfg = {f: (getattr(sm80_plan.LaunchConfig, f).offset, getattr(sm80_plan.LaunchConfig, f).size)
+           for f, _ in sm80_plan.LaunchConfig._fields_}
     assert list(cfg) == ["gx", "gy", "gz", "bx", "by", "bz", "smem", "stream", "attrs", "nattrs"]
     assert [cfg[f][0] for f in cfg] == [0, 4, 8, 12, 16, 20, 24, 32, 40, 48]
-    assert ctypes.sizeof(jit.LaunchConfig) == 56
-    assert (jit.LaunchAttr.id.offset, jit.LaunchAttr.value.offset, ctypes.sizeof(jit.LaunchAttr)) == (0, 8, 72)
-    assert ctypes.sizeof(jit.LaunchAttrValue) == 64
-    c = jit.pdl_config(grid=7, block=256, smem=1024, stream=0x1234)
+    assert ctypes.sizeof(sm80_plan.LaunchConfig) == 56
+    attr = sm80_plan.LaunchAttr
+    assert (attr.id.offset, attr.value.offset, ctypes.sizeof(attr)) == (0, 8, 72)
+    assert ctypes.sizeof(sm80_plan.LaunchAttrValue) == 64
+    c = sm80_plan.pdl_config(grid=7, block=256, smem=1024, stream=0x1234)
     assert (c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.smem, c.stream, c.nattrs) == (7, 1, 1, 256, 1, 1, 1024, 0x1234, 1)
-    assert c.attrs[0].id == jit.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert c.attrs[0].id == sm80_plan.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
     assert c.attrs[0].value.i == 1
 
 
@@ -210,7 +211,7 @@ def test_check_fails_on_a_cuda_side_change(nvrtc12, sources, mutation):
 
 
 def test_check_fails_on_a_ctypes_side_change(nvrtc12, sources):
-    cls = ops.Qpn80Args
+    cls = sm80_plan.Qpn80Args
     text = cuda_struct("Qpn80Args", sources)
     layout = cuda_layouts(nvrtc12, {"Qpn80Args": text})["Qpn80Args"]
     names = cuda_field_names(text)

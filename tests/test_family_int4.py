@@ -223,7 +223,7 @@ def test_registry_data():
     assert INT4.dense_entry_points("m8n8k4") == ("qpn4_mt1_m8n8k4", "qpn4_mt2_m8n8k4", "qpn4_reconstruct_ws_m8n8k4")
     assert INT4_SYM.dense_entry_points("m8n8k4") == ("qpn4_sym_mt1_m8n8k4", "qpn4_sym_mt2_m8n8k4",
                                                      "qpn4_sym_reconstruct_ws_m8n8k4")
-    # m16n8k16: the reconstruct pass here; the configured GEMM kernels are jit.SM80_UNSERVED_ROUTE_KERNELS
+    # m16n8k16: the reconstruct pass here; the configured GEMM kernels are sm80_tables.SM80_UNSERVED_ROUTE_KERNELS
     assert INT4.dense_entry_points("m16n8k16") == ("qpn4_reconstruct_ws_m16n8k16",)
     assert INT4_SYM.dense_entry_points("m16n8k16") == ("qpn4_sym_reconstruct_ws_m16n8k16",)
 
@@ -444,15 +444,15 @@ def test_mutation_is_caught(name, old, new, check, tmp_path, request, monkeypatc
 @pytest.mark.parametrize("sym", [False, True])
 def test_kernel_tensors_handed_out_per_call_match_the_eager_cache(sym):
     """packed_tensors views INT4's records afresh on every call; the eager launch cache
-    (ops._eager_tiled) must see the same bytes there, not a replaced weight (else it re-plans
+    (sm80_plan.eager_tiled) must see the same bytes there, not a replaced weight (else it re-plans
     every call), and must still see a replaced record tensor as replaced."""
-    from qpn.kernels import ops
+    from qpn.kernels import sm80_plan
 
     w = torch.randn((16, 256), generator=torch.Generator().manual_seed(5)) * 0.02
     packed = family_int4.prepack_int4(*family_int4.quantize(w, 128, symmetric=sym), atom="m16n8k16")
     num = families.numerics(packed)
     first, again = num.packed_tensors(packed), num.packed_tensors(packed)
     assert first[1] is not again[1]                       # a fresh view: identity alone would re-plan
-    assert all(ops._same_tensor(a, b) for a, b in zip(first, again))
+    assert all(sm80_plan._same_tensor(a, b) for a, b in zip(first, again))
     packed.scales = packed.scales.clone()                 # the records replaced: a new plan is due
-    assert not ops._same_tensor(first[1], num.packed_tensors(packed)[1])
+    assert not sm80_plan._same_tensor(first[1], num.packed_tensors(packed)[1])

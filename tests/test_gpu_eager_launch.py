@@ -1,4 +1,4 @@
-"""The eager launch cache of qpn_linear on sm_80+ (ops._eager_tiled): a call that takes the cached
+"""The eager launch cache of qpn_linear on sm_80+ (sm80_plan.eager_tiled): a call that takes the cached
 path gives the same bits as the general path on every route band, bias kind and format, and a
 weight whose tensors are replaced is planned again instead of launching on stale pointers.
 Runs on the H200 through the device tool; CI has no GPU and skips."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import family_int4, ops, prepack, routes
+from qpn.kernels import family_int4, ops, prepack, routes, sm80_plan
 from tests import _format_cases as fc
 
 pytestmark = [
@@ -55,10 +55,10 @@ def test_cached_path_is_bit_identical_to_the_general_path(fmt, per_channel, n, k
             for route in (None, str(routes.route_for(ops.operands(packed).fmt, m, n, k, arch="sm80",
                                                      served_only=False))):
                 y = ops.qpn_linear(x, packed, route=route, bias=bias)
-                ent = ops._eager_weights.get(id(packed))
+                ent = sm80_plan._eager_weights.get(id(packed))
                 assert ent is not None and ent.ref() is packed, "the cached path was not taken"
                 plan = ent.plans.get((m, route, torch.cuda.current_stream().cuda_stream))
-                assert isinstance(plan, ops._Launch), (m, route, plan)
+                assert isinstance(plan, sm80_plan._Launch), (m, route, plan)
                 ref = _general(x, packed, route, bias)
                 assert torch.equal(y, ref), (fmt, n, k, m, bname, route)
     # 3-D activations and FP32 activations take the general path and agree too
@@ -105,7 +105,7 @@ def test_cached_path_follows_the_current_stream():
         key = (8, None, side.cuda_stream)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert key in ops._eager_weights[id(packed)].plans
+    assert key in sm80_plan._eager_weights[id(packed)].plans
     assert torch.equal(y, ref)
 
 
@@ -126,21 +126,21 @@ def _chain(layers, x):
                                       ("nvfp4", (256, 100_352))])
 @pytest.mark.parametrize("m", [1, 8, 16])
 def test_pdl_launches_give_the_plain_launches_bits_eager_and_in_a_graph(monkeypatch, fmt, dims, m):
-    """On sm_90+ the route plans of jit.SM80_PDL_KERNELS (M <= 8; FP8 also M 9-16) launch the *_pdl
+    """On sm_90+ the route plans of sm80_tables.SM80_PDL_KERNELS (M <= 8; FP8 also M 9-16) launch the *_pdl
     kernels with the PDL attribute (lm_head-sized layers: the shared-memory ring's form). A chain in which every call's activations come from
     the kernel right before it, QPN after QPN on the same split-K scratch, gives bit for bit the
     plain launches' result (QPN_PDL=0), eagerly and replayed from a CUDA graph."""
     gen = torch.Generator(device="cuda").manual_seed(sum(dims) + m)
     layers = [_packed(fmt, n, k, gen) for k, n in zip(dims, dims[1:])]
     x = fc.activations(m, dims[0], gen, outliers=True)
-    monkeypatch.setenv(ops.PDL_ENV, "0")
-    ops._eager_weights.clear()
+    monkeypatch.setenv(sm80_plan.PDL_ENV, "0")
+    sm80_plan._eager_weights.clear()
     plain = _chain(layers, x)
-    assert all(p.pdl is None for l in layers for p in ops._eager_weights[id(l)].plans.values())
-    monkeypatch.delenv(ops.PDL_ENV)
-    ops._eager_weights.clear()
+    assert all(p.pdl is None for l in layers for p in sm80_plan._eager_weights[id(l)].plans.values())
+    monkeypatch.delenv(sm80_plan.PDL_ENV)
+    sm80_plan._eager_weights.clear()
     eager = _chain(layers, x)
-    plans = [p for l in layers for p in ops._eager_weights[id(l)].plans.values()]
+    plans = [p for l in layers for p in sm80_plan._eager_weights[id(l)].plans.values()]
     want_pdl = m <= 8 or fmt == "fp8"
     assert plans and all((p.pdl is not None) is want_pdl for p in plans), (fmt, m, want_pdl)
     assert torch.equal(eager, plain)
@@ -158,4 +158,4 @@ def test_pdl_launches_give_the_plain_launches_bits_eager_and_in_a_graph(monkeypa
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, plain)
-    ops._eager_weights.clear()
+    sm80_plan._eager_weights.clear()

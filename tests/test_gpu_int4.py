@@ -218,12 +218,12 @@ def test_int4_subnormal_operands(member, atom):
 
 @pytest.mark.parametrize("member", list(MEMBERS))
 def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
-    """On m16n8k16 each band runs the member's own configured kernel (jit.SM80_UNSERVED_ROUTE_KERNELS,
+    """On m16n8k16 each band runs the member's own configured kernel (sm80_tables.SM80_UNSERVED_ROUTE_KERNELS,
     never another family's or member's) with the weight's group shift, and a chunked M (40: three
     16-row chunks of the MT = 2 kernel) agrees with the reference too."""
     if atom != "m16n8k16":
         pytest.skip("the m16n8k16 kernel table")
-    from qpn.kernels import jit
+    from qpn.kernels import sm80_plan, sm80_tables
     sym = member == "sym"
     fmt = MEMBERS[member]
     gen = _gen(11 + sym)
@@ -235,8 +235,9 @@ def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
         assert ops.kernel_member(w) == (fmt, {32: 1, 64: 2, 128: 3}[g])
         for m, mt in ((1, 1), (8, 1), (9, 2), (16, 2), (40, 2)):
             route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
-            name, chunks = ops._sm80_kernel_for(route, m, n, fmt)
-            assert name == jit.SM80_UNSERVED_ROUTE_KERNELS[(fmt, mt)] and name.startswith(fmt.kernel_prefix + "_")
+            name, chunks = sm80_plan._sm80_kernel_for(route, m, n, fmt)
+            assert name == sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[(fmt, mt)]
+            assert name.startswith(fmt.kernel_prefix + "_")
             assert chunks == (-(-m // 16) if route.chunk_rows else 1)
             x = fc.activations(m, k, gen, outliers=True)
             _check(ops.qpn_linear(x.cuda(), packed), x, _w16(src), f"{member} g={g} M={m} ({route}, {name})")

@@ -41,7 +41,7 @@ import time
 import pytest
 import torch
 
-from qpn.kernels import codecs, formats, jit, ops, prepack, reference, routes
+from qpn.kernels import atoms, codecs, formats, jit, ops, prepack, reference, routes, sm80_plan, sm80_tables
 from tests import _format_cases as fc
 from tests import _per_group as pg
 
@@ -157,7 +157,7 @@ def _atom_label(packed, route=None, m: int = 1) -> str:
     """The report's atom column: the atom, and for NVFP4 on m8n8k4's tiled routes (the reconstruct
     route has one form) the form that ran."""
     r = routes.as_route(route) if route else routes.route_for(packed.fmt, m, packed.n, packed.k,
-                                                              arch=ops.arch_for_atom(packed.atom))
+                                                              arch=atoms.arch_for_atom(packed.atom))
     if (packed.fmt == "nvfp4" and packed.atom == "m8n8k4" and r.kernel == routes.TILED
             and ops.nvfp4_form(torch.device("cuda")) == "s7"):
         return "m8n8k4-s7"
@@ -199,7 +199,7 @@ def _run_shape(name, packed, fmt, dev, gen, bias=None, weights=""):
         y64 = reference.linear_f64(x, packed, bias)
         mag = _magnitude(x, packed)
         for m in M_LIST:
-            route = str(routes.route_for(fmt, m, packed.n, k, arch=ops.arch_for_atom(packed.atom)))
+            route = str(routes.route_for(fmt, m, packed.n, k, arch=atoms.arch_for_atom(packed.atom)))
             ok, rel, bad = _check(name, packed, x, y64, route, m, bias, mag, weights, acts)
             if not ok:
                 fails.append((acts, route, m, rel, bad))
@@ -484,12 +484,12 @@ def test_sm80_every_configuration_is_correct_and_every_variant_runs(fmt):
     x = _activations(48, k, dev, gen)
     y64 = reference.linear_f64(x, packed)
     prefix = routes.ROUTE_PREFIX[fmt]
-    for name, cfg in jit.sm80_kernels().items():
+    for name, cfg in sm80_plan.sm80_kernels().items():
         if not name.startswith(prefix):
             continue
         for m in ((1, 8) if cfg.mt == 1 else (9, 16, 48)):
             route = prefix if cfg.mt == 1 else (prefix + "_mt2" if m <= 16 and not cfg.band else prefix + "_chunked")
-            y = ops.run_sm80_kernel(x[:m], packed, name, route)
+            y = sm80_plan.run_sm80_kernel(x[:m], packed, name, route)
             torch.cuda.synchronize()
             if cfg.variant != 0:
                 continue
@@ -508,11 +508,11 @@ def test_sm80_block_cooperative_kernels_on_edge_partitions(fmt, n, k):
     tile row split over many blocks, rows past N in the last group; bound met, and the same bits
     on a second run (the in-block and the cross-block sums both go in a fixed order)."""
     packed, x, y64, prefix = _edge_case(fmt, n, k, 31, 40)
-    coop = [name for name, cfg in jit.sm80_kernels().items()
+    coop = [name for name, cfg in sm80_plan.sm80_kernels().items()
             if cfg.coop and cfg.variant == 0 and name.startswith(prefix)]
     assert coop
     for name in coop:
-        cfg = jit.sm80_kernels()[name]
+        cfg = sm80_plan.sm80_kernels()[name]
         for m in ((1, 8) if cfg.mt == 1 else (9, 16, 40)):
             route = prefix if cfg.mt == 1 else (prefix + "_mt2" if m <= 16 else prefix + "_chunked")
             _twice_within_bound(x[:m], packed, name, route, y64[:m])
@@ -530,8 +530,8 @@ def _edge_case(fmt, n, k, seed, rows):
 
 def _twice_within_bound(x, packed, name, route, y64):
     """Runs kernel ``name`` twice: the bound is met and the second run gives the same bits."""
-    y = ops.run_sm80_kernel(x, packed, name, route)
-    y2 = ops.run_sm80_kernel(x, packed, name, route)
+    y = sm80_plan.run_sm80_kernel(x, packed, name, route)
+    y2 = sm80_plan.run_sm80_kernel(x, packed, name, route)
     torch.cuda.synchronize()
     rel = reference.relative_error(y, y64)
     assert rel <= BOUND, (name, packed.n, packed.k, x.shape[0], rel)
@@ -549,14 +549,14 @@ def test_sm80_band_kernels_on_edge_partitions(fmt, n, k):
     N in the last group; M from one row to two chunks with a partial token tile. Bound met, the same
     bits on a second run, and the route itself (qpn_linear) gives the route kernel's bits."""
     packed, x, y64, prefix = _edge_case(fmt, n, k, 37, 100)
-    bands = [name for name, cfg in jit.sm80_kernels().items()
+    bands = [name for name, cfg in sm80_plan.sm80_kernels().items()
              if cfg.band and cfg.variant == 0 and name.startswith(prefix)]
-    assert set(jit.SM80_BAND_KERNELS.get(formats.FAMILIES[fmt], ())) <= set(bands) and bands
+    assert set(sm80_tables.SM80_BAND_KERNELS.get(formats.FAMILIES[fmt], ())) <= set(bands) and bands
     chunked = routes.as_route(prefix + "_chunked")
     for name in bands:
         for m in (1, 17, 40, 64, 65, 100):
             y, rel = _twice_within_bound(x[:m], packed, name, prefix + "_chunked", y64[:m])
             RESULTS.append(dict(atom="m16n8k16", shape=f"band_{name}", n=n, k=k, route=prefix + "_chunked", m=m,
                                 rel=rel, bad=0, ok=True))
-            if name == ops._sm80_kernel_for(chunked, m, n)[0] and 17 <= m <= routes.M_CHUNKED_MAX:
+            if name == sm80_plan._sm80_kernel_for(chunked, m, n)[0] and 17 <= m <= routes.M_CHUNKED_MAX:
                 assert torch.equal(ops.qpn_linear(x[:m], packed), y), (name, n, k, m)

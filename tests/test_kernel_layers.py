@@ -21,9 +21,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("reference", "routes"),                # CPU reference, route table
     ("family_nvfp4", "family_fp8", "family_int4"),         # one module per weight family's numerics
     ("families",),                          # format -> numerics
-    ("nvrtc",),                             # driver and NVRTC
-    ("jit",),                               # JIT build, entry points
-    ("ops", "moe_reference"),               # dense ops; the MoE reference and routing checks
+    ("nvrtc", "sm80_tables"),               # NVRTC; the sm_80+ route -> kernel tables (data)
+    ("jit", "kernel_inputs"),               # JIT build, entry points, driver; what a dense launch reads
+    ("sm80_plan",),                         # sm_80+ launch planning, PDL, eager launch cache
+    ("ops", "moe_reference"),               # dense ops (SM70 path, custom op); the MoE reference and routing checks
     ("moe",),                               # grouped MoE
     ("sm70_check", "__main__"),             # tools over everything below
 )

@@ -13,8 +13,8 @@ import tempfile
 import pytest
 import torch
 
-from qpn.kernels import codecs, formats, jit, nvrtc, ops, prepack, reference, routes
-from qpn.kernels.atoms import atom_for_arch, block_maps, geometry
+from qpn.kernels import codecs, formats, jit, nvrtc, ops, prepack, reference, routes, sm80_plan, sm80_tables
+from qpn.kernels.atoms import arch_for_atom, atom_for_arch, block_maps, geometry
 from tests import _format_cases as fc
 
 ATOM = "m16n8k16"
@@ -387,13 +387,13 @@ def _kernel_partition(n_groups, kblocks, nwarps):
 def test_block_cooperative_partition_gives_one_run_per_block(n, kblocks, chunks, resident_blocks, min_items):
     """Qpn80Coop: one run per block of WARPS warps, at least WARPS * min_items items per run (each
     warp of the block gets min_items), and as many runs as resident blocks at most."""
-    grid, runs, n_groups = ops.sm80_partition(n, kblocks, 2, chunks, resident_blocks * ops.WARPS, min_items,
+    grid, runs, n_groups = sm80_plan.sm80_partition(n, kblocks, 2, chunks, resident_blocks * ops.WARPS, min_items,
                                               unit_warps=ops.WARPS)
     items = n_groups * kblocks
     assert grid == runs * chunks                              # one block per run and plane
     assert 1 <= runs <= max(1, resident_blocks // chunks)
     assert runs == 1 or items // runs >= ops.WARPS * min_items
-    per_warp = ops.sm80_partition(n, kblocks, 2, chunks, resident_blocks * ops.WARPS, min_items)
+    per_warp = sm80_plan.sm80_partition(n, kblocks, 2, chunks, resident_blocks * ops.WARPS, min_items)
     assert per_warp[1] >= runs   # the same GPU holds WARPS times as many per-warp runs
     segs = _kernel_partition(n_groups, kblocks, runs)          # the same run arithmetic, per block
     covered = torch.zeros((n_groups, kblocks), dtype=torch.int32)
@@ -408,7 +408,7 @@ def test_block_cooperative_partition_gives_one_run_per_block(n, kblocks, chunks,
         (31, 33, 2, 1, 2112, 4), (300, 17, 1, 6, 2112, 2), (16, 3, 4, 2, 64, 1)]),
     (248320, 80, 2, 1, 2112, 4)])  # the lm_head-sized case takes ~10 s: full tier only
 def test_split_k_partition_covers_every_item_once(n, kblocks, tiles, chunks, resident, min_items):
-    grid, nwarps, n_groups = ops.sm80_partition(n, kblocks, tiles, chunks, resident, min_items)
+    grid, nwarps, n_groups = sm80_plan.sm80_partition(n, kblocks, tiles, chunks, resident, min_items)
     items = n_groups * kblocks
     assert n_groups * tiles * 16 >= n > (n_groups - 1) * tiles * 16
     assert 1 <= nwarps <= items and nwarps * chunks <= max(resident, chunks)
@@ -451,7 +451,7 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     reps = sm70_check._parse_ptxas(r.stdout + r.stderr)
-    configured = jit.sm80_kernels()
+    configured = sm80_plan.sm80_kernels()
     reconstruct = {"qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16",
                    "qpn4_reconstruct_ws_m16n8k16", "qpn4_sym_reconstruct_ws_m16n8k16"}
     assert set(configured) | reconstruct == set(reps)
@@ -490,7 +490,7 @@ def test_sm80_entry_lines_parse_by_macro_and_a_wrong_argument_count_fails(monkey
            "QPN80RX_ENTRY(k_ring, Frag16NVFP4, 2, 2, 4, 2, 0)\n"
            "QPN80_RECONSTRUCT_ENTRY(k_recon, Frag16FP8)\n")
     monkeypatch.setattr(jit.nvrtc, "read_sources", lambda: {jit.ATOM_SOURCES[ATOM]: src})
-    got = jit.sm80_kernels()
+    got = sm80_plan.sm80_kernels()
     assert set(got) == {"k_coop", "k_ring"}
     c, r = got["k_coop"], got["k_ring"]
     assert (c.mt, c.tiles, c.depth, c.min_blocks, c.variant, c.coop, c.stages) == (1, 2, 2, 3, 7, True, 0)
@@ -498,13 +498,13 @@ def test_sm80_entry_lines_parse_by_macro_and_a_wrong_argument_count_fails(monkey
     monkeypatch.setattr(jit.nvrtc, "read_sources",
                         lambda: {jit.ATOM_SOURCES[ATOM]: "QPN80C_ENTRY(k_bad, Frag16FP8, 1, 2, 2, 0)\n"})
     with pytest.raises(jit.QpnBuildError, match="QPN80C_ENTRY.*k_bad.*4 numeric arguments.*expects 5"):
-        jit.sm80_kernels()
+        sm80_plan.sm80_kernels()
 
 
 @pytest.mark.fast
 def test_sm80_kernel_table_and_route_kernels():
-    configured = jit.sm80_kernels()
-    for (fmt, mt), name in jit.SM80_ROUTE_KERNELS.items():
+    configured = sm80_plan.sm80_kernels()
+    for (fmt, mt), name in sm80_tables.SM80_ROUTE_KERNELS.items():
         cfg = configured[name]
         assert fmt is formats.FAMILIES[fmt.family]
         assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.route_prefix)
@@ -512,7 +512,7 @@ def test_sm80_kernel_table_and_route_kernels():
     route = routes.as_route
     # the chunked route: the M-band kernel, one weight pass per 8 x MT rows; an MT = 2 kernel named
     # for it (how the route ran before) takes one pass per 16 rows
-    for fmt, names in jit.SM80_BAND_KERNELS.items():
+    for fmt, names in sm80_tables.SM80_BAND_KERNELS.items():
         cfgs = [configured[n] for n in names]
         assert all(c.band and c.variant == 0 and c.name.startswith(fmt.route_prefix) for c in cfgs)
         assert [c.mt for c in cfgs] == sorted(c.mt for c in cfgs) and len({c.mt for c in cfgs}) == len(cfgs)
@@ -520,15 +520,16 @@ def test_sm80_kernel_table_and_route_kernels():
         for m in (17, 32, 33, 48, 64, 65, 96):   # the fewest token tiles that hold M, else the widest
             fit = [c for c in cfgs if 8 * c.mt >= m]
             want = fit[0] if fit else cfgs[-1]
-            assert ops._sm80_kernel_for(chunked, m) == (want.name, -(-m // (8 * want.mt))), m
-        assert ops._sm80_kernel_for(chunked, 96)[1] == 2
-        assert ops._sm80_chunks(chunked, 40, configured[jit.SM80_ROUTE_KERNELS[(fmt, 2)]]) == 3
-        assert ops._sm80_chunks(route(fmt.route_prefix + "_mt2"), 16, cfgs[-1]) == 1
+            assert sm80_plan._sm80_kernel_for(chunked, m) == (want.name, -(-m // (8 * want.mt))), m
+        assert sm80_plan._sm80_kernel_for(chunked, 96)[1] == 2
+        assert sm80_plan._sm80_chunks(chunked, 40, configured[sm80_tables.SM80_ROUTE_KERNELS[(fmt, 2)]]) == 3
+        assert sm80_plan._sm80_chunks(route(fmt.route_prefix + "_mt2"), 16, cfgs[-1]) == 1
     # a family without band kernels (FP8: measured slower) keeps the MT = 2 kernel per 16-row chunk
-    assert formats.NVFP4 in jit.SM80_BAND_KERNELS and formats.FP8_TENSOR not in jit.SM80_BAND_KERNELS
-    assert ops._sm80_kernel_for(route("qpn8_chunked"), 40) == (jit.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 2)], 3)
+    assert formats.NVFP4 in sm80_tables.SM80_BAND_KERNELS and formats.FP8_TENSOR not in sm80_tables.SM80_BAND_KERNELS
+    assert sm80_plan._sm80_kernel_for(route("qpn8_chunked"), 40) == \
+        (sm80_tables.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 2)], 3)
     with pytest.raises(ValueError, match="M <= 8"):
-        ops._sm80_kernel_for(route("qpn8"), 9)
+        sm80_plan._sm80_kernel_for(route("qpn8"), 9)
     assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "int4" if c.frag.startswith("Frag16INT4")
                          else "fp8") for c in configured.values())
     with pytest.raises(jit.QpnBuildError, match="sm_80"):
@@ -552,7 +553,7 @@ def test_routes_are_the_same_names_on_sm80_and_sm90():
         for fmt in ("nvfp4", "fp8"):
             assert routes.route_for(fmt, m, 5120, 5120, arch="sm90") == routes.route_for(fmt, m, 5120, 5120)
             assert str(routes.route_for(fmt, m, 5120, 5120, arch="sm80")) in routes.QPN_ROUTES
-    assert ops.arch_for_atom(ATOM) == "sm80" and ops.arch_for_atom("m8n8k4") == "sm70"
+    assert arch_for_atom(ATOM) == "sm80" and arch_for_atom("m8n8k4") == "sm70"
 
 
 @pytest.mark.fast
@@ -573,10 +574,10 @@ def test_sm80_opt_in_is_off_by_default(monkeypatch):
 
 
 def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
-    """Each shared-memory ring kernel's ring (jit.Sm80Kernel.smem_bytes, what ops launches with)
+    """Each shared-memory ring kernel's ring (sm80_plan.Sm80Kernel.smem_bytes, what ops launches with)
     fits one block's opt-in limit on sm_90 (227 KB) and its MINB blocks fit an SM (228 KB); a
     kernel whose launch bound promised more blocks than the ring allows would waste registers."""
-    rings = {n: c for n, c in jit.sm80_kernels().items() if c.stages and not c.band}
+    rings = {n: c for n, c in sm80_plan.sm80_kernels().items() if c.stages and not c.band}
     assert len(rings) >= 10
     for name, c in rings.items():
         assert c.smem_bytes % 16 == 0 and 0 < c.smem_bytes <= 227 * 1024, name
@@ -590,9 +591,9 @@ def test_ring_kernels_shared_memory_fits_the_blocks_they_are_built_for():
 def test_band_kernels_shared_memory_is_one_activation_ring_per_block():
     """Qpn80Band: S slots of MT token tiles x 1 KB (64 inputs x 8 tokens x 2 bytes), shared by the
     block's 8 warps; MINB blocks fit an SM, and the route's band kernels fit the default 48 KB of a
-    block on any sm_80+ GPU (no opt-in, hence no fallback kernel: ops._sm80_plan)."""
-    bands = {n: c for n, c in jit.sm80_kernels().items() if c.band}
-    routed = {k for ks in jit.SM80_BAND_KERNELS.values() for k in ks}
+    block on any sm_80+ GPU (no opt-in, hence no fallback kernel: sm80_plan._sm80_plan)."""
+    bands = {n: c for n, c in sm80_plan.sm80_kernels().items() if c.band}
+    routed = {k for ks in sm80_tables.SM80_BAND_KERNELS.values() for k in ks}
     assert len(bands) >= 4 and routed <= set(bands)
     for name, c in bands.items():
         assert c.stages >= 2 and c.depth >= 0 and c.mt in (4, 8), name   # depth 0: weights in the ring
@@ -607,7 +608,7 @@ def _band_partition(n, kblocks, tiles, chunks, resident_blocks, min_items):
     """Qpn80Band's work split, replayed: ops' partition, then per block the run of items
     (csrc Qpn80::run_of, as _kernel_partition) and per warp w of the block its tiles
     T (8 g + w) + j of each item's group g. Returns (grid, runs, n_groups, segments)."""
-    grid, runs, n_groups = ops.sm80_partition(n, kblocks, tiles * ops.WARPS, chunks, resident_blocks * ops.WARPS,
+    grid, runs, n_groups = sm80_plan.sm80_partition(n, kblocks, tiles * ops.WARPS, chunks, resident_blocks * ops.WARPS,
                                               min_items, unit_warps=ops.WARPS, warps_split_items=False)
     return grid, runs, n_groups, _kernel_partition(n_groups, kblocks, runs)
 
@@ -643,13 +644,14 @@ def test_band_partition_covers_every_tile_and_k_block_once_per_chunk(n, kblocks,
 
 
 def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fallback():
-    small = ops._sm80_kernel_for(routes.as_route("qpn2"), 1, 5120)
-    large = ops._sm80_kernel_for(routes.as_route("qpn2"), 1, jit.SM80_LARGE_N)
-    assert small == (jit.SM80_ROUTE_KERNELS[(formats.NVFP4, 1)], 1)
-    assert large == (jit.SM80_LARGE_N_KERNELS[(formats.NVFP4, 1)], 1)
-    assert ops._sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == (jit.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 1)], 1)
-    kernels = jit.sm80_kernels()
-    for key, name in list(jit.SM80_ROUTE_KERNELS.items()) + list(jit.SM80_LARGE_N_KERNELS.items()):
-        fb = kernels[jit.SM80_ROUTE_KERNELS_NO_SMEM[key]]
+    small = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, 5120)
+    large = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, sm80_tables.SM80_LARGE_N)
+    assert small == (sm80_tables.SM80_ROUTE_KERNELS[(formats.NVFP4, 1)], 1)
+    assert large == (sm80_tables.SM80_LARGE_N_KERNELS[(formats.NVFP4, 1)], 1)
+    assert sm80_plan._sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == \
+        (sm80_tables.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 1)], 1)
+    kernels = sm80_plan.sm80_kernels()
+    for key, name in list(sm80_tables.SM80_ROUTE_KERNELS.items()) + list(sm80_tables.SM80_LARGE_N_KERNELS.items()):
+        fb = kernels[sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM[key]]
         assert fb.smem_bytes == 0 and fb.mt == kernels[name].mt and fb.variant == 0
         assert name in jit.ENTRY_POINTS[ATOM] and fb.name in jit.ENTRY_POINTS[ATOM]

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from qpn.kernels import families, formats, jit, ops, routes
+from qpn.kernels import families, formats, jit, ops, routes, sm80_plan, sm80_tables
 
 pytestmark = pytest.mark.fast
 
@@ -220,9 +220,9 @@ def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bo
         name, _, chunks = ops._route_kernel(route, m)
         return f"{name}_{atom}", chunks
 
-    name, chunks = ops._sm80_kernel_for(route, m, n)
-    if not ring_fits and jit.sm80_kernels()[name].smem_bytes and not jit.sm80_kernels()[name].band:
-        name = ops._sm80_no_smem_kernel(name)
+    name, chunks = sm80_plan._sm80_kernel_for(route, m, n)
+    if not ring_fits and sm80_plan.sm80_kernels()[name].smem_bytes and not sm80_plan.sm80_kernels()[name].band:
+        name = sm80_plan._sm80_no_smem_kernel(name)
     return name, chunks
 
 
@@ -231,7 +231,7 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
     memory: the kernel the launchers pick is one the build compiles, of the route's family, the
     reconstruct kernel exactly for the reconstruct route, with token tiles (8 rows each) whose
     chunk planes cover M and no more planes than needed, and without shared memory where the
-    block cannot have it. Which of the fitting kernels a route runs is tuning (kernels/jit.py's
+    block cannot have it. Which of the fitting kernels a route runs is tuning (kernels/sm80_tables.py's
     tables, chosen by the H200 sweeps) and is not copied here; every kernel those tables name
     must be reached by some call."""
     import re as _re
@@ -239,7 +239,7 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
     from qpn.kernels import jit
     from qpn.kernels.atoms import atom_for_arch
 
-    sm80 = jit.sm80_kernels()
+    sm80 = sm80_plan.sm80_kernels()
     seen, checked = set(), 0
     for fmt in formats.WEIGHT_FORMATS:
         for route in (routes.ALL_ROUTES[n] for n in sorted(routes.QPN_ROUTES)):
@@ -248,7 +248,7 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
             for arch in routes.KNOWN_ARCHS:
                 atom = atom_for_arch(jit.arch_number(arch))
                 for m in (1, 8, 9, 16, 17, 32, 33, 96, 97, 4096):
-                    for n in (5120, jit.SM80_LARGE_N):
+                    for n in (5120, sm80_tables.SM80_LARGE_N):
                         for fits in (True, False):
                             if route.kernel_max_m is not None and m > route.kernel_max_m:
                                 with pytest.raises(ValueError, match=f"serves M <= {route.kernel_max_m}"):
@@ -277,8 +277,9 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
                             if route.chunk_rows is None:
                                 assert chunks == 1, where
     assert checked == 1872  # 3 formats x 4 routes x 6 archs x 40 cases, less the M a route refuses
-    named = {k for t in (jit.SM80_ROUTE_KERNELS, jit.SM80_LARGE_N_KERNELS, jit.SM80_ROUTE_KERNELS_NO_SMEM,
-                         {k: v for k, v in enumerate(b for bs in jit.SM80_BAND_KERNELS.values() for b in bs)})
+    named = {k for t in (sm80_tables.SM80_ROUTE_KERNELS, sm80_tables.SM80_LARGE_N_KERNELS,
+                         sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM,
+                         {k: v for k, v in enumerate(b for bs in sm80_tables.SM80_BAND_KERNELS.values() for b in bs)})
              for k in t.values()}
     assert named <= seen, sorted(named - seen)
     # the S7 form's m8n8k4 kernels: what ops launches for each tiled NVFP4 route is an entry point the

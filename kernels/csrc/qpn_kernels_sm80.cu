@@ -60,7 +60,7 @@ struct Qpn80Args {
 // the wait returns at once (the hooks then cost 0 to 1 us per call on the H200,
 // results/kernel_sm80_pdl_notes_h200_20261201.md; with the attribute, up to 2.4 us faster). The
 // library launches the *_pdl form of its mt1 route kernels with the attribute on sm_90+
-// (ops._pdl_form, jit.launch_raw_pdl); the other kernels keep plain launches.
+// (sm80_plan._pdl_form, sm80_plan.launch_raw_pdl); the other kernels keep plain launches.
 QPN_DEV void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -776,11 +776,11 @@ struct Qpn80Coop : Qpn80<F, MT, T, 1, 0, VAR> {
 // into a shared-memory ring S k-blocks ahead with cp.async, one barrier per k-block; per k-block a
 // block reads MT KB of activations from L2 next to 8 T weight tiles (4.5 KB of NVFP4 at T = 1).
 // Every token tile is multiplied, rows past M as zeros: no per-tile test in the inner loop; ops
-// picks the smallest MT that holds M instead (jit.SM80_BAND_KERNELS). Weights and group scales go
+// picks the smallest MT that holds M instead (sm80_tables.SM80_BAND_KERNELS). Weights and group scales go
 // through each warp's register ring (Qpn80's loads, D deep). The split-K finish is Qpn80::finish,
 // per warp on its own tiles: counter and partial-sum plane chunk x 8 + w, so a group's blocks are
 // still added in a fixed order. Shared memory: S x MT KB per block, plus the 8 warps' weight tiles
-// per slot when D = 0 (dynamic; jit.Sm80Kernel.smem_bytes).
+// per slot when D = 0 (dynamic; sm80_plan.Sm80Kernel.smem_bytes).
 template <class F, int MT, int T, int D, int S, int VAR>
 struct Qpn80Band : Qpn80<F, MT, T, 1, 0, VAR> {
   static_assert(!F::RECORDS, "group-record decoders (INT4) run on the register ring Qpn80 only");
@@ -1006,7 +1006,7 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
   }
 
 // Ring kernels: dynamic shared memory of QPN80_WARPS * S * STAGE bytes (ops computes the same from
-// jit.Sm80Kernel.smem_bytes); MINB = blocks per SM the register cap is sized for.
+// sm80_plan.Sm80Kernel.smem_bytes); MINB = blocks per SM the register cap is sized for.
 #define QPN80R_ENTRY(NAME, F, MT, T, S, MINB, VAR)                                          \
   extern "C" __global__ void __launch_bounds__(QPN80_THREADS, MINB) NAME(Qpn80Args a) {     \
     extern __shared__ __align__(16) u8 qpn80_smem[];                                         \
@@ -1051,7 +1051,7 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
 // Every kernel is named by its configuration: <format>_mt<MT>_m16n8k16_t<T>d<D>p<PF>[_variant],
 // T = weight tiles of 16 rows per warp (they share each activation load), D = ring depth in
 // k-blocks (NVFP4: D x 16 B, FP8: D x 32 B in flight per lane per tile), PF = L2 prefetch distance
-// in k-blocks beyond the ring (0: none). Which one serves each route is jit.SM80_ROUTE_KERNELS,
+// in k-blocks beyond the ring (0: none). Which one serves each route is sm80_tables.SM80_ROUTE_KERNELS,
 // chosen on the H200 (benchmarks/kernel_matched_bench.py --sweep). Only configurations that compile
 // without spills for sm_80 and sm_90 under the 128-register cap are listed (tests check it).
 QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0, Frag16NVFP4, 1, 2, 4, 0, 0)
@@ -1095,7 +1095,7 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 // shared-memory reads and the copy issue to the already issue-bound decode.
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
-// INT4 W4A16 (issue 26; not served yet: jit.SM80_UNSERVED_ROUTE_KERNELS, UNSERVED_ENTRY_POINTS).
+// INT4 W4A16 (issue 26; not served yet: sm80_tables.SM80_UNSERVED_ROUTE_KERNELS, UNSERVED_ENTRY_POINTS).
 // The register ring of the NVFP4 routes in the NVFP4 routes' configurations: the same 16 code bytes
 // per lane per (tile, k-block) and an 8-byte (asymmetric) or 4-byte (symmetric) scale record load
 // where NVFP4 has an 8-byte scale load. Timed on the H200 as they are, not swept
@@ -1161,7 +1161,7 @@ QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
 // 16-row chunk (results/kernel_sm80_band_sweep_h200_20261201.csv; _sweep2_ adds the D = 0 forms,
 // _sweep3_ the T = 2 forms): NVFP4 gains at every M -- gate_up 68.5 vs 98.3 us at M = 17 and 32 (mt4 t1d4s4_b2),
 // 108 vs 188 us at M = 64 (mt8 t1d2s4_b2); down 41.5 vs 53.9 and 77.2 vs 97.8 us -- and serves the
-// chunked route (jit.SM80_BAND_KERNELS). FP8 does not: the best FP8 band form ties the 16-row chunks on
+// chunked route (sm80_tables.SM80_BAND_KERNELS). FP8 does not: the best FP8 band form ties the 16-row chunks on
 // in_proj (40.0 vs 40.4 us at M = 17, 68.4 vs 71.0 at 64) and loses on out_proj (24.4 vs 21.9 us),
 // so FP8 keeps them; its forms stay as measured variants. Where the band kernel's time goes is not
 // settled: its loads alone (the loads-only form, no decode, no MMA) take as long as the whole kernel
