@@ -223,17 +223,18 @@ def sm70_kblocks_in_flight(family_src: str, decoder: str, mt: int) -> int:
 
 def sm70_linear_entries(kernels_src: str) -> dict[str, tuple[str, int]]:
     """Entry point -> (decoder, token tiles per weight pass) of every ``QPN_LINEAR_ENTRY(NAME,
-    ATOM, DEC, MT)`` line of csrc/qpn_kernels.cu: what each SM70 GEMM kernel instantiates, read
-    from the source rather than guessed from its name."""
+    ATOM, DEC, MT)`` line of csrc/qpn_kernels.cu as NVRTC compiles it (jit.kernel_sources: the lines
+    are written from the formats): what each SM70 GEMM kernel instantiates, read from the source
+    rather than guessed from its name."""
     return {m.group(1): (m.group(2), int(m.group(3)))
-            for m in re.finditer(r"^QPN_(?:UNSERVED_)?LINEAR_ENTRY\((\w+), \w+, (\w+), (\d+)\)", kernels_src, re.M)}
+            for m in re.finditer(r"^QPN_LINEAR_ENTRY\((\w+), \w+, (\w+), (\d+)\)", kernels_src, re.M)}
 
 
 def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
     """Every GEMM kernel of ``atom``'s source compiled for sm_<arch> (NVRTC 12 + ptxas + cuobjdump)."""
     nv = nvrtc.load_nvrtc(12, arch)
-    source = jit.ATOM_SOURCES[atom]
-    res = nv.compile(nvrtc.read_sources()[source], source, arch, list(jit.COMPILE_FLAGS), want_cubin=True)
+    source, sources = jit.ATOM_SOURCES[atom], jit.kernel_sources()
+    res = nv.compile(sources[source], source, arch, list(jit.COMPILE_FLAGS), want_cubin=True)
     regs = _ptxas_regs(res.ptx, arch)
     funcs = _sass_functions(_sass(res.cubin))
     mma_ptx = _ptx_mma_counts(res.ptx)
@@ -250,8 +251,8 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             out[name] = KernelStats(name, atom, fmt, c.mt, c.tiles, regs[name].registers, c.smem_bytes,
                                     depth * c.tiles * tile_kb, c.tiles * 16 * 64 * bytes_per_weight(fmt), instr, kind)
     else:
-        family = nvrtc.read_sources()["qpn_family.cuh"]
-        entries = sm70_linear_entries(nvrtc.read_sources()[source])
+        family = sources["qpn_family.cuh"]
+        entries = sm70_linear_entries(sources[source])
         # served kernels and those of a family with kernels but no served route yet (INT4)
         for name in jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"]:
             if name not in entries or name not in funcs:   # the reconstruct kernels are not GEMMs

@@ -6,7 +6,8 @@ Everything that depends on a weight's format asks its ``WeightFormat`` here inst
 format strings.
 
 A description says what a checkpoint stores (code and scale dtypes, codes per byte, group size,
-how the output scale applies) and which route family and kernel entry points serve it. How a
+how the output scale applies) and which route family, kernel entry points and CUDA decoders serve
+it: the m8n8k4 entry lines of csrc/qpn_kernels.cu are written from it (jit.sm70_entry_lines). How a
 tensor of the format is decoded, encoded, prepacked, proven and computed on the CPU is its
 family's module (family_nvfp4.py, family_fp8.py), which ``families.numerics(fmt)`` hands out.
 This module is the bottom layer of kernels/: it imports nothing of the package and no torch (the
@@ -32,7 +33,7 @@ carries its own (the source implies it: K / group_scales columns).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 GROUP_SIZE = 16
 E2M1_MAX = 6.0
@@ -51,6 +52,14 @@ class UnknownFormat(FormatError):
 
 class MoeShapeError(ValueError):
     """Expert tensors or routing tensors of the wrong shape, dtype or device."""
+
+
+class M8N8K4Kernel(NamedTuple):
+    """One dense m8n8k4 kernel of a format and what instantiates it in csrc/qpn_kernels.cu
+    (kernels/jit.py writes its entry line from this before NVRTC compiles the file)."""
+    name: str      # the entry point
+    decoder: str   # the decoder struct of csrc/qpn_family.cuh it is instantiated with
+    tiles: int     # 8-token tiles per weight pass; 0: the workspace reconstruction pass
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,15 @@ class WeightFormat:
     # members of one family whose kernels differ (INT4: with / without zero points) tell their kernel
     # names apart by this tag after the route prefix ("qpn4_sym_mt1_m8n8k4"); "" = the family's names
     kernel_tag: str = ""
+    # the decoder struct of csrc/qpn_family.cuh the member's m8n8k4 kernels are instantiated with
+    # (required with the m8n8k4 atom), and that of the S7 form of its tiled kernels, where its group
+    # scale can carry 2^7 ("": no S7 form; ops.nvfp4_form)
+    decoder: str = ""
+    s7_decoder: str = ""
+
+    def __post_init__(self):
+        if "m8n8k4" in self.kernel_atoms and not self.decoder:
+            raise ValueError(f"{self.key}: a format with m8n8k4 kernels names its decoder struct (decoder=)")
 
     # ------------------------------------------------------------------------- shapes
     @property
@@ -139,20 +157,29 @@ class WeightFormat:
     @property
     def has_s7_form(self) -> bool:
         """Whether the m8n8k4 tiled kernels also come in the S7 form (ops.nvfp4_form), which folds
-        2^7 into an e4m3 group scale (DecNVFP4Form); an FP16 group scale has no such form."""
-        return self.has_group_scales and self.scale_dtype == "float8_e4m3fn"
+        2^7 into an e4m3 group scale (DecNVFP4Form): the format names that form's decoder."""
+        return bool(self.s7_decoder)
 
-    def dense_entry_points(self, atom: str) -> tuple[str, ...]:
-        """The dense kernels of the format on the m8n8k4 atom (one-tile, two-tile, their S7 forms
-        for an e4m3-grouped format, workspace reconstruction); on m16n8k16 the configured kernels
-        are listed in kernels/sm80_tables.py. None on an atom outside ``kernel_atoms``."""
-        if atom not in self.kernel_atoms:
+    def m8n8k4_kernels(self) -> tuple[M8N8K4Kernel, ...]:
+        """The dense m8n8k4 kernels of the format (one-tile, two-tile, their S7 forms where it has
+        them, workspace reconstruction), each with its decoder and token tiles: what
+        csrc/qpn_kernels.cu instantiates for it (jit.sm70_entry_lines). None without that atom."""
+        if "m8n8k4" not in self.kernel_atoms:
             return ()
         p = self.kernel_prefix
+        forms = (("", self.decoder),) + ((("_s7", self.s7_decoder),) if self.has_s7_form else ())
+        tiled = tuple(M8N8K4Kernel(f"{p}_mt{mt}{form}_m8n8k4", dec, mt) for form, dec in forms for mt in (1, 2))
+        return tiled + (M8N8K4Kernel(f"{p}_reconstruct_ws_m8n8k4", self.decoder, 0),)
+
+    def dense_entry_points(self, atom: str) -> tuple[str, ...]:
+        """The dense kernels of the format: on the m8n8k4 atom those of ``m8n8k4_kernels``; on
+        m16n8k16 the workspace reconstruction (the configured kernels are listed in
+        kernels/sm80_tables.py). None on an atom outside ``kernel_atoms``."""
+        if atom not in self.kernel_atoms:
+            return ()
         if atom == "m8n8k4":
-            s7 = (f"{p}_mt1_s7_{atom}", f"{p}_mt2_s7_{atom}") if self.has_s7_form else ()
-            return (f"{p}_mt1_{atom}", f"{p}_mt2_{atom}") + s7 + (f"{p}_reconstruct_ws_{atom}",)
-        return (f"{p}_reconstruct_ws_{atom}",)
+            return tuple(k.name for k in self.m8n8k4_kernels())
+        return (f"{self.kernel_prefix}_reconstruct_ws_{atom}",)
 
     def moe_entry_points(self, atom: str) -> tuple[str, ...]:
         p = self.route_prefix
@@ -165,17 +192,17 @@ class WeightFormat:
 NVFP4 = WeightFormat(
     key="nvfp4", family="nvfp4", route_prefix="qpn2", algos=("NVFP4", "W4A16_NVFP4"),
     roles=("codes", "group_scales", "global_scale"), code_dtype="uint8", codes_per_byte=2,
-    group_size=GROUP_SIZE, output_scale="global", title="NVFP4")
+    group_size=GROUP_SIZE, output_scale="global", title="NVFP4", decoder="DecNVFP4", s7_decoder="DecNVFP4S7")
 FP8_TENSOR = WeightFormat(
     key="fp8_tensor", family="fp8", route_prefix="qpn8", algos=("FP8",),
     roles=("codes", "scale"), code_dtype="float8_e4m3fn", codes_per_byte=1,
-    group_size=None, output_scale="tensor", title="FP8 per tensor")
+    group_size=None, output_scale="tensor", title="FP8 per tensor", decoder="DecFP8")
 # Not declared by any ModelOpt algo QPN serves (ModelOpt's per-channel FP8 is per-token dynamic in
 # its activations); compressed-tensors declares it with weights strategy "channel".
 FP8_CHANNEL = WeightFormat(
     key="fp8_channel", family="fp8", route_prefix="qpn8", algos=(),
     roles=("codes", "scale"), code_dtype="float8_e4m3fn", codes_per_byte=1,
-    group_size=None, output_scale="channel", title="FP8 per channel")
+    group_size=None, output_scale="channel", title="FP8 per channel", decoder="DecFP8")
 
 # W4A16 integer weights (AutoAWQ, GPTQ, compressed-tensors pack-quantized): the group size is the
 # checkpoint's choice per weight (group_sizes); group_size is the common default. No ModelOpt algo
@@ -184,12 +211,13 @@ INT4 = WeightFormat(
     key="int4", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"))
+    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), decoder="DecINT4")
 INT4_SYM = WeightFormat(
     key="int4_sym", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16 symmetric", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), kernel_tag="sym")
+    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), kernel_tag="sym",
+    decoder="DecINT4Sym")
 
 # Every format with numerics (families.numerics); one member per kernel family in ALL_FAMILIES.
 ALL_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL, INT4, INT4_SYM)

@@ -1,9 +1,12 @@
 """Run-time build of the QPN kernels: NVRTC -> cubin (cached on disk), loaded and launched through
 the CUDA driver API on torch's current stream.
 
-* Cache: ``$QPN_CACHE_DIR`` or ``~/.cache/qpn``; one cubin per (hash of every file in csrc/,
-  architecture, compile flags, NVRTC version). A changed source or flag is a new file; nothing
-  stale is ever loaded.
+* Sources: the files in csrc/, as ``kernel_sources()`` hands them to NVRTC: the m8n8k4 entry
+  points of qpn_kernels.cu are not listed in the file but written from the formats' registered
+  data (``sm70_entry_lines``), so a new weight format adds none by hand.
+* Cache: ``$QPN_CACHE_DIR`` or ``~/.cache/qpn``; one cubin per (hash of every source as NVRTC
+  compiles it, architecture, compile flags, NVRTC version). A changed source, entry line or flag is
+  a new file; nothing stale is ever loaded.
 * Driver API through ctypes on ``libcuda.so.1`` (cuModuleLoadData, cuModuleGetFunction,
   cuLaunchKernel): the same symbols cuda-python's ``cuda.bindings.driver`` wraps, without tying
   this package to one binding version per CUDA major. Launches go to the stream torch is using,
@@ -54,9 +57,42 @@ def cache_dir() -> str:
     return d
 
 
+# The CUDA struct of the m8n8k4 atom (csrc/qpn_family.cuh), which every generated entry line names.
+SM70_ATOM_STRUCT = "AtomM8N8K4"
+
+
+def sm70_entry_lines() -> str:
+    """The entry-point lines of csrc/qpn_kernels.cu, one per dense m8n8k4 kernel the build requires
+    (ENTRY_POINTS, then UNSERVED_ENTRY_POINTS), each with the decoder and token tiles its format
+    registers (formats.WeightFormat.m8n8k4_kernels): QPN_LINEAR_ENTRY for the tiled kernels, then
+    QPN_RECONSTRUCT_ENTRY for the reconstruction passes."""
+    registered = {k.name: k for f in formats.KERNEL_FORMATS for k in f.m8n8k4_kernels()}
+    lines = []
+    # The order of the lines is the order of the kernels in the cubin; this one (served formats
+    # first, GEMMs before the reconstruct passes) is the order of the list the file held by hand, so
+    # the cubin stayed byte for byte what it was when the list became data.
+    for names in (ENTRY_POINTS["m8n8k4"], UNSERVED_ENTRY_POINTS["m8n8k4"]):
+        kernels = [registered[n] for n in names]
+        lines += [f"QPN_LINEAR_ENTRY({k.name}, {SM70_ATOM_STRUCT}, {k.decoder}, {k.tiles})"
+                  for k in kernels if k.tiles]
+        lines += [f"QPN_RECONSTRUCT_ENTRY({k.name}, {SM70_ATOM_STRUCT}, {k.decoder})"
+                  for k in kernels if not k.tiles]
+    return "\n// Entry points written by kernels/jit.py (sm70_entry_lines) from kernels/formats.py:\n" + \
+        "".join(line + "\n" for line in lines)
+
+
+def kernel_sources() -> dict[str, str]:
+    """Every source in csrc/ as NVRTC compiles it, by name: the files as they are, qpn_kernels.cu
+    with its entry lines (sm70_entry_lines) appended. Whatever reads the kernels a source defines
+    (sm70_check, benchmarks/perf_model.py, the tests) reads this."""
+    sources = nvrtc.read_sources()
+    sources[MAIN_SOURCE] += sm70_entry_lines()
+    return sources
+
+
 def source_hash() -> str:
     h = hashlib.sha256()
-    for name, text in nvrtc.read_sources().items():
+    for name, text in kernel_sources().items():
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
     return h.hexdigest()
 
@@ -98,7 +134,7 @@ def compile_cubin(arch, use_cache: bool = True, source: str = MAIN_SOURCE) -> tu
     if use_cache and os.path.exists(path):
         with open(path, "rb") as f:
             return f.read(), path
-    src = nvrtc.read_sources()[source]
+    src = kernel_sources()[source]
     res = nv.compile(src, source, a, list(COMPILE_FLAGS), want_cubin=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:

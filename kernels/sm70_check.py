@@ -1,7 +1,8 @@
 """V100 readiness without a V100: compile every QPN kernel for sm_70 and read the machine code.
 
-* NVRTC 12.9 (``nvidia-cuda-nvrtc-cu12``) compiles csrc/qpn_kernels.cu to PTX and to the sm_70
-  cubin the JIT would load on a V100;
+* NVRTC 12.9 (``nvidia-cuda-nvrtc-cu12``) compiles csrc/qpn_kernels.cu, with the entry lines the
+  JIT writes from the formats (jit.kernel_sources), to PTX and to the sm_70 cubin the JIT would
+  load on a V100;
 * ptxas 12.9 (``nvidia-cuda-nvcc-cu12``) assembles the same PTX with ``-v``: registers, spill
   bytes, stack frame per kernel;
 * cuobjdump + nvdisasm from the ``triton==3.4.0`` wheel (a CUDA 12.8 build; the CUDA 13 tools
@@ -180,7 +181,7 @@ def run_check(arch: int = 70, download: bool = True, source: str = jit.MAIN_SOUR
     nv = nvrtc.load_nvrtc(12, arch)
     ptxas = find_ptxas()
     cuobjdump = find_disassembler(download)
-    src = nvrtc.read_sources()[source]
+    src = jit.kernel_sources()[source]
     res = nv.compile(src, source, arch, list(jit.COMPILE_FLAGS), want_cubin=True)
     env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
     with tempfile.TemporaryDirectory() as tmp:

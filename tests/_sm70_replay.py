@@ -397,8 +397,11 @@ def kernel_body(file: str, name: str) -> str:
 
 
 def entry_points(file: str, macro: str) -> dict:
-    """NAME -> (atom struct, decoder struct, template argument) from the entry-point macro lines."""
-    src = _strip_comments((CSRC / file).read_text())
+    """NAME -> (atom struct, decoder struct, template argument) from the entry-point macro lines of
+    the source as NVRTC compiles it (qpn_kernels.cu: with the lines jit writes from the formats)."""
+    from qpn.kernels import jit
+
+    src = _strip_comments(jit.kernel_sources()[file])
     return {m.group(1): (m.group(2), m.group(3), m.group(4))
             for m in re.finditer(macro + r"\((\w+),\s*(\w+),\s*(\w+),\s*(\w+)\)", src)}
 
@@ -689,8 +692,7 @@ class Replay:
             return self.reconstruct(packed, x)
         from qpn.kernels import formats
         name, _, m_chunks = ops._route_kernel(route, m, form, formats.format_of(packed))
-        entries = {**entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY"),
-                   **entry_points("qpn_kernels.cu", "QPN_UNSERVED_LINEAR_ENTRY")}
+        entries = entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY")
         atom_s, dec_s, mt = entries[f"{name}_m8n8k4"]
         allowed = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",),
                    formats.INT4.family: ("DecINT4Sym",) if getattr(packed, "symmetric", False) else ("DecINT4",)}

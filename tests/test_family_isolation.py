@@ -124,6 +124,23 @@ def test_the_check_catches_each_way_of_naming_a_family(code, caught):
     assert bool(branches_on_family(code, path, {"FP8": "fp8"})) == caught
 
 
+def test_the_sm70_kernel_source_names_no_family():
+    """csrc/qpn_kernels.cu (the m8n8k4 kernels) holds the kernel templates and their entry macros
+    only: no entry point and no decoder of any registered format. Its entry lines are written from
+    each format's data (jit.sm70_entry_lines), so a new family adds a decoder to qpn_family.cuh and
+    a WeightFormat, and edits no kernel source."""
+    import re
+
+    from qpn.kernels import jit, nvrtc
+
+    on_disk = nvrtc.read_sources()[jit.MAIN_SOURCE]
+    compiled = jit.kernel_sources()[jit.MAIN_SOURCE]
+    names = {n for f in formats.KERNEL_FORMATS for k in f.m8n8k4_kernels() for n in (k.name, k.decoder)}
+    assert names and all(re.search(rf"\b{n}\b", compiled) for n in names)   # the check can see them
+    assert not {n for n in names if re.search(rf"\b{n}\b", on_disk)}
+    assert not re.search(r"^\w+_ENTRY\(", on_disk, re.M)
+
+
 def test_a_family_module_may_name_its_own_family_only():
     own = REPO / "kernels" / "family_fp8.py"
     assert not branches_on_family('if fmt == "fp8_channel":\n    pass\n', own, {})

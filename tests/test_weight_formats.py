@@ -216,9 +216,9 @@ def _instantiated(source: str) -> dict[str, tuple[str, ...]]:
     ``extern "C" __global__ void ... name(`` definitions."""
     import re
 
-    from qpn.kernels import nvrtc
+    from qpn.kernels import jit
 
-    text = nvrtc.read_sources()[source]
+    text = jit.kernel_sources()[source]
     found = {m.group(1): tuple(a.strip() for a in m.group(2).split(","))
              for m in re.finditer(r"^[A-Z0-9_]+_ENTRY\((\w+),\s*([^)]*)\)", text, re.M)}
     for m in re.finditer(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', text, re.M):
@@ -252,6 +252,40 @@ def test_entry_points_are_the_kernels_the_sources_define():
     assert {e for f in formats.FAMILIES.values() for e in f.dense_entry_points("m16n8k16")} <= \
         set(_instantiated("qpn_kernels_sm80.cu"))
 
+
+
+def test_every_registered_decoder_is_a_cuda_decoder():
+    """The decoder structs the formats name (the m8n8k4 entry lines are written with them) are
+    defined in qpn_family.cuh, as a struct or an alias of a decoder template; a misspelt one fails
+    here rather than in NVRTC at run time."""
+    import re
+
+    from qpn.kernels import nvrtc
+
+    family = nvrtc.read_sources()["qpn_family.cuh"]
+    named = {k.decoder for f in formats.KERNEL_FORMATS for k in f.m8n8k4_kernels()}
+    assert named >= {"DecNVFP4", "DecNVFP4S7", "DecFP8", "DecINT4", "DecINT4Sym"}
+    for decoder in sorted(named):
+        assert re.search(rf"^(struct {decoder} \{{|using {decoder} = )", family, re.M), decoder
+    with pytest.raises(ValueError, match="decoder"):
+        formats.WeightFormat(key="probe", family="probe", route_prefix="qpn9", algos=(), roles=("codes",),
+                             code_dtype="uint8", codes_per_byte=1, group_size=None, output_scale="none",
+                             title="probe", kernel_atoms=("m8n8k4",))
+
+
+def test_the_compiled_m8n8k4_kernels_are_the_registered_entry_points(nvrtc12):
+    """What NVRTC builds from qpn_kernels.cu and the entry lines jit writes (jit.kernel_sources) is
+    exactly the m8n8k4 entry points the formats register (jit.ENTRY_POINTS and
+    UNSERVED_ENTRY_POINTS): none missing, none besides."""
+    import re
+
+    from qpn.kernels import jit
+
+    ptx = nvrtc12.compile(jit.kernel_sources()[jit.MAIN_SOURCE], jit.MAIN_SOURCE, 70, list(jit.COMPILE_FLAGS),
+                          want_cubin=False).ptx
+    built = re.findall(r"^\.visible \.entry (\w+)\(", ptx, re.M)
+    assert sorted(built) == sorted(jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
+    assert len(built) == len(set(built)) == 14
 
 def test_descriptions_need_no_torch():
     import subprocess

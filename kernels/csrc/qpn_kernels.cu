@@ -248,24 +248,8 @@ __device__ __forceinline__ void qpn_reconstruct_body(const u8* codes, const u8* 
     qpn_reconstruct_body<ATOM, DEC>(codes, scales, ws, n_tiles, kblocks, group_shift);      \
   }
 
-// Entry points, one per (format, tiles per weight pass, atom). Route -> entry point lives in ops.py.
-QPN_LINEAR_ENTRY(qpn2_mt1_m8n8k4, AtomM8N8K4, DecNVFP4, 1)
-QPN_LINEAR_ENTRY(qpn2_mt2_m8n8k4, AtomM8N8K4, DecNVFP4, 2)
-QPN_LINEAR_ENTRY(qpn2_mt1_s7_m8n8k4, AtomM8N8K4, DecNVFP4S7, 1)   // ops.nvfp4_form: where the GPU's probe passes
-QPN_LINEAR_ENTRY(qpn2_mt2_s7_m8n8k4, AtomM8N8K4, DecNVFP4S7, 2)
-QPN_LINEAR_ENTRY(qpn8_mt1_m8n8k4, AtomM8N8K4, DecFP8, 1)
-QPN_LINEAR_ENTRY(qpn8_mt2_m8n8k4, AtomM8N8K4, DecFP8, 2)
-QPN_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m8n8k4, AtomM8N8K4, DecNVFP4)
-QPN_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m8n8k4, AtomM8N8K4, DecFP8)
-
-// INT4 W4A16, both members (formats.INT4 / INT4_SYM, served=False: ops runs them, no loader route
-// does yet). The same kernels as QPN_LINEAR_ENTRY under another macro name only because
-// benchmarks/perf_model.py reads QPN_LINEAR_ENTRY lines as the served kernels it models; these
-// lines become QPN_LINEAR_ENTRY when the family is served (jit.UNSERVED_ENTRY_POINTS).
-#define QPN_UNSERVED_LINEAR_ENTRY(NAME, ATOM, DEC, MT) QPN_LINEAR_ENTRY(NAME, ATOM, DEC, MT)
-QPN_UNSERVED_LINEAR_ENTRY(qpn4_mt1_m8n8k4, AtomM8N8K4, DecINT4, 1)
-QPN_UNSERVED_LINEAR_ENTRY(qpn4_mt2_m8n8k4, AtomM8N8K4, DecINT4, 2)
-QPN_UNSERVED_LINEAR_ENTRY(qpn4_sym_mt1_m8n8k4, AtomM8N8K4, DecINT4Sym, 1)
-QPN_UNSERVED_LINEAR_ENTRY(qpn4_sym_mt2_m8n8k4, AtomM8N8K4, DecINT4Sym, 2)
-QPN_RECONSTRUCT_ENTRY(qpn4_reconstruct_ws_m8n8k4, AtomM8N8K4, DecINT4)
-QPN_RECONSTRUCT_ENTRY(qpn4_sym_reconstruct_ws_m8n8k4, AtomM8N8K4, DecINT4Sym)
+// Entry points: one QPN_LINEAR_ENTRY per (format member, decoder form, token tiles per weight pass)
+// and one QPN_RECONSTRUCT_ENTRY per member, written from each format's registered data
+// (kernels/formats.py, WeightFormat.m8n8k4_kernels) and appended to this file by kernels/jit.py
+// (kernel_sources) before NVRTC compiles it: a new format adds its decoder to qpn_family.cuh and
+// nothing here. Route -> entry point lives in ops.py.
