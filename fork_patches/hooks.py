@@ -25,7 +25,9 @@ engine's code differs between locked builds, ``anchors`` / ``apply_on`` give the
 wrapper per engine key (``sm70@1.3.0``) or profile; ``not_on`` says, per key or profile, why a hook
 does not apply there. ``needed_for`` is the failure policy: ``always`` hooks must apply or the
 engine stops at start; ``moe`` hooks are needed only by checkpoints with routed experts, and are
-skipped with a warning (and recorded in the census) when their anchor is missing. ``params`` are
+skipped with a warning (and recorded in the census) when their anchor is missing (no entry is
+``moe`` today: the QPN MoE methods come from the registered config; tests/test_plugin_policy.py
+proves the policy with a probe entry). ``params`` are
 the anchor's parameters our wrapper calls it with (default: read from the wrapper itself).
 ``qpn.fork_patches.engine_source`` proves all of this against each locked engine's source:
 ``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR``.
