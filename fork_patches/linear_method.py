@@ -30,8 +30,8 @@ Tensor names and the global-scale rule come from the checkpoint's convention
 float32 reciprocal, per shard) / ``input_global_scale``, and may store FP8 scales per output
 channel ([N, 1], ``fp8_scale="channel"``).
 
-INT4 W4A16 (QPN4LinearMethod; the family is not served yet, so no config routes a layer here:
-``int4_method_for`` is the constructor the config side will call) registers the tensors of its
+INT4 W4A16 (QPN4LinearMethod, built by ``int4_method_for``, which the registered QPN config calls
+for the layers of an AWQ, GPTQ or compressed-tensors pack-quantized checkpoint) registers the tensors of its
 checkpoint convention (qpn.fork_patches.conventions.AWQ / GPTQ / CT_PACK_QUANTIZED) as stored,
 with vLLM's packed / group-scale parameter classes placed by the convention's layout. Before the
 prepack, the canonical source the family unpacker made is written back in the convention's layout
@@ -316,8 +316,7 @@ class _QPNLinearMethod(LinearMethodBase):
         m = x2.shape[0]
         if m == 0:
             return x2.new_empty((0, self.n))
-        # a family not yet served (INT4) has its dense routes in the unserved table only
-        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch, served_only=self.format.served)
+        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch)
         if len(self.pieces) == 1:
             y = self._ops.qpn_linear(x2, self.pieces[0][2], route=route)
         else:

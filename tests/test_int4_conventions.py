@@ -201,10 +201,10 @@ def test_ct_int4_schemes_qpn_does_not_serve_are_named(change, words):
         cv.ct_int4_scheme_of(w, "pack-quantized", "config_groups['group_0'] target 'Linear'")
 
 
-def test_the_served_conventions_do_not_take_int4_yet():
-    """INT4 is not served: the NVFP4/FP8 path (what the loader, QPNConfig.claim and the gates read)
-    still refuses an INT4 compressed-tensors scheme with the words qpn_config looks for, and
-    ``detect`` does not return an AWQ / GPTQ convention."""
+def test_the_nvfp4_fp8_conventions_do_not_take_int4():
+    """INT4 has conventions of its own (INT4_CONVENTIONS, detect_int4): the NVFP4/FP8 path
+    refuses an INT4 compressed-tensors scheme with the words qpn_config looks for, and ``detect``
+    does not return an AWQ / GPTQ convention."""
     w = mi.quantization_config("compressed-tensors", 128, True)["config_groups"]["group_0"]["weights"]
     with pytest.raises(cv.ConventionError, match="neither NVFP4 nor FP8"):
         cv.ct_scheme_of(w, "pack-quantized", "group_0")
@@ -439,20 +439,23 @@ _KINDS = [(c, k) for k, m in sorted(mi.MALFORMED.items()) for c in m.conventions
 
 
 @pytest.fixture
-def qpn_serves_int4(monkeypatch):
-    """What the launcher refuses once QPN claims INT4 checkpoints (qpn_config.int4_ready)."""
+def qpn_serves_int4():
+    """QPN claims INT4 checkpoints (formats.INT4 served, the QPN4 method registered): what the
+    launcher refuses then is everything the family does not serve."""
     from qpn.fork_patches import qpn_config
 
-    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (True, ""))
+    ok, why = qpn_config.int4_ready()
+    assert ok, why
 
 
 @pytest.mark.parametrize("convention, kind", _KINDS, ids=[f"{c}-{k}" for c, k in _KINDS])
-def test_until_qpn_serves_int4_only_damage_is_refused(tmp_path, convention, kind):
-    """The engine's own INT4 kernels serve these checkpoints today: a damaged file is refused, a
-    form QPN's family would not serve is left to the engine, and the launcher says so."""
+def test_where_qpn_does_not_claim_int4_only_damage_is_refused(tmp_path, convention, kind, monkeypatch):
+    """Where QPN does not claim an INT4 checkpoint, the engine's own INT4 kernels serve it: a
+    damaged file is refused, a form QPN's family would not serve is left to the engine, and the
+    launcher says so."""
     from qpn.fork_patches import qpn_config
 
-    assert not qpn_config.int4_ready()[0]
+    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (False, "not claimed in this test"))
     out = tmp_path / "ckpt"
     mi.make_int4_checkpoint(out, convention, malformed=kind)
     if kind == "truncated":
