@@ -1,21 +1,28 @@
 """Which numerics serve which weight format: the one place a format's data (formats.py) meets
-its family's implementation (family_nvfp4.py, family_fp8.py, family_int4.py). Callers that handle tensors ask
-``numerics(fmt)``; callers that only read configs stay on formats.py, which imports no torch.
+its family's implementation (kernels/family_<family>.py: family_nvfp4.py, family_fp8.py,
+family_int4.py). Callers that handle tensors ask ``numerics(fmt)``; callers that only read
+configs stay on formats.py, which imports no torch.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
 
 from . import formats
-from .family_fp8 import FP8Numerics
-from .family_int4 import INT4Numerics
-from .family_nvfp4 import NVFP4Numerics
+
+
+def _family_numerics(family: str) -> type:
+    """The numerics class of a kernel family: ``NUMERICS`` of its module, kernels/family_<family>.py.
+    Found by the family's registered name, so that a new family is its WeightFormat and its module,
+    with no list here to extend."""
+    return importlib.import_module(f"{__package__}.family_{family}").NUMERICS
+
 
 # kernel family -> its numerics class (one per family module)
 # (every format with numerics, served or not: formats.ALL_FORMATS)
-NUMERICS = {"nvfp4": NVFP4Numerics, "fp8": FP8Numerics, "int4": INT4Numerics}
+NUMERICS = {family: _family_numerics(family) for family in formats.ALL_FAMILIES}
 _BY_KEY = {f.key: NUMERICS[f.family](f) for f in formats.ALL_FORMATS}
 
 

@@ -84,3 +84,8 @@ class FP8Numerics:
     def moe_down_source(self, w2, w2_scale, w2_scale_2=None) -> tuple:
         ws = torch.as_tensor(w2_scale, dtype=torch.float32)
         return w2, (ws.reshape(w2.shape[0], -1) if ws.dim() >= 2 and ws.shape[1] != 1 else ws.reshape(-1))
+
+
+# The family's numerics, as families.numerics hands them out (families.py finds this module by
+# the family's name, formats.ALL_FAMILIES).
+NUMERICS = FP8Numerics

@@ -633,3 +633,8 @@ class INT4Numerics:
 
     def moe_down_source(self, w2, w2_scale, w2_zero_point=None) -> tuple:
         return (w2, w2_scale, w2_zero_point) if self.fmt.has_zero_points else (w2, w2_scale)
+
+
+# The family's numerics, as families.numerics hands them out (families.py finds this module by
+# the family's name, formats.ALL_FAMILIES).
+NUMERICS = INT4Numerics

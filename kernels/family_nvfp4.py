@@ -82,3 +82,8 @@ class NVFP4Numerics:
 
     def moe_down_source(self, w2, w2_scale, w2_scale_2=None) -> tuple:
         return w2, w2_scale, w2_scale_2
+
+
+# The family's numerics, as families.numerics hands them out (families.py finds this module by
+# the family's name, formats.ALL_FAMILIES).
+NUMERICS = NVFP4Numerics

@@ -12,14 +12,15 @@ pytestmark = pytest.mark.fast
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 # Bottom to top; see docs/architecture.md. Family numerics sit above the shared codec, prepack and
-# reference layers they call; the registry (families.py) above the families it hands out.
+# reference layers they call; the registry (families.py) above the families it hands out (it
+# imports them by name, which the check below cannot see: they are the layer under it by construction).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("formats",),                           # data
     ("codecs",),                            # bit-level codecs
     ("atoms",),                             # fragment maps per MMA atom
     ("prepack",),                           # packed layouts and their proven inverse
     ("reference", "routes"),                # CPU reference, route table
-    ("family_nvfp4", "family_fp8", "family_int4"),         # one module per weight family's numerics
+    tuple(sorted(p.stem for p in KERNELS.glob("family_*.py"))),   # one module per weight family's numerics
     ("families",),                          # format -> numerics
     ("nvrtc", "sm80_tables"),               # NVRTC; the sm_80+ route -> kernel tables (data)
     ("jit", "kernel_inputs"),               # JIT build, entry points, driver; what a dense launch reads
@@ -71,6 +72,19 @@ def test_no_import_reaches_up_or_across(module):
            for line, target in _imports(KERNELS / f"{module}.py")
            if target in LAYER_OF and target != module and LAYER_OF[target] >= own]
     assert not bad, f"{module} is in layer {own} {LAYERS[own]}: " + "; ".join(bad)
+
+
+def test_every_registered_family_has_its_module_and_no_module_is_unregistered():
+    """families.py imports kernels/family_<family>.py by the family's registered name (no list of
+    modules to extend): each family of formats.ALL_FAMILIES has its module, each family module is a
+    registered family, and the numerics each module names serve that family's formats."""
+    from qpn.kernels import families, formats
+
+    assert {p.stem for p in KERNELS.glob("family_*.py")} == {f"family_{f}" for f in formats.ALL_FAMILIES}
+    assert list(families.NUMERICS) == list(formats.ALL_FAMILIES)
+    for f in formats.ALL_FORMATS:
+        num = families.numerics(f)
+        assert type(num).__module__ == f"qpn.kernels.family_{f.family}" and num.fmt is f, f.key
 
 
 def test_formats_is_pure_data():
