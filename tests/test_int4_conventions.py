@@ -477,17 +477,49 @@ def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq):
         assert not torch.equal(wrong[2], right[2])
 
 
-def test_the_generated_checkpoints_declare_their_modules(awq_ckpt, ct_ckpt, gptq_ckpt):
+def _declares_its_modules(ckpt, sym: bool):
     _, modules = _modules()
-    for ckpt, sym in ((awq_ckpt, False), ct_ckpt, (gptq_ckpt[0], gptq_ckpt[2])):
-        conv, quant_cfg = cv.detect_int4(ckpt)
-        got_conv, schemes = cv.int4_declared_modules(ckpt)
-        assert got_conv is conv and sorted(schemes) == sorted(modules), conv.name
-        assert {(s.group_size, s.symmetric) for s in schemes.values()} == {(G, sym)}
-        assert cv.int4_checkpoint_problems(ckpt) == []
-        assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 tensors whole")
-    assert cv.detect_int4(awq_ckpt)[0] is cv.AWQ and cv.detect_int4(ct_ckpt[0])[0] is cv.CT_PACK_QUANTIZED
-    assert cv.detect_int4(gptq_ckpt[0])[0] is cv.GPTQ
+    conv, quant_cfg = cv.detect_int4(ckpt)
+    got_conv, schemes = cv.int4_declared_modules(ckpt)
+    assert got_conv is conv and sorted(schemes) == sorted(modules), conv.name
+    assert {(s.group_size, s.symmetric) for s in schemes.values()} == {(G, sym)}
+    assert cv.int4_checkpoint_problems(ckpt) == []
+    assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 tensors whole")
+    return conv
+
+
+def _reference_decodes_exactly(ckpt, sym: bool):
+    """qpn.scripts.checkpoints.int4_reference decodes with vLLM's AWQ / GPTQ dequantization and
+    compressed-tensors' decompressor, not with family_int4: both give the same float32 weights for
+    every module, and each negative control moves every module."""
+    from qpn.scripts.checkpoints import int4_reference
+
+    weights, modules = _modules()
+    engine = {hub: hub.replace("model.language_model.", "model.", 1) + ".weight" for hub in modules}
+    ref = int4_reference.dequantized_state_dict(ckpt)
+    for hub, module in modules.items():
+        want = family_int4.dequantize(*family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym))
+        assert ref[engine[hub]].dtype == torch.float32 and torch.equal(ref[engine[hub]], want), hub
+    assert not [k for k in ref if k.startswith("mtp.")]
+    for control in int4_reference.PERTURBATIONS[1:]:
+        bad = int4_reference.dequantized_state_dict(ckpt, control)
+        assert not [h for h in modules if torch.equal(bad[engine[h]], ref[engine[h]])], control
+
+
+def test_the_awq_checkpoint_declares_its_modules_and_the_reference_reads_it(awq_ckpt):
+    assert _declares_its_modules(awq_ckpt, False) is cv.AWQ
+    _reference_decodes_exactly(awq_ckpt, False)
+
+
+def test_the_ct_checkpoint_declares_its_modules_and_the_reference_reads_it(ct_ckpt):
+    assert _declares_its_modules(*ct_ckpt) is cv.CT_PACK_QUANTIZED
+    _reference_decodes_exactly(*ct_ckpt)
+
+
+def test_the_gptq_checkpoint_declares_its_modules_and_the_reference_reads_it(gptq_ckpt):
+    ckpt, _, sym = gptq_ckpt
+    assert _declares_its_modules(ckpt, sym) is cv.GPTQ
+    _reference_decodes_exactly(ckpt, sym)
 
 
 def test_generator_refuses_what_it_cannot_write(tmp_path, monkeypatch):
