@@ -243,7 +243,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
         for name, c in sm80_plan.sm80_kernels().items():
             if c.variant != 0 or name not in funcs:
                 continue
-            fmt = c.fmt   # served kernels and those of a family not served yet (INT4), as on m8n8k4
+            fmt = c.fmt   # every configured kernel, as on m8n8k4
             tile_kb = int(16 * 64 * bytes_per_weight(fmt))  # codes and scales of a 16 x 64 tile k-block
             depth = c.depth if not c.stages else c.stages - 1
             hmma = 4 * c.tiles * c.mt

@@ -31,7 +31,7 @@ float32 reciprocal, per shard) / ``input_global_scale``, and may store FP8 scale
 channel ([N, 1], ``fp8_scale="channel"``).
 
 INT4 W4A16 (QPN4LinearMethod; ``int4_method_for`` builds it for the registered QPN config, which
-hands it out once formats.INT4 is served: qpn_config.int4_served) registers the tensors of its
+hands it out while the family is served and ``QPN_INT4`` is not 0: qpn_config.int4_served) registers the tensors of its
 checkpoint convention (qpn.fork_patches.conventions.AWQ / GPTQ / CT_PACK_QUANTIZED) as stored,
 with vLLM's packed / group-scale parameter classes placed by the convention's layout. Before the
 prepack, the canonical source the family unpacker made is written back in the convention's layout
@@ -316,8 +316,7 @@ class _QPNLinearMethod(LinearMethodBase):
         m = x2.shape[0]
         if m == 0:
             return x2.new_empty((0, self.n))
-        # a family not yet served (INT4) has its dense routes in the unserved table only
-        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch, served_only=self.format.served)
+        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch)
         if len(self.pieces) == 1:
             y = self._ops.qpn_linear(x2, self.pieces[0][2], route=route)
         else:

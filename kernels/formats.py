@@ -1,7 +1,8 @@
-"""The numeric weight formats QPN serves, as data: NVFP4, FP8 per tensor, FP8 per output channel;
-and INT4 W4A16 (asymmetric and symmetric), whose numerics and kernels (both atoms) exist but which no
-loader serves yet (``served=False``: ops runs its kernels, ``kernel_atoms``; the served route
-list, the census, the checkpoint gates and the performance model do not name it).
+"""The numeric weight formats QPN serves, as data: NVFP4, FP8 per tensor, FP8 per output channel,
+and INT4 W4A16 (asymmetric with zero points, and symmetric; dense layers only: no MoE kernels,
+``moe_atoms``). A format may be registered before it is served (``served=False``: its numerics
+and kernels exist, ops runs them, but the served route list, the census and the checkpoint gates
+do not name it); none is today.
 Everything that depends on a weight's format asks its ``WeightFormat`` here instead of comparing
 format strings.
 
@@ -80,6 +81,9 @@ class WeightFormat:
     served: bool = True    # False: no loader, served route list, census or checkpoint gate names it yet
     # atoms whose dense kernels exist for this format (ops runs them, served or not); () = numerics only
     kernel_atoms: tuple[str, ...] = ("m8n8k4", "m16n8k16")
+    # atoms whose grouped MoE kernels (csrc/qpn_moe*.cu) exist for this format; () = dense layers only,
+    # and no MoE route (routes.QPN_MOE_ROUTES)
+    moe_atoms: tuple[str, ...] = ("m8n8k4", "m16n8k16")
     # members of one family whose kernels differ (INT4: with / without zero points) tell their kernel
     # names apart by this tag after the route prefix ("qpn4_sym_mt1_m8n8k4"); "" = the family's names
     kernel_tag: str = ""
@@ -182,6 +186,8 @@ class WeightFormat:
         return (f"{self.kernel_prefix}_reconstruct_ws_{atom}",)
 
     def moe_entry_points(self, atom: str) -> tuple[str, ...]:
+        if atom not in self.moe_atoms:
+            return ()
         p = self.route_prefix
         return (f"{p}_moe_gate_up_{atom}", f"{p}_moe_down_{atom}")
 
@@ -211,13 +217,12 @@ INT4 = WeightFormat(
     key="int4", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), decoder="DecINT4")
+    scale_dtype="float16", moe_atoms=(), decoder="DecINT4")
 INT4_SYM = WeightFormat(
     key="int4_sym", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16 symmetric", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), kernel_tag="sym",
-    decoder="DecINT4Sym")
+    scale_dtype="float16", moe_atoms=(), kernel_tag="sym", decoder="DecINT4Sym")
 
 # Every format with numerics (families.numerics); one member per kernel family in ALL_FAMILIES.
 ALL_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL, INT4, INT4_SYM)

@@ -2,12 +2,12 @@
 loader's dispatch, the custom ops, the census and the benchmarks alike. A route is never a silent
 fallback: every M has exactly one named route, and every route below is a real kernel path.
 
-| M      | NVFP4 (MLP trunk, lm_head)  | FP8 (attention projections) |
-|--------|-----------------------------|-----------------------------|
-| 1-8    | qpn2                        | qpn8                        |
-| 9-16   | qpn2_mt2                    | qpn8_mt2                    |
-| 17-96  | qpn2_chunked                | qpn8_chunked                |
-| > 96   | qpn2_reconstruct            | qpn8_reconstruct            |
+| M      | NVFP4 (MLP trunk, lm_head)  | FP8 (attention projections) | INT4 W4A16 (AWQ / GPTQ / CT) |
+|--------|-----------------------------|-----------------------------|------------------------------|
+| 1-8    | qpn2                        | qpn8                        | qpn4                         |
+| 9-16   | qpn2_mt2                    | qpn8_mt2                    | qpn4_mt2                     |
+| 17-96  | qpn2_chunked                | qpn8_chunked                | qpn4_chunked                 |
+| > 96   | qpn2_reconstruct            | qpn8_reconstruct            | qpn4_reconstruct             |
 
 * qpn2 / qpn8: one 8-row tile, four quadpairs on N sharing one activation fragment.
 * *_mt2: two 8-row tiles against a single pass over the weights.
@@ -27,10 +27,12 @@ fallback: every M has exactly one named route, and every route below is a real k
   FP32 and the workspace is freed when the call returns. Nothing is persisted.
 * *_moe (kernels/moe.py): the grouped kernels of a mixture-of-experts layer, one route per format
   of its gate/up stack for every batch size (pairs are grouped by expert on the device).
-* INT4 W4A16 (qpn4, qpn4_mt2, qpn4_chunked, qpn4_reconstruct; kernels qpn4_* and qpn4_sym_* per
-  member): the same dense bands on the m8n8k4 atom, as UNSERVED_ROUTES: ops runs them
-  (``route_for(..., served_only=False)``), but the family is not served yet (formats.py), so
-  QPN_ROUTES, parse_route and route_for's default do not name them; no MoE route.
+* INT4 W4A16: one route per band for both members; the kernels differ per member (qpn4_* with zero
+  points, qpn4_sym_* without: formats.WeightFormat.kernel_tag). INT4 has no MoE kernels
+  (formats.WeightFormat.moe_atoms), so no qpn4_moe route.
+* A family registered with kernels but not served yet (formats ``served=False``; none today) gets
+  the same dense bands as UNSERVED_ROUTES: ops runs them (``route_for(..., served_only=False)``),
+  QPN_ROUTES, parse_route and route_for's default do not name them.
 
 A route travels as a ``Route`` value: its name is parsed once, here, into what the kernels need
 (format, kernel kind, token tiles per weight pass, chunk rows) and the M band the table gives it;
@@ -47,7 +49,7 @@ from . import formats
 FORMATS = tuple(formats.FAMILIES)
 ROUTE_PREFIX = {family: f.route_prefix for family, f in formats.FAMILIES.items()}
 # Every family with kernels, served or not (formats.KERNEL_FAMILIES): a family that is not served
-# yet (INT4) has the same dense bands, as UNSERVED_ROUTES, which ops runs when asked with
+# yet has the same dense bands, as UNSERVED_ROUTES, which ops runs when asked with
 # served_only=False and which no served list (QPN_ROUTES, the census, the gates) holds.
 _KERNEL_PREFIX = {family: f.route_prefix for family, f in formats.KERNEL_FAMILIES.items()}
 
@@ -71,7 +73,7 @@ MOE = "moe"                  # the grouped mixture-of-experts kernels (kernels/m
 class Route:
     """One QPN route. ``str(route)`` is its name (``qpn2_mt2``); compare routes as values."""
 
-    format: str          # kernel family it serves: "nvfp4" | "fp8" (formats.FAMILIES key)
+    format: str          # kernel family it serves (a formats.FAMILIES key: nvfp4, fp8, int4)
     kernel: str          # TILED | RECONSTRUCT | MOE
     tiles_per_pass: int  # 8-row token tiles against one weight pass (TILED; 0 otherwise)
     chunk_rows: int      # rows per chunk when M is cut into chunks, each chunk one pass; 0: no chunks
@@ -152,13 +154,15 @@ def parse_route(name: str) -> Route:
     prefix, sep, suffix = str(name).partition("_")
     fmt = _FORMAT_OF_PREFIX.get(prefix)
     shape = _SHAPE_OF_SUFFIX.get(sep + suffix)
-    if fmt is None or shape is None:
+    if fmt is None or shape is None or (shape[0] == MOE and not formats.FAMILIES[fmt].moe_atoms):
         raise ValueError(f"unknown QPN route {name!r}; known routes: {sorted(_NAMES)}")
     m_min, m_max = _BAND[shape]
     return Route(fmt, *shape, m_min, m_max)
 
 
-_NAMES = tuple(p + s for p in _FORMAT_OF_PREFIX for s in _SHAPE_OF_SUFFIX)
+# A family without MoE kernels (formats.WeightFormat.moe_atoms empty: INT4) has no MoE route.
+_NAMES = tuple(p + s for f, p in ROUTE_PREFIX.items() for s, shape in _SHAPE_OF_SUFFIX.items()
+               if shape[0] != MOE or formats.FAMILIES[f].moe_atoms)
 # Every route, by name.
 ALL_ROUTES: dict[str, Route] = {n: parse_route(n) for n in _NAMES}
 
@@ -192,7 +196,7 @@ def _check_format(fmt: str, served_only: bool = True) -> None:
 
 
 def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70", served_only: bool = True) -> Route:
-    """Route of one linear call: fmt is a served family ("nvfp4", "fp8"), m = rows in the batch;
+    """Route of one linear call: fmt is a served family (formats.FAMILIES key), m = rows in the batch;
     with ``served_only`` False also a family whose kernels exist but that is not served yet
     (formats.KERNEL_FAMILIES: its UNSERVED_ROUTES)."""
     _check_format(fmt, served_only)
@@ -221,7 +225,11 @@ def tiled_route(fmt: str, tiles_per_pass: int) -> Route:
 def moe_route_for(fmt: str) -> Route:
     """Route of a MoE layer whose gate/up experts are stored in ``fmt``."""
     _check_format(fmt)
-    return ALL_ROUTES[ROUTE_PREFIX[fmt] + _SUFFIX[(MOE, 0, 0)]]
+    route = ALL_ROUTES.get(ROUTE_PREFIX[fmt] + _SUFFIX[(MOE, 0, 0)])
+    if route is None:
+        raise ValueError(f"{formats.FAMILIES[fmt].title} has no MoE kernels, so no MoE route; QPN serves MoE "
+                         f"experts in {', '.join(k for k, f in formats.FAMILIES.items() if f.moe_atoms)}")
+    return route
 
 
 def route_format(route: Route | str) -> str:

@@ -15,6 +15,7 @@ from qpn.fork_patches.census import Census, aggregate, attention_layer_groups
 from qpn.fork_patches.census_schema import (
     SCHEMA_VERSION, SUMMARY_VERSION, CensusSchemaError, CensusSummary, validate_rank,
 )
+from qpn.kernels import formats
 from qpn.scripts.launcher import boot_gates
 from qpn.scripts.launcher.engine_profiles import CPU
 
@@ -402,7 +403,7 @@ def _write_ct_rank(tmp_path, declared: dict, drop=(), off_qpn=(), unlisted=(), r
         layer = object()
         keep.append(layer)
         n = c.register_module(layer, module, region, 64, 128, prepack_verified=True, declared=engine_names)
-        c.count(n, "marlin" if module in off_qpn else ("qpn8" if region == "fp8" else "qpn2"))
+        c.count(n, "marlin" if module in off_qpn else formats.FAMILIES[region].route_prefix)
     if record:
         c.set_checkpoint_modules({ck: e for ck, e in names.items() if ck not in unlisted})
     c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
@@ -499,3 +500,55 @@ def test_ct_class_targets_expand_over_the_checkpoints_own_tensors(tiny_checkpoin
         q["config_groups"]["group_0"]["targets"] = ["Embedding"]
     _, none = boot_gates.declared_modules(_ct_copy(src, tmp_path / "emb", unknown_class))
     assert not any(s.fmt == "nvfp4" for s in none.values())
+
+
+# ---- INT4 W4A16 checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized) ----------------------
+@pytest.fixture(scope="module")
+def int4_checkpoints(tmp_path_factory):
+    from qpn.scripts.checkpoints.make_int4_checkpoint import make_int4_checkpoint
+
+    root = tmp_path_factory.mktemp("int4-gates")
+    for convention in ("awq", "gptq", "compressed-tensors"):
+        make_int4_checkpoint(root / convention, convention)
+    return root
+
+
+@pytest.mark.parametrize("convention, listed", [("awq", "quantization_config"), ("gptq", "quantization_config"),
+                                                ("compressed-tensors", "config_groups")])
+def test_int4_coverage_regions_and_lm_head(int4_checkpoints, tmp_path, convention, listed):
+    """An INT4 checkpoint declares its modules through its INT4 convention (50 in the tiny model, no
+    lm_head: INT4 exports keep it BF16) and its region int4; qpn_routes pairs each declared module
+    with the census by name, and fails naming one that is off QPN or missing, or a census without
+    the record; lm_head_from_codes does not apply (the engine's own method serves the BF16 head)
+    while a checkpoint that quantizes its head still needs it from codes."""
+    from qpn.fork_patches import conventions
+
+    ckpt = int4_checkpoints / convention
+    conv, declared = boot_gates.declared_modules(str(ckpt))
+    assert conv is conventions.INT4_CONVENTIONS[convention] and len(declared) == 50
+    assert not boot_gates.quantizes_lm_head(declared) and boot_gates.quantizes_lm_head(LAYERS)
+    quant = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert boot_gates.declared_regions(quant) == {"int4"}
+    _write_ct_rank(tmp_path, declared)
+    agg = aggregate(str(tmp_path))
+    assert agg["modules_by_region"] == {"int4": 32}
+    gate = boot_gates.gate_qpn_routes(agg, {"int4"}, boot_gates.qpn_route_names(), checkpoint_modules=declared)
+    assert gate.status == boot_gates.PASS and f"{listed} (50)" in gate.expected, gate.observed
+    results = {r.name: r for r in boot_gates.evaluate(CPU, 0, {"ok": True, "completion_tokens": 1}, None, agg,
+                                                      {"int4"}, tp=1, declared=declared,
+                                                      checkpoint_modules=declared)}
+    head = results[boot_gates.GATE_LM_HEAD]
+    assert head.status == boot_gates.NA and "stores lm_head unquantized" in head.expected
+    assert results["qpn_routes"].status == boot_gates.PASS
+    for change, needle in ((dict(drop=("model.layers.0.mlp.down_proj",)),
+                            f"1 of 50 checkpoint module(s) declared by {listed} not in the census, e.g. "
+                            "['model.language_model.layers.0.mlp.down_proj (engine: model.layers.0.mlp.down_proj)']"),
+                           (dict(off_qpn=("model.layers.3.self_attn.qkv_proj",)),
+                            "3 checkpoint module(s) admitted but not on a QPN route"),
+                           (dict(record=False), f"the census has no checkpoint_modules (the {listed} quant config")):
+        for f in tmp_path.glob("census_rank*.json"):
+            f.unlink()
+        _write_ct_rank(tmp_path, declared, **change)
+        gate = boot_gates.gate_qpn_routes(aggregate(str(tmp_path)), {"int4"}, boot_gates.qpn_route_names(),
+                                          checkpoint_modules=declared)
+        assert gate.failed and needle in gate.observed, gate.observed

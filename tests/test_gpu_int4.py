@@ -61,8 +61,9 @@ def atom(request):
         except nvrtc.NvrtcUnavailable as e:
             unavailable("NVRTC", str(e), "pip install nvidia-cuda-nvrtc-cu12 (the test extra)")
         mod = jit.module_for(torch.device("cuda", torch.cuda.current_device()), a)
-        assert jit.UNSERVED_ENTRY_POINTS[a]
-        for name in jit.UNSERVED_ENTRY_POINTS[a]:
+        int4 = [e for e in jit.ENTRY_POINTS[a] if e.startswith(formats.INT4.route_prefix + "_")]
+        assert int4
+        for name in int4:
             assert mod.function(name), name
         _built_atoms.add(a)
     return a
@@ -81,23 +82,9 @@ def outlier_weight(n: int, k: int, gen) -> torch.Tensor:
     return w
 
 
-def all_values_source(n: int, k: int, g: int, sym: bool, gen) -> tuple:
-    """Every code 0..15 in every row, every zero point 0..15 (asymmetric) cycling over the
-    (row, group) records, FP16 scales over six binades: the whole of the format's codes."""
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
-    q[:, :16] = torch.arange(16)
-    cols = k // g
-    s = (torch.exp2(torch.randint(-12, -6, (n, cols), generator=gen).float())
-         * (1 + torch.randint(0, 8, (n, cols), generator=gen).float() / 8)).half()
-    codes = fi.pack_codes(q)
-    if sym:
-        return codes, s
-    return codes, s, (torch.arange(n * cols) % 16).reshape(n, cols).to(torch.uint8)
-
-
 def _source(kind: str, n: int, k: int, g: int, sym: bool, gen) -> tuple:
     if kind == "all_values":
-        return all_values_source(n, k, g, sym, gen)
+        return fc.int4_weight(n, k, g, sym, gen)
     return fi.quantize(outlier_weight(n, k, gen), g, symmetric=sym)
 
 
@@ -149,7 +136,7 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member, atom):
     bias = (torch.randn(n, generator=gen) * 0.1).half()
     for m in M_LIST:
         x = fc.activations(m, k, gen, outliers=True)
-        route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
+        route = routes.route_for(formats.INT4.family, m, n, k)
         y = ops.qpn_linear(x.to(dev), packed)
         torch.cuda.synchronize()
         _check(y, x, w16, f"{name} {kind} {member} g={g} M={m} ({route}, {atom})")
@@ -218,7 +205,7 @@ def test_int4_subnormal_operands(member, atom):
 
 @pytest.mark.parametrize("member", list(MEMBERS))
 def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
-    """On m16n8k16 each band runs the member's own configured kernel (sm80_tables.SM80_UNSERVED_ROUTE_KERNELS,
+    """On m16n8k16 each band runs the member's own configured kernel (sm80_tables.SM80_ROUTE_KERNELS,
     never another family's or member's) with the weight's group shift, and a chunked M (40: three
     16-row chunks of the MT = 2 kernel) agrees with the reference too."""
     if atom != "m16n8k16":
@@ -234,9 +221,9 @@ def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
         w = ops.operands(packed)
         assert ops.kernel_member(w) == (fmt, {32: 1, 64: 2, 128: 3}[g])
         for m, mt in ((1, 1), (8, 1), (9, 2), (16, 2), (40, 2)):
-            route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
+            route = routes.route_for(formats.INT4.family, m, n, k)
             name, chunks = sm80_plan._sm80_kernel_for(route, m, n, fmt)
-            assert name == sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[(fmt, mt)]
+            assert name == sm80_tables.SM80_ROUTE_KERNELS[(fmt, mt)]
             assert name.startswith(fmt.kernel_prefix + "_")
             assert chunks == (-(-m // 16) if route.chunk_rows else 1)
             x = fc.activations(m, k, gen, outliers=True)

@@ -2,7 +2,7 @@
 proven against the engines' own loader code (vLLM 0.32 installed beside the cpu engine and both
 1Cat-vLLM source archives, parsed by engine_source.verify_int4_conventions, and vLLM's config
 parsers run on the same dicts); the INT4 checkpoint generator (make_int4_checkpoint) byte for byte
-against vLLM's AutoAWQ packer and dequantization and compressed-tensors' own compressor; and the
+against vLLM's AutoAWQ and GPTQ packers and dequantizations and compressed-tensors' own compressor; and the
 launcher's pre-boot refusal of a broken INT4 checkpoint (serve_preflight.check_checkpoint_tensors),
 naming the module. No engine boots."""
 from __future__ import annotations
@@ -201,10 +201,10 @@ def test_ct_int4_schemes_qpn_does_not_serve_are_named(change, words):
         cv.ct_int4_scheme_of(w, "pack-quantized", "config_groups['group_0'] target 'Linear'")
 
 
-def test_the_served_conventions_do_not_take_int4_yet():
-    """INT4 is not served: the NVFP4/FP8 path (what the loader, QPNConfig.claim and the gates read)
-    still refuses an INT4 compressed-tensors scheme with the words qpn_config looks for, and
-    ``detect`` does not return an AWQ / GPTQ convention."""
+def test_the_nvfp4_fp8_conventions_do_not_take_int4():
+    """INT4 has conventions of its own (INT4_CONVENTIONS, detect_int4): the NVFP4/FP8 path
+    refuses an INT4 compressed-tensors scheme with the words qpn_config looks for, and ``detect``
+    does not return an AWQ / GPTQ convention."""
     w = mi.quantization_config("compressed-tensors", 128, True)["config_groups"]["group_0"]["weights"]
     with pytest.raises(cv.ConventionError, match="neither NVFP4 nor FP8"):
         cv.ct_scheme_of(w, "pack-quantized", "group_0")
@@ -410,21 +410,130 @@ def test_ct_checkpoint_is_the_librarys_byte_for_byte(ct_ckpt):
         assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
 
 
-def test_the_generated_checkpoints_declare_their_modules(awq_ckpt, ct_ckpt):
+@pytest.fixture(scope="module", params=[("gptq", False), ("gptq_v2", False), ("gptq", True)],
+                ids=["v1-asym", "v2-asym", "v1-sym"])
+def gptq_ckpt(tmp_path_factory, request):
+    fmt, sym = request.param
+    out = tmp_path_factory.mktemp("gptq") / "ckpt"
+    mi.make_int4_checkpoint(out, "gptq", seed=0, symmetric=sym, gptq_format=fmt)
+    return out, fmt, sym
+
+
+def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq):
+    """Every INT4 module of the GPTQ checkpoint: qweight is vLLM's own GPTQ packer's words
+    (quant_utils.gptq_pack) for the codes family_int4.quantize makes, qzeros its pack_cols of the
+    zero points less the format's offset (gptq: zero - 1, the symmetric zero 8 stored as 7;
+    gptq_v2: as they are), scales the float16 group scales transposed, g_idx k // g; vLLM's torch
+    GPTQ dequantization (fused_moe.oracle.int_wna16._unpack_and_dequant_int4_gptq, which reads
+    zero points as stored, i.e. gptq_v2, and uint4b8 without them) gives family_int4's weights in
+    float16, bit for bit; vLLM's unpack_cols reads the zero points back; QPN's GPTQ convention
+    unpacks the canonical source. vLLM's AutoGPTQConfig parses the symmetric config."""
+    import dataclasses as dc
+
+    import vllm.model_executor.layers.fused_moe.oracle.int_wna16 as iw
+
+    ckpt, fmt, sym = gptq_ckpt
+    t = _load(ckpt)
+    qcfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    scheme = cv.GPTQ.scheme(qcfg)
+    assert (scheme.symmetric, scheme.group_size, scheme.act_order) == (sym, G, False)
+    assert scheme.zero_offset == (0 if sym or fmt == "gptq_v2" else 1)
+    offset = 1 if fmt == "gptq" else 0   # what is stored, symmetric or not
+    weights, modules = _modules()
+    qu = vllm_awq.qu
+    for hub, module in modules.items():
+        src = family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym)
+        codes, s = src[0], src[1]
+        z = torch.full_like(s, 8, dtype=torch.int32) if sym else src[2].to(torch.int32)
+        q = family_int4.unpack_codes(codes).t().to(torch.int32)     # [K, N]
+        k, n = q.shape
+        qw, qz, sc, gi = (t[f"{hub}.{x}"] for x in ("qweight", "qzeros", "scales", "g_idx"))
+        assert torch.equal(qw, qu.gptq_pack(q, 4, k, n)), hub
+        assert torch.equal(qz, qu.pack_cols(z.t() - offset, 4, k // G, n)), hub
+        assert torch.equal(qu.unpack_cols(qz, 4, k // G, n), z.t() - offset), hub
+        assert sc.dtype == torch.float16 and torch.equal(sc, s.t()), hub
+        assert gi.dtype == torch.int32 and torch.equal(gi, (torch.arange(k) // G).to(torch.int32)), hub
+        as_stored = None if sym else qu.pack_cols(z.t(), 4, k // G, n)
+        if fmt == "gptq_v2" and not sym:
+            assert torch.equal(as_stored, qz), hub
+        theirs = iw._unpack_and_dequant_int4_gptq(qw[None], sc[None], None if as_stored is None else as_stored[None],
+                                                   transpose_output=True, output_dtype=torch.float16)[0]
+        assert torch.equal(theirs, family_int4.dequantize(*src).half()), hub
+        got = cv.GPTQ.int4_inputs({k_: v for k_, v in t.items() if k_.startswith(hub + ".")}, hub, scheme)
+        assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
+        assert f"{hub}.weight" not in t
+    assert t["lm_head.weight"].dtype == torch.bfloat16 and "lm_head.qweight" not in t
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+
+    if sym:
+        theirs = AutoGPTQConfig.from_config(qcfg)
+        assert (theirs.weight_bits, theirs.group_size, theirs.is_sym, theirs.desc_act) == (4, G, True, False)
+    # read with the other format's offset, every zero point would be one off: the format is what decides
+    other = dc.replace(scheme, zero_offset=1 - scheme.zero_offset)
+    if not sym:
+        hub = next(iter(modules))
+        wrong = cv.GPTQ.int4_inputs({k_: v for k_, v in t.items() if k_.startswith(hub + ".")}, hub, other)
+        right = cv.GPTQ.int4_inputs({k_: v for k_, v in t.items() if k_.startswith(hub + ".")}, hub, scheme)
+        assert not torch.equal(wrong[2], right[2])
+
+
+def _declares_its_modules(ckpt, sym: bool):
     _, modules = _modules()
-    for ckpt in (awq_ckpt, ct_ckpt[0]):
-        conv, quant_cfg = cv.detect_int4(ckpt)
-        got_conv, schemes = cv.int4_declared_modules(ckpt)
-        assert got_conv is conv and sorted(schemes) == sorted(modules), conv.name
-        assert {(s.group_size, s.symmetric) for s in schemes.values()} == {(G, conv.name == "compressed-tensors" and ct_ckpt[1])}
-        assert cv.int4_checkpoint_problems(ckpt) == []
-        assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 tensors whole")
-    assert cv.detect_int4(awq_ckpt)[0] is cv.AWQ and cv.detect_int4(ct_ckpt[0])[0] is cv.CT_PACK_QUANTIZED
+    conv, quant_cfg = cv.detect_int4(ckpt)
+    got_conv, schemes = cv.int4_declared_modules(ckpt)
+    assert got_conv is conv and sorted(schemes) == sorted(modules), conv.name
+    assert {(s.group_size, s.symmetric) for s in schemes.values()} == {(G, sym)}
+    assert cv.int4_checkpoint_problems(ckpt) == []
+    assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 tensors whole")
+    return conv
 
 
-def test_generator_refuses_what_it_cannot_write(tmp_path):
-    with pytest.raises(ValueError, match="--symmetric is for compressed-tensors"):
+def _reference_decodes_exactly(ckpt, sym: bool):
+    """qpn.scripts.checkpoints.int4_reference decodes with vLLM's AWQ / GPTQ dequantization and
+    compressed-tensors' decompressor, not with family_int4: both give the same float32 weights for
+    every module, and each negative control moves every module."""
+    from qpn.scripts.checkpoints import int4_reference
+
+    weights, modules = _modules()
+    engine = {hub: hub.replace("model.language_model.", "model.", 1) + ".weight" for hub in modules}
+    ref = int4_reference.dequantized_state_dict(ckpt)
+    for hub, module in modules.items():
+        want = family_int4.dequantize(*family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym))
+        assert ref[engine[hub]].dtype == torch.float32 and torch.equal(ref[engine[hub]], want), hub
+    assert not [k for k in ref if k.startswith("mtp.")]
+    for control in int4_reference.PERTURBATIONS[1:]:
+        bad = int4_reference.dequantized_state_dict(ckpt, control)
+        assert not [h for h in modules if torch.equal(bad[engine[h]], ref[engine[h]])], control
+
+
+def test_the_awq_checkpoint_declares_its_modules_and_the_reference_reads_it(awq_ckpt):
+    assert _declares_its_modules(awq_ckpt, False) is cv.AWQ
+    _reference_decodes_exactly(awq_ckpt, False)
+
+
+def test_the_ct_checkpoint_declares_its_modules_and_the_reference_reads_it(ct_ckpt):
+    assert _declares_its_modules(*ct_ckpt) is cv.CT_PACK_QUANTIZED
+    _reference_decodes_exactly(*ct_ckpt)
+
+
+def test_the_gptq_checkpoint_declares_its_modules_and_the_reference_reads_it(gptq_ckpt):
+    ckpt, _, sym = gptq_ckpt
+    assert _declares_its_modules(ckpt, sym) is cv.GPTQ
+    _reference_decodes_exactly(ckpt, sym)
+
+
+def test_generator_refuses_what_it_cannot_write(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--symmetric is for gptq and compressed-tensors"):
         mi.make_int4_checkpoint(tmp_path / "a", "awq", symmetric=True)
+    with pytest.raises(ValueError, match="--gptq-format is for --convention gptq"):
+        mi.make_int4_checkpoint(tmp_path / "a", "awq", gptq_format="gptq_v2")
+    with pytest.raises(ValueError, match="checkpoint_format 'marlin'"):
+        mi.make_int4_checkpoint(tmp_path / "a", "gptq", gptq_format="marlin")
+    # GPTQ v1 stores zero - 1: a group whose zero point is 0 (no negative weight) cannot be written
+    zero0 = (torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2).half(), torch.zeros(4, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="^layers.0.mlp.up_proj: a zero point of 0.*--gptq-format gptq_v2"):
+        mi.to_gptq(*zero0, "gptq", "layers.0.mlp.up_proj")
+    assert int(mi.to_gptq(*zero0, "gptq_v2")["qzeros"].abs().sum()) == 0
     with pytest.raises(ValueError, match="group size 16"):
         mi.make_int4_checkpoint(tmp_path / "a", "awq", group_size=16)
     with pytest.raises(ValueError, match="choose from"):
@@ -439,20 +548,21 @@ _KINDS = [(c, k) for k, m in sorted(mi.MALFORMED.items()) for c in m.conventions
 
 
 @pytest.fixture
-def qpn_serves_int4(monkeypatch):
-    """What the launcher refuses once QPN claims INT4 checkpoints (qpn_config.int4_ready)."""
+def qpn_serves_int4():
+    """QPN claims INT4 checkpoints (formats.INT4 served, the QPN4 method registered): what the
+    launcher refuses then is everything the family does not serve."""
     from qpn.fork_patches import qpn_config
 
-    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (True, ""))
+    ok, why = qpn_config.int4_served()
+    assert ok, why
 
 
 @pytest.mark.parametrize("convention, kind", _KINDS, ids=[f"{c}-{k}" for c, k in _KINDS])
-def test_until_qpn_serves_int4_only_damage_is_refused(tmp_path, convention, kind):
-    """The engine's own INT4 kernels serve these checkpoints today: a damaged file is refused, a
-    form QPN's family would not serve is left to the engine, and the launcher says so."""
-    from qpn.fork_patches import qpn_config
-
-    assert not qpn_config.int4_ready()[0]
+def test_where_qpn_does_not_claim_int4_only_damage_is_refused(tmp_path, convention, kind, monkeypatch):
+    """With QPN_INT4=0 QPN does not claim INT4 checkpoints and the engine's own INT4 kernels serve
+    them: a damaged file is refused, a form QPN's family would not serve is left to the engine, and
+    the launcher says so."""
+    monkeypatch.setenv("QPN_INT4", "0")
     out = tmp_path / "ckpt"
     mi.make_int4_checkpoint(out, convention, malformed=kind)
     if kind == "truncated":

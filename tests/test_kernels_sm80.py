@@ -506,9 +506,11 @@ def test_sm80_kernel_table_and_route_kernels():
     configured = sm80_plan.sm80_kernels()
     for (fmt, mt), name in sm80_tables.SM80_ROUTE_KERNELS.items():
         cfg = configured[name]
-        assert fmt is formats.FAMILIES[fmt.family]
-        assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.route_prefix)
-        assert cfg.frag == ("Frag16NVFP4" if fmt.family == "nvfp4" else "Frag16FP8")
+        # the family's member, or (INT4) each member with kernels of its own
+        assert fmt is formats.FAMILIES[fmt.family] or fmt.kernel_tag
+        assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.kernel_prefix + "_mt")
+        assert sm80_tables.SM80_FRAGMENTS[cfg.frag] is fmt
+    assert {f for f, _ in sm80_tables.SM80_ROUTE_KERNELS} == set(formats.WEIGHT_FORMATS) - {formats.FP8_CHANNEL}
     route = routes.as_route
     # the chunked route: the M-band kernel, one weight pass per 8 x MT rows; an MT = 2 kernel named
     # for it (how the route ran before) takes one pass per 16 rows

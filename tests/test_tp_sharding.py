@@ -256,3 +256,45 @@ def test_cpu_engine_binds_one_core_group_per_rank():
     assert tp_env(CPU, 1, cpus=[0, 1]) == {} and tp_env(SM70, 4, cpus=[0]) == {}
     with pytest.raises(ValueError, match="TP=4 on the cpu engine needs at least 4 cores"):
         tp_env(CPU, 4, cpus=[0, 1])
+
+
+@pytest.mark.parametrize("convention, sym", [("awq", False), ("gptq", True), ("compressed-tensors", False)])
+def test_int4_checkpoints_are_planned_with_their_own_groups_and_words(tmp_path, convention, sym):
+    """An INT4 checkpoint (make_int4_checkpoint) is planned from its own layout: (N, K) from the
+    codes tensor as its convention stores it, the group size its config chose, and eight output
+    rows per word where a role packs N (AWQ's codes; every asymmetric zero point). The tiny model
+    splits at TP=2 with whole groups of 128 inputs per rank; at TP=4 its row-parallel modules would
+    cut every group in two, and the refusal names them before boot."""
+    from qpn.scripts.checkpoints.make_int4_checkpoint import make_int4_checkpoint
+    from qpn.scripts.launcher.boot_gates import declared_modules
+
+    ckpt = tmp_path / "ckpt"
+    make_int4_checkpoint(ckpt, convention, group_size=128, symmetric=sym)
+    conv, declared = declared_modules(str(ckpt))
+    assert conv.name == convention and len(declared) == 50
+    planned = {m.name: m for m in tps.checkpoint_modules(str(ckpt), declared, conv)}
+    words = 8 if convention == "awq" or not sym else 1
+    assert planned["model.language_model.layers.0.mlp.down_proj"] == tps.Module(
+        "model.language_model.layers.0.mlp.down_proj", "int4", (128,), 256, 128, words)
+    assert planned["model.language_model.layers.3.self_attn.qkv_proj"] == tps.Module(
+        "model.language_model.layers.3.self_attn.qkv_proj", "int4", (512, 128, 128), 128, 128, words)
+    # 38: the plan keeps GDN's in_proj_qkv and in_proj_z apart (each output partition is checked alike)
+    assert {m.region for m in planned.values()} == {"int4"} and len(planned) == 38
+    assert serve_preflight.check_tp_split(str(ckpt), 2) == "38 quantized module(s) split over 2 ranks"
+    with pytest.raises(serve_preflight.Refusal) as err:
+        serve_preflight.check_tp_split(str(ckpt), 4)
+    assert ("model.language_model.layers.0.mlp.down_proj: row-parallel K=256/TP=4 = 64 inputs per rank splits "
+            "an INT4 W4A16 group (one float16 scale per 128 inputs)") in str(err.value)
+
+
+def test_an_int4_split_inside_a_packed_word_is_refused():
+    words = tps.problems(tps.Module("x.q_proj", "int4", (48,), 64, 32, 8), 2)   # 24 rows per rank: 3 words
+    assert words == []
+    cut = tps.problems(tps.Module("x.q_proj", "int4", (40,), 64, 32, 8), 2)    # 20 rows per rank
+    assert cut == ["x.q_proj: column-parallel output N=40/TP=2 = 20 rows per rank splits the int32 words "
+                   "that pack 8 rows each"]
+    assert tps.problems(tps.Module("x.q_proj", "int4", (40,), 64, 32, 1), 2) == []   # symmetric GPTQ / CT: no N words
+    # the checkpoint's own group, not the format's default of 128
+    assert tps.problems(tps.Module("x.down_proj", "int4", (64,), 128, 32, 8), 2) == []
+    assert any("splits an INT4 W4A16 group (one float16 scale per 128 inputs)" in p
+               for p in tps.problems(tps.Module("x.down_proj", "int4", (64,), 128, None, 8), 2))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import codecs, families, formats, prepack
-from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, NVFP4, WEIGHT_FORMATS
+from qpn.kernels import codecs, families, family_int4, formats, prepack
+from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, INT4, INT4_SYM, NVFP4, WEIGHT_FORMATS
 
 pytestmark = pytest.mark.fast
 
@@ -51,6 +51,43 @@ def _fp8_every_byte(per_channel: bool):
     return codes, scale
 
 
+def _int4_every_code(sym: bool):
+    """Every positive finite float16 scale (bits 0x0001..0x7BFF, subnormals included; one group of 32
+    each, the last row padded with 1.0), every code twice in every group (rotated per group), and for
+    the asymmetric member zero point = group index mod 16, so every (code, zero point) pair occurs
+    thousands of times. Each group holds code 0 and code 15, which pin min and max: the quantizer's
+    scale and zero point are the stored ones."""
+    g, groups = 32, 256
+    bits = torch.arange(1, 0x7C00, dtype=torch.int32)
+    bits = torch.cat([bits, torch.full((-bits.numel() % groups,), 0x3C00, dtype=torch.int32)])
+    n = bits.numel() // groups
+    scales = bits.to(torch.int16).view(torch.float16).reshape(n, groups)
+    idx = torch.arange(n * groups).reshape(n, groups)
+    base = torch.arange(16).repeat(2)
+    codes = torch.stack([torch.roll(base, int(r)) for r in idx.reshape(-1) % 16]).reshape(n, groups * g)
+    zeros = (idx % 16).to(torch.uint8)
+    src = (family_int4.pack_codes(codes.to(torch.uint8)), scales) + (() if sym else (zeros,))
+    return src, codes, (torch.full_like(zeros, family_int4.SYM_ZERO) if sym else zeros), g
+
+
+@pytest.mark.parametrize("fmt", [INT4, INT4_SYM], ids=lambda f: f.key)
+def test_int4_decode_and_quantize_round_trip_every_code_zero_and_scale(fmt):
+    sym = not fmt.has_zero_points
+    src, codes, zeros, g = _int4_every_code(sym)
+    w64 = families.numerics(fmt).decode_f64(*src)
+    # independent oracle: float64 arithmetic on the unpacked integers and torch's float16 decode
+    want = (codes.double() - zeros.double().repeat_interleave(g, 1)) * src[1].double().repeat_interleave(g, 1)
+    assert torch.equal(w64, want)
+    assert set(codes.unique().tolist()) == set(range(16)) and (sym or set(zeros.unique().tolist()) == set(range(16)))
+    q = families.numerics(fmt).quantize(w64.float(), g)
+    assert len(q) == len(fmt.roles) == len(src)
+    assert torch.equal(q[0], src[0])
+    assert torch.equal(q[1].view(torch.int16), src[1].view(torch.int16))
+    if not sym:
+        assert torch.equal(q[2], src[2])
+    assert torch.equal(families.numerics(fmt).decode_f32(*src).double(), w64)
+
+
 def test_nvfp4_decode_and_quantize_round_trip_every_byte():
     src, codes = _nvfp4_every_byte()
     w64 = families.numerics(NVFP4).decode_f64(*src)
@@ -77,7 +114,10 @@ def test_fp8_decode_and_quantize_round_trip_every_byte(fmt):
 
 def _random_source(fmt, n=45, k=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return families.numerics(fmt).quantize(torch.randn(n, k, generator=g) * 0.05)
+    w = torch.randn(n, k, generator=g) * 0.05
+    # a format whose weights choose their group size (INT4): the smallest, so K holds several groups
+    return families.numerics(fmt).quantize(w, min(fmt.group_sizes)) if fmt.group_sizes \
+        else families.numerics(fmt).quantize(w)
 
 
 @pytest.mark.parametrize("atom", formats.ATOMS)
@@ -128,18 +168,31 @@ def test_packed_tensors_buffers_size_and_copy(fmt):
 
     packed = families.numerics(fmt).prepack(*_random_source(fmt, n=40, k=64, seed=3))
     codes, scales, out_scale = families.numerics(fmt).packed_tensors(packed)
-    assert codes is packed.codes and out_scale is (packed.global_scale if fmt is NVFP4 else packed.scale)
-    assert scales is (packed.scales if fmt.has_group_scales else None)
+    # the buffer of each kernel tensor, by name (INT4: group records with zero points, an output scale of 1)
+    names = {NVFP4: ("codes", "scales", "global_scale"), FP8_TENSOR: ("codes", None, "scale"),
+             FP8_CHANNEL: ("codes", None, "scale"), INT4: ("codes", "scales", "out_scale"),
+             INT4_SYM: ("codes", "scales", "out_scale")}
+    assert set(names) == set(WEIGHT_FORMATS)
+    bufs = packed.buffers()
+    assert set(bufs) == {b for b in names[fmt] if b}
+    assert codes is packed.codes and out_scale is bufs[names[fmt][2]]
+    if fmt.has_group_scales:   # the buffer itself, or (INT4) a view of its bytes typed by the member's record
+        assert scales.data_ptr() == packed.scales.data_ptr() and scales.nbytes == packed.scales.nbytes
+    else:
+        assert scales is None
     kc, ks, ko = families.kernel_tensors(packed)
     assert ko.dtype == torch.float32 and ko.dim() == 1 and torch.equal(ko, out_scale.float().reshape(-1))
     # codes and group scales are bytes; the output scale float32, one value or one per row
-    want = codes.numel() + (scales.numel() if scales is not None else 0) + 4 * out_scale.numel()
+    want = codes.numel() + (scales.nbytes if scales is not None else 0) + 4 * out_scale.numel()
     assert packed.nbytes == want
-    assert set(packed.buffers()) == ({"codes", "scales", "global_scale"} if fmt is NVFP4 else {"codes", "scale"})
     moved = packed.to("cpu")
     assert type(moved) is type(packed) and (moved.n, moved.k, moved.atom) == (packed.n, packed.k, packed.atom)
     for a, b in zip(families.numerics(fmt).packed_tensors(moved), families.numerics(fmt).packed_tensors(packed)):
         assert (a is None and b is None) or torch.equal(a, b)
+    if not fmt.moe_atoms:   # dense layers only: no expert stack of this format is built
+        with pytest.raises(moe.MoeShapeError, match="no .* MoE kernels"):
+            moe.prepack_expert_stack(fmt.family, *(t[None] for t in _random_source(fmt, n=40, k=64, seed=3)))
+        return
     stack = moe.PackedExpertStack(fmt.family, codes[None], None if scales is None else scales[None],
                                   out_scale.float().reshape(1, -1), packed.n, packed.k, packed.atom)
     moved = stack.to("cpu")
@@ -155,7 +208,10 @@ def test_lookup_by_key_family_and_algo():
     assert formats.weight_format("fp8", fp8_scale="channel") is FP8_CHANNEL
     assert formats.weight_format("fp8_channel") is FP8_CHANNEL
     assert formats.weight_format(FP8_CHANNEL) is FP8_CHANNEL
-    for bad in ("int4", "nvfp", "FP8_PB_WO", "", "qpn2"):
+    # INT4: by member key, or the family name for its member with zero points; no ModelOpt algo
+    assert formats.weight_format("int4") is INT4 and formats.weight_format("INT4_SYM") is INT4_SYM
+    assert formats.find_format("int4", served_only=True) is INT4
+    for bad in ("int4_asym", "W4A16", "nvfp", "FP8_PB_WO", "", "qpn2"):
         with pytest.raises(formats.UnknownFormat, match="QPN serves"):
             formats.weight_format(bad)
         assert formats.find_format(bad) is None
@@ -180,7 +236,7 @@ def test_every_modelopt_algo_maps_to_one_format():
 
 
 def test_every_compressed_tensors_scheme_maps_to_one_format():
-    from qpn.fork_patches.conventions import ct_scheme_of
+    from qpn.fork_patches.conventions import ct_int4_scheme_of, ct_scheme_of
 
     cases = {
         NVFP4: {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True},
@@ -189,7 +245,12 @@ def test_every_compressed_tensors_scheme_maps_to_one_format():
     }
     for want, w in cases.items():
         assert ct_scheme_of(w, None, "test").format is want
-    assert {f for f in cases} == set(WEIGHT_FORMATS)
+    # INT4 W4A16 (pack-quantized): the W4A16_ASYM and W4A16 presets' weights
+    int4 = {INT4: False, INT4_SYM: True}
+    for want, sym in int4.items():
+        w = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": sym}
+        assert ct_int4_scheme_of(w, "pack-quantized", "test").format is want
+    assert set(cases) | set(int4) == set(WEIGHT_FORMATS)
 
 
 def test_every_route_maps_to_one_format():

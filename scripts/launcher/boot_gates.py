@@ -149,19 +149,31 @@ def declared_modules(ckpt: str) -> tuple[object | None, dict]:
     the modules that hold its scheme's codes). Names the config lists itself come first, in its
     order (the order the engine keeps its renamed copy of ModelOpt's map in). (None, {}) when the
     folder carries no quantization config of a known convention; a scheme QPN does not serve
-    raises ConventionError naming the config group (the preflight refuses on it)."""
+    raises ConventionError naming the config group (the preflight refuses on it). An INT4 W4A16
+    checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized): its INT4 convention and
+    {module: INT4Scheme} (conventions.int4_declared_modules)."""
     from qpn.fork_patches import conventions
 
     try:
-        conventions.detect(ckpt)
+        int4 = conventions.detect_int4(ckpt) is not None
+        if not int4:
+            conventions.detect(ckpt)
     except (conventions.ConventionError, OSError, ValueError):
         return None, {}
-    return conventions.declared_modules(ckpt)
+    return conventions.int4_declared_modules(ckpt) if int4 else conventions.declared_modules(ckpt)
 
 
 def declared_regions(quant_config: dict | None) -> set[str]:
-    """Regions ('nvfp4', 'fp8') the checkpoint's quantization map declares (ModelOpt
-    ``quantized_layers``, or compressed-tensors ``config_groups``: qpn.fork_patches.conventions)."""
+    """Regions (format families: nvfp4, fp8, int4) the checkpoint's quantization config declares
+    (ModelOpt ``quantized_layers``, compressed-tensors ``config_groups``, or an INT4 W4A16
+    convention's scheme: qpn.fork_patches.conventions)."""
+    from qpn.fork_patches import conventions
+
+    int4 = conventions.int4_convention_of(quant_config)
+    if int4 is not None:  # an INT4 config declares INT4 only (one mixing formats is refused)
+        schemes = (conventions.ct_int4_group_schemes(quant_config).values() if int4.declared_by == "config_groups"
+                   else [int4.scheme(quant_config)])
+        return {s.format.family for s in schemes}
     if isinstance(quant_config, dict) and quant_config.get("quant_method") == "compressed-tensors":
         from qpn.fork_patches.conventions import ct_declared_formats
 
@@ -331,6 +343,14 @@ def gate_quant_config(census: Census, qpn_claim: str | None, why_not: str = "") 
     return GateResult(GATE_QUANT_CONFIG, FAIL if problems else PASS, expected, observed)
 
 
+def _declared_by(checkpoint_modules: dict) -> str:
+    """Where the checkpoint's config declares the modules, for messages: ``config_groups``
+    (compressed-tensors) or ``quantization_config`` (AWQ, GPTQ), read off the schemes' sources
+    (conventions: "config_groups['g'] target ...", "quantization_config (awq)")."""
+    kinds = {str(getattr(s, "source", "")).split("[")[0].split(" (")[0] for s in checkpoint_modules.values()}
+    return kinds.pop() if len(kinds) == 1 and "" not in kinds else "config_groups"
+
+
 def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = None,
                        checkpoint_modules: dict | None = None) -> list[str]:
     """Checkpoint modules the checkpoint declares quantized that are not served on QPN, per rank.
@@ -338,9 +358,9 @@ def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = No
     ``declared`` lists of the census carry. ModelOpt (``quantized_layers``): the engine renames
     the map's keys with the model's hf_to_vllm_mapper (``apply_dict``: same order, one name per
     name), so the checkpoint's n-th name is the engine's n-th name (``engine_quantized_layers``);
-    a changed count is reported. compressed-tensors (``checkpoint_modules``: the modules
-    ``declared_modules`` gives): the engine holds no list of module names, so the overlay records
-    one, {checkpoint name: engine name}, renamed by the model's own mapper
+    a changed count is reported. compressed-tensors and the INT4 conventions (``checkpoint_modules``:
+    the modules ``declared_modules`` gives): the engine holds no list of module names, so the
+    overlay records one, {checkpoint name: engine name}, renamed by the model's own mapper
     (ct_config.record_checkpoint_modules; census ``checkpoint_modules``)."""
     problems = []
     for rank in census.ranks:
@@ -362,15 +382,15 @@ def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = No
             engine_of = rank.checkpoint_modules
             if engine_of is None:
                 problems.append(f"rank {rid}: the census has no checkpoint_modules (the "
-                                "compressed-tensors quant config never reached the QPN hook, or the "
-                                "hook could not read the checkpoint: see the engine log)")
+                                f"{_declared_by(checkpoint_modules)} quant config never reached the QPN "
+                                "config, or it could not read the checkpoint: see the engine log)")
                 continue
             unknown = [c for c in checkpoint_modules if c not in engine_of]
             if unknown:
                 problems.append(f"rank {rid}: {len(unknown)} declared checkpoint module(s) missing from "
                                 f"the engine's checkpoint_modules, e.g. {unknown[:3]}")
             pairs = [(c, engine_of[c]) for c in checkpoint_modules if c in engine_of]
-            listed = "declared by config_groups"
+            listed = f"declared by {_declared_by(checkpoint_modules)}"
         drafting = int((rank.serving or {}).get("num_speculative_tokens") or 0) > 0
         on, off = set(rank.declared_on_qpn), set(rank.declared_off_qpn)
         needed = [(c, e) for c, e in pairs
@@ -428,16 +448,28 @@ def gate_qpn_routes(census: Census, regions: set[str], known: frozenset[str] | N
     if problems:
         observed += " -- " + "; ".join(problems)
     listed = (f"quantized_layers ({len(quantized_layers)})" if quantized_layers else
-              f"config_groups ({len(checkpoint_modules)})" if checkpoint_modules else "quantized_layers")
+              f"{_declared_by(checkpoint_modules)} ({len(checkpoint_modules)})" if checkpoint_modules
+              else "quantized_layers")
     expected = (f"every module of the checkpoint's {listed} on a QPN route on "
                 "every rank, 0 fallbacks" + (f", regions {sorted(regions)}" if regions else ""))
     return GateResult(GATE_QPN_ROUTES, FAIL if problems else PASS, expected, observed)
 
 
-def gate_lm_head(census: Census, known: frozenset[str] | None) -> GateResult:
+def quantizes_lm_head(declared: dict | None) -> bool | None:
+    """Whether the checkpoint's declared quantized modules (``declared_modules``, or ModelOpt's
+    ``quantized_layers``) include lm_head; None when nothing is known of them."""
+    if not declared:
+        return None
+    return any(name == "lm_head" or name.endswith(".lm_head") for name in declared)
+
+
+def gate_lm_head(census: Census, known: frozenset[str] | None, declared: dict | None = None) -> GateResult:
     census = _summary(census)
     heads = census.lm_head
     expected = "source=checkpoint_codes, no repack fallback, QPN route family (every rank)"
+    if quantizes_lm_head(declared) is False:   # INT4 exports keep lm_head in BF16: no codes to serve it from
+        return GateResult(GATE_LM_HEAD, NA, "the checkpoint stores lm_head unquantized: the engine's own "
+                          "method serves it", f"{sum(1 for h in heads if h)} QPN lm_head entr(ies) in the census")
     ranks = census.ranks
     if not heads or any(h is None for h in heads) or (ranks and len(heads) != len(ranks)):
         missing = sum(1 for h in heads if h is None) if heads else len(ranks) or 1
@@ -672,7 +704,7 @@ GATES: tuple[Gate, ...] = (
          {"cpu": GateExpectation(expected={"backend": "reference"}),
           "sm70": GateExpectation(expected={"backend": "cuda"})},
          _check_qpn_routes),
-    Gate(GATE_LM_HEAD, _ALWAYS, lambda i, e: gate_lm_head(i.census, i.known_routes)),
+    Gate(GATE_LM_HEAD, _ALWAYS, lambda i, e: gate_lm_head(i.census, i.known_routes, _needs_from(i))),
     # vLLM's choice stands off SM70: reported, not required.
     Gate(GATE_KV,
          {"cpu": GateExpectation(False, None, "FP16 KV is an SM70 policy; cpu reports what resolved"),

@@ -623,8 +623,12 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     metrics = read_metrics(launch)
     quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
     quantized_layers = boot_gates.declared_layers(quant_cfg)
-    convention, declared = boot_gates.declared_modules(launch.ckpt)  # either convention: what it needs
-    ct = getattr(convention, "name", None) == "compressed-tensors"  # its coverage pairs by name
+    from qpn.fork_patches import conventions
+
+    convention, declared = boot_gates.declared_modules(launch.ckpt)  # any convention: what it needs
+    # compressed-tensors and the INT4 conventions pair checkpoint and engine names through the
+    # census's checkpoint_modules; ModelOpt by position in its quantized_layers
+    by_name = convention is not None and convention is not conventions.MODELOPT
     env = server_env(launch)
     from qpn.fork_patches.qpn_config import claim_verdict
 
@@ -632,7 +636,7 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
                                env=env, declared=declared,
-                               checkpoint_modules=declared if ct else None, auto_depth=auto,
+                               checkpoint_modules=declared if by_name else None, auto_depth=auto,
                                qpn_claim=qpn_claim, qpn_not_claimed=not_claimed)
 
 
