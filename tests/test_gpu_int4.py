@@ -158,7 +158,7 @@ def test_int4_every_position_and_record_exact_on_gpu(g, member, atom):
     corrupted record (its zero point, or its scale's low byte) is named by its (row, group)."""
     sym = member == "sym"
     n, k = 40, 2 * 128 + (g if g < 128 else 128)   # K = 288 / 320 / 384: several groups, one partial tile
-    src = all_values_source(n, k, g, sym, _gen(g))
+    src = fc.int4_weight(n, k, g, sym, _gen(g))
     dev = torch.device("cuda")
     packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
     w64 = _w16(src)
