@@ -316,7 +316,7 @@ class _QPNLinearMethod(LinearMethodBase):
         m = x2.shape[0]
         if m == 0:
             return x2.new_empty((0, self.n))
-        # a family not yet served (INT4) has its dense routes in the unserved table only
+        # a staged family (registered, not served: kernels/formats.py) has its routes in the unserved table only
         route = route_for(self.fmt, m, self.n, self.k, arch=self.arch, served_only=self.format.served)
         if len(self.pieces) == 1:
             y = self._ops.qpn_linear(x2, self.pieces[0][2], route=route)

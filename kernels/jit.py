@@ -22,12 +22,13 @@ import threading
 from . import formats, nvrtc, sm80_tables
 
 COMPILE_FLAGS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")
-# Every kernel entry point the family must export, per atom (each format family's dense entry
+# Every kernel entry point the family must export, per atom (each served format's dense entry
 # points, from kernels/formats.py; on m16n8k16 also the configured kernels sm80_tables names).
-# ops.build() fails naming any that is missing.
-ENTRY_POINTS = {atom: tuple(e for f in formats.FAMILIES.values() for e in f.dense_entry_points(atom))
+# ops.build() fails naming any that is missing. Per member, not per family: INT4's two members have
+# kernels of their own (kernel_tag), FP8's share theirs (dict.fromkeys keeps one of each name).
+ENTRY_POINTS = {atom: tuple(dict.fromkeys(e for f in formats.WEIGHT_FORMATS for e in f.dense_entry_points(atom)))
                 for atom in ("m8n8k4", "m16n8k16")}
-# The kernels of formats that have them but are not served yet (formats.INT4 / INT4_SYM): built,
+# The kernels of formats that have them but are not served yet (formats.py, "Staging"): built,
 # loaded and checked with the rest (check_entry_points, sm70_check), run by ops, but kept out of
 # ENTRY_POINTS, which the served tools (benchmarks/perf_model.py) read as what they model.
 UNSERVED_ENTRY_POINTS = {atom: tuple(dict.fromkeys(e for f in formats.KERNEL_FORMATS if not f.served

@@ -183,8 +183,9 @@ def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Ten
     if e_count < 1:
         raise MoeShapeError("an expert stack needs at least one expert")
     wf = formats.find_format(fmt)
-    if wf is None:
-        raise MoeShapeError(f"unknown expert weight format {fmt!r}; expected one of {sorted(formats.FAMILIES)}")
+    if wf is None or wf.family not in formats.MOE_FAMILIES:
+        raise MoeShapeError(f"expert weight format {fmt!r} has no QPN MoE kernels; expected one of "
+                            f"{sorted(formats.MOE_FAMILIES)}")
     num = families.numerics(wf)
     codes = scales = None
     chs = []

@@ -61,8 +61,9 @@ def atom(request):
         except nvrtc.NvrtcUnavailable as e:
             unavailable("NVRTC", str(e), "pip install nvidia-cuda-nvrtc-cu12 (the test extra)")
         mod = jit.module_for(torch.device("cuda", torch.cuda.current_device()), a)
-        assert jit.UNSERVED_ENTRY_POINTS[a]
-        for name in jit.UNSERVED_ENTRY_POINTS[a]:
+        int4 = [e for e in jit.ENTRY_POINTS[a] if e.startswith(formats.INT4.route_prefix + "_")]
+        assert len(int4) == 6, int4   # mt1, mt2 and reconstruct, per member
+        for name in int4:
             assert mod.function(name), name
         _built_atoms.add(a)
     return a
@@ -149,7 +150,7 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member, atom):
     bias = (torch.randn(n, generator=gen) * 0.1).half()
     for m in M_LIST:
         x = fc.activations(m, k, gen, outliers=True)
-        route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
+        route = routes.route_for(formats.INT4.family, m, n, k)
         y = ops.qpn_linear(x.to(dev), packed)
         torch.cuda.synchronize()
         _check(y, x, w16, f"{name} {kind} {member} g={g} M={m} ({route}, {atom})")
@@ -218,7 +219,7 @@ def test_int4_subnormal_operands(member, atom):
 
 @pytest.mark.parametrize("member", list(MEMBERS))
 def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
-    """On m16n8k16 each band runs the member's own configured kernel (sm80_tables.SM80_UNSERVED_ROUTE_KERNELS,
+    """On m16n8k16 each band runs the member's own configured kernel (sm80_tables.SM80_ROUTE_KERNELS,
     never another family's or member's) with the weight's group shift, and a chunked M (40: three
     16-row chunks of the MT = 2 kernel) agrees with the reference too."""
     if atom != "m16n8k16":
@@ -234,9 +235,9 @@ def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
         w = ops.operands(packed)
         assert ops.kernel_member(w) == (fmt, {32: 1, 64: 2, 128: 3}[g])
         for m, mt in ((1, 1), (8, 1), (9, 2), (16, 2), (40, 2)):
-            route = routes.route_for(formats.INT4.family, m, n, k, served_only=False)
+            route = routes.route_for(formats.INT4.family, m, n, k)
             name, chunks = sm80_plan._sm80_kernel_for(route, m, n, fmt)
-            assert name == sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[(fmt, mt)]
+            assert name == sm80_tables.SM80_ROUTE_KERNELS[(fmt, mt)]
             assert name.startswith(fmt.kernel_prefix + "_")
             assert chunks == (-(-m // 16) if route.chunk_rows else 1)
             x = fc.activations(m, k, gen, outliers=True)

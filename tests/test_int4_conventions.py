@@ -439,20 +439,23 @@ _KINDS = [(c, k) for k, m in sorted(mi.MALFORMED.items()) for c in m.conventions
 
 
 @pytest.fixture
-def qpn_serves_int4(monkeypatch):
-    """What the launcher refuses once QPN claims INT4 checkpoints (qpn_config.int4_ready)."""
+def qpn_serves_int4():
+    """What the launcher refuses when QPN claims INT4 checkpoints (qpn_config.int4_ready: the family
+    is served, its module imports and the loader has its method)."""
     from qpn.fork_patches import qpn_config
 
-    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (True, ""))
+    assert qpn_config.int4_ready() == (True, "")
 
 
 @pytest.mark.parametrize("convention, kind", _KINDS, ids=[f"{c}-{k}" for c, k in _KINDS])
-def test_until_qpn_serves_int4_only_damage_is_refused(tmp_path, convention, kind):
-    """The engine's own INT4 kernels serve these checkpoints today: a damaged file is refused, a
-    form QPN's family would not serve is left to the engine, and the launcher says so."""
+def test_where_qpn_leaves_int4_to_the_engine_only_damage_is_refused(tmp_path, convention, kind, monkeypatch):
+    """Where QPN does not claim INT4 checkpoints (its family not ready), the engine's own INT4
+    kernels serve them: a damaged file is refused, a form QPN's family would not serve is left to
+    the engine, and the launcher says so."""
     from qpn.fork_patches import qpn_config
 
-    assert not qpn_config.int4_ready()[0]
+    assert qpn_config.int4_ready() == (True, "")   # served: the family, its module and its method
+    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (False, "the INT4 family is not ready"))
     out = tmp_path / "ckpt"
     mi.make_int4_checkpoint(out, convention, malformed=kind)
     if kind == "truncated":

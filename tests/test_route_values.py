@@ -24,6 +24,11 @@ EXPECTED = {
     "qpn8_chunked": ("fp8", routes.TILED, 2, 16, 17, 96),
     "qpn8_reconstruct": ("fp8", routes.RECONSTRUCT, 0, 0, 97, None),
     "qpn8_moe": ("fp8", routes.MOE, 0, 0, 1, None),
+    "qpn4": ("int4", routes.TILED, 1, 0, 1, 8),
+    "qpn4_mt2": ("int4", routes.TILED, 2, 0, 9, 16),
+    "qpn4_chunked": ("int4", routes.TILED, 2, 16, 17, 96),
+    "qpn4_reconstruct": ("int4", routes.RECONSTRUCT, 0, 0, 97, None),
+    # no qpn4_moe: INT4 has no grouped MoE kernels (formats.INT4.moe_atoms is empty)
 }
 
 
@@ -45,45 +50,67 @@ def test_every_route_name_parses_to_its_meaning_and_back():
         routes.Route("fp8", routes.TILED, 4, 0, 1, 32)
 
 
-@pytest.mark.parametrize("bad", ["qpn2_", "qpn2_mt4", "qpn28", "qpn4", "marlin", "QPN2", "qpn2_chunked_x", ""])
+@pytest.mark.parametrize("bad", ["qpn2_", "qpn2_mt4", "qpn28", "qpn4_moe", "qpn9", "marlin", "QPN2",
+                                 "qpn2_chunked_x", ""])
 def test_unknown_names_are_refused_naming_the_known_routes(bad):
     with pytest.raises(ValueError, match="known routes: .*qpn2_chunked"):
         routes.parse_route(bad)
-    if bad in routes.UNSERVED_ROUTES:   # not a served route, but one ops runs (INT4's)
-        assert str(routes.as_route(bad)) == bad
-        return
     with pytest.raises(ValueError, match="unknown QPN route"):
         routes.as_route(bad)
 
 
-def test_unserved_families_have_the_dense_bands_and_no_served_route():
-    """A family with kernels but not served (INT4) gets the dense route table's bands through
-    route_for(served_only=False), each route naming its member's kernels; the served lists,
-    parse_route and route_for's default know none of them."""
-    unserved = {f for f in formats.KERNEL_FAMILIES if f not in formats.FAMILIES}
-    assert unserved and not unserved & set(routes.FORMATS)
-    assert not set(routes.UNSERVED_ROUTES) & (routes.QPN_ROUTES | routes.QPN_MOE_ROUTES)
-    kernels = set(jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
-    for fam in unserved:
-        with pytest.raises(ValueError, match="unknown weight format"):
-            routes.route_for(fam, 1, 64, 128)
-        members = [f for f in formats.KERNEL_FORMATS if f.family == fam]
+def test_every_family_with_kernels_is_served_and_none_is_staged():
+    """Every registered family with kernels is served (formats.py, "Staging": none waits for a
+    loader today): its dense routes are in the served lists, its kernels in the build's served
+    entry points, and the staging tables are empty. A MoE route exists exactly for the families
+    with MoE kernels. The shared formats, families, members: INT4's two members are both served."""
+    assert set(formats.KERNEL_FAMILIES) == set(formats.FAMILIES) == set(routes.FORMATS) == {"nvfp4", "fp8", "int4"}
+    assert {formats.INT4, formats.INT4_SYM} <= set(formats.WEIGHT_FORMATS)
+    assert routes.UNSERVED_ROUTES == {} and sm80_tables.SM80_UNSERVED_ROUTE_KERNELS == {}
+    assert jit.UNSERVED_ENTRY_POINTS == {"m8n8k4": (), "m16n8k16": ()}
+    assert set(formats.MOE_FAMILIES) == {"nvfp4", "fp8"}
+    assert {r.format for r in routes.ALL_ROUTES.values() if r.kernel == routes.MOE} == set(formats.MOE_FAMILIES)
+    with pytest.raises(ValueError, match="INT4 W4A16 has no QPN MoE kernels"):
+        routes.moe_route_for("int4")
+
+
+def _kernel_member(fmt: formats.WeightFormat) -> formats.WeightFormat:
+    """The member whose kernels a weight of ``fmt`` runs, as ops asks it (kernel_member on a packed
+    weight's operands): INT4's own member, FP8 per channel the family's kernels."""
+    import torch
+
+    num = families.numerics(fmt)
+    w = torch.randn((16, 128), generator=torch.Generator().manual_seed(0))
+    packed = num.prepack(*num.quantize(w, *([min(fmt.group_sizes)] if fmt.group_sizes else [])))
+    return ops.kernel_member(ops.operands(packed))[0]
+
+
+def test_every_member_runs_its_own_kernels_on_every_band():
+    """Per served family and member, for every M: the route's m8n8k4 kernel (ops._route_kernel with
+    the member, as ops.qpn_linear passes it) and its m16n8k16 kernel (sm80_plan._sm80_kernel_for) are
+    entry points the build requires, named with the member's own prefix (INT4: qpn4_ / qpn4_sym_),
+    and the reconstruct route runs the member's reconstruct pass."""
+    for fam in formats.FAMILIES:
+        members = {_kernel_member(f) for f in formats.WEIGHT_FORMATS if f.family == fam}
+        assert len(members) == (2 if fam == "int4" else 1), members
         seen = set()
         for m in range(1, 200):
-            r = routes.route_for(fam, m, 64, 128, served_only=False)
-            served_twin = routes.route_for("nvfp4", m, 64, 128)
-            assert (r.kernel, r.tiles_per_pass, r.chunk_rows, r.m_min, r.m_max) == (
-                served_twin.kernel, served_twin.tiles_per_pass, served_twin.chunk_rows, served_twin.m_min,
-                served_twin.m_max), m
-            assert routes.as_route(str(r)) is routes.UNSERVED_ROUTES[str(r)] and r.weight_format.family == fam
+            r = routes.route_for(fam, m, 64, 128)
             seen.add(str(r))
             for member in members:
                 if r.kernel == routes.TILED:
-                    name = ops._route_kernel(r, m, "s7", member)[0] + "_m8n8k4"
+                    names = {ops._route_kernel(r, m, form, member)[0] + "_m8n8k4" for form in ("restore", "s7")}
+                    names.add(sm80_plan._sm80_kernel_for(r, m, 64, member)[0])
                 else:
-                    name = f"{member.kernel_prefix}_reconstruct_ws_m8n8k4"
-                assert name in kernels, (m, name)
-        assert seen == set(routes.UNSERVED_ROUTES) & {n for n, r in routes.UNSERVED_ROUTES.items() if r.format == fam}
+                    names = {f"{member.kernel_prefix}_reconstruct_ws_{atom}" for atom in formats.ATOMS}
+                for name in names:
+                    atom = "m8n8k4" if name.endswith("_m8n8k4") else "m16n8k16"
+                    assert name in jit.ENTRY_POINTS[atom], (member.key, m, name)
+                    assert name.startswith(member.kernel_prefix + "_"), (member.key, m, name)
+                    others = [o for o in formats.WEIGHT_FORMATS if o.kernel_prefix != member.kernel_prefix
+                              and o.kernel_prefix.startswith(member.kernel_prefix)]
+                    assert not any(name.startswith(o.kernel_prefix + "_") for o in others), (member.key, m, name)
+        assert seen == {n for n, r in routes.ALL_ROUTES.items() if r.format == fam and r.kernel != routes.MOE}
 
 
 def test_route_for_returns_the_route_whose_band_holds_m():
@@ -95,7 +122,11 @@ def test_route_for_returns_the_route_whose_band_holds_m():
             assert r.m_min <= m and (r.m_max is None or m <= r.m_max), (m, r)
             seen.add(str(r))
         assert seen == {n for n, r in routes.ALL_ROUTES.items() if r.format == fmt and r.kernel != routes.MOE}
-        assert str(routes.moe_route_for(fmt)) == formats.FAMILIES[fmt].moe_route
+        if fmt in formats.MOE_FAMILIES:
+            assert str(routes.moe_route_for(fmt)) == formats.FAMILIES[fmt].moe_route
+        else:
+            with pytest.raises(ValueError, match="no QPN MoE kernels"):
+                routes.moe_route_for(fmt)
         assert [str(routes.tiled_route(fmt, t)) for t in (1, 2)] == [str(routes.route_for(fmt, m, 64, 128))
                                                                     for m in (8, 16)]
 
@@ -210,17 +241,18 @@ def test_no_route_name_parsing_outside_routes_py():
     assert ROUTE_PARSING.search('if route.endswith("_reconstruct"):')  # the pattern sees the old code
 
 
-def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bool) -> tuple[str, int]:
-    """(kernel symbol, chunk planes) the launchers of ops.py run for one call, from the same
-    pieces: _launch_reconstruct, _route_kernel (m8n8k4), _sm80_kernel_for and the shared-memory
-    fallback of _sm80_plan (m16n8k16)."""
+def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bool,
+                   member: formats.WeightFormat) -> tuple[str, int]:
+    """(kernel symbol, chunk planes) the launchers of ops.py run for one call of a weight of format
+    ``member``, from the same pieces: _launch_reconstruct, _route_kernel (m8n8k4), _sm80_kernel_for
+    and the shared-memory fallback of _sm80_plan (m16n8k16)."""
     if route.kernel == routes.RECONSTRUCT:
-        return f"{route.prefix}_reconstruct_ws_{atom}", 1
+        return f"{member.kernel_prefix}_reconstruct_ws_{atom}", 1
     if atom == "m8n8k4":
-        name, _, chunks = ops._route_kernel(route, m)
+        name, _, chunks = ops._route_kernel(route, m, member=member)
         return f"{name}_{atom}", chunks
 
-    name, chunks = sm80_plan._sm80_kernel_for(route, m, n)
+    name, chunks = sm80_plan._sm80_kernel_for(route, m, n, member)
     if not ring_fits and sm80_plan.sm80_kernels()[name].smem_bytes and not sm80_plan.sm80_kernels()[name].band:
         name = sm80_plan._sm80_no_smem_kernel(name)
     return name, chunks
@@ -242,6 +274,7 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
     sm80 = sm80_plan.sm80_kernels()
     seen, checked = set(), 0
     for fmt in formats.WEIGHT_FORMATS:
+        member = _kernel_member(fmt)
         for route in (routes.ALL_ROUTES[n] for n in sorted(routes.QPN_ROUTES)):
             if route.weight_format.family != fmt.family:
                 continue
@@ -252,16 +285,19 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
                         for fits in (True, False):
                             if route.kernel_max_m is not None and m > route.kernel_max_m:
                                 with pytest.raises(ValueError, match=f"serves M <= {route.kernel_max_m}"):
-                                    _kernel_symbol(route, m, n, atom, fits)
+                                    _kernel_symbol(route, m, n, atom, fits, member)
                                 continue
-                            name, chunks = _kernel_symbol(route, m, n, atom, fits)
+                            name, chunks = _kernel_symbol(route, m, n, atom, fits, member)
                             where = (fmt.key, str(route), arch, m, n, fits, name)
                             seen.add(name)
                             checked += 1
-                            assert name.startswith(route.prefix + "_"), where
+                            # the member's own kernels: of the prefixes it starts with, the longest is the member's
+                            assert max((f.kernel_prefix for f in formats.WEIGHT_FORMATS
+                                        if name.startswith(f.kernel_prefix + "_")), key=len) == fmt.kernel_prefix, where
                             assert ("_reconstruct_ws_" in name) == (route.kernel == routes.RECONSTRUCT), where
                             if route.kernel == routes.RECONSTRUCT:
-                                assert name == f"{route.prefix}_reconstruct_ws_{atom}" and chunks == 1, where
+                                assert name == f"{fmt.kernel_prefix}_reconstruct_ws_{atom}" and chunks == 1, where
+                                assert name in jit.ENTRY_POINTS[atom], where
                                 continue
                             if atom == "m8n8k4":
                                 assert name in jit.ENTRY_POINTS["m8n8k4"], where
@@ -269,14 +305,16 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
                             else:
                                 cfg = sm80[name]
                                 mt = cfg.mt
-                                assert ("FP8" in cfg.frag) == (fmt.family == "fp8"), where
+                                assert cfg.weight_format.kernel_prefix == fmt.kernel_prefix, where  # its decoder
                                 if not fits:
                                     assert cfg.smem_bytes == 0 or cfg.band, where
                             rows = 8 * mt  # token rows one plane of the kernel serves
                             assert chunks * rows >= m and (chunks - 1) * rows < m, where
                             if route.chunk_rows is None:
                                 assert chunks == 1, where
-    assert checked == 1872  # 3 formats x 4 routes x 6 archs x 40 cases, less the M a route refuses
+    # 5 formats (NVFP4, FP8 per tensor / channel, INT4 with zero points / symmetric) x 4 routes x 6
+    # archs x 40 cases, less the M a route refuses
+    assert checked == 3120
     named = {k for t in (sm80_tables.SM80_ROUTE_KERNELS, sm80_tables.SM80_LARGE_N_KERNELS,
                          sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM,
                          {k: v for k, v in enumerate(b for bs in sm80_tables.SM80_BAND_KERNELS.values() for b in bs)})

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import codecs, families, formats, prepack
-from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, NVFP4, WEIGHT_FORMATS
+from qpn.kernels import codecs, families, family_int4, formats, prepack
+from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, INT4, INT4_SYM, NVFP4, WEIGHT_FORMATS
 
 pytestmark = pytest.mark.fast
 
@@ -75,9 +75,51 @@ def test_fp8_decode_and_quantize_round_trip_every_byte(fmt):
     assert q_scale.numel() == (codes.shape[0] if fmt is FP8_CHANNEL else 1)
 
 
+@pytest.mark.parametrize("fmt", [INT4, INT4_SYM], ids=lambda f: f.key)
+def test_int4_decode_and_quantize_round_trip_every_code_zero_point_and_scale(fmt):
+    src, codes, zeros = _int4_every_code_zero_and_scale(fmt is INT4_SYM)
+    num = families.numerics(fmt)
+    assert set(codes.unique().tolist()) == set(range(16)) and set(zeros.unique().tolist()) == set(
+        range(16) if fmt is INT4 else [8])
+    w64 = num.decode_f64(*src)
+    # oracle: the integers and torch's own float16 -> float64 cast, no family code
+    g = codes.shape[-1]
+    want = ((codes.double() - zeros.double().unsqueeze(-1)) * src[1].double().unsqueeze(-1)).reshape(w64.shape)
+    assert torch.equal(w64, want)
+    assert torch.equal(num.decode_f32(*src).double(), w64)  # (code - zero) * float16 is exact in float32
+    q = num.quantize(w64.float(), g)
+    assert len(q) == len(fmt.roles) == len(src)
+    assert torch.equal(q[0], src[0])
+    assert torch.equal(q[1].view(torch.int16), src[1].view(torch.int16))
+    if fmt.has_zero_points:
+        assert torch.equal(q[2], src[2])
+
+
+def _int4_every_code_zero_and_scale(symmetric: bool):
+    """A source holding every positive finite float16 scale (0x0001..0x7BFF, subnormals included,
+    one group each), every code in every group (each group holds 0..15 twice, rotated per group so
+    that every code meets every position) and, asymmetric, every zero point 0..15 (zero = group
+    index mod 16, so each zero point meets about 2000 scales). Codes 0 and 15 pin each group's
+    min and max, so min/max quantization of the decoded weight must give this source back."""
+    scale_bits = torch.arange(1, 0x7C00, dtype=torch.int32)                  # 31743 groups
+    groups, g, per_row = scale_bits.numel(), 32, 16
+    rows = -(-groups // per_row)
+    bits = torch.cat([scale_bits, torch.full((rows * per_row - groups,), 0x3C00, dtype=torch.int32)])
+    scales = bits.to(torch.int16).view(torch.float16).view(rows, per_row)
+    gi = torch.arange(rows * per_row).view(rows, per_row, 1)
+    codes = (torch.arange(g).view(1, 1, g) + gi) % 16                       # [rows, groups, 32]
+    q = family_int4.pack_codes(codes.reshape(rows, per_row * g))
+    if symmetric:
+        return (q, scales), codes, torch.full((rows, per_row), 8)
+    zeros = (gi.view(rows, per_row) % 16).to(torch.uint8)
+    return (q, scales, zeros), codes, zeros
+
+
 def _random_source(fmt, n=45, k=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return families.numerics(fmt).quantize(torch.randn(n, k, generator=g) * 0.05)
+    # a format whose weights choose their group size (INT4): its smallest, which divides K = 96
+    size = {"group_size": min(fmt.group_sizes)} if fmt.group_sizes else {}
+    return families.numerics(fmt).quantize(torch.randn(n, k, generator=g) * 0.05, **size)
 
 
 @pytest.mark.parametrize("atom", formats.ATOMS)
@@ -119,27 +161,43 @@ def test_kernel_tensors_and_reference_agree_with_decode(fmt):
     assert y.dtype == torch.float16 and y.shape == (5, 40)
 
 
+# Each family's packed buffers by field name: codes, group scales (or per-row records), output scale.
+PACKED_BUFFERS = {"nvfp4": ("codes", "scales", "global_scale"), "fp8": ("codes", None, "scale"),
+                  "int4": ("codes", "scales", "out_scale")}
+
+
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
 def test_packed_tensors_buffers_size_and_copy(fmt):
-    """A packed weight's own buffers in kernel order (the same objects: the eager launch cache
-    checks them by identity), its size in bytes, and a copy through ``to`` that keeps every
-    field and copies no buffer twice; an expert stack copies alike."""
+    """A packed weight's own buffers in kernel order (the same memory: a family may hand its
+    records out as a view of another dtype, INT4 does, so the eager launch cache compares bytes),
+    its size in bytes, and a copy through ``to`` that keeps every field and copies no buffer twice;
+    an expert stack copies alike where the format has MoE kernels, and is refused where it has none."""
     from qpn.kernels import moe
 
     packed = families.numerics(fmt).prepack(*_random_source(fmt, n=40, k=64, seed=3))
     codes, scales, out_scale = families.numerics(fmt).packed_tensors(packed)
-    assert codes is packed.codes and out_scale is (packed.global_scale if fmt is NVFP4 else packed.scale)
-    assert scales is (packed.scales if fmt.has_group_scales else None)
+    names = PACKED_BUFFERS[fmt.family]
+    assert set(packed.buffers()) == {n for n in names if n}
+    for got, name in zip((codes, scales, out_scale), names):
+        if name is None:
+            assert got is None
+            continue
+        own = getattr(packed, name)
+        assert got.data_ptr() == own.data_ptr() and got.nbytes == own.nbytes, name
+        assert torch.equal(got if got.dtype == own.dtype else got.view(own.dtype).reshape(own.shape), own), name
+    assert (scales is not None) == (fmt.has_group_scales or fmt.has_zero_points)
     kc, ks, ko = families.kernel_tensors(packed)
     assert ko.dtype == torch.float32 and ko.dim() == 1 and torch.equal(ko, out_scale.float().reshape(-1))
-    # codes and group scales are bytes; the output scale float32, one value or one per row
-    want = codes.numel() + (scales.numel() if scales is not None else 0) + 4 * out_scale.numel()
+    want = codes.nbytes + (scales.nbytes if scales is not None else 0) + out_scale.nbytes
     assert packed.nbytes == want
-    assert set(packed.buffers()) == ({"codes", "scales", "global_scale"} if fmt is NVFP4 else {"codes", "scale"})
     moved = packed.to("cpu")
     assert type(moved) is type(packed) and (moved.n, moved.k, moved.atom) == (packed.n, packed.k, packed.atom)
     for a, b in zip(families.numerics(fmt).packed_tensors(moved), families.numerics(fmt).packed_tensors(packed)):
         assert (a is None and b is None) or torch.equal(a, b)
+    if not fmt.moe_atoms:
+        with pytest.raises(formats.MoeShapeError, match="no QPN MoE kernels"):
+            moe.prepack_expert_stack(fmt.key, torch.zeros(1, 8, 32, dtype=torch.uint8), torch.ones(1, 8, 1))
+        return
     stack = moe.PackedExpertStack(fmt.family, codes[None], None if scales is None else scales[None],
                                   out_scale.float().reshape(1, -1), packed.n, packed.k, packed.atom)
     moved = stack.to("cpu")
@@ -155,7 +213,9 @@ def test_lookup_by_key_family_and_algo():
     assert formats.weight_format("fp8", fp8_scale="channel") is FP8_CHANNEL
     assert formats.weight_format("fp8_channel") is FP8_CHANNEL
     assert formats.weight_format(FP8_CHANNEL) is FP8_CHANNEL
-    for bad in ("int4", "nvfp", "FP8_PB_WO", "", "qpn2"):
+    assert formats.weight_format("int4") is INT4 and formats.weight_format("INT4_SYM") is INT4_SYM
+    assert formats.find_format("int4") is INT4   # the family name gives its first member
+    for bad in ("int8", "nvfp", "FP8_PB_WO", "", "qpn2", "qpn4", "W4A16"):
         with pytest.raises(formats.UnknownFormat, match="QPN serves"):
             formats.weight_format(bad)
         assert formats.find_format(bad) is None
@@ -180,15 +240,20 @@ def test_every_modelopt_algo_maps_to_one_format():
 
 
 def test_every_compressed_tensors_scheme_maps_to_one_format():
-    from qpn.fork_patches.conventions import ct_scheme_of
+    """Each served format is what one compressed-tensors weights scheme declares: NVFP4 and FP8
+    through ct_scheme_of, INT4 (integer weights, pack-quantized) through ct_int4_scheme_of."""
+    from qpn.fork_patches.conventions import ct_int4_scheme_of, ct_scheme_of
 
     cases = {
         NVFP4: {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True},
         FP8_TENSOR: {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
         FP8_CHANNEL: {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+        INT4: {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False},
+        INT4_SYM: {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
     }
     for want, w in cases.items():
-        assert ct_scheme_of(w, None, "test").format is want
+        read = ct_int4_scheme_of(w, "pack-quantized", "test") if w["type"] == "int" else ct_scheme_of(w, None, "test")
+        assert read.format is want
     assert {f for f in cases} == set(WEIGHT_FORMATS)
 
 
