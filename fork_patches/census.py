@@ -11,7 +11,8 @@ route (``m_min``..``m_max`` rows per call; kernels/routes.py). Calls made while 
 being captured are counted under ``graph``, all others under ``eager``. A captured graph replays without running any Python, so replays are not counted:
 ``graph`` counts how many captures went through each route, ``eager`` counts real calls.
 
-Besides the QPN modules the census records, per rank: the tensor-parallel size, the serving
+Besides the QPN modules the census records, per rank: the quantization config that claimed the
+checkpoint (``quant_config``, set by the registered QPN config), the tensor-parallel size, the serving
 settings the attention route depends on, what every attention layer actually uses (read from the
 live layers the engine registered in its static forward context: the KV dtype string the
 implementation hands its kernels and the dtype of the bound cache tensor), the engine's own
@@ -208,6 +209,7 @@ class Census:
         self.attention_routes: dict[str, dict[str, int]] = {}
         self.hooks_skipped: dict[str, dict] = {}
         self._engine_config = None  # the engine's VllmConfig, read at snapshot time
+        self.quant_config: str | None = None
         self.engine_quantized_layers: list[str] | None = None
         self.checkpoint_modules: dict[str, str | None] | None = None
         self.draft_depth_steps: dict[str, int] = {}  # K=auto: depth -> steps drafted at it
@@ -301,6 +303,12 @@ class Census:
                 self._engine_config = vllm_config
                 self._mark_dirty()
 
+    def set_quant_config(self, name: str) -> None:
+        """The name of the quantization config that claimed the served checkpoint (qpn_config)."""
+        with self._lock:
+            self.quant_config = str(name)
+            self._mark_dirty()
+
     def set_quantized_layers(self, names) -> None:
         """The quant config's quantized_layers names as the engine holds them (in order)."""
         with self._lock:
@@ -334,6 +342,7 @@ class Census:
                 "pid": os.getpid(),
                 **self.platform,
                 **engine,
+                "quant_config": self.quant_config,
                 "kv_cache": dict(self.kv_cache) if self.kv_cache else None,
                 "attention_routes": json.loads(json.dumps(self.attention_routes)),
                 "modules": json.loads(json.dumps(self.modules)),

@@ -24,18 +24,23 @@ Version history:
   5: adds ``draft_depth_steps`` ({depth as a string: scheduling steps whose drafter drafted that
      many tokens on this rank}; K=auto only, empty at a fixed depth), counted where the worker
      applies the depth the policy decided (fork_patches/auto_depth.py).
+  6: adds ``quant_config`` (the name, ``get_name()``, of the quantization config that claimed the
+     served checkpoint, recorded by the registered QPN config when the engine first asks it for
+     a layer's method (fork_patches/qpn_config.py); null: no QPN config reached this rank, so
+     the engine's own config (or none) claimed the checkpoint).
 
 Summary version history (``CensusSummary``):
   1: the summary of schema 4.
   2: adds ``draft_depth_steps`` (the lowest rank's; every rank drafts the same steps) and each
      rank summary's own ``draft_depth_steps``.
+  3: each rank summary carries its ``quant_config`` (schema 6).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class CensusSchemaError(ValueError):
@@ -139,6 +144,8 @@ class RankCensus:
     backend: str | None
     updated: str
     tensor_parallel_size: int | None = None
+    # the claiming quantization config's get_name() ("qpn"); None: no QPN config reached this rank
+    quant_config: str | None = None
     serving: ServingRecord | None = None
     kv_cache: KvCacheRecord | None = None
     attention_layers: list[AttentionLayerGroup] = field(default_factory=list)
@@ -250,7 +257,7 @@ def to_json_dict(record: Any) -> dict:
 # census.aggregate()'s result, typed: the boot gates read a CensusSummary and nothing else. Each
 # rank file was validated against RankCensus when it was read, so the nested records a rank
 # summary carries (serving, kv_cache, attention layers and routes) stay plain JSON objects here.
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3
 
 
 @dataclass
@@ -263,6 +270,7 @@ class RankSummary:
     backend: str | None = None
     updated: str | None = None
     tensor_parallel_size: int | None = None
+    quant_config: str | None = None
     serving: dict | None = None
     kv_cache: dict | None = None
     attention_layers: list[dict] = field(default_factory=list)

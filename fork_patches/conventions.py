@@ -57,8 +57,10 @@ vLLM 0.32 resolves an FP8 KV cache from a ModelOpt directive (``get_kv_cache_qua
 reads modelopt configs only); a compressed-tensors ``kv_cache_scheme`` leaves ``--kv-cache-dtype
 auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked for explicitly.
 
-INT4 W4A16 (qpn.kernels.family_int4; not served yet, so kept apart: ``INT4_CONVENTIONS``,
-``detect_int4``; nothing routes a layer there). Three conventions, one ``INT4Convention`` each:
+INT4 W4A16 (qpn.kernels.family_int4; kept apart: ``INT4_CONVENTIONS``, ``int4_convention_of``,
+``detect_int4``; the registered QPN config claims these checkpoints and hands their layers the
+QPN4 method only once the family is served, qpn_config.int4_served). Three conventions, one
+``INT4Convention`` each:
 names, the stored layout in symbols of (N, K, g), the family_int4 unpacker, the config keys.
 Proven against vLLM 0.32's and both 1Cat-vLLM archives' own create_weights / from_config by
 tests/test_int4_conventions.py (engine_source.verify_int4_conventions):
@@ -170,7 +172,7 @@ class Convention:
     kv_directive: str    # the config key of the KV-cache directive
     kv_scale_names: tuple[str, str]  # suffixes of the K / V scale tensors inside a layer
     # the INT4 family's tensor names where the convention has an INT4 layout (compressed-tensors
-    # pack-quantized: CT_PACK_QUANTIZED below); INT4 is not served yet, so no loader asks
+    # pack-quantized; CT_PACK_QUANTIZED below names its tensors with these)
     int4: INT4Names | None = None
 
     # ----------------------------------------------------------------------- names
@@ -510,10 +512,10 @@ def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
 
 
 # ==================================================================================== INT4 W4A16
-# The INT4 family (qpn.kernels.family_int4) is not served yet (formats marks it served=False): the
-# conventions below are not in CONVENTIONS and ``detect`` does not return them, so the loader,
-# QPNConfig and the boot gates never see an INT4 checkpoint as QPN's. What they do today: name
-# each convention's tensors, read its config, hand family_int4's unpackers the tensors
+# The INT4 conventions are not in CONVENTIONS and ``detect`` does not return them: the boot gates'
+# coverage reads NVFP4 / FP8 checkpoints only. What they do: name each convention's tensors, read its
+# config (``scheme``, ``excluded``; the registered QPN config claims and serves INT4 checkpoints
+# through them once formats.INT4 is served), hand family_int4's unpackers the tensors
 # (``int4_inputs``), and let the launcher refuse before boot a checkpoint whose INT4 tensors are
 # not whole (``int4_checkpoint_problems``, called by serve_preflight.check_checkpoint_tensors).
 class ActOrderRefused(ConventionError):
@@ -668,11 +670,7 @@ class INT4Convention:
         GPTQModel's negative ``dynamic`` rules; compressed-tensors: config_groups targets less
         ``ignore`` (as for NVFP4 / FP8)."""
         if self.declared_by == "config_groups":
-            for gname, g in (quant_cfg.get("config_groups") or {}).items():
-                for key in ("input_activations", "output_activations"):
-                    if g.get(key):
-                        raise ConventionError(f"config_groups[{gname!r}] quantizes {key}; the INT4 family "
-                                              "is W4A16 (weights only)")
+            ct_int4_group_schemes(quant_cfg)  # W4A16 only, INT4 in every group: or ConventionError
             # every codes tensor of an INT4 checkpoint is INT4's (a config mixing formats is refused):
             # a class target covers it in any dtype, which header_problems then checks
             codes = {name: "I32" if name.endswith("." + self.names.codes) else d for name, d in tensors.items()}
@@ -680,13 +678,26 @@ class INT4Convention:
         scheme = self.scheme(quant_cfg)
         skip = list(self._get(quant_cfg, "modules_to_not_convert", "", default=None) or []) \
             if self.name == "awq" else []
-        negative = [str(p)[2:] for p in (quant_cfg.get("dynamic") or {}) if str(p).startswith("-:")]
         out: dict[str, INT4Scheme | None] = {}
         for m in modules:
             holds = f"{m}.{self.names.codes}" in tensors  # in any dtype: header_problems checks it
-            skipped = any(s and s in m for s in skip) or any(re.match(p, m) for p in negative)
-            out[m] = scheme if holds and not skipped else None
+            excluded = self.excluded(m, not_convert=skip, dynamic=quant_cfg.get("dynamic"))
+            out[m] = scheme if holds and not excluded else None
         return out
+
+    def excluded(self, module: str, not_convert=(), dynamic: Mapping | None = None,
+                 only=()) -> bool:
+        """Whether an AWQ / GPTQ config leaves ``module`` unquantized, by the rules the engines'
+        own configs apply: AutoAWQ's ``modules_to_not_convert`` entries as substrings of the
+        name; GPTQModel's negative ``dynamic`` rules (``-:regex``, re.match); GPTQ's
+        ``modules_in_block_to_quantize`` (``only``: when given, a module none of its entries is a
+        substring of is unquantized). The launcher passes the checkpoint's names and config; the
+        loader the engine config's copies (renamed to the engine's module names)."""
+        if any(s and s in module for s in not_convert):
+            return True
+        if any(str(p).startswith("-:") and re.match(str(p)[2:], module) for p in (dynamic or {})):
+            return True
+        return bool(only) and not any(s and s in module for s in only)
 
     # ------------------------------------------------------------------ the tensors
     def header_problems(self, module: str, headers: Mapping[str, Mapping], scheme: INT4Scheme) -> list[str]:
@@ -857,25 +868,55 @@ def ct_int4_scheme_of(weights, fmt_name: str | None, src: str) -> INT4Scheme:
     return INT4Scheme(bool(w.get(key["symmetric"], True)), g, act_order=actorder in ("group", "true"), source=src)
 
 
+def is_int4_weights(weights) -> bool:
+    """Whether a compressed-tensors ``weights`` QuantizationArgs (dict or pydantic model, as the
+    engine's config holds it) declares 4-bit integers."""
+    if weights is not None and not isinstance(weights, Mapping):
+        weights = weights.model_dump()
+    return isinstance(weights, Mapping) and weights.get("num_bits") == 4 \
+        and str(weights.get("type", "")).lower().rsplit(".", 1)[-1] == "int"
+
+
+def int4_convention_of(quant_cfg) -> INT4Convention | None:
+    """The INT4 convention a quantization config dict declares: AWQ or GPTQ (any bits: ``scheme``
+    refuses all but 4), or compressed-tensors with a config group of 4-bit integer weights;
+    None for any other config."""
+    if not isinstance(quant_cfg, Mapping):
+        return None
+    method = str(quant_cfg.get("quant_method", "")).lower()
+    if method in ("awq", "gptq"):
+        return INT4_CONVENTIONS[method]
+    if method == "compressed-tensors" and any(
+            is_int4_weights(g.get("weights")) for g in (quant_cfg.get("config_groups") or {}).values()
+            if isinstance(g, Mapping)):
+        return CT_PACK_QUANTIZED
+    return None
+
+
+def ct_int4_group_schemes(quant_cfg: Mapping) -> dict[str, INT4Scheme]:
+    """{config group: INT4Scheme} of a compressed-tensors INT4 config whose every quantized group
+    is INT4 W4A16 the family serves; ConventionError names the group otherwise (activations
+    quantized, another format beside INT4, bits, group size, format)."""
+    out = {}
+    for gname, g in (quant_cfg.get("config_groups") or {}).items():
+        if g.get("weights"):  # first: a group of another format is the problem to name
+            out[gname] = ct_int4_scheme_of(g["weights"], g.get("format") or quant_cfg.get("format"),
+                                           f"config_groups[{gname!r}]")
+        for key in ("input_activations", "output_activations"):
+            if g.get(key):
+                raise ConventionError(f"config_groups[{gname!r}] quantizes {key}; the INT4 family "
+                                      "is W4A16 (weights only)")
+    return out
+
+
 def detect_int4(ckpt_dir: str | Path) -> tuple[INT4Convention, dict] | None:
     """(INT4 convention, quantization config) of a checkpoint folder whose config.json
-    ``quantization_config`` declares AWQ or GPTQ (any bits: ``scheme`` refuses all but 4), or a
-    compressed-tensors config group of 4-bit integer weights; None for any other folder
+    ``quantization_config`` declares INT4 (``int4_convention_of``); None for any other folder
     (OSError / ValueError for an unreadable config.json)."""
     cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
     q = cfg.get("quantization_config")
-    if not isinstance(q, dict):
-        return None
-    method = str(q.get("quant_method", "")).lower()
-    if method in ("awq", "gptq"):
-        return INT4_CONVENTIONS[method], q
-    if method == "compressed-tensors":
-        for g in (q.get("config_groups") or {}).values():
-            w = g.get("weights") if isinstance(g, Mapping) else None
-            if isinstance(w, Mapping) and str(w.get("type", "")).lower().rsplit(".", 1)[-1] == "int" \
-                    and w.get("num_bits") == 4:
-                return CT_PACK_QUANTIZED, q
-    return None
+    convention = int4_convention_of(q)
+    return None if convention is None else (convention, q)
 
 
 def int4_declared_modules(ckpt_dir: str | Path) -> tuple[INT4Convention, dict[str, INT4Scheme]]:

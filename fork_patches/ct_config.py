@@ -1,52 +1,68 @@
 """Quant-config step of the data path for compressed-tensors checkpoints (llm-compressor's
-layout): hand each NVFP4 / FP8 linear module, and ``lm_head`` when the config quantizes it, to
-the QPN method of its region, fed through the compressed-tensors convention
-(qpn.fork_patches.conventions.COMPRESSED_TENSORS). One runtime hook (registered in hooks.py):
+layout): which QPN method each linear module, and ``lm_head`` when the config quantizes it, gets
+under the engine's own ``CompressedTensorsConfig``, fed through the compressed-tensors convention
+(qpn.fork_patches.conventions.COMPRESSED_TENSORS). ``qpn_config.QPNConfig`` (the registered "qpn"
+quantization method) asks ``qpn_method_for`` for every linear and ``ParallelLMHead`` layer of a
+compressed-tensors checkpoint it claims:
 
-* ``ct-qpn-linear-methods``: ``CompressedTensorsConfig.get_quant_method`` (the same function in
-  vLLM 0.32 and in 1Cat-vLLM 1.2.2 / 1.3.0, where it builds ``CompressedTensorsLinearMethod``
-  around the scheme ``get_scheme`` picks: NVFP4 -> ``CompressedTensorsW4A4Fp4``, which 1Cat
-  routes to its TurboMind kernel on SM70; FP8 -> ``CompressedTensorsW8A16Fp8`` /
-  ``W8A8Fp8``). Where the QPN path serves (CPU: reference; SM70: built kernels), a linear or
-  ``ParallelLMHead`` whose config group declares NVFP4 (``nvfp4-pack-quantized``: float, 4 bits,
-  tensor_group, group 16, symmetric) gets a QPN2 method and one declaring FP8
-  (``float-quantized``: float, 8 bits, static symmetric, tensor or channel) a QPN8 method. Each
-  shard of a fused module is matched on its own and must declare the same scheme; a scheme the
-  QPN path does not serve (INT4, MXFP4, block FP8, output-activation quantization, transforms)
-  fails the load naming the module and the config group. Everything else (unquantized layers,
-  attention KV scales) stays with vLLM; routed experts are chosen one step later, in
-  ``CompressedTensorsMoEMethod.get_moe_method`` (hook ``ct-qpn-moe-method``, moe_method.py).
+* a config group declaring NVFP4 (``nvfp4-pack-quantized``: float, 4 bits, tensor_group, group
+  16, symmetric) gives a QPN2 method, FP8 (``float-quantized``: float, 8 bits, static symmetric,
+  tensor or channel) a QPN8 method, INT4 W4A16 (``pack-quantized``: int, 4 bits, group 32 / 64 /
+  128; claimed only where the INT4 family serves, ``qpn_config.int4_served``) a QPN4 method
+  (``linear_method.int4_method_for``);
+* each shard of a fused module is matched on its own and must declare the same scheme; a scheme
+  the QPN path does not serve (MXFP4, block FP8, output-activation quantization, transforms)
+  fails the load naming the module and the config group;
+* a module the config leaves unquantized gets the engine config's own method (None here).
 
-The config's ``get_min_capability`` is already 70 in all three engines, and the scheme's own
-capability check (75 for NVFP4 and W8A16 FP8) runs inside ``get_scheme``, which QPN modules skip.
+Routed experts are chosen in moe_method (``qpn_ct_moe_method_for``). Once per rank, QPNConfig
+records in the census every module the checkpoint declares quantized with the engine's name for
+it (``record_checkpoint_modules``), which the qpn_routes gate pairs by name.
+
+The engine config's ``get_min_capability`` is already 70 in all three engines, and the scheme's
+own capability check (75 for NVFP4 and W8A16 FP8) runs inside ``get_scheme``, which QPN modules
+skip.
 """
 from __future__ import annotations
 
 import logging
 
-from qpn.fork_patches.conventions import COMPRESSED_TENSORS, ConventionError, ct_scheme_of
-from qpn.fork_patches.linear_method import QPNCheckpointError, method_class
+from qpn.fork_patches.conventions import (
+    COMPRESSED_TENSORS,
+    CT_PACK_QUANTIZED,
+    ConventionError,
+    INT4Scheme,
+    ct_int4_scheme_of,
+    ct_scheme_of,
+    is_int4_weights,
+)
+from qpn.fork_patches.linear_method import QPNCheckpointError, int4_method_for, method_class
 
 logger = logging.getLogger("vllm.qpn.ct_config")
 
 
-def served_scheme(entry: dict, quant_format, prefix: str, src: str):
+def served_scheme(entry: dict, quant_format, prefix: str, src: str, int4: bool = False):
     """The ModuleScheme a compressed-tensors scheme dict (one config group, as the engine's
-    ``target_scheme_map`` holds it) declares; None when it leaves the weights unquantized. A dict
-    that quantizes output activations, or a scheme the QPN kernels do not serve, fails naming the
-    layer ``prefix``; ``src`` says where the dict came from. Linear layers and routed experts alike
-    are read through here."""
+    ``target_scheme_map`` holds it) declares, or with ``int4`` the INT4Scheme of 4-bit integer
+    weights; None when it leaves the weights unquantized. A dict that quantizes output
+    activations, or a scheme the QPN kernels do not serve, fails naming the layer ``prefix``;
+    ``src`` says where the dict came from. Linear layers and routed experts alike are read
+    through here (experts without ``int4``: QPN has no INT4 MoE kernels)."""
     if entry.get("weights") is None:
         return None
     if entry.get("output_activations") is not None:
         raise QPNCheckpointError(
             f"{prefix}: {src} quantizes output activations; the QPN path computes W4A16 / W8A16 and "
             "applies no output fake-quant (serve it on hardware vLLM supports natively)")
+    fmt = entry.get("format") or quant_format
     try:
-        return ct_scheme_of(entry["weights"], entry.get("format") or quant_format, src)
+        if int4 and is_int4_weights(entry["weights"]):
+            return ct_int4_scheme_of(entry["weights"], fmt, src)
+        return ct_scheme_of(entry["weights"], fmt, src)
     except ConventionError as e:
-        raise QPNCheckpointError(f"{prefix}: {e}; the QPN path serves NVFP4 (nvfp4-pack-quantized) and "
-                                 "FP8 (float-quantized, per tensor or per channel)") from e
+        raise QPNCheckpointError(f"{prefix}: {e}; the QPN path serves NVFP4 (nvfp4-pack-quantized), "
+                                 "FP8 (float-quantized, per tensor or per channel) and INT4 W4A16 "
+                                 "(pack-quantized)") from e
 
 
 def _shard_scheme(config, layer, name: str, prefix: str):
@@ -57,7 +73,7 @@ def _shard_scheme(config, layer, name: str, prefix: str):
     if target is None:
         return None
     scheme = served_scheme(config.target_scheme_map[target], config.quant_format, prefix,
-                           f"{name}: config target {target!r}")
+                           f"{name}: config target {target!r}", int4=True)
     return None if scheme is None else (scheme, target)
 
 
@@ -83,20 +99,29 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
         raise QPNCheckpointError(f"{prefix}: shard module(s) {', '.join(missing)} match no config group "
                                  "while the fused module is quantized; every shard of a fused module "
                                  "needs the same scheme")
-    schemes = {s.format for s, _ in found.values()}
+    # an INT4 scheme's group size and ordering are part of what the shards must agree on
+    schemes = {(s.format, getattr(s, "group_size", None), getattr(s, "act_order", None))
+               for s, _ in found.values()}
     if len(schemes) != 1:
-        detail = "; ".join(f"{n}: {s.fmt} ({t})" for n, (s, t) in found.items())
+        detail = "; ".join(f"{n}: {s.fmt}{_group(s)} ({t})" for n, (s, t) in found.items())
         raise QPNCheckpointError(f"{prefix}: the shards of this fused module declare different schemes "
                                  f"({detail}); vLLM fuses them into one layer, so they must agree")
     scheme = next(iter(found.values()))[0]
+    if isinstance(scheme, INT4Scheme):
+        return int4_method_for(CT_PACK_QUANTIZED, layer, prefix, target, scheme.group_size, scheme.symmetric,
+                               act_order=scheme.act_order, shard_names=shard_names, declared=names,
+                               source=scheme.source)
     return method_class(scheme.format)(
         prefix=prefix, algo=scheme.format.title,
         backend=target["backend"], arch=target["arch"], atom=target["atom"], shard_names=shard_names,
         declared=names, convention=COMPRESSED_TENSORS, fp8_scale=scheme.fp8_scale)
 
 
+def _group(scheme) -> str:
+    return f", group {scheme.group_size}" if isinstance(scheme, INT4Scheme) else ""
+
+
 # ------------------------------------------------------------ checkpoint names for the census
-_NAMES_RECORDED = False
 
 
 def engine_module_names(model_class, names: list[str]) -> dict[str, str | None]:
@@ -114,7 +139,8 @@ def engine_module_names(model_class, names: list[str]) -> dict[str, str | None]:
 
 def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
     """Put in the census every module the checkpoint's compressed-tensors config declares
-    quantized (conventions.declared_modules over the served folder's safetensors headers) with
+    quantized (conventions.declared_modules over the served folder's safetensors headers;
+    int4_declared_modules for a pack-quantized INT4 checkpoint) with
     the engine's name for it, so that the qpn_routes gate can require each one on a QPN route
     (the census's per-module ``declared`` lists carry engine names). The engine's config does not
     keep the mapper it renamed its targets with; the model class it builds does."""
@@ -131,49 +157,9 @@ def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
         return None
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    _, declared = conventions.declared_modules(path)
+    int4 = conventions.detect_int4(path) is not None
+    _, declared = (conventions.int4_declared_modules if int4 else conventions.declared_modules)(path)
     model_class, _ = get_model_architecture(model_config)
     names = engine_module_names(model_class, list(declared))
     CENSUS.set_checkpoint_modules(names)
     return names
-
-
-def _record_checkpoint_modules_once() -> None:
-    global _NAMES_RECORDED
-    if _NAMES_RECORDED:
-        return
-    from vllm.config import get_current_vllm_config_or_none
-
-    vllm_config = get_current_vllm_config_or_none()
-    if vllm_config is None:
-        return
-    _NAMES_RECORDED = True
-    try:
-        record_checkpoint_modules(vllm_config)
-    except (ImportError, AttributeError, OSError, ValueError) as e:  # the gate fails on the gap
-        logger.error("volta-qpn: could not record the checkpoint's module names for the census "
-                     "(%s: %s); the qpn_routes gate will fail this boot", type(e).__name__, e)
-
-
-def wrap_get_quant_method(original):
-    def get_quant_method(self, layer, prefix: str):
-        from qpn.fork_patches.platform_gate import serving_target
-
-        target = serving_target()
-        if target is None:
-            return original(self, layer, prefix)
-        from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-        from qpn.fork_patches.quant_config import _record_kv_once
-
-        _record_kv_once()
-        _record_checkpoint_modules_once()
-        if isinstance(layer, (LinearBase, ParallelLMHead)):
-            method = qpn_method_for(self, layer, prefix, target)
-            if method is not None:
-                return method
-        return original(self, layer, prefix)
-
-    get_quant_method.__wrapped__ = original
-    return get_quant_method

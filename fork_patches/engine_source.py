@@ -6,16 +6,19 @@ Python files (an installed ``site-packages``, a source checkout, or a source arc
 - runtime hook: the anchor's module file exists; its class and function are defined there (parsed
   with ``ast``: aliases, ``from x import`` re-exports and base classes of the same tree are
   followed); the function's parameters are the ones our wrapper passes (``Hook.params``, or read
-  from the wrapper built around a stub); for hooks that say where the engine calls the anchor
-  (``CALL_SITES``), that caller calls it;
+  from the wrapper built around a stub);
 - disk hook: the file exists, each of its target texts occurs exactly once, and the edit applies
   and leaves valid Python;
-- a hook whose registry entry says it does not apply to the engine is listed as such, with why.
+- a hook whose registry entry says it does not apply to the engine is listed as such, with why;
+- the registration path of the QPN quantization method (``verify_registration``): the registry
+  adds and probes a custom config before the built-ins, builds it, checks its capability, hands
+  it the model folder, and asks it for the method of every linear, lm_head and experts layer.
 
-``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR`` prints the table and exits 1 on
-any miss. ``import_check`` then goes further in a subprocess: the engine's files first on
-``sys.path`` of the cpu engine's interpreter, our plugin registers against the real modules, and
-every runtime hook must be in place at its anchor.
+``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR`` prints both tables and exits 1
+on any miss. ``import_check`` then goes further in a subprocess: the engine's files first on
+``sys.path`` of the cpu engine's interpreter, our plugin registers against the real modules, every
+runtime hook must be in place at its anchor, "qpn" must be a registered method, and the engine's
+own ModelConfig._verify_quantization must settle on "qpn" for each convention's checkpoint.
 """
 from __future__ import annotations
 
@@ -32,24 +35,6 @@ from pathlib import Path
 
 from qpn.fork_patches import engine_lock
 from qpn.fork_patches.hooks import REGISTRY, AnchorMissing, Hook
-
-# Where the engine calls a hook's anchor, per engine key or profile: (caller "module:Cls.func",
-# the attribute name the call uses). The MoE hook on 1Cat relies on FusedMoE.__init__ asking the
-# quant config for the experts' method; if that call moves, the hook silently stops choosing.
-CALL_SITES: dict[str, dict[str, tuple[str, str]]] = {
-    "modelopt-mixed-qpn-moe-method": {
-        "sm70": ("vllm.model_executor.layers.fused_moe.layer:FusedMoE.__init__", "get_quant_method"),
-        "cpu": ("vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.__init__",
-                "_get_quant_method"),
-    },
-    # every engine: the compressed-tensors config hands its experts to this static method
-    "ct-qpn-moe-method": {
-        profile: ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
-                  "CompressedTensorsConfig.get_quant_method", "get_moe_method")
-        for profile in ("sm70", "cpu")
-    },
-}
-
 
 class SourceError(RuntimeError):
     pass
@@ -264,10 +249,11 @@ class _Resolver:
                      decorators)
 
     def calls(self, caller: str, attr: str) -> str | None:
-        """Where function ``caller`` calls ``<something>.attr(...)`` (vllm/file:line), else None."""
+        """Where function ``caller`` calls ``<something>.attr(...)`` or ``attr(...)`` (vllm/file:line),
+        else None."""
         found = self.find(caller)
         for sub in ast.walk(found.node):
-            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == attr:
+            if isinstance(sub, ast.Call) and attr in (getattr(sub.func, "attr", None), getattr(sub.func, "id", None)):
                 return f"{found.where.split(':', 1)[0]}:{sub.lineno}"
         return None
 
@@ -348,16 +334,7 @@ def verify_hook(hook: Hook, src: EngineSource, resolver: _Resolver | None = None
         problem = params_problem(anchor_params(found.node), wrapper_params(hook, engine, found.decorators))
         if problem:
             raise AnchorMissing(f"{found.where} takes {problem}")
-        detail = f"{found.where}"
-        site = CALL_SITES.get(hook.name, {})
-        site = site.get(engine) or site.get(engine.partition("@")[0])
-        if site:
-            where = resolver.calls(*site)
-            if where is None:
-                raise AnchorMissing(f"{site[0]} no longer calls .{site[1]}(...): the engine does not "
-                                    "choose the method where the hook expects")
-            detail += f"; called at {where}"
-        return Row(hook.name, hook.kind, engine, anchor, "ok", detail)
+        return Row(hook.name, hook.kind, engine, anchor, "ok", found.where)
     except AnchorMissing as exc:
         return Row(hook.name, hook.kind, engine, anchor, "MISS", str(exc))
     except Exception as exc:  # noqa: BLE001 - a verifier bug must name the hook too
@@ -392,7 +369,7 @@ def table(rows: list[Row], src: EngineSource) -> str:
     for r in rows:
         out.append(f"| {r.hook} | {r.kind} | {r.status} | `{r.anchor}` | {r.detail} |")
     misses = [r for r in rows if r.miss]
-    out.append(f"{len(rows)} hook(s): {sum(r.status == 'ok' for r in rows)} ok, "
+    out.append(f"{len(rows)} row(s): {sum(r.status == 'ok' for r in rows)} ok, "
                f"{sum(r.status == 'n/a' for r in rows)} n/a, {len(misses)} MISS")
     for r in misses:
         out.append(f"MISS hook {r.hook} on engine {r.engine}: {r.detail}")
@@ -481,7 +458,7 @@ def main(argv: list[str]) -> int:
         print(f"ERROR: {exc}", file=sys.stderr)
         return 2
     locked = engine_lock.engine_keys()
-    rows = verify(src)
+    rows = verify(src) + verify_registration(src)
     print(table(rows, src))
     if src.key not in locked:
         print(f"note: {src.key} is not a locked build ({', '.join(locked)}); anchors of the profile's "
@@ -638,7 +615,30 @@ REGISTRATION_CHECKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = 
      "vllm.model_executor.model_loader.weight_utils:get_quant_config",
      (("quant_cls = get_quantization_config(model_config.quantization)", "the claimed name's class ..."),
       ("quant_cls.from_config(", "... parses the checkpoint's quantization config"))),
+    ("qpn-config-model-folder",
+     "vllm.config.vllm:VllmConfig._get_quantization_config",
+     (("quant_config.maybe_update_config(model_config.model", "the built config is handed the model "
+       "folder (QPNConfig reads hf_quant_config.json there for a mixed config embedded without "
+       "quantized_layers)"),)),
 )
+
+# Where each engine asks the quant config for a layer's method, per layer kind and profile:
+# (caller "module:Cls.func", the attribute it calls). QPNConfig hands out the QPN methods only
+# there; if a call moves, the QPN methods silently stop being chosen for that kind of layer.
+_RESOLVE = ("vllm.model_executor.layers.quantization.base_config:resolve_quant_method", "get_quant_method")
+CONFIG_ASKED: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
+    "linear": {"cpu": (("vllm.model_executor.layers.linear:LinearBase.__init__", "resolve_quant_method"),
+                       _RESOLVE),
+               "sm70": (("vllm.model_executor.layers.linear:LinearBase.__init__", "get_quant_method"),)},
+    "lm_head": {"cpu": (("vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
+                         "resolve_quant_method"), _RESOLVE),
+                "sm70": (("vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
+                          "get_quant_method"),)},
+    # 1Cat: RoutedExperts is an alias of FusedMoE, whose __init__ asks through a closure
+    "experts": {"cpu": (("vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method",
+                         "resolve_quant_method"), _RESOLVE),
+                "sm70": (("vllm.model_executor.layers.fused_moe.layer:FusedMoE.__init__", "get_quant_method"),)},
+}
 
 
 def verify_registration(src: EngineSource, resolver: _Resolver | None = None) -> list[Row]:
@@ -659,6 +659,23 @@ def verify_registration(src: EngineSource, resolver: _Resolver | None = None) ->
                             f"{found.where}: " + "; ".join(why for _, why in needles)))
         except AnchorMissing as exc:
             rows.append(Row(name, "registry", src.key, anchor, "MISS", str(exc)))
+    for kind, per_profile in CONFIG_ASKED.items():
+        sites = per_profile.get(src.profile, ())
+        anchor = "; ".join(f"{caller} calls {attr}()" for caller, attr in sites)
+        try:
+            wheres = []
+            for caller, attr in sites:
+                where = resolver.calls(caller, attr)
+                if where is None:
+                    raise AnchorMissing(f"{caller} no longer calls .{attr}(...): the engine does not ask the "
+                                        f"quant config for the method of a {kind} layer there")
+                wheres.append(where)
+            if not sites:
+                raise AnchorMissing(f"no call site is known for engine profile {src.profile}")
+            rows.append(Row(f"qpn-config-asked-for-{kind}", "registry", src.key, anchor, "ok",
+                            "called at " + ", ".join(wheres)))
+        except AnchorMissing as exc:
+            rows.append(Row(f"qpn-config-asked-for-{kind}", "registry", src.key, anchor, "MISS", str(exc)))
     # our override's parameters are the base class's (the engine calls it by position + hf_config=)
     try:
         found = resolver.find("vllm.model_executor.layers.quantization.base_config:"

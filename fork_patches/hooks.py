@@ -25,10 +25,18 @@ engine's code differs between locked builds, ``anchors`` / ``apply_on`` give the
 wrapper per engine key (``sm70@1.3.0``) or profile; ``not_on`` says, per key or profile, why a hook
 does not apply there. ``needed_for`` is the failure policy: ``always`` hooks must apply or the
 engine stops at start; ``moe`` hooks are needed only by checkpoints with routed experts, and are
-skipped with a warning (and recorded in the census) when their anchor is missing. ``params`` are
+skipped with a warning (and recorded in the census) when their anchor is missing (no entry is
+``moe`` today: the QPN MoE methods come from the registered config; tests/test_plugin_policy.py
+proves the policy with a probe entry). ``params`` are
 the anchor's parameters our wrapper calls it with (default: read from the wrapper itself).
 ``qpn.fork_patches.engine_source`` proves all of this against each locked engine's source:
 ``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR``.
+
+Not here: where vLLM has a registry, the overlay registers instead of hooking. The QPN linear and
+MoE methods are handed out by ``QPNConfig``, registered as the quantization method "qpn" through
+vLLM's ``register_quantization_config`` (qpn.fork_patches.qpn_config, from the plugin); the same
+``--engine-source`` run proves that registration path in each engine
+(``engine_source.verify_registration``). What stays here is what vLLM has no extension point for.
 """
 from __future__ import annotations
 
@@ -148,7 +156,8 @@ REGISTRY: list[Hook] = [
     _vision_guard("model_executor/models/qwen3_vl.py"),
     _vision_guard("model_executor/models/qwen2_vl.py"),
     _vision_guard("model_executor/models/qwen2_5_vl.py"),
-    # ---- loader hooks (runtime; applied by qpn.fork_patches.plugin: apply(original) -> replacement)
+    # ---- loader hooks (runtime; applied by qpn.fork_patches.plugin: apply(original) -> replacement).
+    # The quant methods themselves come from the registered QPN config (qpn_config.py), not a hook.
     Hook(
         name="modelopt-mixed-precision-file-form",
         kind="runtime",
@@ -159,129 +168,10 @@ REGISTRY: list[Hook] = [
         "writes) dies with 'Unknown ModelOpt quant algo: MIXED_PRECISION' although vLLM 0.32 has "
         "ModelOptMixedPrecisionConfig for it (reachable only when config.json embeds the config)",
         how="for a modelopt payload whose quantization.quant_algo is MIXED_PRECISION set "
-        "quant_method 'modelopt' (vLLM's override then picks modelopt_mixed); all else unchanged",
+        "quant_method 'modelopt'; the registered QPN config then claims it (where the QPN path does "
+        "not serve, vLLM's own override picks modelopt_mixed); all else unchanged",
         remove_when="vLLM's convertor accepts MIXED_PRECISION from hf_quant_config.json",
         apply="qpn.fork_patches.quant_config:wrap_normalize_quantization_config",
-    ),
-    Hook(
-        name="modelopt-mixed-admit-sm70",
-        kind="runtime",
-        anchor="vllm.model_executor.layers.quantization.modelopt:"
-        "ModelOptMixedPrecisionConfig.get_min_capability",
-        what="minimum compute capability of the mixed ModelOpt config (75 in vLLM 0.32; 89 in "
-        "1Cat-vLLM 1.2.2 and 1.3.0, modelopt.py ModelOptMixedPrecisionConfig.get_min_capability)",
-        why="QPN2/QPN8 serve NVFP4 and FP8 weights with FP16 tensor-core math on SM70, so a V100 "
-        "(capability 70) can serve the checkpoint unchanged. 1Cat has SM70 NVFP4 kernels of its own "
-        "(TurboMind sm70_turbomind.py, SM70 Marlin FP4 marlin_utils_fp4.py, a Marlin MoE that accepts "
-        "SM70), but not for MIXED_PRECISION: it keeps 89 for this config",
-        how="answer 70 only on a CUDA device of capability 7.0 where qpn.kernels.ops builds for "
-        "sm_70; vLLM's own value everywhere else (the CPU platform has no capability check)",
-        remove_when="the engine ships an SM70 path for mixed ModelOpt checkpoints",
-        apply="qpn.fork_patches.quant_config:wrap_get_min_capability",
-    ),
-    Hook(
-        name="modelopt-mixed-qpn-linear-methods",
-        kind="runtime",
-        anchor="vllm.model_executor.layers.quantization.modelopt:"
-        "ModelOptMixedPrecisionConfig.get_quant_method",
-        what="the per-layer quant method of the mixed ModelOpt config",
-        why="vLLM 0.32 has no NVFP4 linear kernel on CPU or SM70, requantizes fused FP8 shards with "
-        "different scales through a CUDA-only op, and silently leaves a module with an unknown "
-        "declared algo unquantized. 1Cat-vLLM gives the mixed config's layers ModelOpt's own FP8 "
-        "(needs capability 89) and NVFP4 methods; its SM70 NVFP4 kernels (TurboMind, Marlin) are "
-        "not the QPN kernels this overlay serves and measures",
-        how="where the QPN path serves (CPU: reference; SM70: built kernels) give each linear and "
-        "ParallelLMHead in quantized_layers a QPN2 (NVFP4) or QPN8 (FP8) method "
-        "(qpn.fork_patches.linear_method): codes and scales loaded and checked unchanged, "
-        "prepacked with a byte-identical inverse check, routed per call by M, counted in the "
-        "census; an algo QPN does not serve fails the load naming the module",
-        remove_when="never on SM70 (the QPN kernels are the point); on CPU, when vLLM serves "
-        "mixed NVFP4/FP8 checkpoints natively",
-        apply="qpn.fork_patches.quant_config:wrap_get_quant_method",
-    ),
-    Hook(
-        name="modelopt-mixed-qpn-moe-method",
-        kind="runtime",
-        anchor="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method",
-        anchors={"sm70": "vllm.model_executor.layers.quantization.modelopt:"
-                         "ModelOptMixedPrecisionConfig.get_quant_method"},
-        apply="qpn.fork_patches.moe_method:wrap_routed_experts_get_quant_method",
-        apply_on={"sm70": "qpn.fork_patches.moe_method:wrap_mixed_config_moe_method"},
-        needed_for="moe",
-        what="the choice of quant method for the routed experts of a MoE layer: vLLM 0.32's "
-        "RoutedExperts._get_quant_method (ModelOpt mixed and NVFP4 configs); on 1Cat-vLLM 1.2.2 and "
-        "1.3.0, where RoutedExperts is an alias of FusedMoE (fused_moe/__init__.py) and a closure "
-        "in FusedMoE.__init__ (fused_moe/layer.py) asks quant_config.get_quant_method(layer, prefix), "
-        "the mixed config's get_quant_method for a FusedMoE layer",
-        why="vLLM 0.32 gives NVFP4 experts ModelOptNvFp4FusedMoE, which has no backend on CPU or SM70 "
-        "(Marlin-MoE needs SM75+), and folds gate and up into one global scale; 1Cat gives them "
-        "ModelOptNvFp4FusedMoE too (its Marlin MoE accepts SM70, but it is not the QPN MoE path)",
-        how="where the QPN path serves (CPU: reference; SM70: built kernels) a routed-experts layer whose "
-        "declared algo is NVFP4 / W4A16_NVFP4 / FP8 gets QPNModelOptMoEMethod (qpn.fork_patches.moe_method) "
-        "before vLLM builds its own method: "
-        "expert tensors loaded and checked unchanged through vLLM's ModelOpt expert loader, every "
-        "expert prepacked with a byte-identical inverse check, served by the grouped QPN MoE kernels "
-        "(device-side routing, CUDA-graph capturable), both expert stacks counted in the census; "
-        "another declared algo fails the load naming the layer. On 1Cat only the mixed config is "
-        "hooked: a plain ModelOpt NVFP4 MoE checkpoint stays on 1Cat's own SM70 MoE path",
-        remove_when="never on SM70 (the QPN MoE kernels are the point); on CPU, when vLLM serves "
-        "NVFP4 MoE checkpoints natively",
-    ),
-    Hook(
-        name="ct-qpn-linear-methods",
-        kind="runtime",
-        anchor="vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
-        "CompressedTensorsConfig.get_quant_method",
-        what="the per-layer quant method of a compressed-tensors config (the same function in vLLM "
-        "0.32 and 1Cat-vLLM 1.2.2 / 1.3.0: get_scheme picks CompressedTensorsW4A4Fp4 for NVFP4, "
-        "W8A16Fp8 / W8A8Fp8 for FP8, wrapped in CompressedTensorsLinearMethod)",
-        why="vLLM 0.32 has no NVFP4 linear kernel on CPU or SM70 and keeps only the largest NVFP4 "
-        "global scale of fused shards; 1Cat routes compressed-tensors NVFP4 to its TurboMind kernel "
-        "on SM70 (compressed_tensors_w4a4_nvfp4.py / w4a16_nvfp4.py through sm70_turbomind), which "
-        "is not the QPN path this overlay serves and measures",
-        how="where the QPN path serves (CPU: reference; SM70: built kernels) give each linear and "
-        "ParallelLMHead whose config group declares NVFP4 (nvfp4-pack-quantized) a QPN2 method and "
-        "FP8 (float-quantized, per tensor or per channel) a QPN8 method, fed through the "
-        "compressed-tensors convention (weight_packed, 1 / weight_global_scale per shard; "
-        "qpn.fork_patches.ct_config, conventions); every fused shard must declare the same scheme; "
-        "a scheme QPN does not serve fails the load naming the module and its config group; "
-        "once per rank, records in the census every module the checkpoint declares quantized with "
-        "the engine's name for it (the model class's hf_to_vllm_mapper, from get_model_architecture: "
-        "the engine's config keeps no list of module names), which the qpn_routes gate pairs by name",
-        remove_when="never on SM70 (the QPN kernels are the point); on CPU, when vLLM serves NVFP4 "
-        "compressed-tensors checkpoints natively",
-        apply="qpn.fork_patches.ct_config:wrap_get_quant_method",
-    ),
-    Hook(
-        name="ct-qpn-moe-method",
-        kind="runtime",
-        anchor="vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-        "compressed_tensors_moe:CompressedTensorsMoEMethod.get_moe_method",
-        needed_for="moe",
-        what="the scheme selection for the routed experts of a compressed-tensors MoE layer: the static "
-        "CompressedTensorsMoEMethod.get_moe_method, which CompressedTensorsConfig.get_quant_method calls "
-        "for every RoutedExperts / FusedMoE layer (the same function in vLLM 0.32 and 1Cat-vLLM 1.2.2 / "
-        "1.3.0: NVFP4 -> CompressedTensorsW4A4Nvfp4MoEMethod, FP8 -> CompressedTensorsW8A8Fp8MoEMethod)",
-        why="vLLM 0.32's NVFP4 MoE backends (FlashInfer, CUTLASS, Marlin) have no CPU or SM70 path, and "
-        "its compressed-tensors NVFP4 MoE method keeps one global scale for gate and up; 1Cat selects "
-        "the same method and runs NVFP4 experts on its Marlin MoE on SM70, which is not the QPN MoE "
-        "path this overlay serves and measures",
-        how="where the QPN path serves (CPU: reference; SM70: built kernels) experts whose config group "
-        "declares NVFP4 (nvfp4-pack-quantized) or FP8 (float-quantized, per tensor or per channel) get "
-        "QPNCompressedTensorsMoEMethod (qpn.fork_patches.moe_method): the QPN MoE method fed through the "
-        "compressed-tensors convention (weight_packed, weight_scale, 1 / weight_global_scale per expert "
-        "and shard: gate and up keep their own), loaded through the engine's generic expert loader, "
-        "which it reaches by its class name: the expert weight_loader of every engine (vLLM 0.32 "
-        "RoutedExperts, 1Cat FusedMoE) picks its scale handling only by substrings of the quant "
-        "method's class name ('ModelOpt': the ModelOpt scale path; 'compressed', any case: w1 and w3 "
-        "input scales must agree), so the name carries 'Compressed' and never 'ModelOpt' "
-        "(tests/test_moe_method_names.py checks both QPN names and each engine's loader); "
-        "every expert prepacked with a byte-identical inverse check, both expert stacks counted in the "
-        "census; gate/up/down declaring different schemes, output-activation quantization, transforms "
-        "or another scheme fail the load naming the layer; ignored experts stay with the engine",
-        remove_when="never on SM70 (the QPN MoE kernels are the point); on CPU, when vLLM serves "
-        "compressed-tensors NVFP4 MoE checkpoints natively",
-        apply="qpn.fork_patches.moe_method:wrap_ct_get_moe_method",
     ),
     Hook(
         name="kv-cache-fp16-on-sm70",

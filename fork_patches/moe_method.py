@@ -2,23 +2,19 @@
 QPN MoE kernels (qpn.kernels.moe) on SM70, and by their CPU reference over the same packed
 buffers on the CPU engine.
 
-Runtime hook ``modelopt-mixed-qpn-moe-method`` (hooks.py) wraps the place each engine chooses the
-experts' quant method: on vLLM 0.32 ``RoutedExperts._get_quant_method``
-(``wrap_routed_experts_get_quant_method``: ModelOpt mixed and NVFP4 configs); on 1Cat-vLLM 1.2.2
-and 1.3.0, where ``RoutedExperts`` is an alias of ``FusedMoE`` and ``FusedMoE.__init__`` asks
-``quant_config.get_quant_method(layer, prefix)``, ``ModelOptMixedPrecisionConfig.get_quant_method``
-(``wrap_mixed_config_moe_method``). A routed-experts layer whose declared algo is NVFP4 /
-W4A16_NVFP4 / FP8 gets a ``QPNModelOptMoEMethod`` where the QPN path serves
-(platform_gate.qpn_backend); any other declared algo fails the load naming the layer. Elsewhere
-the engine's method stands.
+``qpn_config.QPNConfig`` (the registered "qpn" quantization method) hands a routed-experts layer
+this method where the engine asks the quant config for the experts' method: vLLM 0.32's
+``RoutedExperts._get_quant_method`` through ``resolve_quant_method``, and 1Cat-vLLM 1.2.2 / 1.3.0's
+closure in ``FusedMoE.__init__`` (``RoutedExperts`` is an alias of ``FusedMoE`` there), both calling
+``quant_config.get_quant_method(layer, prefix)``. ModelOpt experts (``qpn_moe_method_for``) whose
+declared algo is NVFP4 / W4A16_NVFP4 / FP8 get a ``QPNModelOptMoEMethod``; any other declared algo
+fails the load naming the layer.
 
-compressed-tensors experts: hook ``ct-qpn-moe-method`` wraps the static
-``CompressedTensorsMoEMethod.get_moe_method`` (the same function in all three engines, called by
-``CompressedTensorsConfig.get_quant_method`` for every routed-experts layer;
-``wrap_ct_get_moe_method``): experts whose config group declares NVFP4 or FP8 (per tensor or per
-channel) get ``QPNCompressedTensorsMoEMethod``, the same method with the compressed-tensors
-convention's names and global-scale rule (``weight_global_scale`` is a divisor: inverted per
-expert and shard), loaded through the engine's generic expert loader.
+compressed-tensors experts (``qpn_ct_moe_method_for``): experts whose config group declares NVFP4
+or FP8 (per tensor or per channel) get ``QPNCompressedTensorsMoEMethod``, the same method with the
+compressed-tensors convention's names and global-scale rule (``weight_global_scale`` is a divisor:
+inverted per expert and shard), loaded through the engine's generic expert loader. INT4 experts
+(pack-quantized, AWQ, GPTQ) stay with the engine's own MoE method: QPN has no INT4 MoE kernels.
 
 Life of one MoE layer (vLLM 0.32's FusedMoEMethodBase contract):
 
@@ -52,7 +48,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
 from qpn.fork_patches.census import CENSUS
-from qpn.fork_patches.conventions import COMPRESSED_TENSORS, MODELOPT, Convention
+from qpn.fork_patches.conventions import COMPRESSED_TENSORS, MODELOPT, Convention, is_int4_weights
 from qpn.fork_patches.linear_method import QPNCheckpointError, _capturing_cuda_graph
 from qpn.kernels import formats
 
@@ -336,11 +332,12 @@ def _(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, op_id
     return x.new_empty((x.shape[0], _MOE_METHODS[op_id].hidden))
 
 
-# --------------------------------------------------------------------------------- the hook
+# -------------------------------------------------------------------- the config side
 def declared_moe_algo(quant_config, prefix: str) -> str | None:
     """The quant algo a ModelOpt config declares for the experts at ``prefix`` (None: not a
     ModelOpt config the QPN MoE path serves, or the experts are excluded / unquantized)."""
     from vllm.model_executor.layers.quantization.modelopt import (
+        ModelOptFp8Config,
         ModelOptMixedPrecisionConfig,
         ModelOptNvFp4Config,
     )
@@ -353,6 +350,10 @@ def declared_moe_algo(quant_config, prefix: str) -> str | None:
         if quant_config.is_layer_excluded(prefix):
             return None
         return str(getattr(quant_config, "quant_method", "NVFP4") or "NVFP4").upper()
+    if isinstance(quant_config, ModelOptFp8Config):
+        # ModelOpt writes FP8 experts under the same names whether the checkpoint is mixed or FP8
+        # only, so a single-format FP8 checkpoint's experts load as the mixed config's FP8 ones
+        return None if quant_config.is_layer_excluded(prefix) else "FP8"
     return None
 
 
@@ -367,55 +368,14 @@ def qpn_moe_method_for(quant_config, moe_config, prefix: str, backend: str):
             f"kernels serve {SERVED_ALGOS} (fix the checkpoint's hf_quant_config.json or serve it on "
             "hardware vLLM supports natively)")
     method = QPNModelOptMoEMethod(moe_config, prefix=prefix, algo=algo, backend=backend)
-    # the checkpoint's quantized_layers names these experts serve (for the census and its gate)
-    candidates = tuple(c + "." for c in quant_config._quantized_layer_prefix_candidates(prefix))
-    method.declared = sorted(k for k in quant_config.quantized_layers if k.startswith(candidates))
+    if getattr(quant_config, "quantized_layers", None) is not None:
+        # the checkpoint's quantized_layers names these experts serve (for the census and its gate)
+        candidates = tuple(c + "." for c in quant_config._quantized_layer_prefix_candidates(prefix))
+        method.declared = sorted(k for k in quant_config.quantized_layers if k.startswith(candidates))
+    else:  # a single-format config quantizes every expert it does not exclude
+        method.declared = sorted(f"{prefix}.{e}.{p}" for e in range(int(moe_config.num_experts))
+                                 for p in ("gate_proj", "up_proj", "down_proj"))
     return method
-
-
-def wrap_routed_experts_get_quant_method(original):
-    """``RoutedExperts._get_quant_method(self, prefix, quant_config, moe_config)``: the QPN MoE
-    method where the QPN path serves and the config is a ModelOpt one we serve; vLLM's
-    otherwise (its own method is then never constructed for our layers, so its backend
-    selection, which has no CPU or SM70 NVFP4 MoE backend, is not reached)."""
-
-    def _get_quant_method(self, prefix, quant_config, moe_config):
-        from qpn.fork_patches.platform_gate import qpn_backend
-
-        backend = qpn_backend()
-        if backend is not None and quant_config is not None:
-            method = qpn_moe_method_for(quant_config, moe_config, prefix, backend)
-            if method is not None:
-                return method
-        return original(self, prefix, quant_config, moe_config)
-
-    _get_quant_method.__wrapped__ = original
-    return _get_quant_method
-
-
-def wrap_mixed_config_moe_method(original):
-    """1Cat-vLLM: ``ModelOptMixedPrecisionConfig.get_quant_method(self, layer, prefix)``, which the
-    closure in ``FusedMoE.__init__`` calls for every routed-experts layer (1Cat has no
-    ``RoutedExperts._get_quant_method``). For a routed-experts layer where the QPN path serves: the
-    QPN MoE method, built from the layer's own ``moe_config``; every other layer, and every layer
-    where the QPN path does not serve, goes to ``original`` (the linear hook's wrapper, then the
-    engine's method)."""
-
-    def get_quant_method(self, layer, prefix):
-        from vllm.model_executor.layers.fused_moe import RoutedExperts
-
-        if isinstance(layer, RoutedExperts):
-            from qpn.fork_patches.platform_gate import qpn_backend
-
-            backend = qpn_backend()
-            if backend is not None:
-                method = qpn_moe_method_for(self, layer.moe_config, prefix, backend)
-                if method is not None:
-                    return method
-        return original(self, layer, prefix)
-
-    get_quant_method.__wrapped__ = original
-    return get_quant_method
 
 
 # ------------------------------------------------------------ compressed-tensors experts
@@ -440,13 +400,13 @@ def ct_declared_expert_scheme(quant_config, layer, layer_name: str):
     """(ModuleScheme, checkpoint names) a compressed-tensors config declares for the experts at
     ``layer_name``, read the way the engines' ``CompressedTensorsMoEMethod.get_moe_method`` reads
     it (the scheme of expert 0's gate, up and down, which must agree); None when the experts are
-    ignored or unquantized. A scheme the QPN MoE path does not serve fails naming the layer."""
+    ignored, unquantized or INT4. A scheme the QPN MoE path does not serve fails naming the layer."""
     quant_config._add_fused_moe_to_target_scheme_map()
     projs = [getattr(layer, f"ckpt_{p}_proj_name", f"{p}_proj") for p in ("gate", "up", "down")]
     names = [f"{layer_name}.0.{p}" for p in projs]
     dicts = [quant_config.get_scheme_dict(layer, n) for n in names]
-    if all(d is None for d in dicts):
-        return None
+    if all(d is None for d in dicts) or is_int4_weights((dicts[0] or {}).get("weights")):
+        return None  # unquantized, or INT4 experts: the engine's own MoE method serves them
     if any(d != dicts[0] for d in dicts):
         raise QPNCheckpointError(f"{layer_name}: the experts' gate, up and down declare different schemes "
                                  f"({', '.join(names)}); vLLM fuses them into one layer, so they must agree")
@@ -474,26 +434,3 @@ def qpn_ct_moe_method_for(quant_config, layer, layer_name: str, backend: str):
     n_experts = int(layer.moe_config.num_experts)  # global count: the checkpoint names every expert
     method.declared = sorted(f"{layer_name}.{e}.{p.rsplit('.', 1)[-1]}" for e in range(n_experts) for p in names)
     return method
-
-
-def wrap_ct_get_moe_method(original):
-    """``CompressedTensorsMoEMethod.get_moe_method(quant_config, layer, layer_name)`` (a static
-    method; the same function in vLLM 0.32 and 1Cat-vLLM 1.2.2 / 1.3.0, called by
-    ``CompressedTensorsConfig.get_quant_method`` for every routed-experts layer): the QPN MoE
-    method where the QPN path serves; the engine's scheme selection otherwise (its NVFP4 MoE
-    method, whose backends have no CPU path and which 1Cat runs on Marlin on SM70, is then never
-    constructed for our layers)."""
-    engine_choice = getattr(original, "__func__", original)
-
-    def get_moe_method(quant_config, layer, layer_name):
-        from qpn.fork_patches.platform_gate import qpn_backend
-
-        backend = qpn_backend()
-        if backend is not None:
-            method = qpn_ct_moe_method_for(quant_config, layer, layer_name, backend)
-            if method is not None:
-                return method
-        return engine_choice(quant_config, layer, layer_name)
-
-    get_moe_method.__wrapped__ = original
-    return staticmethod(get_moe_method)

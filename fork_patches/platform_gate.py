@@ -57,12 +57,6 @@ def serving_target() -> dict | None:
     return {"backend": "cuda", **target}
 
 
-def qpn_backend() -> str | None:
-    """'reference' (CPU), 'cuda' (SM70, or sm_80+ opted in, with built kernels) or None."""
-    target = serving_target()
-    return None if target is None else target["backend"]
-
-
 @functools.lru_cache(maxsize=4)
 def kernels_ready(arch: str) -> tuple[bool, str]:
     """(True, '') when qpn.kernels.ops imports and builds for ``arch``; else (False, reason)."""

@@ -1,8 +1,14 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins: qpn_sm70``): applies the runtime hooks.
+"""vLLM general plugin (entry point ``vllm.general_plugins: qpn_sm70``): registers the QPN
+quantization method and applies the runtime hooks.
 
 vLLM calls ``register()`` in every process it starts (API server, engine core, workers), possibly
 more than once per process; it must be cheap and idempotent. It imports no kernel code: each hook
-replaces one engine attribute with a thin wrapper whose work happens only when vLLM calls it.
+replaces one engine attribute with a thin wrapper whose work happens only when vLLM calls it, and
+``qpn_config.register()`` adds ``QPNConfig`` under "qpn" through vLLM's own
+``register_quantization_config`` (the registry vLLM has for quantization methods; the QPN linear
+and MoE methods are handed out by that config, not by hooks). The registration runs in every
+process because the API server's ModelConfig probes the registered methods and the engine
+processes unpickle the QPNConfig the API server built.
 
 A runtime hook's anchor is ``module:Attr.path`` (per engine: ``Hook.anchor_for(key)``) and its
 wrapper ``wrap(original) -> replacement``. A replacement carries the hook's name in
@@ -21,7 +27,9 @@ so whatever ``register()`` raises stops the process before any model is read):
   engine with one message naming each such hook, its anchor, the engine version and the fix;
 - a hook only some checkpoints need (``needed_for="moe"``) whose anchor is missing is skipped
   with a warning and recorded (``skipped_hooks()``, written into the census); the boot gate
-  ``skipped_hooks`` fails when the served checkpoint needs it.
+  ``skipped_hooks`` fails when the served checkpoint needs it;
+- an engine without vLLM's quantization registry (``register_quantization_config``) stops the
+  engine with one message naming the engine version and the fix, as a missing required anchor does.
 """
 from __future__ import annotations
 
@@ -188,10 +196,19 @@ def register() -> None:
             CENSUS.skip_hook(hook.name, str(exc), **details)
             logger.warning("volta-qpn: hook %s skipped: %s. Checkpoints that need it (%s) will fail "
                            "the skipped_hooks boot gate", hook.name, exc, hook.needed_for)
+    lines = []
     if missing:
-        lines = [f"volta-qpn cannot run on vLLM {engine_version()} (engine {engine}): "
-                 f"{len(missing)} required hook(s) have no anchor in it:"]
+        lines += [f"volta-qpn cannot run on vLLM {engine_version()} (engine {engine}): "
+                  f"{len(missing)} required hook(s) have no anchor in it:"]
         lines += [f"  - {exc}" for _, exc in missing]
+    try:
+        from qpn.fork_patches import qpn_config
+
+        qpn_config.register()
+    except (ImportError, AttributeError) as exc:
+        lines += [f"volta-qpn cannot register its quantization method on vLLM {engine_version()} (engine "
+                  f"{engine}): {type(exc).__name__}: {exc}"]
+    if lines:
         lines.append(_fix(engine))
         raise EngineMismatch("\n".join(lines))
     _REGISTERED = True

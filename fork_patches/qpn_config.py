@@ -1,61 +1,86 @@
-"""QPN as a registered vLLM quantization method (issue 26 item 3) -- NOT YET WIRED.
+"""QPN as a registered vLLM quantization method: the one way the QPN methods reach the engine.
 
-``QPNConfig`` is the one config class vLLM's own extension point would hand the QPN checkpoints
-to: ``register_quantization_config("qpn")`` adds it to ``QUANTIZATION_METHODS`` (and to the
-platform's ``supported_quantization``), and ``ModelConfig._verify_quantization`` probes every
-custom method's ``override_quantization_method`` before the built-in overrides (vLLM 0.32 and
-1Cat-vLLM 1.2.2 / 1.3.0 alike; ``engine_source.verify_registration`` proves it from each source).
+``QPNConfig`` is registered under the name "qpn" through vLLM's own extension point,
+``register_quantization_config`` (``register()``, called by ``plugin.register`` in every vLLM
+process: API server, engine core, workers). That adds "qpn" to ``QUANTIZATION_METHODS`` and to the
+platform's ``supported_quantization``, and ``ModelConfig._verify_quantization`` then probes its
+``override_quantization_method`` before the built-in overrides (modelopt, modelopt_fp4,
+modelopt_mixed, awq, gptq, ...), in vLLM 0.32 and 1Cat-vLLM 1.2.2 / 1.3.0 alike
+(``engine_source.verify_registration`` proves it from each engine's source, and
+tests/test_quant_config.py and tests/test_engine_source.py on each engine's real modules).
 
-Status: the plugin does NOT call ``register()`` yet; the runtime hooks of hooks.py
-(modelopt-mixed-admit-sm70, modelopt-mixed-qpn-linear-methods, modelopt-mixed-qpn-moe-method,
-ct-qpn-linear-methods, ct-qpn-moe-method) still choose the QPN methods. The switch (register in
-plugin.register, delete those five hooks, census field ``quant_config`` + its gate) is left for a
-session that can run the engine e2e tests on it; see docs/hooks.md.
+What it claims (``claim_verdict``): ModelOpt MIXED_PRECISION / NVFP4 / FP8, compressed-tensors
+NVFP4 / FP8, and AWQ, GPTQ and compressed-tensors pack-quantized INT4 W4A16 when the INT4 family
+serves (``int4_served``: ``formats.INT4`` served, and the environment switch ``QPN_INT4`` is not
+0; with ``QPN_INT4=0`` the engine's own INT4 kernels serve those checkpoints). It claims only where
+the QPN path serves (``platform_gate.serving_target``: the CPU reference on the cpu engine; SM70
+with built kernels; sm_80+ only with QPN_SM80_OPT_IN=1) and never when the user named another
+method; a checkpoint of these conventions in a form QPN does not serve (another ModelOpt algo,
+block FP8, INT4 with group 16, ...) is left to the engine, with a warning that says why.
 
-Settled here for the switch (proven against vLLM 0.32 in .venv-cpu and 1Cat-vLLM 1.2.2 / 1.3.0,
-whose call sites are the same; tests/test_quant_config.py):
+What the class does once it claimed a checkpoint:
 
-* engine code keyed on the config's name: qwen3_5_mtp.py builds ``mtp.fc`` unquantized only for
-  ``get_name() == "modelopt_fp4"``; ``get_name()`` stays "qpn" (the census and a quant_config gate
-  key on it) and ``get_quant_method`` takes the same decision (``is_mtp_fc``). config/model.py
-  ``is_nvfp4_quantized`` (keyed on ``quantization``) only turns on vLLM's FP4 custom-op fusion
-  pass (config/vllm.py), which QPN's methods do not use: left False under "qpn" on purpose.
-* ``get_config_filenames``: weight_utils.get_quant_config reads these for a checkpoint without an
-  embedded quantization_config; "qpn" reads ``hf_quant_config.json``, ModelOpt's file (the
-  compressed-tensors class reads none), so the ModelOpt file form parses through the engine's
-  ModelOpt config.
-
-Not settled yet: weight_utils' fall-through to the file for a config.json-embedded mixed config
-without ``quantized_layers`` is keyed on ``quantization == "modelopt_mixed"``, so under "qpn" such
-a checkpoint reaches ``from_config`` without the per-layer map (needs from_config to read the
-file itself, or a hook); the per-rank census record of declared modules that the
-ct-qpn-linear-methods hook does.
-
-What the class does once registered:
-
-* ``override_quantization_method(hf_quant_cfg, user_quant)``: "qpn" for a checkpoint QPN serves
-  (``claim``) where the QPN path serves (platform_gate.serving_target: CPU reference; SM70 with
-  built kernels; sm_80+ only with QPN_SM80_OPT_IN=1), unless the user named another method.
 * ``get_min_capability()``: 70.
-* ``from_config``: parsing is the engine's own config class for the convention
-  (``ModelOptMixedPrecisionConfig``, ``ModelOptNvFp4Config``, ``ModelOptFp8Config``,
-  ``CompressedTensorsConfig``; AWQ / GPTQ once the INT4 family serves); QPNConfig wraps it.
-* ``get_quant_method(layer, prefix)``: the QPN linear method (linear_method.method_class, chosen by
-  quant_config.qpn_method_for / ct_config.qpn_method_for) for quantized linear and lm_head layers,
-  the QPN MoE method (moe_method.qpn_moe_method_for / qpn_ct_moe_method_for) for routed experts,
-  and the engine config's own method for everything else (unquantized layers, the KV-cache method
-  of attention).
+* ``from_config``: the engine's own config class for the convention (``ENGINE_NAMES``) parses the
+  checkpoint's config; QPNConfig wraps it and answers with it everything the engine asks a
+  config (``packed_modules_mapping``, ``apply_vllm_mapper``, ``maybe_update_config``, the weight
+  and KV-scale mappers, any other attribute).
+* ``get_quant_method(layer, prefix)``: the QPN linear method for each quantized linear and
+  lm_head layer (``quant_config.qpn_method_for``, ``ct_config.qpn_method_for``,
+  ``linear_method.int4_method_for``); the QPN MoE method for routed experts
+  (``moe_method.qpn_moe_method_for`` / ``qpn_ct_moe_method_for``), which both engines ask the
+  config for (vLLM 0.32: ``RoutedExperts._get_quant_method`` -> ``resolve_quant_method`` ->
+  ``get_quant_method``; 1Cat: the closure in ``FusedMoE.__init__``, where ``RoutedExperts`` is
+  an alias of ``FusedMoE``); the engine config's own method for everything else (unquantized
+  layers, INT4 experts, which QPN has no MoE kernels for, the KV-cache method of attention).
+* Its first call on a rank records what the boot gates read (``_record_rank``): the config's
+  name (census ``quant_config``; the ``quant_config`` gate fails a boot whose checkpoint QPN
+  should serve and whose ranks did not record "qpn"), the KV cache, the engine config, the
+  engine's renamed ``quantized_layers`` (ModelOpt mixed), and the checkpoint's declared modules
+  with the engine's names for them (compressed-tensors: ``ct_config.record_checkpoint_modules``).
+
+Engine behaviour keyed on the config's name, settled here:
+
+* qwen3_5_mtp.py builds ``mtp.fc`` unquantized only for ``get_name() == "modelopt_fp4"`` (the
+  layer is BF16 in NVFP4 checkpoints but missing from exclude_modules). ``get_name()`` stays "qpn"
+  (the census and the quant_config gate key on it), so ``get_quant_method`` takes the same
+  decision (``is_mtp_fc``).
+* config/model.py ``is_nvfp4_quantized`` (keyed on ``quantization``) only turns on vLLM's FP4
+  custom-op fusion pass (config/vllm.py), which QPN's methods do not use: False under "qpn" on
+  purpose.
+* weight_utils.get_quant_config reads ``hf_quant_config.json`` for a config.json-embedded mixed
+  config without ``quantized_layers`` only under the name "modelopt_mixed". Under "qpn",
+  ``from_config`` keeps such a config pending and ``maybe_update_config``, which the engine calls
+  right after it with the model folder (``VllmConfig._get_quantization_config`` in all three
+  engines), reads the folder's ``hf_quant_config.json``.
+* ``get_config_filenames``: weight_utils.get_quant_config reads these for a checkpoint without an
+  embedded quantization_config: ``hf_quant_config.json``, ModelOpt's file, so the ModelOpt file
+  form parses through the engine's ModelOpt config. compressed-tensors keeps its config in
+  config.json; AWQ and GPTQ are claimed from config.json's quantization_config (the form their
+  exporters write today, and the one the launcher's INT4 checks read), not from AutoGPTQ's older
+  quantize_config.json, which vLLM only reads when asked for --quantization gptq.
+* Every engine's GPTQ config refuses ``sym: false`` (its kernels have no zero points), which QPN4
+  serves; QPNConfig has the engine parse the symmetric twin of such a config (the engine's config
+  only names modules and answers the engine; QPN4 reads the zero points from the checkpoint's own
+  config), and refuses asymmetric GPTQ experts, which no method would then serve correctly.
+* vLLM 0.32 drops every ``.g_idx`` tensor from the weights it loads
+  (``QuantizationConfig.get_checkpoint_weight_mapper``: its kernels refuse act order). QPN4 reads
+  GPTQ's g_idx (a map that moves whole groups is served; one that mixes groups is refused naming
+  the module), so for GPTQ the mapper keeps it.
 """
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger("vllm.qpn.qpn_config")
 
 QPN_NAME = "qpn"
 MIN_CAPABILITY = 70
+INT4_SWITCH = "QPN_INT4"  # 0: the engine's own kernels serve INT4 checkpoints (default 1)
 
 # The engine's config class for each convention QPN claims: its registered vLLM name.
 ENGINE_NAMES = {
@@ -66,11 +91,12 @@ ENGINE_NAMES = {
     "awq": "awq",
     "gptq": "gptq",
 }
-
+INT4_METHODS = ("awq", "gptq")  # conventions whose every quantized module is INT4
 
 # The files weight_utils.get_quant_config may read for a "qpn" checkpoint without an embedded
 # quantization_config (see QPNConfig.get_config_filenames).
 CONFIG_FILENAMES = ("hf_quant_config.json",)
+MODELOPT_FILE = CONFIG_FILENAMES[0]
 
 
 def is_mtp_fc(prefix: str) -> bool:
@@ -79,18 +105,21 @@ def is_mtp_fc(prefix: str) -> bool:
 
 
 class NotServed(ValueError):
-    """A checkpoint of a convention QPN claims, in a form it cannot serve yet (names the fix)."""
+    """A checkpoint or setting QPN cannot serve as asked (names the problem and the fix)."""
 
 
-# ------------------------------------------------------------------------------ the claim
-def _modelopt_algo(cfg: dict) -> str | None:
-    inner = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else cfg
-    algo = inner.get("quant_algo")
-    return str(algo).upper() if algo else None
-
-
-# The ModelOpt quant_algo of a single-format checkpoint -> the key of the engine config that parses it.
-MODELOPT_SINGLE = {"NVFP4": "modelopt_fp4", "FP8": "modelopt_fp8"}
+# ------------------------------------------------------------------------------ INT4 readiness
+def int4_switch(environ=None) -> bool:
+    """``QPN_INT4``: 1 (or unset) lets QPN serve INT4 checkpoints, 0 leaves them to the engine."""
+    raw = (os.environ if environ is None else environ).get(INT4_SWITCH, "1")
+    value = str(raw).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise NotServed(f"{INT4_SWITCH}={raw!r} is not a switch value; set {INT4_SWITCH}=1 (QPN serves AWQ, "
+                    f"GPTQ and compressed-tensors INT4 checkpoints, the default) or {INT4_SWITCH}=0 (the "
+                    "engine's own INT4 kernels serve them)")
 
 
 def family_ready(fmt) -> tuple[bool, str]:
@@ -116,11 +145,31 @@ def int4_ready() -> tuple[bool, str]:
     return family_ready(formats.INT4)
 
 
-def claim(hf_quant_cfg: Any) -> str | None:
-    """The convention key (ENGINE_NAMES) of a checkpoint QPN serves, None for one it does not
-    claim. Platform-independent; ``override_quantization_method`` adds the platform."""
+def int4_served(environ=None) -> tuple[bool, str]:
+    """(True, '') when QPN claims INT4 checkpoints: the family is ready and ``QPN_INT4`` is not 0."""
+    if not int4_switch(environ):
+        return False, f"{INT4_SWITCH}=0 leaves INT4 checkpoints to the engine's own kernels"
+    return int4_ready()
+
+
+# ------------------------------------------------------------------------------ the claim
+def _modelopt_algo(cfg: dict) -> str | None:
+    inner = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else cfg
+    algo = inner.get("quant_algo")
+    return str(algo).upper() if algo else None
+
+
+# The ModelOpt quant_algo of a single-format checkpoint -> the key of the engine config that parses it.
+MODELOPT_SINGLE = {"NVFP4": "modelopt_fp4", "FP8": "modelopt_fp8"}
+
+
+def claim_verdict(hf_quant_cfg: Any, environ=None) -> tuple[str | None, str]:
+    """(convention key of ENGINE_NAMES, '') for a checkpoint QPN serves; (None, why) for one of a
+    convention QPN claims in a form it does not serve; (None, '') for any other checkpoint.
+    Platform-independent (``override_quantization_method`` adds the platform); ``environ`` is
+    where ``QPN_INT4`` is read (default os.environ)."""
     if not isinstance(hf_quant_cfg, dict):
-        return None
+        return None, ""
     method = str(hf_quant_cfg.get("quant_method", "")).lower()
     producer = hf_quant_cfg.get("producer")
     if method == "modelopt" or (isinstance(producer, dict) and producer.get("name") == "modelopt"):
@@ -128,30 +177,63 @@ def claim(hf_quant_cfg: Any) -> str | None:
 
         algo = _modelopt_algo(hf_quant_cfg)
         if algo == "MIXED_PRECISION":
-            return "modelopt_mixed"
-        return MODELOPT_SINGLE.get(algo) if algo in formats.MODELOPT_ALGOS else None
-    if method == "compressed-tensors":
-        from qpn.fork_patches.conventions import ConventionError, ct_declared_formats
+            return "modelopt_mixed", ""
+        if algo in formats.MODELOPT_ALGOS and algo in MODELOPT_SINGLE:
+            return MODELOPT_SINGLE[algo], ""
+        return None, (f"ModelOpt quant_algo {algo!r}: QPN serves MIXED_PRECISION, "
+                      f"{', '.join(MODELOPT_SINGLE)}")
+    from qpn.fork_patches import conventions
 
-        try:
-            fmts = ct_declared_formats(hf_quant_cfg)
-        except ConventionError as e:  # an INT4 pack-quantized group, block FP8, ...
-            ok, why = int4_ready() if "neither NVFP4 nor FP8" in str(e) else (True, "")
-            if not ok:
-                logger.warning("volta-qpn: not claiming this compressed-tensors checkpoint (%s): %s; "
-                               "fix: finish the INT4 family (qpn.kernels.family_int4)", e, why)
-            return None
-        return "compressed-tensors" if fmts else None
-    if method in ("awq", "gptq"):
-        if int(hf_quant_cfg.get("bits", hf_quant_cfg.get("w_bit", 0)) or 0) != 4:
-            return None
-        ok, why = int4_ready()
+    int4 = conventions.int4_convention_of(hf_quant_cfg)
+    if int4 is not None:
+        ok, why = int4_served(environ)
         if not ok:
-            logger.warning("volta-qpn: not claiming this %s checkpoint: %s; fix: finish the INT4 family "
-                           "(qpn.kernels.family_int4, linear_method int4)", method.upper(), why)
-            return None
-        return method
-    return None
+            return None, why
+        try:
+            if int4.declared_by == "config_groups":
+                conventions.ct_int4_group_schemes(hf_quant_cfg)
+            else:
+                int4.scheme(hf_quant_cfg)
+        except conventions.ConventionError as e:
+            return None, str(e)
+        return method, ""
+    if method == "compressed-tensors":
+        try:
+            fmts = conventions.ct_declared_formats(hf_quant_cfg)
+        except conventions.ConventionError as e:  # block FP8, MXFP4, ...
+            return None, str(e)
+        return ("compressed-tensors", "") if fmts else (None, "no config group quantizes weights")
+    return None, ""
+
+
+def claim(hf_quant_cfg: Any, environ=None) -> str | None:
+    """The convention key (ENGINE_NAMES) of a checkpoint QPN serves, None otherwise."""
+    return claim_verdict(hf_quant_cfg, environ)[0]
+
+
+def _has_quantized_layers(cfg: dict) -> bool:
+    nested = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else {}
+    return bool(cfg.get("quantized_layers") or nested.get("quantized_layers"))
+
+
+def mixed_config_from_folder(model: str) -> dict:
+    """The ModelOpt file (``hf_quant_config.json``) of a local checkpoint folder, for a config.json
+    that embeds MIXED_PRECISION without its ``quantized_layers`` map; NotServed names the fix."""
+    what = (f"config.json of {model!r} declares ModelOpt MIXED_PRECISION without its quantized_layers "
+            f"map, which ModelOpt keeps in {MODELOPT_FILE}")
+    if not os.path.isdir(model):
+        raise NotServed(f"{what}, and the model is not a local folder QPN can read it from; fix: download "
+                        "the checkpoint to a folder (hf download ... --local-dir DIR) and serve DIR")
+    path = os.path.join(model, MODELOPT_FILE)
+    if not os.path.isfile(path):
+        raise NotServed(f"{what}, and {path} does not exist; fix: put ModelOpt's {MODELOPT_FILE} back "
+                        "beside config.json (its exporter writes both)")
+    with open(path) as f:
+        cfg = json.load(f)
+    if claim(cfg) != "modelopt_mixed" or not _has_quantized_layers(cfg):
+        raise NotServed(f"{what}, and {path} holds no MIXED_PRECISION quantized_layers map either; fix: "
+                        "re-export the checkpoint with ModelOpt")
+    return cfg
 
 
 # ------------------------------------------------------------------------------ the config
@@ -162,17 +244,20 @@ def _base():
 
 
 def make_config_class():
-    """QPNConfig, built on the engine's QuantizationConfig (imported here, not at module import)."""
+    """QPNConfig, built on the engine's QuantizationConfig (imported here, not at module import:
+    the launcher reads this module's claim without an engine)."""
     base = _base()
 
     class QPNConfig(base):
         """QPN over the engine's own config of the checkpoint's convention (see the module)."""
 
-        def __init__(self, inner, convention: str) -> None:
+        def __init__(self, inner, convention: str, raw: dict | None = None, engine_cls=None) -> None:
             super().__init__()  # before _inner: its packed_modules_mapping = {} must not reach inner
             self.__dict__.pop("online_quantization_config", None)  # the inner config's, if any
-            object.__setattr__(self, "_inner", inner)
-            object.__setattr__(self, "convention", convention)
+            self._inner = inner  # None: a mixed config maybe_update_config completes
+            self.convention = convention
+            self.raw = dict(raw or {})  # the checkpoint's quantization config
+            self.engine_cls = engine_cls or type(inner)
 
         # the engine sets and reads these on the config (configure_quant_config, SupportsQuant):
         # they must be the inner config's
@@ -182,8 +267,12 @@ def make_config_class():
 
         @packed_modules_mapping.setter
         def packed_modules_mapping(self, value):
-            if "_inner" in self.__dict__:
+            if self.__dict__.get("_inner") is not None:
                 self._inner.packed_modules_mapping = value
+
+        @property
+        def _ignore_unexpected_suffixes(self):
+            return self._inner._ignore_unexpected_suffixes
 
         def __getattr__(self, name):  # everything else the engine asks: the inner config's
             inner = self.__dict__.get("_inner")
@@ -194,10 +283,28 @@ def make_config_class():
         def apply_vllm_mapper(self, hf_to_vllm_mapper):
             return self._inner.apply_vllm_mapper(hf_to_vllm_mapper)
 
+        def maybe_update_config(self, model_name, *args, **kwargs):
+            if self._inner is None:
+                self._inner = self.engine_cls.from_config(mixed_config_from_folder(model_name))
+            # AWQ / GPTQ read which modules are unquantized from the safetensors metadata here
+            return self._inner.maybe_update_config(model_name, *args, **kwargs)
+
+        def get_cache_scale_mapper(self):
+            return self._inner.get_cache_scale_mapper()
+
+        def get_checkpoint_weight_mapper(self):
+            if self.convention == "gptq":
+                from vllm.model_executor.models.utils import WeightsMapper
+
+                return WeightsMapper()  # keep g_idx: QPN4 reads it (see the module)
+            return self._inner.get_checkpoint_weight_mapper()
+
         def get_name(self) -> str:
             return QPN_NAME
 
         def get_supported_act_dtypes(self):
+            if self._inner is None:  # the engine asks before maybe_update_config; the answer is the class's
+                return self.engine_cls.get_supported_act_dtypes(self)
             return self._inner.get_supported_act_dtypes()
 
         @classmethod
@@ -206,23 +313,27 @@ def make_config_class():
 
         @staticmethod
         def get_config_filenames() -> list[str]:
-            # weight_utils.get_quant_config reads these only when config.json carries no
-            # quantization_config: the ModelOpt file form (hf_quant_config.json, the one name
-            # ModelOptQuantConfigBase.get_config_filenames gives in vLLM 0.32 and both 1Cat
-            # releases). compressed-tensors' class gives [] (its config is always in config.json),
-            # so the union over the conventions QPN claims is the ModelOpt file.
             return list(CONFIG_FILENAMES)
 
         @classmethod
         def from_config(cls, config: dict[str, Any]):
-            convention = claim(config)
+            convention, why = claim_verdict(config)
             if convention is None:
                 raise NotServed(f"qpn: the checkpoint's quantization config (quant_method "
-                                f"{config.get('quant_method')!r}) is not one QPN serves")
+                                f"{config.get('quant_method')!r}) is not one QPN serves"
+                                + (f": {why}" if why else "") + "; fix: serve it without --quantization qpn")
             from vllm.model_executor.layers.quantization import get_quantization_config
 
             engine_cls = get_quantization_config(ENGINE_NAMES[convention])
-            return cls(engine_cls.from_config(config), convention)
+            if convention == "modelopt_mixed" and not _has_quantized_layers(config):
+                return cls(None, convention, config, engine_cls)
+            parsed = config
+            if convention == "gptq" and config.get("sym") is False:
+                # every engine's GPTQ config refuses sym false (it has no kernel for zero points);
+                # QPN4 reads the zero points itself (from config.raw), and the engine's config only
+                # names the modules, so it parses the symmetric twin (see qpn_method for experts)
+                parsed = {**config, "sym": True}
+            return cls(engine_cls.from_config(parsed), convention, config, engine_cls)
 
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
@@ -230,36 +341,54 @@ def make_config_class():
                 return None  # the user named a method: theirs
             from qpn.fork_patches.platform_gate import serving_target
 
-            if serving_target() is None or claim(hf_quant_cfg) is None:
+            asked = user_quant == QPN_NAME
+            if serving_target() is None:
+                if asked:
+                    raise NotServed("--quantization qpn: the QPN path does not serve on this device (see the "
+                                    "platform gate's warning above); fix: serve on a V100 with built kernels, "
+                                    "the cpu engine, or sm_80+ with QPN_SM80_OPT_IN=1")
+                return None
+            convention, why = claim_verdict(hf_quant_cfg)
+            if convention is None:
+                if asked:
+                    why = why or "not a ModelOpt, compressed-tensors, AWQ or GPTQ checkpoint"
+                    raise NotServed(f"--quantization qpn: QPN does not serve this checkpoint ({why}); fix: "
+                                    "leave --quantization out")
+                if why:
+                    logger.warning("volta-qpn: not claiming this %s checkpoint (%s); the engine's own "
+                                   "quantization method serves it", hf_quant_cfg.get("quant_method"), why)
                 return None
             return QPN_NAME
 
         def get_quant_method(self, layer, prefix: str):
+            from qpn.fork_patches.platform_gate import serving_target
+
+            target = serving_target()
+            if target is None:
+                raise NotServed(f"{prefix}: the QPN config claimed this checkpoint, but the QPN path does not "
+                                "serve in this process (platform_gate.serving_target is None: see its warning); "
+                                "fix: build the QPN kernels for this GPU (scripts/bootstrap-sm70.sh)")
+            _record_rank(self)
             if self.convention == "modelopt_fp4" and is_mtp_fc(prefix):
-                # vLLM 0.32 qwen3_5_mtp.py (and 1Cat's) builds mtp.fc unquantized only when
-                # quant_config.get_name() == "modelopt_fp4": the layer is BF16 in NVFP4 checkpoints
-                # but missing from exclude_modules. get_name() stays "qpn" (the census and the
-                # quant_config gate key on it), so the same decision is taken here, no hook needed.
+                # the engine's own workaround, keyed on the name "modelopt_fp4" (see the module)
                 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
                 return UnquantizedLinearMethod()
-            method = qpn_method(self._inner, self.convention, layer, prefix)
+            method = qpn_method(self, layer, prefix, target)
             return method if method is not None else self._inner.get_quant_method(layer, prefix)
 
+    QPNConfig.__module__ = __name__
+    QPNConfig.__qualname__ = "QPNConfig"
     return QPNConfig
 
 
-def qpn_method(inner, convention: str, layer, prefix: str):
-    """The QPN method for ``layer`` under the engine config ``inner``; None: the engine's."""
+def qpn_method(config, layer, prefix: str, target: dict):
+    """The QPN method for ``layer`` under the QPN config ``config``; None: the engine config's."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from qpn.fork_patches.platform_gate import serving_target
-
-    target = serving_target()
-    if target is None:
-        return None
+    inner, convention = config._inner, config.convention
     if isinstance(layer, RoutedExperts):
         from qpn.fork_patches import moe_method
 
@@ -267,7 +396,11 @@ def qpn_method(inner, convention: str, layer, prefix: str):
             return moe_method.qpn_moe_method_for(inner, layer.moe_config, prefix, target["backend"])
         if convention == "compressed-tensors":
             return moe_method.qpn_ct_moe_method_for(inner, layer, prefix, target["backend"])
-        return None
+        if convention == "gptq" and config.raw.get("sym") is False:
+            raise NotServed(f"{prefix}: asymmetric GPTQ experts (sym false): QPN has no INT4 MoE kernels and "
+                            "the engine's GPTQ MoE methods have none for zero points; fix: serve a symmetric "
+                            "GPTQ or an AWQ / compressed-tensors export of the model")
+        return None  # AWQ / GPTQ experts: QPN has no INT4 MoE kernels, the engine's method serves them
     if not isinstance(layer, (LinearBase, ParallelLMHead)):
         return None
     if convention == "modelopt_mixed":
@@ -291,10 +424,91 @@ def qpn_method(inner, convention: str, layer, prefix: str):
         from qpn.fork_patches import ct_config
 
         return ct_config.qpn_method_for(inner, layer, prefix, target)
-    raise NotServed(f"{prefix}: qpn claimed a {convention} checkpoint but its INT4 linear method is not "
-                    "wired yet (qpn.fork_patches.qpn_config.qpn_method); fix: finish the INT4 family")
+    if convention in INT4_METHODS:
+        return int4_linear_method(config, layer, prefix, target)
+    raise NotServed(f"{prefix}: qpn claimed a checkpoint of convention {convention!r}, which it has no "
+                    "method for (qpn.fork_patches.qpn_config.qpn_method)")
 
 
+def int4_linear_method(config, layer, prefix: str, target: dict):
+    """The QPN4 method of an AWQ / GPTQ linear layer; UnquantizedLinearMethod where the config
+    leaves it unquantized, None for an lm_head the config does not quantize (the engine's). Which
+    modules are unquantized: the engine config's own lists (renamed to the engine's names, and
+    read from the safetensors metadata by its maybe_update_config where the config has none),
+    by the engines' rules (conventions.INT4Convention.excluded); every shard of a fused module
+    must agree."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from qpn.fork_patches.conventions import INT4_CONVENTIONS
+    from qpn.fork_patches.linear_method import QPNCheckpointError, int4_method_for
+
+    inner, conv = config._inner, INT4_CONVENTIONS[config.convention]
+    if isinstance(layer, ParallelLMHead) and not getattr(inner, "lm_head_quantized", False):
+        return None
+    proj = prefix.rsplit(".", 1)[-1]
+    shard_names = list((inner.packed_modules_mapping or {}).get(proj, []))
+    base = prefix.rsplit(".", 1)[0]
+    names = [f"{base}.{s}" for s in shard_names] if shard_names else [prefix]
+    lists = dict(not_convert=getattr(inner, "modules_to_not_convert", None) or (),
+                 dynamic=getattr(inner, "dynamic", None) or {},
+                 only=_flat(getattr(inner, "modules_in_block_to_quantize", None) or ()))
+    excluded = {n: conv.excluded(n, **lists) for n in names}
+    if len(set(excluded.values())) != 1:
+        raise QPNCheckpointError(f"{prefix}: the {conv.name} config leaves {sorted(n for n, e in excluded.items() if e)} "
+                                 f"unquantized but quantizes {sorted(n for n, e in excluded.items() if not e)}; vLLM "
+                                 "fuses them into one layer, so they must agree")
+    if all(excluded.values()):
+        return UnquantizedLinearMethod()
+    scheme = conv.scheme(config.raw)
+    return int4_method_for(conv, layer, prefix, target, scheme.group_size, scheme.symmetric,
+                           zero_offset=scheme.zero_offset, act_order=scheme.act_order,
+                           shard_names=shard_names, declared=names, source=scheme.source)
+
+
+def _flat(items) -> list[str]:
+    """GPTQ's modules_in_block_to_quantize, flat (it may be a list of lists)."""
+    out = []
+    for item in items:
+        out.extend(_flat(item) if isinstance(item, (list, tuple)) else [item])
+    return out
+
+
+# ------------------------------------------------------------------------------ the census
+_RANK_RECORDED = False
+
+
+def _record_rank(config) -> None:
+    """Once per rank, at the first layer the engine asks the config about (the engine's config is
+    current then): what the boot gates read besides the modules (see the module)."""
+    global _RANK_RECORDED
+    if _RANK_RECORDED:
+        return
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or vllm_config.cache_config is None:
+        return
+    _RANK_RECORDED = True
+    from qpn.fork_patches.census import CENSUS
+    from qpn.fork_patches.kv_policy import describe
+
+    CENSUS.set_quant_config(config.get_name())
+    CENSUS.set_kv_cache(*describe(vllm_config))
+    CENSUS.watch_engine(vllm_config)
+    if getattr(config._inner, "quantized_layers", None) is not None:
+        CENSUS.set_quantized_layers(config._inner.quantized_layers)  # renamed by the model's mapper
+    if config.convention == "compressed-tensors":
+        from qpn.fork_patches.ct_config import record_checkpoint_modules
+
+        try:
+            record_checkpoint_modules(vllm_config)
+        except (ImportError, AttributeError, OSError, ValueError) as e:  # the gate fails on the gap
+            logger.error("volta-qpn: could not record the checkpoint's module names for the census "
+                         "(%s: %s); the qpn_routes gate will fail this boot", type(e).__name__, e)
+
+
+# ------------------------------------------------------------------------------ registration
 _CLASS = None
 
 
@@ -305,11 +519,19 @@ def config_class():
     return _CLASS
 
 
+def __getattr__(name: str):
+    # The class is built on first use (it needs the engine); pickle finds it here by name when a
+    # VllmConfig holding a QPNConfig crosses into an engine process.
+    if name == "QPNConfig":
+        return config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def register():
-    """Register QPNConfig under "qpn" with the engine (idempotent). NOT called by the plugin yet."""
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+    """Register QPNConfig under "qpn" with the engine; a second call changes nothing."""
+    from vllm.model_executor.layers import quantization as q
 
     cls = config_class()
-    if QPN_NAME not in QUANTIZATION_METHODS:
-        register_quantization_config(QPN_NAME)(cls)
+    if QPN_NAME not in q.QUANTIZATION_METHODS or q.get_quantization_config(QPN_NAME) is not cls:
+        q.register_quantization_config(QPN_NAME)(cls)
     return cls

@@ -1,9 +1,10 @@
 """Run inside a 1Cat-vLLM source tree (first on sys.path, QPN_ENGINE=sm70): a real FusedMoE layer
-of 1Cat, built under a ModelOpt mixed config with our plugin registered, must get the QPN MoE
-method through 1Cat's own closure; its checkpoint tensors go through 1Cat's FusedMoE.weight_loader;
-the output matches a float64 SwiGLU MoE computed from the checkpoint tensors directly. A layer
-whose experts the checkpoint does not list keeps 1Cat's own (unquantized) method. Prints one JSON
-line (tests/test_moe_1cat.py).
+of 1Cat, built under the registered QPN config (the plugin registered; QPNConfig over 1Cat's own
+ModelOpt mixed config), must get the QPN MoE method through 1Cat's own closure; its checkpoint
+tensors go through 1Cat's FusedMoE.weight_loader; the output matches a float64 SwiGLU MoE computed
+from the checkpoint tensors directly. A layer whose experts the checkpoint does not list keeps
+1Cat's own (unquantized) method, and 1Cat's real linear layers under the same config get the QPN
+linear methods. Prints one JSON line (tests/test_moe_1cat.py).
 """
 import json
 import socket
@@ -18,19 +19,23 @@ plugin.register()
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
 from vllm.model_executor.layers.fused_moe import FusedMoE  # noqa: E402
-from vllm.model_executor.layers.quantization.modelopt import ModelOptMixedPrecisionConfig  # noqa: E402
+from vllm.model_executor.layers.linear import RowParallelLinear  # noqa: E402
+from vllm.model_executor.layers.quantization import get_quantization_config  # noqa: E402
 
 E, H, I, TOP_K, T = 4, 64, 32, 2, 6
 PREFIX = "model.layers.0.mlp.experts"
 
 
 def mixed_config(with_experts: bool):
-    layers = {"model.layers.0.self_attn.q_proj": {"quant_algo": "FP8"}, "model.layers.1.self_attn.q_proj": {"quant_algo": "FP8"}}
+    """The registered QPN config ("qpn", as 1Cat's registry returns it) over a mixed ModelOpt config."""
+    layers = {"model.layers.0.self_attn.o_proj": {"quant_algo": "FP8"},
+              "model.layers.1.self_attn.o_proj": {"quant_algo": "NVFP4", "group_size": 16}}
     if with_experts:
         layers.update({f"{PREFIX}.{e}.{p}": {"quant_algo": "NVFP4", "group_size": 16}
                        for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")})
-    return ModelOptMixedPrecisionConfig(kv_cache_quant_method=None, exclude_modules=[], quantized_layers=layers,
-                                        fp8_config=None, nvfp4_config=None, w4a16_nvfp4_config=None)
+    return get_quantization_config("qpn").from_config(
+        {"producer": {"name": "modelopt"}, "quant_method": "modelopt",
+         "quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}})
 
 
 out = {}
@@ -50,6 +55,11 @@ with set_current_vllm_config(VllmConfig()):
     method = layer.quant_method
     out["method"] = type(method).__name__
     out["algo"] = getattr(method, "algo", None)
+    out["config"] = layer.quant_config.get_name()
+    out["linear"] = {p: type(RowParallelLinear(H, H, bias=False, quant_config=mixed_config(False),
+                                                prefix=p).quant_method).__name__
+                     for p in ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj",
+                               "model.layers.2.self_attn.o_proj")}
     gen = torch.Generator().manual_seed(7)
     weights = {}
     for e in range(E):
@@ -83,20 +93,18 @@ with set_current_vllm_config(VllmConfig()):
     swapped[ids == 0], swapped[ids == 1] = 1, 0
     out["swapped_err"] = float((method.apply(layer, x, w, swapped).double() - ref).abs().max())
 
-    # compressed-tensors: 1Cat's CompressedTensorsConfig hands the experts to the static
-    # get_moe_method our hook wraps; tensors made by the library's own compressor (gate and up with
-    # different global scales) load through 1Cat's generic FusedMoE.weight_loader path.
+    # compressed-tensors: the QPN config over 1Cat's CompressedTensorsConfig hands out the experts'
+    # method; tensors made by the library's own compressor (gate and up with different global scales)
+    # load through 1Cat's generic FusedMoE.weight_loader path.
     from _ct_library import ct_decompress_nvfp4, ct_nvfp4
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsConfig,
-    )
 
     from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config
 
     ct_prefix = "model.layers.2.mlp.experts"
+    ct_config = get_quantization_config("qpn").from_config(quantization_config(moe=True))
+    out["ct_inner"] = type(ct_config._inner).__name__
     ct_layer = FusedMoE(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
-                        quant_config=CompressedTensorsConfig.from_config(quantization_config(moe=True)),
-                        prefix=ct_prefix)
+                        quant_config=ct_config, prefix=ct_prefix)
     ct_method = ct_layer.quant_method
     out["ct_method"] = type(ct_method).__name__
     ct_deq = {}

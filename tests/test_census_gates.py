@@ -40,7 +40,7 @@ def _hub_to_vllm(name):  # what Qwen3.5's hf_to_vllm_mapper does to these names
 
 
 def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True, rename=_same, lost=None,
-                depth_steps=None):
+                depth_steps=None, claimed="qpn"):
     c = Census()
     c.platform = _PLATFORM
     c.rank = rank
@@ -67,6 +67,8 @@ def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True, renam
     if head:
         c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
     c.set_kv_cache("fp8_e4m3", "fp8_e4m3", "engine")
+    if claimed:
+        c.set_quant_config(claimed)
     for depth, steps in (depth_steps or {}).items():
         c.count_draft_depth(depth, steps)
     c._stop.set()
@@ -76,6 +78,7 @@ def _write_rank(tmp_path, rank, tp=2, k=3, skip=(), off_qpn=(), head=True, renam
 def test_written_file_follows_the_schema_and_bad_fields_are_named(tmp_path):
     data = json.loads(open(_write_rank(tmp_path, 0)).read())
     assert data["schema"] == SCHEMA_VERSION and data["tensor_parallel_size"] == 2
+    assert data["quant_config"] == "qpn"
     assert data["serving"]["num_speculative_tokens"] == 3
     assert data["modules"]["model.layers.0.self_attn.qkv_proj"]["declared"] == sorted(QKV)
     validate_rank(data)
@@ -115,12 +118,37 @@ def test_attention_layer_groups_read_what_the_layers_use():
     assert sum(g["layers"] for g in groups.values()) == 5
 
 
-def _gates(tmp_path, tp=2, k=3, metrics_k=None):
+def _gates(tmp_path, tp=2, k=3, metrics_k=None, qpn_claim="modelopt_mixed"):
     agg = aggregate(str(tmp_path))
     metrics = _metrics(metrics_k if metrics_k is not None else k, drafted=True)
     return {r.name: r for r in boot_gates.evaluate(CPU, k, {"ok": True, "completion_tokens": 4}, metrics,
                                                    agg, {"nvfp4", "fp8"}, tp=tp,
-                                                   quantized_layers=LAYERS)}
+                                                   quantized_layers=LAYERS, qpn_claim=qpn_claim)}
+
+
+def test_quant_config_gate_wants_the_qpn_config_on_every_rank_of_a_checkpoint_qpn_serves(tmp_path):
+    _write_rank(tmp_path, 0)
+    _write_rank(tmp_path, 1)
+    agg = aggregate(str(tmp_path))
+    assert agg["ranks"][1]["quant_config"] == "qpn"
+    assert (SCHEMA_VERSION, agg["summary_version"]) == (6, 3)  # quant_config: schema 6, summary 3
+    g = _gates(tmp_path)["quant_config"]
+    assert g.status == "PASS" and g.observed == "rank 0: qpn; rank 1: qpn", g
+    assert "modelopt_mixed" in g.expected
+    _write_rank(tmp_path, 1, claimed=None)  # rank 1's census: no QPN config reached it
+    g = _gates(tmp_path)["quant_config"]
+    assert g.failed and "rank 1: no QPN config" in g.observed and "rank(s) [1] were not served" in g.observed, g
+
+
+def test_quant_config_gate_fails_without_any_census_and_when_qpn_claims_what_it_should_not(tmp_path):
+    g = boot_gates.gate_quant_config({"ranks": []}, "compressed-tensors")
+    assert g.failed and "reached no rank" in g.observed, g
+    _write_rank(tmp_path, 0, tp=1)
+    wrong = _gates(tmp_path, tp=1, qpn_claim=None)["quant_config"]
+    assert wrong.failed and "should not claim" in wrong.observed, wrong
+    engine = boot_gates.gate_quant_config({"ranks": [{"rank": 0}]}, None, "QPN_INT4=0 leaves INT4 checkpoints "
+                                          "to the engine's own kernels")
+    assert engine.status == "PASS" and "QPN_INT4=0" in engine.expected and "rank 0: no QPN config" in engine.observed
 
 
 def _metrics(k, drafted):
@@ -190,11 +218,11 @@ def test_lm_head_missing_on_one_rank_fails(tmp_path):
 def test_steps_per_drafted_depth_are_written_summarised_and_gated(tmp_path):
     # K=auto: each rank counts the steps its drafter drafted at each depth (schema 5)
     data = json.loads(open(_write_rank(tmp_path, 0, depth_steps={3: 5, 1: 2})).read())
-    assert data["schema"] == SCHEMA_VERSION == 5
+    assert data["schema"] == SCHEMA_VERSION >= 5  # draft_depth_steps: schema 5 on
     assert data["draft_depth_steps"] == {"1": 2, "3": 5}
     _write_rank(tmp_path, 1, depth_steps={3: 5, 1: 2})
     agg = aggregate(str(tmp_path))
-    assert agg["summary_version"] == SUMMARY_VERSION == 2
+    assert agg["summary_version"] == SUMMARY_VERSION >= 2
     assert agg["draft_depth_steps"] == {"1": 2, "3": 5}  # the ranks draft the same steps
     assert [r["draft_depth_steps"] for r in agg["ranks"]] == [{"1": 2, "3": 5}] * 2
     summary = CensusSummary.from_dict(agg)

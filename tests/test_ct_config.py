@@ -1,7 +1,8 @@
-"""The compressed-tensors quant-config hook (qpn.fork_patches.ct_config) on vLLM 0.32's own
-CompressedTensorsConfig (no server): which QPN method each module of the tiny hybrid gets, with
-which tensor names and FP8 scale layout; fused shards that disagree, and schemes QPN does not
-serve, fail naming the module and the config group."""
+"""The compressed-tensors side of the registered QPN config (qpn.fork_patches.ct_config) on vLLM
+0.32's own CompressedTensorsConfig (no server): which QPN method each module of the tiny hybrid
+gets, with which tensor names and FP8 scale layout; pack-quantized INT4 groups get the QPN4 method;
+fused shards that disagree, and schemes QPN does not serve, fail naming the module and the config
+group."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,8 @@ pytest.importorskip("compressed_tensors")
 
 from qpn.fork_patches import conventions as cv  # noqa: E402
 from qpn.fork_patches.ct_config import qpn_method_for  # noqa: E402
-from qpn.fork_patches.linear_method import QPN2LinearMethod, QPN8LinearMethod, QPNCheckpointError  # noqa: E402
+from qpn.fork_patches.linear_method import (  # noqa: E402
+    QPN2LinearMethod, QPN4LinearMethod, QPN8LinearMethod, QPNCheckpointError)
 from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config  # noqa: E402
 
 TARGET = {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}
@@ -78,8 +80,8 @@ def test_fused_shards_with_different_schemes_fail_naming_them():
 
 
 @pytest.mark.parametrize("weights, fmt, match", [
-    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}, "pack-quantized",
-     "neither NVFP4 nor FP8"),
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16, "symmetric": True}, "pack-quantized",
+     "group_size 16"),
     ({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True},
      "float-quantized", "per-tensor or per-channel"),
 ])
@@ -89,6 +91,25 @@ def test_a_scheme_qpn_does_not_serve_fails_naming_module_and_group(weights, fmt,
     with pytest.raises(QPNCheckpointError, match=rf"model.layers.0.linear_attn.out_proj: .*group_2|{match}") as e:
         qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.0.linear_attn.out_proj", TARGET)
     assert match in str(e.value) and "model.layers.0.linear_attn.out_proj" in str(e.value)
+
+
+@pytest.mark.parametrize("symmetric, act_order", [(True, None), (False, "static")])
+def test_a_pack_quantized_int4_group_gets_the_qpn4_method(symmetric, act_order):
+    """QPNConfig claims such a config only where the INT4 family serves (qpn_config.int4_served);
+    asked, every module of the group gets QPN4 with the group's scheme, fused shards together."""
+    from qpn.kernels import formats
+
+    q = quantization_config()
+    q["config_groups"]["group_0"].update(
+        weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "symmetric": symmetric,
+                 "actorder": act_order}, format="pack-quantized", input_activations=None)
+    m = qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.0.mlp.gate_up_proj", TARGET)
+    assert type(m) is QPN4LinearMethod and m.int4 is cv.CT_PACK_QUANTIZED
+    assert m.format is (formats.INT4_SYM if symmetric else formats.INT4)
+    assert (m.scheme.group_size, m.scheme.act_order) == (64, act_order == "group")
+    assert m.declared == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert type(qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.3.self_attn.o_proj",
+                               TARGET)) is QPN8LinearMethod  # the other groups keep theirs
 
 
 def test_output_activation_quantization_is_refused():
@@ -111,8 +132,8 @@ def test_the_launcher_reads_the_regions_a_ct_checkpoint_declares():
     assert boot_gates.declared_layers(q) == {}  # no quantized_layers map: coverage pairs by name (declared_modules)
 
 
-def test_the_hook_records_every_declared_module_with_the_engines_name(tmp_path, monkeypatch):
-    """ct_config.record_checkpoint_modules (run once, from the quant-method hook) puts in the census
+def test_the_config_records_every_declared_module_with_the_engines_name(tmp_path, monkeypatch):
+    """ct_config.record_checkpoint_modules (run once per rank by the registered QPN config) puts in the census
     each module the served folder's config_groups declare, renamed by the model class's own
     hf_to_vllm_mapper (Qwen3.5 drops model.language_model.); the qpn_routes gate pairs the
     checkpoint's names with the census through it. A served model that is not a local folder

@@ -1,13 +1,15 @@
 """compressed-tensors MoE experts through the QPN MoE method, in process on vLLM 0.32 (no server):
-a real routed-experts layer built by the engine's own factory under a real CompressedTensorsConfig
-gets QPNCompressedTensorsMoEMethod through the hook ``ct-qpn-moe-method`` (the plugin registered,
-the engine's ``CompressedTensorsMoEMethod.get_moe_method`` wrapped); per-expert, per-shard tensors
+a real routed-experts layer built by the engine's own factory under the registered QPN config
+(qpn_config.QPNConfig over the engine's own CompressedTensorsConfig) gets
+QPNCompressedTensorsMoEMethod where the engine asks the config (``resolve_quant_method``); per-expert,
+per-shard tensors
 made by compressed-tensors' own compressors load through the engine's own expert
 ``weight_loader``; the layer computes the SwiGLU MoE of the weights the library decompresses
 (float64), for NVFP4 (gate and up with different global scales: each inverted per shard), FP8 per
 tensor and FP8 per channel. Mistakes that must fail: a permuted routing, the global scale read as
 a multiplier, gate and up sharing the larger global scale; schemes the kernels do not serve and
-experts whose projections disagree are refused naming the layer."""
+experts whose projections disagree are refused naming the layer; INT4 experts, which QPN has no
+MoE kernels for, are never handed a QPN method."""
 from __future__ import annotations
 
 import copy
@@ -33,15 +35,14 @@ EXPERTS_TARGET = r"re:^model\.(language_model\.)?layers\.\d+\.mlp\.experts\.\d+\
 
 
 def _config(expert_group: dict | None):
-    """The dense generator's config, plus (when given) one config group for the experts."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsConfig,
-    )
+    """The registered QPN config over the dense generator's config, plus (when given) one config
+    group for the experts."""
+    from qpn.fork_patches import qpn_config
 
     q = copy.deepcopy(mct.quantization_config())
     if expert_group is not None:
         q["config_groups"]["experts"] = {"targets": [EXPERTS_TARGET], "output_activations": None, **expert_group}
-    return CompressedTensorsConfig.from_config(q)
+    return qpn_config.config_class().from_config(q)
 
 
 def _group(kind: str) -> dict:
@@ -181,16 +182,45 @@ def test_missing_expert_shard_fails_naming_layer_and_expert():
         layer.quant_method.process_weights_after_loading(layer)
 
 
-@pytest.mark.parametrize("weights, match", [
-    ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}, "neither NVFP4 nor FP8"),
-    ({"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}, "not NVFP4"),
-])
-def test_expert_schemes_the_kernels_do_not_serve_fail_naming_the_layer(weights, match):
+def test_expert_schemes_the_kernels_do_not_serve_are_not_claimed_and_fail_naming_the_layer():
+    """MXFP4 experts: QPN does not claim the config (the engine's own method serves it, and QPN
+    says why); asked anyway, the experts' scheme fails naming the layer."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    from qpn.fork_patches import qpn_config
+
     group = _group("nvfp4")
-    group["weights"].update(weights)
-    group["format"] = "pack-quantized" if weights["type"] == "int" else "mxfp4-pack-quantized"
-    with pytest.raises(QPNCheckpointError, match=rf"{PREFIX}: .*{match}"):
-        _layer(_config(group))
+    group["weights"].update({"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32})
+    group["format"] = "mxfp4-pack-quantized"
+    q = copy.deepcopy(mct.quantization_config())
+    q["config_groups"]["experts"] = {"targets": [EXPERTS_TARGET], "output_activations": None, **group}
+    convention, why = qpn_config.claim_verdict(q)
+    assert convention is None and "not NVFP4" in why
+    layer = type("Experts", (torch.nn.Module,), {})()
+    with pytest.raises(QPNCheckpointError, match=rf"{PREFIX}: .*not NVFP4"):
+        moe_method.ct_declared_expert_scheme(CompressedTensorsConfig.from_config(q), layer, PREFIX)
+
+
+def test_int4_experts_are_never_handed_a_qpn_moe_method():
+    """QPN has no INT4 MoE kernels: INT4 experts are the engine's (and QPN does not claim a
+    compressed-tensors config that mixes INT4 with NVFP4 / FP8 at all)."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    from qpn.fork_patches import qpn_config
+
+    group = _group("nvfp4")
+    group["weights"] = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    group["format"], group["input_activations"] = "pack-quantized", None
+    q = copy.deepcopy(mct.quantization_config())
+    q["config_groups"]["experts"] = {"targets": [EXPERTS_TARGET], "output_activations": None, **group}
+    engine_cfg = CompressedTensorsConfig.from_config(q)
+    layer = type("Experts", (torch.nn.Module,), {})()
+    assert moe_method.ct_declared_expert_scheme(engine_cfg, layer, PREFIX) is None
+    assert qpn_config.claim(q) is None
 
 
 def test_experts_with_quantized_output_activations_fail_naming_the_layer():
@@ -202,9 +232,7 @@ def test_experts_with_quantized_output_activations_fail_naming_the_layer():
 
 
 def test_expert_projections_that_disagree_fail():
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsConfig,
-    )
+    from qpn.fork_patches import qpn_config
 
     q = copy.deepcopy(mct.quantization_config())
     q["config_groups"]["experts_gate_up"] = {"targets": [EXPERTS_TARGET.replace("(gate|up|down)", "(gate|up)")],
@@ -212,4 +240,4 @@ def test_expert_projections_that_disagree_fail():
     q["config_groups"]["experts_down"] = {"targets": [EXPERTS_TARGET.replace("(gate|up|down)", "down")],
                                           **_group("fp8-tensor")}
     with pytest.raises(QPNCheckpointError, match="gate, up and down declare different schemes"):
-        _layer(CompressedTensorsConfig.from_config(q))
+        _layer(qpn_config.config_class().from_config(q))

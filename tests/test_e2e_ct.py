@@ -1,6 +1,6 @@
 """End to end on the real vLLM 0.32 CPU engine, through the overlay: a compressed-tensors
 checkpoint (qpn.scripts.checkpoints.make_ct_checkpoint: NVFP4 MLP + lm_head, FP8 attention per tensor and
-per channel) serves through the QPN methods (hook ct-qpn-linear-methods), agrees with an
+per channel) is claimed by the registered QPN config and serves through the QPN methods, agrees with an
 independent float32 reference decoded by compressed-tensors' own code, and the census accounts
 for every quantized module on a QPN route with zero fallbacks.
 

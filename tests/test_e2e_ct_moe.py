@@ -4,7 +4,7 @@ float model, 8 routed experts per layer with top-2 routing, NVFP4 in six layers 
 channel in layer 5, per tensor in layer 6: both expert formats and both FP8 layouts in one boot),
 an NVFP4 shared expert, FP8 attention per tensor and per channel, NVFP4 lm_head, in llm-compressor's
 layout) served by vLLM 0.32 on CPU through the overlay
-(hooks ct-qpn-linear-methods and ct-qpn-moe-method), against the same checkpoint decoded by
+(the registered QPN config's linear and MoE methods), against the same checkpoint decoded by
 compressed-tensors' own code in float32 and run in transformers' Qwen3_5MoeForCausalLM, compared by
 teacher-forced log-probabilities over 95 positions. One server boot.
 

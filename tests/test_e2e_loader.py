@@ -76,8 +76,8 @@ def _references(ckpt: Path, ids: list[int], tmp: Path, variants: list[str], kv_c
 KV_SETTING = os.environ.get("QPN_TEST_KV_CACHE", "checkpoint")
 
 
-def _serve(root: Path, kv_setting: str, ckpt: Path):
-    census_dir = root / f"census-{kv_setting}"
+def _serve(root: Path, kv_setting: str, ckpt: Path, label: str = ""):
+    census_dir = root / f"census-{label or kv_setting}"
     kv_args = [] if kv_setting == "checkpoint" else ["--kv-cache-dtype", kv_setting]
     # Served the way the launcher serves the real model: tool calls and reasoning parsed.
     server = Server(ckpt, census_dir, extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
@@ -112,6 +112,26 @@ def served_bf16_kv(e2e_root, served, mixed_checkpoint):
     yield from _serve(e2e_root, "bfloat16", mixed_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def served_embedded_without_layers(e2e_root, mixed_checkpoint):
+    """The same checkpoint bytes in the form whose config.json embeds MIXED_PRECISION without its
+    quantized_layers map (ModelOpt keeps it in hf_quant_config.json only): vLLM reads the file for
+    this form only under the name modelopt_mixed, so under "qpn" the registered config must read it
+    from the folder itself (qpn_config.QPNConfig.maybe_update_config)."""
+    import shutil
+
+    from qpn.scripts.checkpoints.make_checkpoint import embedded_quantization_config
+
+    ckpt = e2e_root / "embedded-without-layers"
+    shutil.copytree(mixed_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    embedded = embedded_quantization_config(json.loads((ckpt / "hf_quant_config.json").read_text()))
+    del embedded["quantized_layers"]
+    config["quantization_config"] = embedded
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    yield from _serve(e2e_root, "checkpoint", ckpt, label="embedded-without-layers")
+
+
 def _served_prompt_logprobs(server: Server, ids: list[int]) -> tuple[list[float], list[int]]:
     r = server.post("/v1/completions", {"model": SERVED_NAME, "prompt": ids, "max_tokens": 1,
                                         "temperature": 0, "prompt_logprobs": 1})
@@ -129,7 +149,7 @@ def _kv_resolved(census_dir: Path) -> str:
     return kv["resolved"]
 
 
-@pytest.mark.parametrize("kv_path", ["main", "bf16-forced"])
+@pytest.mark.parametrize("kv_path", ["main", "bf16-forced", "embedded-without-layers"])
 def test_served_logprobs_agree_with_float32_reference(kv_path, request):
     """Tolerance, and why: vLLM's CPU engine runs this model in bfloat16 (its gated-delta-net
     kernel accepts nothing else), which keeps 8 significant bits, so even an exact bf16
@@ -145,8 +165,12 @@ def test_served_logprobs_agree_with_float32_reference(kv_path, request):
     does (scale, saturation, rounding toward zero: tests/test_kv_fp8_emulation.py pins that to the
     engine's op), so the floor is measured on the same KV path as the served run and the bound
     stays 2x that floor. The "bf16-forced" case serves the same checkpoint with
-    --kv-cache-dtype bfloat16, so both paths are proven on such a host."""
-    served = request.getfixturevalue("served" if kv_path == "main" else "served_bf16_kv")
+    --kv-cache-dtype bfloat16, so both paths are proven on such a host. "embedded-without-layers"
+    serves the same bytes with config.json embedding the mixed config without its quantized_layers
+    map: the registered QPN config must claim it, read the map from hf_quant_config.json and serve
+    every listed module on QPN."""
+    served = request.getfixturevalue({"main": "served", "bf16-forced": "served_bf16_kv",
+                                      "embedded-without-layers": "served_embedded_without_layers"}[kv_path])
     server, ckpt, tmp = served["server"], served["ckpt"], served["tmp"]
     ids = server.post("/tokenize", {"model": SERVED_NAME, "prompt": PROMPT_TEXT, "add_special_tokens": False})["tokens"]
     assert len(ids) >= 65, "need at least 64 teacher-forced positions"
@@ -158,6 +182,12 @@ def test_served_logprobs_agree_with_float32_reference(kv_path, request):
     controls = ("swap-nibbles", "collapse-fp8-shards")
     refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *controls], kv)
     check_agreement(got, top1, refs, f"KV path {resolved} ({served['kv_setting']})", gross=controls)
+    from qpn.fork_patches.census import aggregate
+
+    (rank,) = aggregate(str(served["census_dir"]))["ranks"]
+    layers = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    assert rank["quant_config"] == "qpn"  # claimed by the registered QPN config
+    assert len(rank["engine_quantized_layers"]) == len(layers) and rank["declared_off_qpn"] == []
 
 
 def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
@@ -186,6 +216,7 @@ def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
                                           "route_counts", "fallback_calls", "lm_head", "kv_resolved")}, indent=1))
     (rank,) = agg["ranks"]
     assert rank["platform"] == "cpu" and rank["backend"] == "reference" and rank["engine_version"] == "0.32.0"
+    assert rank["quant_config"] == "qpn"  # the registered QPN config claimed the checkpoint
     assert agg["modules_by_region"] == expected
     assert agg["modules_on_qpn"] == agg["modules_total"] == sum(expected.values())
     assert agg["fallback_calls"] == 0 and agg["fallbacks"] == [] and agg["non_qpn_routes"] == []

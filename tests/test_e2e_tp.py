@@ -92,13 +92,17 @@ def test_tp2_census_per_rank_and_gates_over_both_ranks(served_tp2):
         metrics = r.read().decode()
     quant = json.loads((Path(ckpt) / "hf_quant_config.json").read_text())
     layers = boot_gates.declared_layers(quant)
+    from qpn.fork_patches.qpn_config import claim
+
     results = boot_gates.evaluate(CPU, K, warm, metrics, agg, boot_gates.declared_regions(quant),
-                                  tp=TP, quantized_layers=layers, env=served_tp2["env"])
+                                  tp=TP, quantized_layers=layers, env=served_tp2["env"],
+                                  qpn_claim=claim(quant, served_tp2["env"]))
     table = boot_gates.format_table(results)
     print(table)
     assert not any(r.failed for r in results), table
     ranks = agg["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["quant_config"] for r in ranks] == ["qpn", "qpn"]  # both ranks through the registered config
     assert all(r["tensor_parallel_size"] == TP for r in ranks)
     assert all(r["serving"]["num_speculative_tokens"] == K for r in ranks)
     for r in ranks:

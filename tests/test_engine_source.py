@@ -1,9 +1,12 @@
-"""Every hook proven against every locked engine's own source: the cpu engine's installed files and
-the 1Cat-vLLM 1.2.2 and 1.3.0 source archives (../shared/engines, read in place), then our plugin
-registered against the real 1Cat modules in a subprocess on the cpu engine's interpreter."""
+"""Every hook and the QPN quantization method's registration path proven against every locked
+engine's own source: the cpu engine's installed files and the 1Cat-vLLM 1.2.2 and 1.3.0 source
+archives (../shared/engines, read in place), then our plugin registered against the real 1Cat
+modules in a subprocess on the cpu engine's interpreter, where 1Cat's own ModelConfig settles each
+convention's checkpoint on the registered QPN config ahead of its built-ins."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -76,9 +79,12 @@ def test_every_hook_is_proven_against_the_1cat_archive(version):
     for r in rows:
         if r.status == "n/a":
             assert r.detail  # says why
-    moe = next(r for r in rows if r.hook == "modelopt-mixed-qpn-moe-method")
-    assert "ModelOptMixedPrecisionConfig.get_quant_method" in moe.anchor
-    assert "called at vllm/model_executor/layers/fused_moe/layer.py:" in moe.detail
+    registration = {r.hook: r for r in engine_source.verify_registration(src)}
+    assert not [r for r in registration.values() if r.miss], [r.detail for r in registration.values() if r.miss]
+    # 1Cat's experts are asked for through the closure in FusedMoE.__init__ (RoutedExperts is its alias)
+    experts = registration["qpn-config-asked-for-experts"]
+    assert "FusedMoE.__init__ calls get_quant_method()" in experts.anchor
+    assert "called at vllm/model_executor/layers/fused_moe/layer.py:" in experts.detail
 
 
 def test_every_hook_is_proven_against_the_installed_cpu_engine():
@@ -87,8 +93,10 @@ def test_every_hook_is_proven_against_the_installed_cpu_engine():
         pytest.skip("no engine installed for QPN_ENGINE_PYTHON")
     src = engine_source.open_source(site)
     assert src.key == "cpu@0.32.0"
-    rows = engine_source.verify(src)
+    rows = engine_source.verify(src) + engine_source.verify_registration(src)
     assert not [r for r in rows if r.miss], engine_source.table(rows, src)
+    experts = next(r for r in rows if r.hook == "qpn-config-asked-for-experts")
+    assert "RoutedExperts._get_quant_method calls resolve_quant_method()" in experts.anchor
     assert {r.hook for r in rows if r.kind == "disk" and r.status == "ok"} == {
         h.name for h in hooks_for("cpu", kind="disk")}
 
@@ -113,6 +121,7 @@ def test_cli_passes_on_the_archive_and_fails_naming_the_hook_on_a_renamed_anchor
     good = _cli(str(archive))
     assert good.returncode == 0, good.stdout + good.stderr
     assert "engine sm70@1.3.0" in good.stdout and "0 MISS" in good.stdout
+    assert "| qpn-config-probed-first | registry | ok |" in good.stdout  # the registration path too
     bad_archive = _renamed_copy(archive, tmp_path, "vllm/transformers_utils/model_arch_config_convertor.py",
                                 "def _normalize_quantization_config(self",
                                 "def _normalise_quantization_config(self")
@@ -129,10 +138,13 @@ def test_a_moved_call_site_and_changed_parameters_are_misses(tmp_path):
     moved = _renamed_copy(archive, tmp_path, "vllm/model_executor/layers/fused_moe/layer.py",
                           "quant_method = self.quant_config.get_quant_method(self, prefix)",
                           "quant_method = self.quant_config.quant_method_for(self, prefix)")
-    rows = {r.hook: r for r in engine_source.verify(engine_source.open_source(moved, "1.3.0", "sm70"))}
-    assert rows["modelopt-mixed-qpn-moe-method"].miss
-    assert "FusedMoE.__init__ no longer calls .get_quant_method" in rows["modelopt-mixed-qpn-moe-method"].detail
-    assert not rows["modelopt-mixed-qpn-linear-methods"].miss
+    src = engine_source.open_source(moved, "1.3.0", "sm70")
+    rows = {r.hook: r for r in engine_source.verify_registration(src)}
+    assert rows["qpn-config-asked-for-experts"].miss
+    assert "FusedMoE.__init__ no longer calls .get_quant_method" in rows["qpn-config-asked-for-experts"].detail
+    assert not rows["qpn-config-asked-for-linear"].miss
+    cli = _cli(str(moved), "--engine", "sm70@1.3.0")
+    assert cli.returncode == 1 and "MISS hook qpn-config-asked-for-experts on engine sm70@1.3.0" in cli.stdout
     sub = tmp_path / "p"
     sub.mkdir()
     renamed = _renamed_copy(archive, sub, "vllm/transformers_utils/model_arch_config_convertor.py",
@@ -143,11 +155,18 @@ def test_a_moved_call_site_and_changed_parameters_are_misses(tmp_path):
     assert rows["modelopt-mixed-precision-file-form"].miss and "(self, config, strict)" in detail, detail
 
 
+# The engine config class that parses each convention of tests/_onecat_claim_probe.py under QPN
+ENGINE_CONFIGS = {"modelopt-mixed": "ModelOptMixedPrecisionConfig", "modelopt-nvfp4": "ModelOptNvFp4Config",
+                  "modelopt-fp8": "ModelOptFp8Config", "ct-nvfp4-fp8": "CompressedTensorsConfig",
+                  "awq": "AWQConfig", "gptq": "AutoGPTQConfig", "ct-int4": "CompressedTensorsConfig"}
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("version", VERSIONS)
 def test_plugin_registers_against_the_real_1cat_modules(version, tmp_path):
     engine_dir = engine_source.extract(_archive(version), tmp_path, version)
-    result = engine_source.import_check(engine_dir, "sm70", version)
+    probe = (REPO / "tests" / "_onecat_claim_probe.py").read_text()
+    result = engine_source.import_check(engine_dir, "sm70", version, extra_code="\n" + probe)
     assert result["vllm_file"].startswith(str(engine_dir)), result["vllm_file"]
     assert result["version"] == version and result["engine"] == f"sm70@{version}"
     assert result["register"] == "ok", result["stderr"]
@@ -156,6 +175,19 @@ def test_plugin_registers_against_the_real_1cat_modules(version, tmp_path):
     assert {h["hook"] for h in result["hooks"]} == expected
     not_applied = [h for h in result["hooks"] if not h["applied"]]
     assert not not_applied, not_applied
+    line = [x for x in result["stdout"].splitlines() if x.startswith("QPN_CLAIM_1CAT ")]
+    assert line, result["stderr"]
+    claim = json.loads(line[0][len("QPN_CLAIM_1CAT "):])
+    assert claim["registered"] and claim["count"] == 1  # the plugin registered "qpn" once
+    # 1Cat's own _verify_quantization: every convention's checkpoint settles on "qpn" ...
+    assert claim["with_qpn"] == {name: "qpn" for name in claim["with_qpn"]}, claim["with_qpn"]
+    assert len(claim["with_qpn"]) == 7
+    # ... ahead of the built-in that claims it when "qpn" is not registered; the engine's own config
+    # class of the convention parses it under QPN (AWQ: 1Cat's AWQConfig, whose awq_marlin variant
+    # claims AWQ checkpoints for the engine's Marlin kernels)
+    assert claim["inner"] == ENGINE_CONFIGS, claim["inner"]
+    assert claim["engine_only"] == {**ENGINE_CONFIGS, "awq": "AWQMarlinConfig"}, claim["engine_only"]
+    assert claim["int4_off"] == {n: claim["engine_only"][n] for n in ("awq", "gptq", "ct-int4")}  # QPN_INT4=0
 
 
 def test_registry_per_engine_fields_name_real_engines_and_load():

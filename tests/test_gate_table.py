@@ -32,7 +32,8 @@ def _metrics(k: int) -> str:
 def _good_cpu_summary() -> dict:
     return {
         "summary_version": SUMMARY_VERSION,
-        "ranks": [{"rank": 0, "platform": "cpu", "backend": "reference", "tensor_parallel_size": 1}],
+        "ranks": [{"rank": 0, "platform": "cpu", "backend": "reference", "tensor_parallel_size": 1,
+                   "quant_config": "qpn"}],
         "modules_by_region": {"nvfp4": 1}, "modules_on_qpn": 1, "modules_total": 1,
         "route_counts": {"qpn2": {"eager": 3, "graph": 0, "m_min": 1, "m_max": 8}},
         "lm_head": [{"module": "lm_head", "region": "nvfp4", "source": "checkpoint_codes",
@@ -49,7 +50,8 @@ def test_every_gate_states_what_it_expects_on_every_engine():
             assert expect.applies or expect.why_not, f"{gate.name} on {engine}: n/a without a reason"
     # the hooks gate is a row of the table like the others, not printed after it
     assert bg.GATE_ORDER[-1] == bg.GATE_SKIPPED_HOOKS
-    results = bg.evaluate(CPU, 2, WARM_OK, _metrics(2), _good_cpu_summary(), {"nvfp4"})
+    results = bg.evaluate(CPU, 2, WARM_OK, _metrics(2), _good_cpu_summary(), {"nvfp4"},
+                          qpn_claim="modelopt_mixed")
     assert [r.name for r in results] == list(bg.GATE_ORDER)
     assert not any(r.failed for r in results), bg.format_table(results)
 
@@ -73,7 +75,8 @@ def test_a_new_gate_is_one_entry():
                                    "sm70": bg.GateExpectation(False, None, "not here")}, few_ranks)
     summary = CensusSummary.from_dict(_good_cpu_summary())
     inputs = bg.GateInputs(k=2, warm=WARM_OK, metrics_text=_metrics(2), census=summary,
-                           regions=frozenset({"nvfp4"}), known_routes=bg.qpn_route_names())
+                           regions=frozenset({"nvfp4"}), known_routes=bg.qpn_route_names(),
+                           qpn_claim="modelopt_mixed")
     cpu = bg.apply_gates(CPU, inputs, bg.GATES + (extra,))
     assert cpu[-1].name == "rank_count" and cpu[-1].failed and cpu[-1].observed == "1 ranks"
     assert not any(r.failed for r in cpu[:-1])

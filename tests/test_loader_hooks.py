@@ -15,12 +15,17 @@ from qpn.fork_patches.hooks import REGISTRY, AnchorMissing, Hook  # noqa: E402
 pytestmark = pytest.mark.fast
 
 RUNTIME = [h for h in REGISTRY if h.kind == "runtime"]
-LOADER_HOOKS = {"modelopt-mixed-precision-file-form", "modelopt-mixed-admit-sm70",
-                "modelopt-mixed-qpn-linear-methods", "kv-cache-fp16-on-sm70"}
+LOADER_HOOKS = {"modelopt-mixed-precision-file-form", "kv-cache-fp16-on-sm70"}
 
 
-def test_loader_hooks_are_registered():
+def test_loader_hooks_are_registered_and_the_quant_methods_are_not_hooks():
+    """The loader keeps two hooks; the QPN methods come from the registered QPN config
+    (tests/test_quant_config.py), so no hook wraps a quant config's get_quant_method,
+    get_min_capability or an MoE method chooser any more."""
     assert LOADER_HOOKS <= {h.name for h in RUNTIME}
+    anchors = [h.anchor_for(k) for h in REGISTRY for k in ("cpu", "sm70")]
+    assert not [a for a in anchors if a.endswith((".get_quant_method", ".get_min_capability", "._get_quant_method",
+                                                  ".get_moe_method"))], anchors
 
 
 @pytest.mark.parametrize("hook", [h for h in RUNTIME if h.applies_to(plugin.engine_key())],
@@ -75,25 +80,10 @@ def test_mixed_precision_in_hf_quant_config_is_accepted():
         Conv._normalize_quantization_config(None, SimpleNamespace(quantization_config=_mixed_file_form("NVFP3")))
 
 
-def test_min_capability_is_lowered_only_on_sm70_with_built_kernels(monkeypatch):
-    plugin.register()
-    from vllm.model_executor.layers.quantization.modelopt import ModelOptMixedPrecisionConfig as C
-
-    from qpn.fork_patches import platform_gate
-
-    vllm_value = C.get_min_capability.__func__.__wrapped__(C)
-    assert C.get_min_capability() == vllm_value == 75
-    monkeypatch.setattr(platform_gate, "is_sm70_cuda", lambda: True)
-    monkeypatch.setattr(platform_gate, "qpn_backend", lambda: None)  # kernels missing
-    assert C.get_min_capability() == 75
-    monkeypatch.setattr(platform_gate, "qpn_backend", lambda: "cuda")
-    assert C.get_min_capability() == 70
-
-
 def test_qpn_serves_the_cpu_platform_with_the_reference():
-    from qpn.fork_patches.platform_gate import qpn_backend
+    from qpn.fork_patches.platform_gate import serving_target
 
-    assert qpn_backend() == "reference"
+    assert serving_target()["backend"] == "reference"
 
 
 def _model_config(dtype="bfloat16"):

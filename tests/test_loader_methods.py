@@ -62,10 +62,11 @@ def _tensors(ckpt):
 
 
 def _quant_config(ckpt):
-    from vllm.model_executor.layers.quantization.modelopt import ModelOptMixedPrecisionConfig
+    """The registered QPN config over the checkpoint's hf_quant_config.json, as the engine builds it."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
     from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
 
-    qc = ModelOptMixedPrecisionConfig.from_config(json.loads((ckpt / "hf_quant_config.json").read_text()))
+    qc = get_quantization_config("qpn").from_config(json.loads((ckpt / "hf_quant_config.json").read_text()))
     qc.packed_modules_mapping = Qwen3_5ForCausalLM.packed_modules_mapping
     qc.apply_vllm_mapper(Qwen3_5ForCausalLM.hf_to_vllm_mapper)
     return qc

@@ -1,8 +1,9 @@
 """The QPN MoE method in process, against the installed vLLM 0.32 (no server): parameters as vLLM's
 ModelOpt expert loader expects them, every tensor checked as it arrives, a missing or broken expert
 tensor fails naming the layer, expert and problem, the inverse-verified prepack frees the source
-tensors, apply() is the reference over the packed stacks, the census has both expert stacks, and
-the hook hands RoutedExperts of a ModelOpt mixed config to the method."""
+tensors, apply() is the reference over the packed stacks, the census has both expert stacks. Which
+layers get the method (the registered QPN config hands it out) is tested in
+tests/test_quant_config.py on real vLLM routed experts."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -163,15 +164,3 @@ def test_non_swiglu_experts_and_unknown_algo_are_refused():
     m2 = moe_method.qpn_moe_method_for(cfg, _moe_config(), "model.layers.2.mlp.experts", "reference")
     assert (m1.fmt, m2.fmt) == ("nvfp4", "fp8")
     assert moe_method.qpn_moe_method_for(cfg, _moe_config(), "model.layers.3.mlp.experts", "reference") is None
-
-
-def test_hook_defers_to_vllm_where_qpn_does_not_serve(monkeypatch):
-    from qpn.fork_patches import platform_gate
-
-    calls = []
-    wrapped = moe_method.wrap_routed_experts_get_quant_method(lambda self, p, q, m: calls.append(p) or "vllm's")
-    monkeypatch.setattr(platform_gate, "qpn_backend", lambda: None)
-    assert wrapped(None, "x.experts", object(), _moe_config()) == "vllm's" and calls == ["x.experts"]
-    monkeypatch.setattr(platform_gate, "qpn_backend", lambda: "reference")
-    assert wrapped(None, "y.experts", None, _moe_config()) == "vllm's"          # unquantized model
-    assert wrapped(None, "z.experts", object(), _moe_config()) == "vllm's"      # not a ModelOpt config

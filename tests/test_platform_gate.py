@@ -44,7 +44,6 @@ def test_cpu_platform_serves_the_reference():
 
     platform_gate.serving_target.cache_clear()
     assert platform_gate.serving_target() == {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}
-    assert platform_gate.qpn_backend() == "reference"
 
 
 def test_sm90_is_left_to_vllm_unless_opted_in(gate, monkeypatch):

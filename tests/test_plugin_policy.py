@@ -6,6 +6,11 @@ missing must end it with one message naming hook, anchor, engine version and the
 only MoE checkpoints need is skipped with a warning, recorded, and the boot gate fails when the
 served checkpoint has routed experts. The scratch engine is a tree of symlinks into the cpu
 engine's ``vllm`` package with real copies only of the edited files: the engine is never touched.
+
+No hook of the registry is MoE-only since the QPN MoE methods come from the registered QPN config
+(qpn_config.py; the engines' call sites are proven by engine_source.verify_registration), so the
+MoE policy is proven with a probe entry added to the registry in the booted process: a hook
+written like the old MoE hooks, whose anchor the scratch engine lacks.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENGINE_PY = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
 CONVERTOR = "transformers_utils/model_arch_config_convertor.py"
 ROUTED = "model_executor/layers/fused_moe/routed_experts.py"
+QUANTIZATION = "model_executor/layers/quantization/__init__.py"
 
 
 def _engine_vllm() -> Path:
@@ -59,7 +66,13 @@ def _scratch_engine(root: Path, edits: dict[str, tuple[str, str]]) -> Path:
 
 
 _BOOT = r'''
-import json, sys
+import json, os, sys
+from qpn.fork_patches import hooks
+if os.environ.get("QPN_TEST_MOE_PROBE_HOOK"):
+    hooks.REGISTRY.append(hooks.Hook(
+        name="moe-probe", kind="runtime", needed_for="moe",
+        anchor="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method",
+        what="probe", why="probe", how="probe", remove_when="probe", apply="qpn.fork_patches.plugin:register"))
 from vllm.engine.arg_utils import EngineArgs
 try:
     EngineArgs(model="/nonexistent-checkpoint")  # __post_init__ loads the general plugins
@@ -73,9 +86,9 @@ print("QPN_RESULT " + json.dumps({"skipped": plugin.skipped_hooks(),
 '''
 
 
-def _boot(engine_root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+def _boot(engine_root: Path, tmp_path: Path, **extra_env) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(engine_root), str(REPO)]),
-               VLLM_CACHE_ROOT=str(tmp_path / "cache"), QPN_CENSUS_DIR=str(tmp_path / "census"))
+               VLLM_CACHE_ROOT=str(tmp_path / "cache"), QPN_CENSUS_DIR=str(tmp_path / "census"), **extra_env)
     env.pop("QPN_ENGINE", None)
     env.pop("QPN_ENGINE_VERSION", None)
     return subprocess.run([ENGINE_PY, "-c", _BOOT], capture_output=True, text=True, env=env, timeout=600)
@@ -96,18 +109,19 @@ def test_required_anchor_missing_stops_the_engine_with_one_message(tmp_path):
     assert "engine cpu@0.32.0" in message and "vLLM 0.32.0" in message
     assert "Fix: install a locked cpu engine (0.32.0" in message and "--engine-source" in message
     # only the missing hook is named: the others of this engine were found
-    assert "1 required hook(s)" in message and "modelopt-mixed-admit-sm70" not in message
+    assert "1 required hook(s)" in message and "kv-cache-fp16-on-sm70" not in message
     assert last[-1].startswith("Fix:")
 
 
 @pytest.mark.engine
 def test_moe_hook_anchor_missing_is_skipped_recorded_and_gated(tmp_path):
     root = _scratch_engine(tmp_path / "engine", {ROUTED: ("_get_quant_method", "_choose_quant_method")})
-    proc = _boot(root, tmp_path)
+    proc = _boot(root, tmp_path, QPN_TEST_MOE_PROBE_HOOK="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("QPN_RESULT "))
     result = json.loads(line[len("QPN_RESULT "):])
-    hook = by_name("modelopt-mixed-qpn-moe-method")
+    hook = SimpleNamespace(name="moe-probe",
+                           anchor="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method")
     assert [s["hook"] for s in result["skipped"]] == [hook.name]
     skipped = result["skipped"][0]
     assert skipped["needed_for"] == "moe" and skipped["engine"] == "cpu@0.32.0"
@@ -126,3 +140,18 @@ def test_moe_hook_anchor_missing_is_skipped_recorded_and_gated(tmp_path):
     dense = gate_skipped_hooks(census, dense_layers)
     assert dense.status == PASS and hook.name in dense.observed  # reported, not needed
     assert gate_skipped_hooks({"hooks_skipped": []}, moe_layers).status == PASS
+
+
+@pytest.mark.engine
+def test_an_engine_without_the_quantization_registry_stops_with_one_message(tmp_path):
+    """The QPN methods reach the engine only through the registered QPN config: an engine whose
+    quantization package has no register_quantization_config cannot serve QPN, and says so."""
+    root = _scratch_engine(tmp_path / "engine", {QUANTIZATION: (
+        "def register_quantization_config(", "def register_quant_config(")})
+    proc = _boot(root, tmp_path)
+    assert proc.returncode != 0, proc.stdout + proc.stderr[-3000:]
+    assert "QPN_RAISED EngineMismatch" in proc.stdout
+    message = proc.stderr[proc.stderr.rindex("EngineMismatch: "):]
+    assert "volta-qpn cannot register its quantization method on vLLM 0.32.0 (engine cpu@0.32.0)" in message
+    assert "register_quantization_config" in message and "required hook" not in message
+    assert message.strip().splitlines()[-1].startswith("Fix: install a locked cpu engine")

@@ -1,24 +1,34 @@
-"""QPN as a registered quantization method (issue 26 item 3; qpn.fork_patches.qpn_config), NOT YET
-WIRED into the plugin: the registration path it relies on is proven from the source of the cpu
-engine and both 1Cat archives, and on the installed cpu engine the registered config is probed
-before the built-ins and claims each served convention's checkpoint. Registration is undone after
-each test (the old hooks still serve the boots)."""
+"""QPN as a registered quantization method (qpn.fork_patches.qpn_config), on the installed cpu
+engine (vLLM 0.32) and, read from source, both 1Cat archives: the plugin registers "qpn" through
+vLLM's register_quantization_config; vLLM's own _verify_quantization probes it before the
+built-ins and settles on it for each convention QPN serves (INT4 only where the family serves and
+QPN_INT4 is not 0); the engine's own config classes parse; real vLLM layers get the QPN linear and
+MoE methods from the config, the engine's method elsewhere; the first call records the census's
+quant_config; a config.json-embedded mixed config without quantized_layers is completed from the
+folder's hf_quant_config.json through the engine's own VllmConfig._get_quantization_config. The
+1Cat engines' real modules are exercised in tests/test_engine_source.py and tests/test_moe_1cat.py."""
 from __future__ import annotations
 
-import os
+import copy
+import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 from qpn.fork_patches import engine_source, qpn_config  # noqa: E402
+from qpn.fork_patches.linear_method import (  # noqa: E402
+    QPN2LinearMethod, QPN4LinearMethod, QPN8LinearMethod, QPNCheckpointError)
+from tests._ci import onecat_archive  # noqa: E402
+from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group, plugin)
 
-pytestmark = pytest.mark.fast
+pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("engine_context")]
 
-ENGINES = Path(os.environ.get("QPN_ENGINE_SOURCES", "/work/shared/engines"))
-ARCHIVES = [ENGINES / f"1cat-vllm-{v}-src.tar.xz" for v in ("1.2.2", "1.3.0")]
+TARGET = {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}
 
 
 def _installed_site():
@@ -27,34 +37,41 @@ def _installed_site():
     return Path(vllm.__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("where", ["installed"] + [a.name for a in ARCHIVES])
+@pytest.mark.parametrize("where", ["installed", "1.2.2", "1.3.0"])
 def test_registration_path_is_in_the_engine_source(where):
-    if where == "installed":
-        src = engine_source.open_source(_installed_site())
-    else:
-        path = ENGINES / where
-        if not path.exists():
-            pytest.skip(f"{path} not present")
-        src = engine_source.open_source(path)
+    src = engine_source.open_source(_installed_site() if where == "installed" else onecat_archive(where))
     rows = engine_source.verify_registration(src)
-    assert len(rows) == 6
+    names = [r.hook for r in rows]
+    assert len(rows) == len(engine_source.REGISTRATION_CHECKS) + len(engine_source.CONFIG_ASKED) + 1
+    assert {"qpn-config-asked-for-linear", "qpn-config-asked-for-lm_head", "qpn-config-asked-for-experts",
+            "qpn-config-model-folder"} <= set(names)
     assert [r.detail for r in rows if r.miss] == []
 
 
-@pytest.fixture
-def registered():
+def test_the_plugin_registers_qpn_once_and_the_engine_returns_it():
     from vllm.model_executor.layers import quantization as q
-    from vllm.platforms import current_platform
+
+    from qpn.fork_patches import plugin
+
+    plugin.register()
+    cls = q.get_quantization_config("qpn")
+    assert cls is qpn_config.config_class() and cls.__name__ == "QPNConfig"
+    assert qpn_config.register() is cls and qpn_config.register() is cls
+    assert q.QUANTIZATION_METHODS.count("qpn") == 1
+    assert cls.get_min_capability() == 70
+
+
+@pytest.fixture
+def unregistered():
+    """The engine as it is without our registration (restored after)."""
+    from vllm.model_executor.layers import quantization as q
 
     before = list(q.QUANTIZATION_METHODS)
-    sq = current_platform.supported_quantization
-    sq_before = list(sq) if sq else None
-    cls = qpn_config.register()
-    yield cls
+    q.QUANTIZATION_METHODS.remove("qpn")
+    custom = q._CUSTOMIZED_METHOD_TO_QUANT_CONFIG.pop("qpn")
+    yield
     q.QUANTIZATION_METHODS[:] = before
-    q._CUSTOMIZED_METHOD_TO_QUANT_CONFIG.pop(qpn_config.QPN_NAME, None)
-    if sq_before is not None:
-        sq[:] = sq_before
+    q._CUSTOMIZED_METHOD_TO_QUANT_CONFIG["qpn"] = custom
 
 
 def _probe(quant_cfg, user=None):
@@ -84,51 +101,143 @@ def _ct():
     return quantization_config()
 
 
+def _awq(**kw):
+    from qpn.scripts.checkpoints.make_int4_checkpoint import quantization_config
+
+    return {**quantization_config("awq", 64, False), **kw}
+
+
+def _gptq(**kw):
+    return {"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False, "desc_act": False,
+            "checkpoint_format": "gptq_v2", **kw}
+
+
+def _ct_int4():
+    from qpn.scripts.checkpoints.make_int4_checkpoint import quantization_config
+
+    return quantization_config("compressed-tensors", 64, False)
+
+
 CLAIMED = {"modelopt-mixed": (_mixed_file_form, "modelopt_mixed", "ModelOptMixedPrecisionConfig"),
            "modelopt-nvfp4": (lambda: _modelopt("NVFP4"), "modelopt_fp4", "ModelOptNvFp4Config"),
            "modelopt-fp8": (lambda: _modelopt("FP8"), "modelopt", "ModelOptFp8Config"),
            "ct-nvfp4-fp8": (_ct, "compressed-tensors", "CompressedTensorsConfig")}
+INT4_CLAIMED = {"awq": (_awq, "awq", "AutoAWQConfig"), "gptq": (_gptq, "gptq", "AutoGPTQConfig"),
+                "ct-int4": (_ct_int4, "compressed-tensors", "CompressedTensorsConfig")}
+
+
+@pytest.fixture
+def int4_ready(monkeypatch):
+    """As once formats.INT4 is served (another branch flips it): QPN claims INT4 checkpoints."""
+    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (True, ""))
+    monkeypatch.delenv(qpn_config.INT4_SWITCH, raising=False)
+
+
+def _engine_class_claiming(quant_cfg) -> str:
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    return get_quantization_config(_probe(quant_cfg)).__name__
+
+
+@pytest.mark.parametrize("case", sorted(CLAIMED) + sorted(INT4_CLAIMED))
+def test_unregistered_the_engine_claims_its_own(unregistered, case):
+    make, _, engine_cls = {**CLAIMED, **INT4_CLAIMED}[case]
+    assert _engine_class_claiming(make()) == engine_cls  # the built-in QPN must come before
 
 
 @pytest.mark.parametrize("case", sorted(CLAIMED))
-def test_unregistered_the_engine_claims_its_own(case):
-    make, engine_name, engine_cls = CLAIMED[case]
-    assert _probe(make()) == engine_name  # the built-in the registered QPN config must come before
-
-
-@pytest.mark.parametrize("case", sorted(CLAIMED))
-def test_registered_qpn_claims_and_parses_through_the_engine_config(registered, case):
-    make, engine_name, engine_cls = CLAIMED[case]
+def test_registered_qpn_claims_and_parses_through_the_engine_config(case):
+    make, _, engine_cls = CLAIMED[case]
     assert _probe(make()) == "qpn"
     from vllm.model_executor.layers.quantization import get_quantization_config
 
-    cls = get_quantization_config("qpn")
-    assert cls is registered and cls.get_min_capability() == 70
-    cfg = cls.from_config(make())
+    cfg = get_quantization_config("qpn").from_config(make())
     assert cfg.get_name() == "qpn" and type(cfg._inner).__name__ == engine_cls
     cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     assert cfg._inner.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    again = pickle.loads(pickle.dumps(cfg))  # how a VllmConfig reaches a spawned engine process
+    assert type(again) is type(cfg) and type(again._inner).__name__ == engine_cls
+    assert again.convention == cfg.convention and again.packed_modules_mapping == cfg.packed_modules_mapping
 
 
-def test_user_choice_and_unserved_checkpoints_are_not_claimed(registered):
-    assert registered.override_quantization_method(_mixed_file_form(), "modelopt_mixed") is None
-    assert registered.override_quantization_method({"quant_method": "fp8"}, None) is None
-    assert registered.override_quantization_method(_modelopt("W4A8_AWQ"), None) is None
+@pytest.mark.parametrize("case", sorted(INT4_CLAIMED))
+def test_int4_checkpoints_are_claimed_only_where_the_family_serves_and_qpn_int4_is_on(case, int4_ready, monkeypatch):
+    make, _, engine_cls = INT4_CLAIMED[case]
+    assert _probe(make()) == "qpn"
+    cfg = qpn_config.config_class().from_config(make())
+    assert type(cfg._inner).__name__ == engine_cls
+    monkeypatch.setenv("QPN_INT4", "0")
+    assert _engine_class_claiming(make()) == engine_cls
+    assert qpn_config.claim_verdict(make())[1] == "QPN_INT4=0 leaves INT4 checkpoints to the engine's own kernels"
+    monkeypatch.setenv("QPN_INT4", "1")
+    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (False, "INT4 W4A16 not served yet"))
+    assert _engine_class_claiming(make()) == engine_cls
+
+
+def test_int4_family_readiness_is_the_formats_registry():
+    from qpn.kernels import formats
+
     ok, why = qpn_config.int4_ready()
-    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
-    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
-    for cfg in (awq, gptq):
-        assert (registered.override_quantization_method(cfg, None) == "qpn") == ok, why
+    assert ok == formats.INT4.served
+    assert ok or "served=False" in why
 
 
-def test_no_claim_where_qpn_does_not_serve(registered, monkeypatch):
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("off", False), ("yes", True)])
+def test_qpn_int4_switch(value, on):
+    assert qpn_config.int4_switch({"QPN_INT4": value}) is on
+    assert qpn_config.int4_switch({}) is True
+
+
+def test_a_bad_qpn_int4_value_names_the_variable_and_the_fix(monkeypatch):
+    with pytest.raises(qpn_config.NotServed, match=r"QPN_INT4='maybe'.*QPN_INT4=1.*QPN_INT4=0"):
+        qpn_config.int4_switch({"QPN_INT4": "maybe"})
+    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (True, ""))
+    with pytest.raises(qpn_config.NotServed, match="QPN_INT4"):
+        qpn_config.claim(_awq(), {"QPN_INT4": "maybe"})
+
+
+@pytest.mark.parametrize("cfg, why", [
+    (_awq(bits=8), "QPN INT4 family is 4-bit"),
+    (_awq(group_size=16), "group_size 16"),
+    (_gptq(dynamic={r"+:.*down_proj": {"bits": 8}}), "dynamic rule"),
+])
+def test_int4_forms_qpn_does_not_serve_are_left_to_the_engine_saying_why(cfg, why, int4_ready, caplog):
+    assert qpn_config.claim_verdict(cfg)[0] is None and why in qpn_config.claim_verdict(cfg)[1]
+    with caplog.at_level("WARNING", logger="vllm.qpn.qpn_config"):
+        assert _probe(cfg) != "qpn"
+    assert why in caplog.text and "not claiming" in caplog.text
+
+
+def test_a_ct_config_mixing_int4_with_nvfp4_is_not_claimed(int4_ready):
+    q = _ct()
+    q["config_groups"]["experts"] = {"targets": [r"re:.*experts.*"], **copy.deepcopy(_ct_int4()["config_groups"]["group_0"])}
+    convention, why = qpn_config.claim_verdict(q)
+    assert convention is None and "mixing INT4 with other formats" in why
+
+
+def test_user_choice_and_unserved_checkpoints_are_not_claimed():
+    cls = qpn_config.config_class()
+    assert cls.override_quantization_method(_mixed_file_form(), "modelopt_mixed") is None
+    assert cls.override_quantization_method({"quant_method": "fp8"}, None) is None
+    assert cls.override_quantization_method(_modelopt("W4A8_AWQ"), None) is None
+    with pytest.raises(qpn_config.NotServed, match=r"--quantization qpn: .*W4A8_AWQ.*fix: leave --quantization out"):
+        cls.override_quantization_method(_modelopt("W4A8_AWQ"), "qpn")
+
+
+def test_no_claim_where_qpn_does_not_serve(monkeypatch):
     from qpn.fork_patches import platform_gate
 
     monkeypatch.setattr(platform_gate, "serving_target", lambda: None)
-    assert registered.override_quantization_method(_mixed_file_form(), None) is None
+    cls = qpn_config.config_class()
+    assert cls.override_quantization_method(_mixed_file_form(), None) is None
+    with pytest.raises(qpn_config.NotServed, match="does not serve on this device.*fix:"):
+        cls.override_quantization_method(_mixed_file_form(), "qpn")
+    cfg = cls.from_config(_modelopt("NVFP4"))
+    with pytest.raises(qpn_config.NotServed, match="x.down_proj: .*does not serve in this process.*fix:"):
+        cfg.get_quant_method(object(), "x.down_proj")
 
 
-def test_config_filenames_are_those_of_the_claimed_conventions(registered):
+def test_config_filenames_are_those_of_the_claimed_conventions():
     """weight_utils.get_quant_config reads quant_cls.get_config_filenames() for a checkpoint
     without an embedded quantization_config: "qpn" must read what the convention's class reads."""
     from vllm.model_executor.layers.quantization import get_quantization_config
@@ -136,30 +245,198 @@ def test_config_filenames_are_those_of_the_claimed_conventions(registered):
     union = set()
     for _, engine_name, _ in CLAIMED.values():
         union |= set(get_quantization_config(engine_name).get_config_filenames())
-    assert set(registered.get_config_filenames()) == union == {"hf_quant_config.json"}
+    assert set(qpn_config.config_class().get_config_filenames()) == union == {"hf_quant_config.json"}
+    # AWQ / GPTQ are claimed from config.json only: their older file forms are not read as QPN's
+    int4_files = set()
+    for _, engine_name, _ in INT4_CLAIMED.values():
+        int4_files |= set(get_quantization_config(engine_name).get_config_filenames())
+    assert int4_files and not int4_files & set(qpn_config.CONFIG_FILENAMES)
 
 
-def test_file_form_loads_through_the_engine_loader(registered, tmp_path):
+def _model_config(folder, hf_quant_cfg):
+    """What VllmConfig._get_quantization_config reads of a ModelConfig whose quantization is "qpn"."""
+    return SimpleNamespace(quantization="qpn", model=str(folder), revision=None, quantization_config=None,
+                           hf_config=SimpleNamespace(quantization_config=hf_quant_cfg), hf_overrides={},
+                           dtype=torch.bfloat16)
+
+
+def test_file_form_loads_through_the_engine_loader(tmp_path):
     """The ModelOpt file form (hf_quant_config.json, nothing in config.json) through vLLM's own
     get_quant_config under quantization "qpn": parsed by the engine's ModelOpt config."""
-    import json
-
     from vllm.model_executor.model_loader.weight_utils import get_quant_config
 
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(_mixed_file_form()))
-    mc = SimpleNamespace(quantization="qpn", model=str(tmp_path), revision=None, quantization_config=None,
-                         hf_config=SimpleNamespace(), hf_overrides={})
-    lc = SimpleNamespace(download_dir=None)
-    cfg = get_quant_config(mc, lc)
+    mc = _model_config(tmp_path, None)
+    cfg = get_quant_config(mc, SimpleNamespace(download_dir=None))
     assert cfg.get_name() == "qpn" and type(cfg._inner).__name__ == "ModelOptMixedPrecisionConfig"
 
 
-def test_mtp_fc_stays_unquantized_under_modelopt_nvfp4(registered):
+def test_embedded_mixed_config_without_quantized_layers_reads_the_folders_file(tmp_path):
+    """config.json embedding MIXED_PRECISION without its quantized_layers (vLLM falls back to the
+    file for this form only under the name modelopt_mixed): under "qpn" the engine's own
+    _get_quantization_config builds the config and hands it the folder, and the map is the file's."""
+    from vllm.config import VllmConfig
+
+    from qpn.scripts.checkpoints.make_checkpoint import make_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, seed=0, embed_config=True, embed_layers=False)
+    embedded = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert "quantized_layers" not in embedded and _probe(embedded) == "qpn"
+    cfg = VllmConfig._get_quantization_config(_model_config(ckpt, embedded), SimpleNamespace(download_dir=None))
+    layers = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    assert cfg.get_name() == "qpn" and type(cfg._inner).__name__ == "ModelOptMixedPrecisionConfig"
+    assert cfg._inner.quantized_layers == layers and len(layers) > 10
+    (ckpt / "hf_quant_config.json").unlink()
+    with pytest.raises(qpn_config.NotServed, match=r"without its quantized_layers map.*hf_quant_config.json does "
+                                                   r"not exist; fix: put ModelOpt's hf_quant_config.json back"):
+        VllmConfig._get_quantization_config(_model_config(ckpt, embedded), SimpleNamespace(download_dir=None))
+    with pytest.raises(qpn_config.NotServed, match="not a local folder.*fix: download"):
+        qpn_config.mixed_config_from_folder("org/some-hub-id")
+
+
+# ------------------------------------------------------------------ methods on real vLLM layers
+def _qpn(quant_cfg, mapping=None):
+    cfg = qpn_config.config_class().from_config(copy.deepcopy(quant_cfg))
+    cfg.packed_modules_mapping = dict(mapping or {"gate_up_proj": ["gate_proj", "up_proj"],
+                                                  "qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    return cfg
+
+
+def _mixed(layers):
+    return {"producer": {"name": "modelopt"}, "quant_method": "modelopt",
+            "quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}
+
+
+def _linear(cfg, prefix, k=256, n=(256, 256)):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    if prefix.endswith("gate_up_proj"):
+        return MergedColumnParallelLinear(k, list(n), bias=False, quant_config=cfg, prefix=prefix)
+    return RowParallelLinear(k, n[0], bias=False, input_is_parallel=True, quant_config=cfg, prefix=prefix)
+
+
+def test_modelopt_layers_get_the_qpn_methods_and_the_rest_the_engines():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    cfg = _qpn(_mixed({"model.layers.0.mlp.gate_proj": {"quant_algo": "NVFP4", "group_size": 16},
+                       "model.layers.0.mlp.up_proj": {"quant_algo": "NVFP4", "group_size": 16},
+                       "model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}}))
+    assert type(_linear(cfg, "model.layers.0.mlp.gate_up_proj").quant_method) is QPN2LinearMethod
+    assert type(_linear(cfg, "model.layers.0.mlp.down_proj").quant_method) is QPN8LinearMethod
+    assert type(_linear(cfg, "model.layers.1.mlp.down_proj").quant_method) is UnquantizedLinearMethod
+    single = _qpn(_modelopt("NVFP4"))
+    assert type(_linear(single, "model.layers.1.mlp.down_proj").quant_method) is QPN2LinearMethod
+    fp8 = _qpn(_modelopt("FP8"))
+    assert type(_linear(fp8, "model.layers.1.mlp.down_proj").quant_method) is QPN8LinearMethod
+
+
+def test_mtp_fc_stays_unquantized_under_modelopt_nvfp4():
     """vLLM's qwen3_5_mtp.py keys mtp.fc's workaround on get_name() == "modelopt_fp4"; the QPN
     config (named "qpn") takes the same decision in get_quant_method."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    cfg = registered.from_config(_modelopt("NVFP4"))
+    cfg = qpn_config.config_class().from_config(_modelopt("NVFP4"))
     assert qpn_config.is_mtp_fc("mtp.fc") and qpn_config.is_mtp_fc("model.mtp.fc")
     assert not qpn_config.is_mtp_fc("model.layers.0.mlp.fc")
     assert isinstance(cfg.get_quant_method(object(), "mtp.fc"), UnquantizedLinearMethod)
+    assert type(_linear(cfg, "model.mtp.fc").quant_method) is UnquantizedLinearMethod
+    assert type(_linear(cfg, "model.mtp.down_proj").quant_method) is QPN2LinearMethod  # only fc
+
+
+def _experts(cfg, prefix="model.layers.0.mlp.experts"):
+    """A real routed-experts layer of vLLM 0.32, built by the engine's own factory."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    get_current_vllm_config().compilation_config.static_forward_context.pop(prefix, None)
+    return FusedMoEFactory(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32,
+                           params_dtype=torch.bfloat16, quant_config=cfg, prefix=prefix).routed_experts
+
+
+def test_routed_experts_get_the_qpn_moe_method_through_the_engines_own_choice():
+    from qpn.fork_patches import moe_method
+
+    experts = {f"model.layers.0.mlp.experts.{e}.{p}": {"quant_algo": "NVFP4", "group_size": 16}
+               for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    layer = _experts(_qpn(_mixed(experts)))
+    assert type(layer.quant_method) is moe_method.QPNModelOptMoEMethod and layer.quant_method.algo == "NVFP4"
+    assert len(layer.quant_method.declared) == 12
+    fp8 = _experts(_qpn(_modelopt("FP8")))
+    assert type(fp8.quant_method) is moe_method.QPNModelOptMoEMethod and fp8.quant_method.algo == "FP8"
+    unlisted = _experts(_qpn(_mixed(experts)), prefix="model.layers.1.mlp.experts")
+    assert type(unlisted.quant_method).__name__ == "UnquantizedFusedMoEMethod"  # the engine's
+
+
+def test_the_first_call_records_the_claiming_config_in_the_census(monkeypatch):
+    from qpn.fork_patches import census
+
+    monkeypatch.setattr(census, "CENSUS", census.Census())
+    monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
+    monkeypatch.setattr(qpn_config, "_RANK_RECORDED", False)
+    layers = {"model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}}
+    _linear(_qpn(_mixed(layers)), "model.layers.0.mlp.down_proj")
+    assert census.CENSUS.quant_config == "qpn"
+    assert census.CENSUS.engine_quantized_layers == list(layers)
+    assert census.CENSUS.snapshot()["quant_config"] == "qpn"
+
+
+# ------------------------------------------------------------------ INT4 on real vLLM layers
+def _int4_case(kind):
+    from tests import test_int4_linear_method as t4
+
+    conv, sym, offset = t4.KINDS[kind]
+    cfg = {"awq": _awq(group_size=64), "gptq-v1": _gptq(checkpoint_format="gptq"),
+           "gptq-v2": _gptq(), "ct-asym": _ct_int4()}[kind]
+    cfg.pop("modules_to_not_convert", None)
+    return t4, cfg
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq-v1", "gptq-v2", "ct-asym"])
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_int4_layers_get_qpn4_from_the_config_and_compute_the_checkpoint(kind, which, int4_ready):
+    t4, quant_cfg = _int4_case(kind)
+    cfg = _qpn(quant_cfg)
+    factory, plan, k = t4.layer_plan(which)
+    layer = factory(cfg)
+    method = layer.quant_method
+    assert type(method) is QPN4LinearMethod and method.int4.name == t4.KINDS[kind][0].name
+    assert method.scheme.group_size == 64 and method.scheme.zero_offset == t4.KINDS[kind][2]
+    tensors = t4.make_tensors(kind, plan, k, 64, seed=9)
+    t4.load(layer, tensors, plan)
+    method.process_weights_after_loading(layer)
+    w = t4.reference(kind, tensors, plan, 64)
+    assert torch.equal(method.apply(layer, torch.eye(k)), w.to(torch.float16).float().t())
+
+
+def test_int4_modules_the_config_leaves_unquantized_get_the_engines_unquantized_method(int4_ready):
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    awq = _qpn(_awq(modules_to_not_convert=["layers.1.mlp"]))
+    assert type(_linear(awq, "model.layers.1.mlp.gate_up_proj").quant_method) is UnquantizedLinearMethod
+    assert type(_linear(awq, "model.layers.0.mlp.gate_up_proj").quant_method) is QPN4LinearMethod
+    gptq = _qpn(_gptq(dynamic={r"-:.*layers\.2\..*": {}}))
+    assert type(_linear(gptq, "model.layers.2.mlp.down_proj").quant_method) is UnquantizedLinearMethod
+    assert type(_linear(gptq, "model.layers.3.mlp.down_proj").quant_method) is QPN4LinearMethod
+    split = _qpn(_awq(modules_to_not_convert=["mlp.up_proj"]))
+    with pytest.raises(QPNCheckpointError, match=r"model.layers.0.mlp.gate_up_proj: .*up_proj.*must agree"):
+        _linear(split, "model.layers.0.mlp.gate_up_proj")
+
+
+def test_gptq_keeps_g_idx_for_qpn4_and_the_others_drop_it_as_the_engine_does(int4_ready):
+    names = [("model.layers.0.mlp.down_proj.g_idx", torch.zeros(1)), ("model.layers.0.mlp.down_proj.qweight", torch.zeros(1))]
+    gptq = [n for n, _ in _qpn(_gptq()).get_checkpoint_weight_mapper().apply(names)]
+    awq = [n for n, _ in _qpn(_awq()).get_checkpoint_weight_mapper().apply(names)]
+    assert gptq == [n for n, _ in names] and awq == ["model.layers.0.mlp.down_proj.qweight"]
+
+
+def test_int4_experts_stay_with_the_engine(int4_ready):
+    """QPN has no INT4 MoE kernels: an AWQ config hands routed experts the engine's choice."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    layer = RoutedExperts.__new__(RoutedExperts)
+    assert qpn_config.qpn_method(_qpn(_awq()), layer, "model.layers.0.mlp.experts", TARGET) is None
+    assert qpn_config.qpn_method(_qpn(_gptq(sym=True)), layer, "model.layers.0.mlp.experts", TARGET) is None
+    # asymmetric GPTQ: the engine parsed the symmetric twin, so its MoE method would read no zero points
+    with pytest.raises(qpn_config.NotServed, match=r"model.layers.0.mlp.experts: asymmetric GPTQ experts.*fix:"):
+        qpn_config.qpn_method(_qpn(_gptq()), layer, "model.layers.0.mlp.experts", TARGET)

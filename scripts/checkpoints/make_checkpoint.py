@@ -1,6 +1,7 @@
 """Write a small ModelOpt-format MIXED_PRECISION checkpoint of the Qwen3.5/3.8 hybrid family.
 
     python -m qpn.scripts.checkpoints.make_checkpoint OUT_DIR [--seed S] [--malformed KIND] [--embed-config]
+        [--embed-without-layers]
 
 The checkpoint has the layout NVIDIA ModelOpt's ``export_hf_checkpoint`` writes for a mixed
 FP8/NVFP4 model, with true encodings (qpn.kernels.codecs.quantize_fp8 / quantize_nvfp4):
@@ -21,6 +22,9 @@ FP8/NVFP4 model, with true encodings (qpn.kernels.codecs.quantize_fp8 / quantize
   ``--embed-config`` also writes the ``quantization_config`` that ModelOpt >= 0.31 embeds in
   config.json; without it the checkpoint declares its quantization only in
   hf_quant_config.json (the older ModelOpt form), which vLLM 0.32 rejects at config parsing.
+  ``--embed-without-layers`` embeds it without the ``quantized_layers`` map, which such a
+  checkpoint keeps only in hf_quant_config.json (the form vLLM's get_quant_config falls back
+  to the file for).
 
 With the same float weights, every quantized tensor (codes, scales, global scales, activation
 and KV scales) is byte-identical to what ModelOpt 0.47's ``export_hf_checkpoint`` writes from a
@@ -317,8 +321,10 @@ def checkpoint_folder(out: Path):
         raise
 
 def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | None = None,
-                    embed_config: bool = False, spec: tiny_hybrid.TinyHybridSpec | None = None) -> dict:
-    """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict."""
+                    embed_config: bool = False, spec: tiny_hybrid.TinyHybridSpec | None = None,
+                    embed_layers: bool = True) -> dict:
+    """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict.
+    ``embed_layers=False`` (with ``embed_config``) leaves ``quantized_layers`` out of config.json."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -346,6 +352,8 @@ def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | 
         config = spec.config_dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
         if embed_config:
             config["quantization_config"] = embedded_quantization_config(hf_quant)
+            if not embed_layers:
+                del config["quantization_config"]["quantized_layers"]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({
@@ -359,6 +367,7 @@ def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | 
             "seed": seed,
             "malformed": malformed,
             "embed_config": embed_config,
+            "embed_layers": embed_config and embed_layers,
             "architecture": "Qwen3_5ForCausalLM",
             "layer_types": spec.layer_types(),
             "quantized_modules": {r: sum(1 for v in quantized.values() if v == r) for r in ("fp8", "nvfp4")},
@@ -376,10 +385,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="write a broken variant for the loader's error tests")
     p.add_argument("--embed-config", action="store_true",
                    help="also embed quantization_config in config.json, as ModelOpt >= 0.31 does")
+    p.add_argument("--embed-without-layers", action="store_true",
+                   help="embed quantization_config without its quantized_layers map (kept only in "
+                        "hf_quant_config.json)")
     args = p.parse_args(argv)
     try:
         summary = make_checkpoint(args.out_dir, seed=args.seed, malformed=args.malformed,
-                                  embed_config=args.embed_config)
+                                  embed_config=args.embed_config or args.embed_without_layers,
+                                  embed_layers=not args.embed_without_layers)
     except (FileExistsError, ValueError) as e:
         print(f"make_checkpoint: {e}", file=sys.stderr)
         return 2

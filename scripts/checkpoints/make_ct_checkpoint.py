@@ -27,7 +27,8 @@ and calibration of qpn.scripts.checkpoints.make_moe_checkpoint (imported), encod
 every routed expert's ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and the shared expert in
 NVFP4 (gate and up of each expert share one global scale, as llm-compressor unifies them), the
 router and the shared-expert gate in BF16, attention and lm_head as above. vLLM fuses the
-experts into ``w13_weight_packed`` / ``w2_weight_packed`` stacks (hook ``ct-qpn-moe-method``).
+experts into ``w13_weight_packed`` / ``w2_weight_packed`` stacks (the QPN MoE method, handed out
+by the registered QPN config: fork_patches/qpn_config.py).
 ``--fp8-experts 5,6:tensor`` puts the routed experts of those layers in FP8 instead (per channel,
 the FP8_DYNAMIC preset, unless ``:tensor``; named in the FP8 config groups' targets, the other
 layers' experts in NVFP4's): one checkpoint carries both expert formats, as a recipe that keeps

@@ -30,8 +30,9 @@ PackedQuantizationCompressor write from the same codes, scales and zero points, 
 alike by vLLM's AWQ dequantization (tests/test_int4_conventions.py).
 
 ``--malformed KIND`` writes a broken variant (MALFORMED) the launcher's pre-boot check
-(serve_preflight.check_checkpoint_tensors) must refuse naming the module. The INT4 family is not
-served yet: these checkpoints are for the conventions, the pre-boot check and the kernels' tests.
+(serve_preflight.check_checkpoint_tensors) must refuse naming the module. Until formats.INT4 is
+served, QPN does not claim these checkpoints: they are for the conventions, the pre-boot check, the
+QPN4 method and the kernels' tests.
 """
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ table's order is the printed order; adding a gate is adding an entry. What each 
 
 - ``census_platform``: one census per tensor-parallel rank (ranks 0..TP-1, each reporting that TP),
   on the expected platform and backend;
+- ``quant_config``: every rank's checkpoint was claimed by the registered QPN config ("qpn") when
+  QPN serves the checkpoint (``qpn_config.claim``), and by the engine's own config otherwise;
 - ``qpn_routes``: every module the checkpoint declares quantized (ModelOpt ``quantized_layers``;
   compressed-tensors ``config_groups`` less ``ignore``) is served on a QPN route on every rank (the
   loader records which checkpoint names each module serves), with zero fallbacks and route calls
@@ -43,6 +45,7 @@ PASS, FAIL, NA = "PASS", "FAIL", "n/a"
 GATE_WARM = "warm_request"
 GATE_DEPTH = "served_depth"
 GATE_PLATFORM = "census_platform"
+GATE_QUANT_CONFIG = "quant_config"
 GATE_QPN_ROUTES = "qpn_routes"
 GATE_LM_HEAD = "lm_head_from_codes"
 GATE_KV = "kv_cache_dtype"
@@ -295,6 +298,37 @@ def gate_platform(expect: dict, census: dict, tp: int | None = None) -> GateResu
     if problems:
         observed += " -- " + "; ".join(problems)
     return GateResult(GATE_PLATFORM, FAIL if problems else PASS, expected, observed)
+
+
+def gate_quant_config(census: Census, qpn_claim: str | None, why_not: str = "") -> GateResult:
+    """Which quantization config claimed the checkpoint, per rank (census ``quant_config``, recorded
+    by the registered QPN config): "qpn" on every rank when QPN serves the checkpoint
+    (``qpn_claim``: the convention qpn_config.claim gives it), never "qpn" when it does not
+    (``why_not``: why the engine's own config serves it)."""
+    from qpn.fork_patches.qpn_config import QPN_NAME
+
+    ranks = _summary(census).ranks
+    claimed = {r.rank: r.quant_config for r in ranks}
+    observed = "; ".join(f"rank {rid}: {name or 'no QPN config'}" for rid, name in sorted(claimed.items())) \
+        or "no census written by any rank"
+    if qpn_claim is None:
+        expected = "the engine's own quantization config" + (f" ({why_not})" if why_not else "")
+        wrong = sorted(rid for rid, name in claimed.items() if name == QPN_NAME)
+        if wrong:
+            observed += f" -- rank(s) {wrong} served through the QPN config, which should not claim it"
+        return GateResult(GATE_QUANT_CONFIG, FAIL if wrong else PASS, expected, observed)
+    expected = f'"{QPN_NAME}" on every rank (QPN claims this {qpn_claim} checkpoint)'
+    off = sorted(rid for rid, name in claimed.items() if name != QPN_NAME)
+    problems = []
+    if not ranks:
+        problems.append("the QPN config reached no rank: the engine's own config claimed the checkpoint "
+                        "(is the volta-qpn plugin installed in the engine's environment?)")
+    elif off:
+        problems.append(f"rank(s) {off} were not served through the QPN config: another quantization "
+                        "config claimed the checkpoint there (--quantization given?)")
+    if problems:
+        observed += " -- " + "; ".join(problems)
+    return GateResult(GATE_QUANT_CONFIG, FAIL if problems else PASS, expected, observed)
 
 
 def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = None,
@@ -571,7 +605,10 @@ class GateInputs:
     with it); ``checkpoint_modules``: a compressed-tensors checkpoint's declared modules (paired
     through the census's ``checkpoint_modules``, see _coverage_problems); ``declared``: the
     modules the checkpoint's convention declares quantized (``declared_modules``), which say what
-    it needs; ``env``: the server's environment (the engine's XQA switches and thresholds)."""
+    it needs; ``env``: the server's environment (the engine's XQA switches and thresholds);
+    ``qpn_claim``: the convention the registered QPN config claims the checkpoint as
+    (qpn_config.claim under the server's environment; None: QPN does not claim it, and
+    ``qpn_not_claimed`` says why)."""
 
     k: int
     warm: dict
@@ -586,6 +623,8 @@ class GateInputs:
     known_routes: frozenset[str] | None = None
     census_error: str = ""
     auto_depth: AutoDepth | None = None
+    qpn_claim: str | None = None
+    qpn_not_claimed: str = ""
 
 
 @dataclass(frozen=True)
@@ -627,6 +666,7 @@ GATES: tuple[Gate, ...] = (
           "sm70": GateExpectation(expected={"platform": "cuda", "backend": "cuda",
                                             "device_capability": "7.0"})},
          lambda i, e: gate_platform(e.expected, i.census, i.tp)),
+    Gate(GATE_QUANT_CONFIG, _ALWAYS, lambda i, e: gate_quant_config(i.census, i.qpn_claim, i.qpn_not_claimed)),
     # On CPU the QPN routes run as the reference implementation over the packed buffers.
     Gate(GATE_QPN_ROUTES,
          {"cpu": GateExpectation(expected={"backend": "reference"}),
@@ -675,7 +715,8 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
              census: Census | None, regions: set[str], *, tp: int | None = None,
              quantized_layers: dict | None = None, env: dict | None = None,
              declared: dict | None = None, checkpoint_modules: dict | None = None,
-             auto_depth: AutoDepth | None = None) -> list[GateResult]:
+             auto_depth: AutoDepth | None = None, qpn_claim: str | None = None,
+             qpn_not_claimed: str = "") -> list[GateResult]:
     """Every gate, over what the launcher gathered after the warm request (see GateInputs)."""
     try:
         summary, error = CensusSummary.from_dict(census), ""
@@ -685,7 +726,7 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
                         regions=frozenset(regions), tp=tp, quantized_layers=quantized_layers,
                         checkpoint_modules=checkpoint_modules, declared=declared, env=env,
                         known_routes=qpn_route_names(), census_error=error,
-                        auto_depth=auto_depth)
+                        auto_depth=auto_depth, qpn_claim=qpn_claim, qpn_not_claimed=qpn_not_claimed)
     return apply_gates(profile, inputs)
 
 

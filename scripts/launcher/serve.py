@@ -225,7 +225,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
     tp = _int_setting(environ, "TP", profile.default_tensor_parallel)
     if tp is not None and tp < 1:
         raise Refusal(f"TP={tp}: tensor parallelism needs at least one device")
-    serve_preflight.check_tp_split(ckpt, tp)
+    serve_preflight.check_tp_split(ckpt, tp, environ)
     try:
         tp_env(profile, tp or 1)
     except ValueError as exc:
@@ -621,14 +621,19 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
             warm = {**long, "error": f"the long warm request: {long.get('error')}"}
     census = read_census(launch)
     metrics = read_metrics(launch)
-    quantized_layers = boot_gates.declared_layers(
-        _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt)))
+    quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
+    quantized_layers = boot_gates.declared_layers(quant_cfg)
     convention, declared = boot_gates.declared_modules(launch.ckpt)  # either convention: what it needs
     ct = getattr(convention, "name", None) == "compressed-tensors"  # its coverage pairs by name
+    env = server_env(launch)
+    from qpn.fork_patches.qpn_config import claim_verdict
+
+    qpn_claim, not_claimed = claim_verdict(quant_cfg, env)  # what the server's QPN config decides
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
-                               env=server_env(launch), declared=declared,
-                               checkpoint_modules=declared if ct else None, auto_depth=auto)
+                               env=env, declared=declared,
+                               checkpoint_modules=declared if ct else None, auto_depth=auto,
+                               qpn_claim=qpn_claim, qpn_not_claimed=not_claimed)
 
 
 # ---- after READY: the engine's health ---------------------------------------------------------

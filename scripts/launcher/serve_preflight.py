@@ -229,13 +229,15 @@ def check_gpus_free(nvidia_smi: str = "nvidia-smi", visible: str | None = None) 
     return "free"
 
 
-def check_checkpoint_tensors(ckpt: str) -> str:
+def check_checkpoint_tensors(ckpt: str, environ=None) -> str:
     """Refuse an INT4 checkpoint (AutoAWQ, GPTQ, compressed-tensors pack-quantized:
     qpn.fork_patches.conventions.detect_int4) that is not whole, before any engine starts: a
     truncated or corrupt safetensors file, a config QPN's INT4 family does not serve (bits,
     group size), a declared module whose codes, scales or zero points are missing or of the wrong
     dtype or shape, an activation-ordered g_idx (conventions.int4_checkpoint_problems). Every line
-    names the module. Other checkpoints pass untouched (their modules are checked by the loader)."""
+    names the module. Other checkpoints pass untouched (their modules are checked by the loader).
+    ``environ``: where ``QPN_INT4`` is read (default os.environ); a value that is not a switch is
+    refused."""
     from qpn.fork_patches import conventions
 
     try:
@@ -244,13 +246,18 @@ def check_checkpoint_tensors(ckpt: str) -> str:
         return "no INT4 checkpoint"
     if found is None:
         return "no INT4 checkpoint"
-    # Until QPN serves INT4 the engine's own INT4 kernels serve these checkpoints: only damage
-    # (a truncated or corrupt file) is refused then, not what QPN's INT4 family would not serve.
+    # Where QPN does not claim INT4 (the family not served yet, or QPN_INT4=0) the engine's own INT4
+    # kernels serve these checkpoints: only damage (a truncated or corrupt file) is refused then, not
+    # what QPN's INT4 family would not serve.
     try:
-        from qpn.fork_patches.qpn_config import int4_ready
-        ours, why = int4_ready()
+        from qpn.fork_patches.qpn_config import NotServed, int4_served
     except ImportError as exc:
         ours, why = False, f"qpn_config does not import here ({exc})"
+    else:
+        try:
+            ours, why = int4_served(environ)
+        except NotServed as exc:
+            raise Refusal(str(exc)) from None
     try:
         problems = (conventions.int4_checkpoint_problems(ckpt) if ours
                     else conventions.safetensors_problems(ckpt))
@@ -265,13 +272,14 @@ def check_checkpoint_tensors(ckpt: str) -> str:
     return f"{found[0].name} INT4 tensors whole" + ("" if ours else f"; left to the engine's INT4 kernels ({why})")
 
 
-def check_tp_split(ckpt: str, tp: int | None) -> str:
+def check_tp_split(ckpt: str, tp: int | None, environ=None) -> str:
     """Refuse a checkpoint whose quantized modules cannot be split over ``tp`` ranks with whole
     NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.tp_sharding), naming the module.
     The modules are those the checkpoint's convention declares (boot_gates.declared_modules:
     ModelOpt or compressed-tensors alike). First, at any TP, an INT4 checkpoint's tensors must
-    be whole (``check_checkpoint_tensors``): the split is planned from the same headers."""
-    check_checkpoint_tensors(ckpt)
+    be whole (``check_checkpoint_tensors``, ``environ`` its QPN_INT4): the split is planned from the
+    same headers."""
+    check_checkpoint_tensors(ckpt, environ)
     if not tp or tp <= 1:
         return "single rank"
     from qpn.fork_patches.tp_sharding import checkpoint_modules, plan
