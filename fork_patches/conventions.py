@@ -611,6 +611,12 @@ class INT4Convention:
             out["shape"] = False
         return out
 
+    def packs_outputs(self, scheme: INT4Scheme) -> bool:
+        """Whether a tensor a module of ``scheme`` stores packs eight OUTPUT rows per int32 (AWQ's
+        codes and zero points, GPTQ's and compressed-tensors' zero points): then every fused
+        output partition on every tensor-parallel rank needs a multiple of 8 rows."""
+        return any(sym.startswith("N/") for role in self.roles(scheme) for sym in getattr(self.layout, role))
+
     def tensor_names(self, module: str, scheme: INT4Scheme) -> dict[str, str]:
         """{role: full checkpoint tensor name} of the tensors a module of ``scheme`` may store."""
         return {role: f"{module}.{getattr(self.names, role)}" for role in self.roles(scheme)}

@@ -605,8 +605,7 @@ class QPN4LinearMethod(_QPNLinearMethod):
                            f"TP size that keeps whole groups (TP in {fits}) or use a checkpoint quantized with "
                            f"a group size that divides {self.k}")
             self._fail(f"K={self.k} input features is not a multiple of the group size {g}")
-        needed = set(self.int4.roles(self.scheme))
-        packs_n = any(sym.startswith("N/") for role in needed for sym in getattr(self.int4.layout, role))
+        packs_n = self.int4.packs_outputs(self.scheme)
         for idx, rows in enumerate(self.partition_sizes):
             if packs_n and rows % _NIBBLES:
                 self._fail(f"{self._shard_label(idx)} has {rows} rows on this rank; {self.int4.name} packs "

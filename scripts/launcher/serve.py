@@ -623,8 +623,13 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     metrics = read_metrics(launch)
     quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
     quantized_layers = boot_gates.declared_layers(quant_cfg)
-    convention, declared = boot_gates.declared_modules(launch.ckpt)  # either convention: what it needs
-    ct = getattr(convention, "name", None) == "compressed-tensors"  # its coverage pairs by name
+    convention, declared = boot_gates.declared_modules(launch.ckpt)  # any convention: what it needs
+    from qpn.fork_patches.conventions import MODELOPT, INT4Convention
+
+    # ModelOpt's coverage pairs by position in quantized_layers; every other convention's by name,
+    # through the census's checkpoint_modules, which AWQ / GPTQ boots do not record (by count)
+    by_name = convention is not None and convention is not MODELOPT
+    by_count = isinstance(convention, INT4Convention) and convention.declared_by == "codes"
     env = server_env(launch)
     from qpn.fork_patches.qpn_config import claim_verdict
 
@@ -632,8 +637,8 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
                                env=env, declared=declared,
-                               checkpoint_modules=declared if ct else None, auto_depth=auto,
-                               qpn_claim=qpn_claim, qpn_not_claimed=not_claimed)
+                               checkpoint_modules=declared if by_name else None, auto_depth=auto,
+                               qpn_claim=qpn_claim, qpn_not_claimed=not_claimed, coverage_by_count=by_count)
 
 
 # ---- after READY: the engine's health ---------------------------------------------------------
