@@ -59,7 +59,7 @@ auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked
 
 INT4 W4A16 (qpn.kernels.family_int4; kept apart: ``INT4_CONVENTIONS``, ``int4_convention_of``,
 ``detect_int4``; the registered QPN config claims these checkpoints and hands their layers the
-QPN4 method only once the family is served, qpn_config.int4_served). Three conventions, one
+QPN4 method unless QPN_INT4=0, qpn_config.int4_served). Three conventions, one
 ``INT4Convention`` each:
 names, the stored layout in symbols of (N, K, g), the family_int4 unpacker, the config keys.
 Proven against vLLM 0.32's and both 1Cat-vLLM archives' own create_weights / from_config by
@@ -512,10 +512,10 @@ def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
 
 
 # ==================================================================================== INT4 W4A16
-# The INT4 conventions are not in CONVENTIONS and ``detect`` does not return them: the boot gates'
-# coverage reads NVFP4 / FP8 checkpoints only. What they do: name each convention's tensors, read its
-# config (``scheme``, ``excluded``; the registered QPN config claims and serves INT4 checkpoints
-# through them once formats.INT4 is served), hand family_int4's unpackers the tensors
+# The INT4 conventions are not in CONVENTIONS and ``detect`` does not return them (``detect_int4``
+# does; the launcher's boot_gates.declared_modules asks it first). What they do: name each
+# convention's tensors, read its config (``scheme``, ``excluded``; the registered QPN config claims
+# and serves INT4 checkpoints through them), hand family_int4's unpackers the tensors
 # (``int4_inputs``), and let the launcher refuse before boot a checkpoint whose INT4 tensors are
 # not whole (``int4_checkpoint_problems``, called by serve_preflight.check_checkpoint_tensors).
 class ActOrderRefused(ConventionError):

@@ -31,7 +31,7 @@ float32 reciprocal, per shard) / ``input_global_scale``, and may store FP8 scale
 channel ([N, 1], ``fp8_scale="channel"``).
 
 INT4 W4A16 (QPN4LinearMethod; ``int4_method_for`` builds it for the registered QPN config, which
-hands it out once formats.INT4 is served: qpn_config.int4_served) registers the tensors of its
+hands it out unless QPN_INT4=0: qpn_config.int4_served) registers the tensors of its
 checkpoint convention (qpn.fork_patches.conventions.AWQ / GPTQ / CT_PACK_QUANTIZED) as stored,
 with vLLM's packed / group-scale parameter classes placed by the convention's layout. Before the
 prepack, the canonical source the family unpacker made is written back in the convention's layout
