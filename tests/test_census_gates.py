@@ -514,12 +514,14 @@ def int4_checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("declared-int4")
     mi.make_int4_checkpoint(root / "awq", "awq")
+    mi.make_int4_checkpoint(root / "gptq", "gptq")
     mi.make_int4_checkpoint(root / "ct", "compressed-tensors")
     mi.make_int4_checkpoint(root / "ct-sym", "compressed-tensors", symmetric=True)
     return root
 
 
-@pytest.mark.parametrize("name, convention, fmt", [("awq", "awq", "int4"), ("ct", "compressed-tensors", "int4"),
+@pytest.mark.parametrize("name, convention, fmt", [("awq", "awq", "int4"), ("gptq", "gptq", "int4"),
+                                                   ("ct", "compressed-tensors", "int4"),
                                                    ("ct-sym", "compressed-tensors", "int4_sym")])
 def test_int4_checkpoints_declare_the_int4_region_and_their_modules(int4_checkpoints, name, convention, fmt):
     """What the launcher reads of an INT4 checkpoint: the 'int4' region (which the qpn_routes gate
@@ -536,7 +538,7 @@ def test_int4_checkpoints_declare_the_int4_region_and_their_modules(int4_checkpo
     assert not any(n == "lm_head" or n.startswith("mtp.") for n in declared)
     assert not boot_gates.head_declared(declared) and boot_gates.checkpoint_needs(declared) == set()
     # an INT4 config QPN does not serve declares no region (the preflight names why, or the engine serves it)
-    assert boot_gates.declared_regions({**cfg, "bits": 8} if convention == "awq" else
+    assert boot_gates.declared_regions({**cfg, "bits": 8} if convention != "compressed-tensors" else
                                        {**cfg, "config_groups": {"g": {**cfg["config_groups"]["group_0"], "weights": {
                                            **cfg["config_groups"]["group_0"]["weights"], "group_size": 16}}}}) == set()
 
