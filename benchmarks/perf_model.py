@@ -243,7 +243,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
         for name, c in sm80_plan.sm80_kernels().items():
             if c.variant != 0 or name not in funcs:
                 continue
-            fmt = c.fmt   # every configured kernel, as on m8n8k4
+            fmt = c.fmt   # served kernels and those of a staged family (formats.py), as on m8n8k4
             tile_kb = int(16 * 64 * bytes_per_weight(fmt))  # codes and scales of a 16 x 64 tile k-block
             depth = c.depth if not c.stages else c.stages - 1
             hmma = 4 * c.tiles * c.mt
@@ -253,7 +253,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
     else:
         family = sources["qpn_family.cuh"]
         entries = sm70_linear_entries(sources[source])
-        # served kernels and those of a family with kernels but no served route yet (INT4)
+        # served kernels and those of a staged family (kernels, no served route yet: formats.py)
         for name in jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"]:
             if name not in entries or name not in funcs:   # the reconstruct kernels are not GEMMs
                 continue

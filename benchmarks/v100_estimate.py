@@ -135,8 +135,8 @@ def seed_levels() -> dict[tuple[str, int], float]:
 
 
 def kernel_for(fmt: str, m: int, form: str, n: int = 5120, k: int = 5120) -> str | None:
-    """Our m8n8k4 kernel for ``fmt`` at M <= 16 (the route ops takes; a family with kernels but no
-    served route yet, INT4, included: its asymmetric member); None where there is none."""
+    """Our m8n8k4 kernel for ``fmt`` at M <= 16 (the route ops takes; INT4: its asymmetric member,
+    the family's first; a staged family's too, formats.py); None where there is none."""
     try:
         route = routes.route_for(fmt, m, n, k, arch="sm70", served_only=False)
         return ops._route_kernel(route, m, form)[0] + "_m8n8k4"

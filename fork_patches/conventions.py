@@ -59,7 +59,7 @@ auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked
 
 INT4 W4A16 (qpn.kernels.family_int4; kept apart: ``INT4_CONVENTIONS``, ``int4_convention_of``,
 ``detect_int4``; the registered QPN config claims these checkpoints and hands their layers the
-QPN4 method only once the family is served, qpn_config.int4_served). Three conventions, one
+QPN4 method unless QPN_INT4=0, qpn_config.int4_served). Three conventions, one
 ``INT4Convention`` each:
 names, the stored layout in symbols of (N, K, g), the family_int4 unpacker, the config keys.
 Proven against vLLM 0.32's and both 1Cat-vLLM archives' own create_weights / from_config by
@@ -512,10 +512,10 @@ def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
 
 
 # ==================================================================================== INT4 W4A16
-# The INT4 conventions are not in CONVENTIONS and ``detect`` does not return them: the boot gates'
-# coverage reads NVFP4 / FP8 checkpoints only. What they do: name each convention's tensors, read its
-# config (``scheme``, ``excluded``; the registered QPN config claims and serves INT4 checkpoints
-# through them once formats.INT4 is served), hand family_int4's unpackers the tensors
+# The INT4 conventions are not in CONVENTIONS and ``detect`` does not return them (``detect_int4``
+# does; the launcher's boot_gates.declared_modules asks it first). What they do: name each
+# convention's tensors, read its config (``scheme``, ``excluded``; the registered QPN config claims
+# and serves INT4 checkpoints through them), hand family_int4's unpackers the tensors
 # (``int4_inputs``), and let the launcher refuse before boot a checkpoint whose INT4 tensors are
 # not whole (``int4_checkpoint_problems``, called by serve_preflight.check_checkpoint_tensors).
 class ActOrderRefused(ConventionError):
@@ -610,6 +610,12 @@ class INT4Convention:
         if self.names.shape is not None:
             out["shape"] = False
         return out
+
+    def packs_outputs(self, scheme: INT4Scheme) -> bool:
+        """Whether a tensor a module of ``scheme`` stores packs eight OUTPUT rows per int32 (AWQ's
+        codes and zero points, GPTQ's and compressed-tensors' zero points): then every fused
+        output partition on every tensor-parallel rank needs a multiple of 8 rows."""
+        return any(sym.startswith("N/") for role in self.roles(scheme) for sym in getattr(self.layout, role))
 
     def tensor_names(self, module: str, scheme: INT4Scheme) -> dict[str, str]:
         """{role: full checkpoint tensor name} of the tensors a module of ``scheme`` may store."""

@@ -31,7 +31,7 @@ float32 reciprocal, per shard) / ``input_global_scale``, and may store FP8 scale
 channel ([N, 1], ``fp8_scale="channel"``).
 
 INT4 W4A16 (QPN4LinearMethod; ``int4_method_for`` builds it for the registered QPN config, which
-hands it out while the family is served and ``QPN_INT4`` is not 0: qpn_config.int4_served) registers the tensors of its
+hands it out unless QPN_INT4=0: qpn_config.int4_served) registers the tensors of its
 checkpoint convention (qpn.fork_patches.conventions.AWQ / GPTQ / CT_PACK_QUANTIZED) as stored,
 with vLLM's packed / group-scale parameter classes placed by the convention's layout. Before the
 prepack, the canonical source the family unpacker made is written back in the convention's layout
@@ -316,7 +316,8 @@ class _QPNLinearMethod(LinearMethodBase):
         m = x2.shape[0]
         if m == 0:
             return x2.new_empty((0, self.n))
-        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch)
+        # a staged family (registered, not served: kernels/formats.py) has its routes in the unserved table only
+        route = route_for(self.fmt, m, self.n, self.k, arch=self.arch, served_only=self.format.served)
         if len(self.pieces) == 1:
             y = self._ops.qpn_linear(x2, self.pieces[0][2], route=route)
         else:
@@ -604,8 +605,7 @@ class QPN4LinearMethod(_QPNLinearMethod):
                            f"TP size that keeps whole groups (TP in {fits}) or use a checkpoint quantized with "
                            f"a group size that divides {self.k}")
             self._fail(f"K={self.k} input features is not a multiple of the group size {g}")
-        needed = set(self.int4.roles(self.scheme))
-        packs_n = any(sym.startswith("N/") for role in needed for sym in getattr(self.int4.layout, role))
+        packs_n = self.int4.packs_outputs(self.scheme)
         for idx, rows in enumerate(self.partition_sizes):
             if packs_n and rows % _NIBBLES:
                 self._fail(f"{self._shard_label(idx)} has {rows} rows on this rank; {self.int4.name} packs "

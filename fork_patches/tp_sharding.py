@@ -9,11 +9,11 @@ Our NVFP4 parameters declare ``input_dim=1`` for both the codes (uint8 [N, K/2])
 scales (e4m3 [N, K/16]), so a rank's codes and scales cover the same inputs only when K/TP is a
 multiple of 16 (whole NVFP4 groups), and the prepacked buffer has no padding inside the rank's K
 only when K/TP is a multiple of every atom's k-block. FP8 shards keep one scale per output
-partition (``PerTensorScaleParameter``: one value per fused shard, on every rank). INT4 W4A16
-(AWQ, GPTQ, compressed-tensors pack-quantized) chooses its group size per checkpoint, so a
-module carries its own (``Module.group_size``), and stores some role eight output rows to an
-int32 word (AWQ's codes, the zero points of all three): a rank's rows must then be whole words
-(``Module.rows_per_word``).
+partition (``PerTensorScaleParameter``: one value per fused shard, on every rank). INT4 (AWQ, GPTQ,
+compressed-tensors pack-quantized) is split the same way at its checkpoint's own group size (one
+scale and zero point per 32, 64 or 128 inputs, so K/TP must hold whole groups), and a layout that
+packs eight output rows per int32 word (AWQ's codes, every asymmetric zero-point tensor) needs a
+multiple of 8 rows per rank in every fused output partition.
 
 ``plan`` gives the per-rank (N, K) of every module and the problems of a split; the launcher's
 preflight (``serve_preflight.check_tp_split``) refuses a checkpoint that cannot be split at the
@@ -38,11 +38,11 @@ def k_blocks() -> dict[str, int]:
 @dataclass(frozen=True)
 class Module:
     name: str
-    region: str  # kernel family of qpn.kernels.formats (nvfp4, fp8, int4)
+    region: str  # kernel family of qpn.kernels.formats ("nvfp4" | "fp8" | "int4")
     output_sizes: tuple[int, ...]  # rows of each fused output partition (one entry if unfused)
     k: int  # input features
-    group_size: int | None = None  # inputs per group scale where the checkpoint chooses it (INT4); None: the format's
-    rows_per_word: int = 1  # output rows one stored word packs (INT4 AWQ codes, zero points: 8)
+    group: int | None = None  # inputs per group scale where the checkpoint chooses it (INT4); None: the format's
+    rows_per_word: int = 1  # output rows packed into one stored word (INT4 layouts packing N: 8)
 
     @property
     def style(self) -> str:
@@ -78,7 +78,7 @@ def problems(module: Module, tp: int, blocks: dict[str, int] | None = None) -> l
             return [f"{module.name}: row-parallel input K={module.k} does not divide by TP={tp}"]
         k = module.k // tp
         fmt = formats.weight_format(module.region)
-        group = module.group_size or fmt.group_size
+        group = module.group or fmt.group_size
         if group is not None and k % group:
             out.append(f"{module.name}: row-parallel K={module.k}/TP={tp} = {k} inputs per rank "
                        f"splits an {fmt.title} group (one {fmt.scale_name} scale per {group} inputs)")
@@ -94,8 +94,8 @@ def problems(module: Module, tp: int, blocks: dict[str, int] | None = None) -> l
                            f"divide by TP={tp}")
             elif (rows // tp) % module.rows_per_word:
                 out.append(f"{module.name}: {module.style}-parallel output N={rows}{part}/TP={tp} = "
-                           f"{rows // tp} rows per rank splits the int32 words that pack "
-                           f"{module.rows_per_word} rows each")
+                           f"{rows // tp} rows per rank is not a whole number of stored words "
+                           f"({module.rows_per_word} output rows each)")
     return out
 
 
@@ -121,19 +121,21 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 def checkpoint_modules(ckpt: str, quantized_layers: dict, convention=None) -> list[Module]:
     """The quantized modules of a checkpoint as vLLM fuses them, from its declared modules and
-    the safetensors headers (NVFP4 codes hold K/2 bytes per row, FP8 K). ``quantized_layers``:
-    {module: ModuleScheme} with the ``convention`` that named its codes tensor
+    the safetensors headers (NVFP4 codes hold K/2 bytes per row, FP8 K; an INT4 convention's
+    layout says which axis of its int32 codes is N or K). ``quantized_layers``: {module:
+    ModuleScheme or INT4Scheme} with the ``convention`` that named its codes tensor
     (qpn.fork_patches.conventions; the launcher's boot_gates.declared_modules), or ModelOpt's
-    own {module: {quant_algo, ...}} map (codes in ``weight``); or {module: INT4Scheme} with the
-    INT4 convention whose layout stores them (conventions.int4_declared_modules)."""
+    own {module: {quant_algo, ...}} map (codes in ``weight``)."""
+    from qpn.fork_patches.conventions import INT4Convention
+
     shapes = _headers(ckpt)
-    layout = getattr(convention, "layout", None)  # an INT4 convention: its own stored layout
     fused: dict[str, dict] = {}
+    int4 = isinstance(convention, INT4Convention)
     for name, entry in sorted(quantized_layers.items()):
         group, per_word = None, 1
-        if layout is not None:
-            fmt, codes, group = entry.format, convention.names.codes, entry.group_size
-            per_word = 8 if any("N/8" in getattr(layout, role) for role in convention.roles(entry)) else 1
+        if int4:  # a conventions.INT4Scheme: the group size is the checkpoint's
+            fmt, codes = entry.format, convention.names.codes
+            group, per_word = entry.group_size, 8 if convention.packs_outputs(entry) else 1
         elif hasattr(entry, "format"):  # a conventions.ModuleScheme
             fmt = entry.format
             codes = convention.names(fmt).codes if convention is not None else "weight"
@@ -143,11 +145,13 @@ def checkpoint_modules(ckpt: str, quantized_layers: dict, convention=None) -> li
         shape = shapes.get(f"{name}.{codes}")
         if fmt is None or shape is None or len(shape) != 2:
             continue  # experts stacked elsewhere, or not a linear weight: vLLM reports those
-        n, k = layout.n_k(shape) if layout is not None else (int(shape[0]), int(shape[1]) * fmt.codes_per_byte)
+        region = fmt.family
+        n, k = convention.layout.n_k(shape) if int4 else (int(shape[0]), int(shape[1]) * fmt.codes_per_byte)
         base, _, leaf = name.rpartition(".")
         target, index = _FUSED.get(leaf, (leaf, 0))
         key = f"{base}.{target}" if base else target
-        slot = fused.setdefault(key, {"region": fmt.family, "k": k, "parts": {}, "group": group, "per_word": per_word})
+        slot = fused.setdefault(key, {"region": region, "k": k, "parts": {}, "group": group, "per_word": per_word})
         slot["parts"][index] = n
     return [Module(name, s["region"], tuple(s["parts"][i] for i in sorted(s["parts"])), s["k"], s["group"],
-                   s["per_word"]) for name, s in sorted(fused.items())]
+                   s["per_word"])
+            for name, s in sorted(fused.items())]

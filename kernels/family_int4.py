@@ -9,9 +9,9 @@ families.numerics(fmt) hands it out. The m8n8k4 (SM70) CUDA decoders are DecINT4
 csrc/qpn_family.cuh (entry points qpn4[_sym]_{mt1,mt2,reconstruct_ws}_m8n8k4); the m16n8k16
 (sm_80+) ones are Frag16INT4Form in csrc/qpn_atom_m16n8k16.cuh (qpn4[_sym]_mt1_m16n8k16_t2d4p0,
 qpn4[_sym]_mt2_m16n8k16_t1d4p0, qpn4[_sym]_reconstruct_ws_m16n8k16; sm80_tables.SM80_ROUTE_KERNELS).
-ops runs them through the family's routes (qpn4, qpn4_mt2, qpn4_chunked, qpn4_reconstruct); the
-loader's QPN4LinearMethod (fork_patches/linear_method.py) serves AWQ, GPTQ and compressed-tensors
-pack-quantized checkpoints through them. Dense layers only: no MoE kernels (formats ``moe_atoms``).
+ops runs them through the family's routes (qpn4, qpn4_mt2, qpn4_chunked, qpn4_reconstruct:
+routes.py); the loader's QPN4LinearMethod (fork_patches/linear_method.py) serves AWQ, GPTQ and
+compressed-tensors pack-quantized checkpoints through them. There are no INT4 MoE kernels.
 
 Canonical source (what a checkpoint convention hands the family; roles in formats.py):
   codes         uint8   [N, K/2]  two unsigned 4-bit codes per byte, the even k in the LOW nibble

@@ -1,8 +1,5 @@
 """The numeric weight formats QPN serves, as data: NVFP4, FP8 per tensor, FP8 per output channel,
-and INT4 W4A16 (asymmetric with zero points, and symmetric; dense layers only: no MoE kernels,
-``moe_atoms``). A format may be registered before it is served (``served=False``: its numerics
-and kernels exist, ops runs them, but the served route list, the census and the checkpoint gates
-do not name it); none is today.
+and INT4 W4A16 (asymmetric, with zero points, and symmetric).
 Everything that depends on a weight's format asks its ``WeightFormat`` here instead of comparing
 format strings.
 
@@ -10,7 +7,8 @@ A description says what a checkpoint stores (code and scale dtypes, codes per by
 how the output scale applies) and which route family, kernel entry points and CUDA decoders serve
 it: the m8n8k4 entry lines of csrc/qpn_kernels.cu are written from it (jit.sm70_entry_lines). How a
 tensor of the format is decoded, encoded, prepacked, proven and computed on the CPU is its
-family's module (family_nvfp4.py, family_fp8.py), which ``families.numerics(fmt)`` hands out.
+family's module (family_nvfp4.py, family_fp8.py, family_int4.py), which ``families.numerics(fmt)``
+hands out.
 This module is the bottom layer of kernels/: it imports nothing of the package and no torch (the
 launcher's gates and the convention readers use it on configs alone).
 
@@ -21,11 +19,19 @@ INT4 (codes uint8 [N, K/2], low nibble = even k; group_scales float16 [N, K/g]; 
 uint8 [N, K/g] holding 0..15, asymmetric member only; w = (code - zero) * scale, symmetric zero 8).
 Checkpoint conventions (fork_patches/conventions.py) map their tensor names onto these roles.
 
-Lookup: ``weight_format(x)`` takes a format key ("nvfp4", "fp8_tensor", "fp8_channel"), a
-kernel family name ("nvfp4", "fp8": the family's per-tensor member), a ModelOpt ``quant_algo``
-("NVFP4", "W4A16_NVFP4", "FP8"), or a WeightFormat; ``format_of(packed)`` answers for a packed
-weight; ``format_for_route(route)`` for a QPN route name. These look up SERVED formats only unless
-asked with ``served_only=False`` (families.numerics does: the numerics of every format exist).
+Lookup: ``weight_format(x)`` takes a format key ("nvfp4", "fp8_tensor", "fp8_channel", "int4",
+"int4_sym"), a kernel family name ("nvfp4", "fp8", "int4": the family's first member), a ModelOpt
+``quant_algo`` ("NVFP4", "W4A16_NVFP4", "FP8"), or a WeightFormat; ``format_of(packed)`` answers
+for a packed weight; ``format_for_route(route)`` for a QPN route name. These look up SERVED formats
+only unless asked with ``served_only=False`` (families.numerics does: the numerics of every format
+exist).
+
+Staging: a format can be registered before a loader serves it (``served=False``): its numerics,
+and its kernels where it lists ``kernel_atoms``, are built and tested, but the served lists (routes'
+QPN_ROUTES, jit.ENTRY_POINTS, the census, the boot gates) leave it out; its dense routes and kernels
+wait in routes.UNSERVED_ROUTES, jit.UNSERVED_ENTRY_POINTS and sm80_tables.SM80_UNSERVED_ROUTE_KERNELS
+(INT4 came this way; no registered format is staged today). Mixture-of-experts kernels exist for the
+formats whose ``moe_atoms`` name an atom (NVFP4, FP8; not INT4): only those have a MoE route.
 
 Group size: ``group_size`` is the format's default; a format whose checkpoints choose the group
 size per weight lists the choices in ``group_sizes`` (INT4: 32, 64, 128) and a packed weight
@@ -78,11 +84,11 @@ class WeightFormat:
     # group sizes a checkpoint may choose per weight (() = group_size only)
     group_sizes: tuple[int, ...] = ()
     scale_dtype: str = "float8_e4m3fn"  # torch dtype name of the group scales
-    served: bool = True    # False: no loader, served route list, census or checkpoint gate names it yet
+    served: bool = True    # False: staged (see the module): no loader, served route list, census or gate names it
     # atoms whose dense kernels exist for this format (ops runs them, served or not); () = numerics only
     kernel_atoms: tuple[str, ...] = ("m8n8k4", "m16n8k16")
-    # atoms whose grouped MoE kernels (csrc/qpn_moe*.cu) exist for this format; () = dense layers only,
-    # and no MoE route (routes.QPN_MOE_ROUTES)
+    # atoms whose grouped mixture-of-experts kernels (kernels/moe.py) exist for this format; () = none,
+    # so no MoE route (routes.QPN_MOE_ROUTES) and no MoE entry point names it
     moe_atoms: tuple[str, ...] = ("m8n8k4", "m16n8k16")
     # members of one family whose kernels differ (INT4: with / without zero points) tell their kernel
     # names apart by this tag after the route prefix ("qpn4_sym_mt1_m8n8k4"); "" = the family's names
@@ -186,6 +192,8 @@ class WeightFormat:
         return (f"{self.kernel_prefix}_reconstruct_ws_{atom}",)
 
     def moe_entry_points(self, atom: str) -> tuple[str, ...]:
+        """The grouped MoE kernels of the format on ``atom`` (gate/up, down); none on an atom outside
+        ``moe_atoms``."""
         if atom not in self.moe_atoms:
             return ()
         p = self.route_prefix
@@ -212,17 +220,19 @@ FP8_CHANNEL = WeightFormat(
 
 # W4A16 integer weights (AutoAWQ, GPTQ, compressed-tensors pack-quantized): the group size is the
 # checkpoint's choice per weight (group_sizes); group_size is the common default. No ModelOpt algo
-# declares them (the checkpoint conventions map their configs onto the keys).
+# declares them (the checkpoint conventions map their configs onto the keys). Dense layers only:
+# no grouped MoE kernels (an INT4 checkpoint's routed experts stay with the engine's own method).
 INT4 = WeightFormat(
     key="int4", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", moe_atoms=(), decoder="DecINT4")
+    scale_dtype="float16", kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(), decoder="DecINT4")
 INT4_SYM = WeightFormat(
     key="int4_sym", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16 symmetric", group_sizes=INT4_GROUP_SIZES,
-    scale_dtype="float16", moe_atoms=(), kernel_tag="sym", decoder="DecINT4Sym")
+    scale_dtype="float16", kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(), kernel_tag="sym",
+    decoder="DecINT4Sym")
 
 # Every format with numerics (families.numerics); one member per kernel family in ALL_FAMILIES.
 ALL_FORMATS: tuple[WeightFormat, ...] = (NVFP4, FP8_TENSOR, FP8_CHANNEL, INT4, INT4_SYM)
@@ -232,6 +242,8 @@ WEIGHT_FORMATS: tuple[WeightFormat, ...] = tuple(f for f in ALL_FORMATS if f.ser
 # One member per kernel family: the formats that differ only in how the output scale is stored
 # share the family's packed layout, routes and kernels.
 FAMILIES: dict[str, WeightFormat] = {k: f for k, f in ALL_FAMILIES.items() if f.served}
+# The served families with grouped MoE kernels (kernels/moe.py; their MoE routes, routes.QPN_MOE_ROUTES).
+MOE_FAMILIES: dict[str, WeightFormat] = {k: f for k, f in FAMILIES.items() if f.moe_atoms}
 MODELOPT_ALGOS: dict[str, WeightFormat] = {a: f for f in WEIGHT_FORMATS for a in f.algos}
 # What ops can run through kernels: every format with dense kernels on some atom, served or not
 # (routes.route_for(..., served_only=False), jit.UNSERVED_ENTRY_POINTS); one member per family.

@@ -22,14 +22,15 @@ import threading
 from . import formats, nvrtc, sm80_tables
 
 COMPILE_FLAGS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")
-# Every kernel entry point the family must export, per atom (each served format member's dense
-# entry points, from kernels/formats.py -- INT4's members have kernels of their own; on m16n8k16
-# also the configured kernels sm80_tables names). ops.build() fails naming any that is missing.
+# Every kernel entry point the family must export, per atom (each served format's dense entry
+# points, from kernels/formats.py; on m16n8k16 also the configured kernels sm80_tables names).
+# ops.build() fails naming any that is missing. Per member, not per family: INT4's two members have
+# kernels of their own (kernel_tag), FP8's share theirs (dict.fromkeys keeps one of each name).
 ENTRY_POINTS = {atom: tuple(dict.fromkeys(e for f in formats.WEIGHT_FORMATS for e in f.dense_entry_points(atom)))
                 for atom in ("m8n8k4", "m16n8k16")}
-# The kernels of formats registered with kernels but not served yet (formats ``served=False``; none
-# today): built, loaded and checked with the rest (check_entry_points, sm70_check), run by ops, but
-# kept out of ENTRY_POINTS, which the served tools (benchmarks/perf_model.py) read as what they model.
+# The kernels of formats that have them but are not served yet (formats.py, "Staging"): built,
+# loaded and checked with the rest (check_entry_points, sm70_check), run by ops, but kept out of
+# ENTRY_POINTS, which the served tools (benchmarks/perf_model.py) read as what they model.
 UNSERVED_ENTRY_POINTS = {atom: tuple(dict.fromkeys(e for f in formats.KERNEL_FORMATS if not f.served
                                                    for e in f.dense_entry_points(atom)))
                          for atom in ("m8n8k4", "m16n8k16")}
@@ -38,19 +39,12 @@ MAIN_SOURCE = "qpn_kernels.cu"
 ATOM_SOURCES = {"m8n8k4": MAIN_SOURCE, "m16n8k16": "qpn_kernels_sm80.cu"}
 ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 
-
-
-def _sm80_table_kernels(served: bool) -> list[str]:
-    """The kernels the sm80_tables name for the formats that are (``served``) or are not served yet,
-    in table order."""
-    keyed = [(key[0], name) for table in (sm80_tables.SM80_ROUTE_KERNELS, sm80_tables.SM80_LARGE_N_KERNELS,
-                                          sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM) for key, name in table.items()]
-    keyed += [(f, name) for f, names in sm80_tables.SM80_BAND_KERNELS.items() for name in names]
-    return [name for f, name in keyed if f.served == served]
-
-
-ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(_sm80_table_kernels(True) + list(ENTRY_POINTS["m16n8k16"])))
-UNSERVED_ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(_sm80_table_kernels(False)
+ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(sm80_tables.SM80_ROUTE_KERNELS.values())
+                                               + list(sm80_tables.SM80_LARGE_N_KERNELS.values())
+                                               + list(sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM.values())
+                                               + [k for ks in sm80_tables.SM80_BAND_KERNELS.values() for k in ks])
+                                 ) + ENTRY_POINTS["m16n8k16"]
+UNSERVED_ENTRY_POINTS["m16n8k16"] = tuple(dict.fromkeys(list(sm80_tables.SM80_UNSERVED_ROUTE_KERNELS.values())
                                                         + list(UNSERVED_ENTRY_POINTS["m16n8k16"])))
 
 
@@ -75,8 +69,9 @@ def sm70_entry_lines() -> str:
     QPN_RECONSTRUCT_ENTRY for the reconstruction passes."""
     registered = {k.name: k for f in formats.KERNEL_FORMATS for k in f.m8n8k4_kernels()}
     lines = []
-    # The order of the lines is the order of the kernels in the cubin: served formats first, in
-    # registry order, GEMMs before the reconstruct passes.
+    # The order of the lines is the order of the kernels in the cubin; this one (served formats
+    # first, GEMMs before the reconstruct passes) is the order of the list the file held by hand, so
+    # the cubin stayed byte for byte what it was when the list became data.
     for names in (ENTRY_POINTS["m8n8k4"], UNSERVED_ENTRY_POINTS["m8n8k4"]):
         kernels = [registered[n] for n in names]
         lines += [f"QPN_LINEAR_ENTRY({k.name}, {SM70_ATOM_STRUCT}, {k.decoder}, {k.tiles})"

@@ -63,7 +63,7 @@ MoeShapeError = formats.MoeShapeError  # defined with the formats so every layer
 class PackedExpertStack(prepack.PackedLayout):
     """E expert matrices [N, K] of one projection, each prepacked like a dense weight."""
 
-    fmt: str                       # kernel family of qpn.kernels.formats with MoE kernels ("nvfp4" | "fp8")
+    fmt: str                       # kernel family of qpn.kernels.formats ("nvfp4" | "fp8")
     codes: torch.Tensor            # uint8 [E, code_bytes] (fragment order per expert)
     scales: Optional[torch.Tensor]  # uint8 [E, scale_bytes] e4m3 group scales (NVFP4), else None
     chscale: torch.Tensor          # float32 [E, 1] (NVFP4 global scale, FP8 per tensor) or [E, N] (FP8 per channel)
@@ -183,12 +183,9 @@ def prepack_expert_stack(fmt: str, weight: torch.Tensor, weight_scale: torch.Ten
     if e_count < 1:
         raise MoeShapeError("an expert stack needs at least one expert")
     wf = formats.find_format(fmt)
-    moe_families = sorted(k for k, f in formats.FAMILIES.items() if f.moe_atoms)
-    if wf is None:
-        raise MoeShapeError(f"unknown expert weight format {fmt!r}; expected one of {moe_families}")
-    if not wf.moe_atoms:
-        raise MoeShapeError(f"{wf.title} experts: QPN has no {wf.title} MoE kernels (dense layers only); "
-                            f"MoE experts are served in {moe_families}")
+    if wf is None or wf.family not in formats.MOE_FAMILIES:
+        raise MoeShapeError(f"expert weight format {fmt!r} has no QPN MoE kernels; expected one of "
+                            f"{sorted(formats.MOE_FAMILIES)}")
     num = families.numerics(wf)
     codes = scales = None
     chs = []

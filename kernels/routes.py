@@ -2,18 +2,18 @@
 loader's dispatch, the custom ops, the census and the benchmarks alike. A route is never a silent
 fallback: every M has exactly one named route, and every route below is a real kernel path.
 
-| M      | NVFP4 (MLP trunk, lm_head)  | FP8 (attention projections) | INT4 W4A16 (AWQ / GPTQ / CT) |
-|--------|-----------------------------|-----------------------------|------------------------------|
-| 1-8    | qpn2                        | qpn8                        | qpn4                         |
-| 9-16   | qpn2_mt2                    | qpn8_mt2                    | qpn4_mt2                     |
-| 17-96  | qpn2_chunked                | qpn8_chunked                | qpn4_chunked                 |
-| > 96   | qpn2_reconstruct            | qpn8_reconstruct            | qpn4_reconstruct             |
+| M      | NVFP4 (MLP trunk, lm_head)  | FP8 (attention projections) | INT4 W4A16 (AWQ, GPTQ, CT) |
+|--------|-----------------------------|-----------------------------|----------------------------|
+| 1-8    | qpn2                        | qpn8                        | qpn4                       |
+| 9-16   | qpn2_mt2                    | qpn8_mt2                    | qpn4_mt2                   |
+| 17-96  | qpn2_chunked                | qpn8_chunked                | qpn4_chunked               |
+| > 96   | qpn2_reconstruct            | qpn8_reconstruct            | qpn4_reconstruct           |
 
-* qpn2 / qpn8: one 8-row tile, four quadpairs on N sharing one activation fragment.
+* qpn2 / qpn8 / qpn4: one 8-row tile, four quadpairs on N sharing one activation fragment.
 * *_mt2: two 8-row tiles against a single pass over the weights.
 * *_chunked: on sm_80+ for NVFP4, ONE pass over the weights per 32 or 64 rows (the M-band kernels,
   kernels/sm80_tables.py SM80_BAND_KERNELS; sm80_plan._sm80_kernel_for picks the kernel and the chunk count). On
-  sm_70, and for FP8 on sm_80+, the M rows cut into 16-row chunks, each chunk an MT2 pass; the chunks of one weight
+  sm_70, and for FP8 and INT4 on sm_80+, the M rows cut into 16-row chunks, each chunk an MT2 pass; the chunks of one weight
   tile are scheduled as adjacent blocks so that they stream the same weight bytes at the same
   time (the second and later reads come from L2). Why MT2 chunks and not a wider tile: each 8-row tile
   holds 8 FP32 accumulators per thread beside its decode registers, and a four-tile variant
@@ -22,17 +22,18 @@ fallback: every M has exactly one named route, and every route below is a real k
   The choice of 16-row chunks over 8-row chunks is by that design reasoning; the H200 benchmark
   also times the 8-row variant, but m8n8k4 is emulated there, so it cannot settle the V100 question.
 * *_reconstruct: the packed weights are expanded into a transient FP16 workspace holding
-  e2m1 x e4m3-group-scale (NVFP4) or e4m3 (FP8), values that FP16 represents exactly; a GEMM with
+  e2m1 x e4m3-group-scale (NVFP4), e4m3 (FP8), values that FP16 represents exactly, or
+  fp16((code - zero) x scale) (INT4, the operand its tiled kernels use too); a GEMM with
   FP32 accumulation and FP32 output runs on it, the per-tensor / per-channel scale is applied in
   FP32 and the workspace is freed when the call returns. Nothing is persisted.
 * *_moe (kernels/moe.py): the grouped kernels of a mixture-of-experts layer, one route per format
-  of its gate/up stack for every batch size (pairs are grouped by expert on the device).
-* INT4 W4A16: one route per band for both members; the kernels differ per member (qpn4_* with zero
-  points, qpn4_sym_* without: formats.WeightFormat.kernel_tag). INT4 has no MoE kernels
-  (formats.WeightFormat.moe_atoms), so no qpn4_moe route.
-* A family registered with kernels but not served yet (formats ``served=False``; none today) gets
-  the same dense bands as UNSERVED_ROUTES: ops runs them (``route_for(..., served_only=False)``),
-  QPN_ROUTES, parse_route and route_for's default do not name them.
+  of its gate/up stack for every batch size (pairs are grouped by expert on the device). Only the
+  families with MoE kernels (formats.MOE_FAMILIES: NVFP4, FP8) have one; INT4 has none.
+* INT4's two members (with zero points, symmetric) share the family's routes; each runs its own
+  kernels (qpn4_* and qpn4_sym_*, formats.WeightFormat.kernel_tag).
+* A family registered but not served yet (formats.py, "Staging") gets the same dense bands as
+  UNSERVED_ROUTES: ops runs them (``route_for(..., served_only=False)``), while QPN_ROUTES,
+  parse_route and route_for's default do not name them. No family is staged today.
 
 A route travels as a ``Route`` value: its name is parsed once, here, into what the kernels need
 (format, kernel kind, token tiles per weight pass, chunk rows) and the M band the table gives it;
@@ -49,7 +50,7 @@ from . import formats
 FORMATS = tuple(formats.FAMILIES)
 ROUTE_PREFIX = {family: f.route_prefix for family, f in formats.FAMILIES.items()}
 # Every family with kernels, served or not (formats.KERNEL_FAMILIES): a family that is not served
-# yet has the same dense bands, as UNSERVED_ROUTES, which ops runs when asked with
+# yet (staged) has the same dense bands, as UNSERVED_ROUTES, which ops runs when asked with
 # served_only=False and which no served list (QPN_ROUTES, the census, the gates) holds.
 _KERNEL_PREFIX = {family: f.route_prefix for family, f in formats.KERNEL_FAMILIES.items()}
 
@@ -73,7 +74,7 @@ MOE = "moe"                  # the grouped mixture-of-experts kernels (kernels/m
 class Route:
     """One QPN route. ``str(route)`` is its name (``qpn2_mt2``); compare routes as values."""
 
-    format: str          # kernel family it serves (a formats.FAMILIES key: nvfp4, fp8, int4)
+    format: str          # kernel family it serves, a formats.FAMILIES key (nvfp4, fp8, int4)
     kernel: str          # TILED | RECONSTRUCT | MOE
     tiles_per_pass: int  # 8-row token tiles against one weight pass (TILED; 0 otherwise)
     chunk_rows: int      # rows per chunk when M is cut into chunks, each chunk one pass; 0: no chunks
@@ -94,7 +95,7 @@ class Route:
 
     @property
     def prefix(self) -> str:
-        """The format's route family (``qpn2`` / ``qpn8``), also the kernels' name prefix."""
+        """The format's route family (``qpn2`` / ``qpn8`` / ``qpn4``), also the kernels' name prefix."""
         return _KERNEL_PREFIX[self.format]
 
     @property
@@ -149,20 +150,25 @@ def _route_name(r: Route) -> str:
     return _KERNEL_PREFIX[r.format] + _SUFFIX[shape]
 
 
+def _has_shape(fmt: str, shape: tuple) -> bool:
+    """Whether family ``fmt`` has kernels of this route shape: every family its dense bands, only
+    the families with grouped MoE kernels (formats.MOE_FAMILIES) a MoE route."""
+    return shape[0] != MOE or fmt in formats.MOE_FAMILIES
+
+
 def parse_route(name: str) -> Route:
     """The Route a route name stands for. ValueError names the known routes."""
     prefix, sep, suffix = str(name).partition("_")
     fmt = _FORMAT_OF_PREFIX.get(prefix)
     shape = _SHAPE_OF_SUFFIX.get(sep + suffix)
-    if fmt is None or shape is None or (shape[0] == MOE and not formats.FAMILIES[fmt].moe_atoms):
+    if fmt is None or shape is None or not _has_shape(fmt, shape):
         raise ValueError(f"unknown QPN route {name!r}; known routes: {sorted(_NAMES)}")
     m_min, m_max = _BAND[shape]
     return Route(fmt, *shape, m_min, m_max)
 
 
-# A family without MoE kernels (formats.WeightFormat.moe_atoms empty: INT4) has no MoE route.
-_NAMES = tuple(p + s for f, p in ROUTE_PREFIX.items() for s, shape in _SHAPE_OF_SUFFIX.items()
-               if shape[0] != MOE or formats.FAMILIES[f].moe_atoms)
+_NAMES = tuple(p + s for p, f in _FORMAT_OF_PREFIX.items() for s, shape in _SHAPE_OF_SUFFIX.items()
+               if _has_shape(f, shape))
 # Every route, by name.
 ALL_ROUTES: dict[str, Route] = {n: parse_route(n) for n in _NAMES}
 
@@ -196,7 +202,7 @@ def _check_format(fmt: str, served_only: bool = True) -> None:
 
 
 def route_for(fmt: str, m: int, n: int, k: int, arch: str = "sm70", served_only: bool = True) -> Route:
-    """Route of one linear call: fmt is a served family (formats.FAMILIES key), m = rows in the batch;
+    """Route of one linear call: fmt is a served family (formats.FAMILIES), m = rows in the batch;
     with ``served_only`` False also a family whose kernels exist but that is not served yet
     (formats.KERNEL_FAMILIES: its UNSERVED_ROUTES)."""
     _check_format(fmt, served_only)
@@ -225,15 +231,14 @@ def tiled_route(fmt: str, tiles_per_pass: int) -> Route:
 def moe_route_for(fmt: str) -> Route:
     """Route of a MoE layer whose gate/up experts are stored in ``fmt``."""
     _check_format(fmt)
-    route = ALL_ROUTES.get(ROUTE_PREFIX[fmt] + _SUFFIX[(MOE, 0, 0)])
-    if route is None:
-        raise ValueError(f"{formats.FAMILIES[fmt].title} has no MoE kernels, so no MoE route; QPN serves MoE "
-                         f"experts in {', '.join(k for k, f in formats.FAMILIES.items() if f.moe_atoms)}")
-    return route
+    if fmt not in formats.MOE_FAMILIES:
+        raise ValueError(f"{formats.FAMILIES[fmt].title} has no QPN MoE kernels; the families with MoE "
+                         f"routes are {sorted(formats.MOE_FAMILIES)}")
+    return ALL_ROUTES[ROUTE_PREFIX[fmt] + _SUFFIX[(MOE, 0, 0)]]
 
 
 def route_format(route: Route | str) -> str:
-    """Format ("nvfp4" / "fp8") a dense route serves."""
+    """Format family (a formats.FAMILIES key) a dense route serves."""
     r = as_route(route)
     if r.kernel == MOE:
         raise ValueError(f"{r} is a MoE route; known dense routes: {sorted(QPN_ROUTES)}")

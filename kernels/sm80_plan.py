@@ -265,7 +265,8 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0,
     """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows. The
     *_chunked route runs an M-band kernel where sm80_tables.SM80_BAND_KERNELS lists one for the
     format (one weight pass per 8 x MT rows), else the MT = 2 kernel once per 16-row chunk. ``member``:
-    the format member whose kernels run (kernel_member; default the route family's)."""
+    the format member whose kernels run (kernel_member; default the route family's); a format not
+    served yet finds its kernels in sm80_tables.SM80_UNSERVED_ROUTE_KERNELS."""
     route.check_m(m)
     key = (member or route.weight_format, route.tiles_per_pass)
     if route.chunk_rows and route.weight_format in sm80_tables.SM80_BAND_KERNELS:
@@ -274,7 +275,7 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0,
     elif n >= sm80_tables.SM80_LARGE_N and key in sm80_tables.SM80_LARGE_N_KERNELS:
         name = sm80_tables.SM80_LARGE_N_KERNELS[key]
     else:
-        name = sm80_tables.SM80_ROUTE_KERNELS[key]
+        name = sm80_tables.SM80_ROUTE_KERNELS.get(key) or sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[key]
     return name, _sm80_chunks(route, m, _sm80_config(name))
 
 

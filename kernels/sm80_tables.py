@@ -12,11 +12,10 @@ from __future__ import annotations
 from . import formats
 
 # sm_80+ (m16n8k16): which configured kernel of csrc/qpn_kernels_sm80.cu serves each packed route,
-# by (the format family's WeightFormat, formats.FAMILIES -- or, for a family whose members have
-# different kernels (INT4: formats.WeightFormat.kernel_tag), the member sm80_plan finds through
-# kernel_inputs.kernel_member; token tiles per weight pass). The NVFP4 and FP8 kernels were chosen on
-# the H200 among the spill-free configurations (benchmarks/kernel_matched_bench.py --sweep); a
-# change here needs no recompilation.
+# by (the format family's WeightFormat, formats.FAMILIES, or for a family whose members have kernels
+# of their own, INT4, each member; token tiles per weight pass). Chosen on the H200 among the
+# spill-free configurations (benchmarks/kernel_matched_bench.py --sweep); a change here needs no
+# recompilation.
 # (H200 sweeps 2026-11-30, results/kernel_sm80_ring_sweep_h200_20261130.csv (TP1 shapes) and
 # results/kernel_sm80_ring3_sweep_h200_20261130.csv (FP8, down, TP4 down, after the batched split-K
 # finish): the register ring t2d4p0 is best for NVFP4 M <= 8 on every measured shape except the
@@ -26,9 +25,10 @@ from . import formats
 # Run 6 (results/kernel_sm80_fp8swizzle_sweep_h200_20261130.csv): once the FP8 ring's copies were
 # coalesced (chunk_pos in the .cu), the ring t2s3x has the best mean for FP8 M 9-16: in_proj 57.8%
 # vs 53.0% for the register t1d4p0, out_proj 36.8% vs 37.5%; FP8 M <= 8 stays on the register ring.)
-# INT4 (both members): the register ring in the NVFP4 routes' configurations (M <= 8: t2d4p0; M 9-16
-# and, once per 16-row chunk, the chunked route: t1d4p0, the NVFP4 register-ring M 9-16 form); timed
-# on the H200 as they are (results/kernel_matched_int4_h200_20261203.csv), no sweep has chosen them.
+# INT4 (both members, kernels of their own: formats.WeightFormat.kernel_tag; sm80_plan looks them up
+# by the member kernel_inputs.kernel_member names): the register ring in the NVFP4 routes'
+# configurations (M <= 8: t2d4p0; M 9-16 and, once per 16-row chunk, the chunked route: t1d4p0, the
+# NVFP4 register-ring M 9-16 form); no H200 sweep has chosen them yet.
 _NVFP4, _FP8 = formats.FAMILIES["nvfp4"], formats.FAMILIES["fp8"]
 _INT4, _INT4_SYM = formats.INT4, formats.INT4_SYM
 SM80_ROUTE_KERNELS = {
@@ -76,17 +76,19 @@ SM80_BAND_KERNELS = {
 SM80_PDL_KERNELS = frozenset({SM80_ROUTE_KERNELS[_NVFP4, 1], SM80_LARGE_N_KERNELS[_NVFP4, 1],
                               SM80_ROUTE_KERNELS[_FP8, 1], SM80_ROUTE_KERNELS[_FP8, 2]})
 # The register-ring kernels (no shared memory) serve a route when the GPU cannot give a block the
-# ring kernel's shared memory (sm_86 / sm_89 allow about 99 KB per block).
+# ring kernel's shared memory (sm_86 / sm_89 allow about 99 KB per block). INT4's route kernels are
+# register rings already: their own.
 SM80_ROUTE_KERNELS_NO_SMEM = {
     (_NVFP4, 1): "qpn2_mt1_m16n8k16_t2d4p0",
     (_NVFP4, 2): "qpn2_mt2_m16n8k16_t1d4p8",
     (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2c",   # 16 KB of static shared memory: fits every sm_80+ GPU
     (_FP8, 2): "qpn8_mt2_m16n8k16_t1d4p0",
-    (_INT4, 1): "qpn4_mt1_m16n8k16_t2d4p0",   # the INT4 route kernels are register rings already
-    (_INT4, 2): "qpn4_mt2_m16n8k16_t1d4p0",
-    (_INT4_SYM, 1): "qpn4_sym_mt1_m16n8k16_t2d4p0",
-    (_INT4_SYM, 2): "qpn4_sym_mt2_m16n8k16_t1d4p0",
+    **{key: SM80_ROUTE_KERNELS[key] for key in ((_INT4, 1), (_INT4, 2), (_INT4_SYM, 1), (_INT4_SYM, 2))},
 }
+# The route kernels of a staged format (kernels, no served route yet: formats.py, "Staging"), keyed
+# as SM80_ROUTE_KERNELS; kept out of it, which the served tools (benchmarks, route checks) read as
+# the served set. INT4's stood here until it was served; no format is staged today.
+SM80_UNSERVED_ROUTE_KERNELS: dict = {}
 # Fewest work items (k-blocks of one weight group) per warp, per format (family member): below about
 # the ring depth a warp spends its time filling the ring and reducing, so small layers get fewer,
 # longer runs (sm80_plan.sm80_partition). INT4 as NVFP4, whose ring depth its kernels share.

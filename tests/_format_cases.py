@@ -1,8 +1,7 @@
 """Weights and activations that cover the whole of both formats, for every kernel test (CPU
 reference, lane replays, GPU numerics, MoE).
 
-Two kinds of weight data, each for NVFP4 and FP8 (INT4 W4A16: ``int4_weight``, every code and zero
-point; its realistic weights are tests/test_gpu_int4.py's):
+Two kinds of weight data, each for NVFP4 and FP8:
 
 * ``all_bytes``: every code the format has, each many times, in random positions: FP8 draws from
   all 254 finite e4m3 bytes (both signs, zeros, the 7 subnormals per sign, 448 = 0x7E / 0xFE; only
@@ -84,24 +83,6 @@ def fp8_weight(n: int, k: int, kind: str, gen: torch.Generator, per_channel: boo
     else:
         scale = torch.tensor(0.003 / (k ** 0.5), device=dev)
     return b.view(torch.float8_e4m3fn), scale.float()
-
-
-def int4_weight(n: int, k: int, g: int, sym: bool, gen: torch.Generator) -> tuple:
-    """INT4 W4A16 canonical source (codes uint8 [N, K/2], float16 scales [N, K/g][, zero points
-    uint8 [N, K/g]]), on the generator's device: every code 0..15 in every row, every zero point
-    0..15 (asymmetric member) cycling over the (row, group) records, FP16 scales over six binades."""
-    from qpn.kernels import family_int4
-
-    dev = gen.device
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64, device=dev)
-    q[:, :16] = torch.arange(16, device=dev)
-    cols = k // g
-    s = (torch.exp2(torch.randint(-12, -6, (n, cols), generator=gen, device=dev).float())
-         * (1 + torch.randint(0, 8, (n, cols), generator=gen, device=dev).float() / 8)).half()
-    codes = family_int4.pack_codes(q)
-    if sym:
-        return codes, s
-    return codes, s, (torch.arange(n * cols, device=dev) % 16).reshape(n, cols).to(torch.uint8)
 
 
 def activations(m: int, k: int, gen: torch.Generator, outliers: bool, lo: float = 2000.0, hi: float = 6000.0):

@@ -1,9 +1,8 @@
 """Run as a script on the cpu engine's interpreter (tests/test_e2e_int4.py): vLLM 0.32 in this one
-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so a stand-in set here reaches the engine) loads an INT4
-checkpoint through its own model loader and reports the quantization config it built and the
-teacher-forced prompt log-probabilities of a chat prompt (and one decoded token). QPN_TEST_INT4_READY=1 stands in for
-formats.INT4 being served (qpn_config.int4_ready), which another change flips; everything else is
-the engine's and the overlay's own path. Prints one JSON line QPN_INT4_ENGINE.
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core process to start) loads an INT4 checkpoint
+through its own model loader, with the overlay's plugin as installed, and reports the quantization
+config it built and the teacher-forced prompt log-probabilities of a chat prompt (and one decoded
+token). Prints one JSON line QPN_INT4_ENGINE.
 
     python tests/_int4_engine_probe.py CKPT PROMPT_TEXT
 """
@@ -12,11 +11,6 @@ import os
 import sys
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-from qpn.fork_patches import qpn_config  # noqa: E402
-
-if os.environ.get("QPN_TEST_INT4_READY") == "1":
-    qpn_config.int4_ready = lambda: (True, "")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 

@@ -15,7 +15,6 @@ from qpn.fork_patches.census import Census, aggregate, attention_layer_groups
 from qpn.fork_patches.census_schema import (
     SCHEMA_VERSION, SUMMARY_VERSION, CensusSchemaError, CensusSummary, validate_rank,
 )
-from qpn.kernels import formats
 from qpn.scripts.launcher import boot_gates
 from qpn.scripts.launcher.engine_profiles import CPU
 
@@ -379,11 +378,15 @@ def _engine_module(engine_name: str) -> str:
     return f"{base}.{fused[leaf]}" if leaf in fused else engine_name
 
 
-def _write_ct_rank(tmp_path, declared: dict, drop=(), off_qpn=(), unlisted=(), record=True) -> str:
-    """One rank's census as the cpu engine writes it for a compressed-tensors checkpoint: every
-    declared module served by its vLLM module (per-module ``declared`` in engine names) and the
-    overlay's {checkpoint name: engine name} record. ``drop``: vLLM modules not admitted;
-    ``off_qpn``: admitted on a non-QPN route; ``unlisted``: checkpoint names left out of the record."""
+def _write_ct_rank(tmp_path, declared: dict, drop=(), off_qpn=(), unlisted=(), record=True, head=True) -> str:
+    """One rank's census as the cpu engine writes it for a compressed-tensors (or INT4) checkpoint:
+    every declared module served by its vLLM module (per-module ``declared`` in engine names) on its
+    family's QPN route, and the overlay's {checkpoint name: engine name} record. ``drop``: vLLM
+    modules not admitted; ``off_qpn``: admitted on a non-QPN route; ``unlisted``: checkpoint names
+    left out of the record; ``head``: a QPN lm_head reported."""
+    from qpn.kernels import formats
+
+    route_of = {f.family: f.route_prefix for f in formats.WEIGHT_FORMATS}
     c = Census()
     c.platform = _PLATFORM
     c.rank, c.directory = 0, str(tmp_path)
@@ -403,10 +406,11 @@ def _write_ct_rank(tmp_path, declared: dict, drop=(), off_qpn=(), unlisted=(), r
         layer = object()
         keep.append(layer)
         n = c.register_module(layer, module, region, 64, 128, prepack_verified=True, declared=engine_names)
-        c.count(n, "marlin" if module in off_qpn else formats.FAMILIES[region].route_prefix)
+        c.count(n, "marlin" if module in off_qpn else route_of[region])
     if record:
         c.set_checkpoint_modules({ck: e for ck, e in names.items() if ck not in unlisted})
-    c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
+    if head:
+        c.set_lm_head("lm_head", "nvfp4", "checkpoint_codes", "qpn2")
     c._stop.set()
     return c.flush()
 
@@ -419,10 +423,10 @@ def _ct_gate(tmp_path, declared):
 @pytest.mark.parametrize("change, needle", [
     ({}, None),
     (dict(drop=("model.layers.6.mlp.experts.w2",)),
-     "8 of 243 checkpoint module(s) declared by config_groups not in the census, "
+     "8 of 243 checkpoint module(s) declared by the checkpoint's config not in the census, "
      "e.g. ['model.language_model.layers.6.mlp.experts.0.down_proj (engine: model.layers.6.mlp.experts.0.down_proj)'"),
     (dict(drop=("model.layers.3.self_attn.qkv_proj",)), "3 of 243 checkpoint module(s)"),
-    (dict(drop=("lm_head",)), "1 of 243 checkpoint module(s) declared by config_groups not in the census, e.g. ['lm_head']"),
+    (dict(drop=("lm_head",)), "1 of 243 checkpoint module(s) declared by the checkpoint's config not in the census, e.g. ['lm_head']"),
     (dict(off_qpn=("model.layers.2.linear_attn.in_proj_qkvz",)),
      "2 checkpoint module(s) admitted but not on a QPN route, e.g. ['model.language_model.layers.2.linear_attn.in_proj_qkv'"),
     (dict(unlisted=("model.language_model.layers.0.mlp.experts.5.up_proj",)),
@@ -441,7 +445,7 @@ def test_ct_coverage_pairs_every_declared_module_by_name(tiny_checkpoints, tmp_p
     gate = _ct_gate(tmp_path, declared)
     if needle is None:
         assert gate.status == boot_gates.PASS, gate.observed
-        assert "config_groups (243)" in gate.expected
+        assert "declared modules (243)" in gate.expected
     else:
         assert gate.failed and needle in gate.observed, gate.observed
 
@@ -502,53 +506,85 @@ def test_ct_class_targets_expand_over_the_checkpoints_own_tensors(tiny_checkpoin
     assert not any(s.fmt == "nvfp4" for s in none.values())
 
 
-# ---- INT4 W4A16 checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized) ----------------------
+# ---- INT4 W4A16 checkpoints (issue 26 item 5): regions, declared modules, coverage, lm_head --------
 @pytest.fixture(scope="module")
 def int4_checkpoints(tmp_path_factory):
-    from qpn.scripts.checkpoints.make_int4_checkpoint import make_int4_checkpoint
+    """The INT4 generator's checkpoints of seed 0, one per convention and member."""
+    from qpn.scripts.checkpoints import make_int4_checkpoint as mi
 
-    root = tmp_path_factory.mktemp("int4-gates")
-    for convention in ("awq", "gptq", "compressed-tensors"):
-        make_int4_checkpoint(root / convention, convention)
+    root = tmp_path_factory.mktemp("declared-int4")
+    mi.make_int4_checkpoint(root / "awq", "awq")
+    mi.make_int4_checkpoint(root / "gptq", "gptq")
+    mi.make_int4_checkpoint(root / "ct", "compressed-tensors")
+    mi.make_int4_checkpoint(root / "ct-sym", "compressed-tensors", symmetric=True)
     return root
 
 
-@pytest.mark.parametrize("convention, listed", [("awq", "quantization_config"), ("gptq", "quantization_config"),
-                                                ("compressed-tensors", "config_groups")])
-def test_int4_coverage_regions_and_lm_head(int4_checkpoints, tmp_path, convention, listed):
-    """An INT4 checkpoint declares its modules through its INT4 convention (50 in the tiny model, no
-    lm_head: INT4 exports keep it BF16) and its region int4; qpn_routes pairs each declared module
-    with the census by name, and fails naming one that is off QPN or missing, or a census without
-    the record; lm_head_from_codes does not apply (the engine's own method serves the BF16 head)
-    while a checkpoint that quantizes its head still needs it from codes."""
-    from qpn.fork_patches import conventions
+@pytest.mark.parametrize("name, convention, fmt", [("awq", "awq", "int4"), ("gptq", "gptq", "int4"),
+                                                   ("ct", "compressed-tensors", "int4"),
+                                                   ("ct-sym", "compressed-tensors", "int4_sym")])
+def test_int4_checkpoints_declare_the_int4_region_and_their_modules(int4_checkpoints, name, convention, fmt):
+    """What the launcher reads of an INT4 checkpoint: the 'int4' region (which the qpn_routes gate
+    then requires admitted modules in), and every INT4 module with its scheme (the coverage and the
+    TP plan read them); lm_head and the drafter are not among them (BF16 in these exports)."""
+    from qpn.scripts.launcher import serve, serve_preflight
 
-    ckpt = int4_checkpoints / convention
-    conv, declared = boot_gates.declared_modules(str(ckpt))
-    assert conv is conventions.INT4_CONVENTIONS[convention] and len(declared) == 50
-    assert not boot_gates.quantizes_lm_head(declared) and boot_gates.quantizes_lm_head(LAYERS)
-    quant = json.loads((ckpt / "config.json").read_text())["quantization_config"]
-    assert boot_gates.declared_regions(quant) == {"int4"}
-    _write_ct_rank(tmp_path, declared)
-    agg = aggregate(str(tmp_path))
-    assert agg["modules_by_region"] == {"int4": 32}
-    gate = boot_gates.gate_qpn_routes(agg, {"int4"}, boot_gates.qpn_route_names(), checkpoint_modules=declared)
-    assert gate.status == boot_gates.PASS and f"{listed} (50)" in gate.expected, gate.observed
-    results = {r.name: r for r in boot_gates.evaluate(CPU, 0, {"ok": True, "completion_tokens": 1}, None, agg,
-                                                      {"int4"}, tp=1, declared=declared,
-                                                      checkpoint_modules=declared)}
-    head = results[boot_gates.GATE_LM_HEAD]
-    assert head.status == boot_gates.NA and "stores lm_head unquantized" in head.expected
-    assert results["qpn_routes"].status == boot_gates.PASS
-    for change, needle in ((dict(drop=("model.layers.0.mlp.down_proj",)),
-                            f"1 of 50 checkpoint module(s) declared by {listed} not in the census, e.g. "
-                            "['model.language_model.layers.0.mlp.down_proj (engine: model.layers.0.mlp.down_proj)']"),
-                           (dict(off_qpn=("model.layers.3.self_attn.qkv_proj",)),
-                            "3 checkpoint module(s) admitted but not on a QPN route"),
-                           (dict(record=False), f"the census has no checkpoint_modules (the {listed} quant config")):
-        for f in tmp_path.glob("census_rank*.json"):
-            f.unlink()
-        _write_ct_rank(tmp_path, declared, **change)
-        gate = boot_gates.gate_qpn_routes(aggregate(str(tmp_path)), {"int4"}, boot_gates.qpn_route_names(),
-                                          checkpoint_modules=declared)
+    ckpt = str(int4_checkpoints / name)
+    cfg = serve._quant_config(ckpt, serve_preflight.load_checkpoint_config(ckpt))
+    assert boot_gates.declared_regions(cfg) == {"int4"}
+    conv, declared = boot_gates.declared_modules(ckpt)
+    assert conv.name == convention and len(declared) == 50
+    assert {s.format.key for s in declared.values()} == {fmt} and {s.group_size for s in declared.values()} == {32}
+    assert not any(n == "lm_head" or n.startswith("mtp.") for n in declared)
+    assert not boot_gates.head_declared(declared) and boot_gates.checkpoint_needs(declared) == set()
+    # an INT4 config QPN does not serve declares no region (the preflight names why, or the engine serves it)
+    assert boot_gates.declared_regions({**cfg, "bits": 8} if convention != "compressed-tensors" else
+                                       {**cfg, "config_groups": {"g": {**cfg["config_groups"]["group_0"], "weights": {
+                                           **cfg["config_groups"]["group_0"]["weights"], "group_size": 16}}}}) == set()
+
+
+def _int4_gate(tmp_path, declared, by_count=False):
+    return boot_gates.gate_qpn_routes(aggregate(str(tmp_path)), {"int4"}, boot_gates.qpn_route_names(),
+                                      checkpoint_modules=declared, by_count=by_count)
+
+
+@pytest.mark.parametrize("change, by_count, needle", [
+    ({}, False, None),
+    (dict(record=False), True, None),
+    (dict(record=False), False, "the census has no checkpoint_modules"),
+    (dict(drop=("model.layers.4.mlp.gate_up_proj",)), False,
+     "2 of 50 checkpoint module(s) declared by the checkpoint's config not in the census"),
+    (dict(drop=("model.layers.4.mlp.gate_up_proj",), record=False), True,
+     "the checkpoint declares 50 quantized module(s), the engine served 48 on QPN"),
+    (dict(off_qpn=("model.layers.3.self_attn.o_proj",), record=False), True,
+     "1 declared module(s) admitted but not on a QPN route, e.g. ['model.layers.3.self_attn.o_proj']"),
+])
+def test_int4_coverage_by_name_and_by_count(int4_checkpoints, tmp_path, change, by_count, needle):
+    """qpn_routes on an INT4 checkpoint: its 50 declared modules on QPN routes (qpn4*), paired by
+    name through the census's checkpoint_modules where a rank records them (compressed-tensors), by
+    count where the convention's boots record none (AWQ, GPTQ: run_gates passes by_count); a module
+    dropped or off QPN fails either way, and a missing record fails unless counting was asked for."""
+    _, declared = boot_gates.declared_modules(str(int4_checkpoints / "awq"))
+    _write_ct_rank(tmp_path, declared, head=False, **change)
+    gate = _int4_gate(tmp_path, declared, by_count)
+    if needle is None:
+        assert gate.status == boot_gates.PASS and "declared modules (50)" in gate.expected, gate.observed
+        assert "qpn4=" in gate.observed and "int4" in gate.observed, gate.observed
+    else:
         assert gate.failed and needle in gate.observed, gate.observed
+
+
+def test_lm_head_gate_follows_what_the_checkpoint_declares(int4_checkpoints, tmp_path):
+    """A checkpoint that leaves lm_head unquantized (the INT4 exports) passes lm_head_from_codes with
+    no QPN head and fails when a rank reports one; one that quantizes it still needs the QPN head."""
+    _, declared = boot_gates.declared_modules(str(int4_checkpoints / "ct"))
+    _write_ct_rank(tmp_path / "none", declared, head=False)
+    gate = boot_gates.gate_lm_head(aggregate(str(tmp_path / "none")), boot_gates.qpn_route_names(), declared)
+    assert gate.status == boot_gates.PASS and "leaves lm_head unquantized" in gate.expected, gate
+    _write_ct_rank(tmp_path / "head", declared, head=True)
+    gate = boot_gates.gate_lm_head(aggregate(str(tmp_path / "head")), boot_gates.qpn_route_names(), declared)
+    assert gate.failed and "1 rank(s) report a QPN lm_head: lm_head from checkpoint_codes" in gate.observed, gate
+    with_head = {**declared, "lm_head": next(iter(declared.values()))}
+    assert boot_gates.head_declared(with_head) and boot_gates.head_declared(None)
+    gate = boot_gates.gate_lm_head(aggregate(str(tmp_path / "none")), boot_gates.qpn_route_names(), with_head)
+    assert gate.failed and "no lm_head entry" in gate.observed, gate

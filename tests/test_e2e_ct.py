@@ -145,7 +145,7 @@ def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
     assert rank["checkpoint_modules"] == {c: c.replace("model.language_model.", "model.", 1) for c in declared}
     known = boot_gates.qpn_route_names()
     gate = boot_gates.gate_qpn_routes(agg, {"nvfp4", "fp8"}, known, checkpoint_modules=declared)
-    assert gate.status == boot_gates.PASS and f"config_groups ({len(declared)})" in gate.expected, gate.observed
+    assert gate.status == boot_gates.PASS and f"declared modules ({len(declared)})" in gate.expected, gate.observed
     # the controls: one declared module off QPN, then missing from the census: each fails the gate
     # naming the checkpoint module
     bad = next(c for c in declared if c.endswith("mlp.down_proj"))

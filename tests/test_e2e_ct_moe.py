@@ -143,7 +143,7 @@ def test_every_declared_checkpoint_module_is_paired_and_on_a_qpn_route(served, c
     gate = boot_gates.gate_qpn_routes(census.aggregate(str(served["census_dir"])), {"nvfp4", "fp8"}, known,
                                       checkpoint_modules=declared)
     print("\n" + gate.expected + ": " + gate.observed)
-    assert gate.status == boot_gates.PASS and "config_groups (243)" in gate.expected, gate.observed
+    assert gate.status == boot_gates.PASS and "declared modules (243)" in gate.expected, gate.observed
     # the control: one FP8 expert stack (layer 6's down projections) left off the census
     cut = tmp_path / "census"
     shutil.copytree(served["census_dir"], cut)
@@ -153,5 +153,5 @@ def test_every_declared_checkpoint_module_is_paired_and_on_a_qpn_route(served, c
     path.write_text(json.dumps(data))
     gate = boot_gates.gate_qpn_routes(census.aggregate(str(cut)), {"nvfp4", "fp8"}, known,
                                       checkpoint_modules=declared)
-    assert gate.failed and "8 of 243 checkpoint module(s) declared by config_groups not in the census" in gate.observed
+    assert gate.failed and "8 of 243 checkpoint module(s) declared by the checkpoint's config not in the census" in gate.observed
     assert "model.language_model.layers.6.mlp.experts." in gate.observed, gate.observed

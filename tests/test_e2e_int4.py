@@ -1,125 +1,233 @@
-"""INT4 end to end through the registered QPN config on the real vLLM 0.32 CPU engine: the tiny
-model in AutoAWQ form (qpn.scripts.checkpoints.make_int4_checkpoint) loaded by the engine's own
-model loader in one process (tests/_int4_engine_probe.py), with formats.INT4's served flag stood in
-(the family is flipped to served by another change). What must hold: the "qpn" config claims it,
-every INT4 module the checkpoint declares is served by QPN4 on a QPN route (census), and the
-teacher-forced log-probabilities agree with a float32 reference built here from the checkpoint
-tensors (decoded by tests/test_int4_linear_method.decode_checkpoint, written from the format's
-description, run in transformers' Qwen3_5ForCausalLM) within twice the bfloat16 floor, while the
-same reference decoded with the standard nibble order instead of AutoAWQ's lands far outside it.
-With QPN_INT4=0 the engine's own AWQ config and kernels serve the same checkpoint and no QPN config
-reaches the census."""
+"""INT4 W4A16 end to end on the real vLLM 0.32 CPU engine (issue 26 item 5): the tiny model as
+AutoAWQ, GPTQ and compressed-tensors pack-quantized checkpoints (qpn.scripts.checkpoints.
+make_int4_checkpoint), each served by the launcher a user runs (scripts/serve-qwen38-native.sh) with
+MTP speculation at K = 2, claimed by the registered QPN config and every INT4 module on a QPN4
+route, and checked against the independent float32 reference (qpn.scripts.checkpoints.
+int4_reference: vLLM's own AWQ / GPTQ dequantization, compressed-tensors' own unpacker).
+
+Five boots in all, one server at a time (one module-scoped fixture, parametrized):
+
+| server        | checkpoint                                   | what it adds                          |
+|---------------|----------------------------------------------|---------------------------------------|
+| awq           | AutoAWQ GEMM, asymmetric, group 32           | AWQ's interleaved nibbles             |
+| gptq          | GPTQ v1 (zero - 1), asymmetric, group 64     | GPTQ's layout and its v1 zero points  |
+| ct-sym        | compressed-tensors W4A16 (symmetric), g 128  | the symmetric member                  |
+| gptq-sym-fp8kv| GPTQ v2, symmetric, group 32; FP8 KV forced  | gptq_v2, the FP8 KV path              |
+| awq-tp2       | AutoAWQ, group 128, tensor parallel 2        | whole groups per rank (K 256 / 2)     |
+
+Every server: the launcher printed READY (so every boot gate passed; gates.json is read back and
+each gate's verdict checked), prompt log-probabilities agree with the reference within the bound
+of tests/_agreement.py (twice the reference's own bfloat16 floor; the nibble-swap and
+zero-off-by-one controls far outside), and the census counts every INT4 module of the checkpoint on
+a QPN route, every band of the route table used, zero fallbacks, no QPN lm_head (the checkpoint
+leaves it in BF16). The fp8 server runs only where the cpu engine has an FP8 KV cache (x86 with
+AVX-512 or AMX); elsewhere it is skipped saying so. Also here: TP = 4 on the group-128 checkpoint is
+refused before any engine starts, naming the module whose group it would cut; and with
+``QPN_INT4=0`` the engine's own AWQ config serves the AWQ checkpoint (one in-process load,
+tests/_int4_engine_probe.py) and no QPN config reaches the census.
+"""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests._agreement import check_agreement
-from tests.test_e2e_loader import PROMPT_TEXT
+from tests.test_e2e_loader import PROMPT_TEXT, SERVED_NAME, _run_engine_python, _served_prompt_logprobs
+from tests.test_launcher_server import _env
 
-pytestmark = pytest.mark.slow
+from qpn.scripts.launcher.launched import LaunchedServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-ENGINE_PYTHON = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
-GROUP = 64
+K = 2
+CONTROLS = ("swap-nibbles", "zero-off-by-one")
+# name -> (convention, generator arguments, launcher settings, extra vLLM arguments)
+SERVERS = {
+    "awq": ("awq", {"group_size": 32}, {}, []),
+    "gptq": ("gptq", {"group_size": 64, "checkpoint_format": "gptq"}, {}, []),
+    "ct-sym": ("compressed-tensors", {"group_size": 128, "symmetric": True}, {}, []),
+    "gptq-sym-fp8kv": ("gptq", {"group_size": 32, "symmetric": True, "checkpoint_format": "gptq_v2"}, {},
+                       ["--kv-cache-dtype", "fp8_e4m3"]),
+    "awq-tp2": ("awq", {"group_size": 128}, {"TP": "2"}, []),
+}
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 
 
-def _engine_run(ckpt: Path, tmp: Path, label: str, **env) -> dict:
-    census = tmp / f"census-{label}"
-    proc = subprocess.run([ENGINE_PYTHON, str(REPO / "tests" / "_int4_engine_probe.py"), str(ckpt), PROMPT_TEXT],
-                          capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, QPN_TEST_INT4_READY="1", QPN_CENSUS_DIR=str(census),
-                                   VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE="1", **env))
-    line = [x for x in proc.stdout.splitlines() if x.startswith("QPN_INT4_ENGINE ")]
-    assert proc.returncode == 0 and line, proc.stderr[-4000:]
-    return {**json.loads(line[0][len("QPN_INT4_ENGINE "):]), "census": census}
-
-
-def _awq_reference_model(ckpt, perturb="none"):
-    """transformers' float model holding the AWQ checkpoint's weights decoded in float32;
-    ``perturb="standard-nibbles"`` decodes AutoAWQ's words in the plain nibble order instead."""
-    from safetensors.torch import load_file
-
-    from qpn.scripts.checkpoints.checkpoint_reference import float_model
-    from tests import test_int4_linear_method as t4
-
-    tensors = load_file(str(Path(ckpt) / "model.safetensors"))
-    modules = {n.rsplit(".", 1)[0] for n in tensors if n.endswith(".qweight")}
-    order = t4.AWQ_NIBBLES
-    t4.AWQ_NIBBLES = tuple(range(8)) if perturb == "standard-nibbles" else order
-    try:
-        state = {f"{m}.weight": t4.decode_checkpoint("awq", {k: tensors[f"{m}.{k}"] for k in ("qweight", "qzeros", "scales")},
-                                                     GROUP) for m in modules}
-    finally:
-        t4.AWQ_NIBBLES = order
-    state.update({n: t.float() for n, t in tensors.items()
-                  if n.rsplit(".", 1)[0] not in modules and not n.startswith("mtp.")})
-    hub = "model.language_model."
-    return float_model(ckpt, {("model." + k[len(hub):] if k.startswith(hub) else k): v for k, v in state.items()})
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SERVERS))
+def served(request, tmp_path_factory):
+    """One launched server per checkpoint, stopped (nothing of it left) before the next boots."""
     from qpn.scripts.checkpoints.make_int4_checkpoint import make_int4_checkpoint
 
-    tmp = tmp_path_factory.mktemp("e2e-int4")
-    ckpt = tmp / "awq"
-    make_int4_checkpoint(ckpt, "awq", group_size=GROUP)
-    qpn = _engine_run(ckpt, tmp, "qpn")
-    engine = _engine_run(ckpt, tmp, "engine", QPN_INT4="0")
-    return {"ckpt": ckpt, "qpn": qpn, "engine": engine}
+    name = request.param
+    convention, gen, settings, extra = SERVERS[name]
+    if "--kv-cache-dtype" in extra:
+        from qpn.fork_patches.kv_policy import cpu_lacks_fp8_kv
+
+        if cpu_lacks_fp8_kv():
+            pytest.skip("this CPU has no FP8 KV cache in vLLM 0.32 (needs AVX-512 or AMX)")
+    tmp = tmp_path_factory.mktemp(f"e2e-int4-{name}")
+    ckpt = tmp / name
+    make_int4_checkpoint(ckpt, convention, seed=0, **gen)
+    env = _env(str(tmp), K=str(K), RUN_DIR=str(tmp / "run"), SERVED_NAME=SERVED_NAME, **settings)
+    server = LaunchedServer(str(ckpt), env=env, extra_args=extra)
+    server.start(timeout=900)
+    try:
+        yield {"name": name, "server": server, "api": _Api(server), "ckpt": ckpt, "tmp": tmp,
+               "tp": int(settings.get("TP", 1)), "kv": "fp8_e4m3" if extra else "auto",
+               "census_dir": tmp / "run" / "census", "convention": convention, "gen": gen}
+    finally:
+        server.stop()
+        assert not server.leftover(), f"{name}: a process of the launcher or its server is left"
 
 
-def test_qpn_claims_the_awq_checkpoint_and_serves_every_int4_module(runs):
-    from qpn.fork_patches import conventions
+class _Api:
+    """The launched server's HTTP API as the end-to-end harness asks it (``post``)."""
+
+    def __init__(self, server: LaunchedServer):
+        assert server.model == SERVED_NAME, server.model
+        self.root = server.url[: -len("/v1")]
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.root + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+
+def test_every_boot_gate_passed_through_the_launcher(served):
+    """READY means the launcher found no failing gate; here each verdict is read back from the
+    gates.json it wrote, with what an INT4 checkpoint makes of it."""
+    gates = json.loads(Path(served["server"].gates_json).read_text())
+    by = {g["name"]: g for g in gates["gates"]}
+    assert gates["passed"] is True and gates["k"] == K, gates
+    status = {n: g["status"] for n, g in by.items()}
+    assert status == {"warm_request": "PASS", "served_depth": "PASS", "census_platform": "PASS",
+                      "quant_config": "PASS", "qpn_routes": "PASS", "lm_head_from_codes": "PASS",
+                      "kv_cache_dtype": "n/a", "decode_attention_route": "n/a", "skipped_hooks": "PASS"}, by
+    tp = served["tp"]
+    assert by["served_depth"]["observed"].startswith(f"{K} positions")
+    assert by["census_platform"]["observed"].startswith(f"ranks {list(range(tp))}:")
+    assert by["quant_config"]["observed"] == "; ".join(f"rank {r}: qpn" for r in range(tp))
+    assert f'QPN claims this {served["convention"]} checkpoint' in by["quant_config"]["expected"]
+    routes = by["qpn_routes"]
+    assert "declared modules (50)" in routes["expected"] and "regions ['int4']" in routes["expected"], routes
+    assert "fallbacks 0" in routes["observed"] and "qpn2" not in routes["observed"] and "qpn8" not in routes["observed"]
+    assert "leaves lm_head unquantized" in by["lm_head_from_codes"]["expected"]
+
+
+def test_served_logprobs_agree_with_the_float32_reference(served):
+    """The bound of every end-to-end test (tests/_agreement.py): mean and max |delta log-prob| over
+    the teacher-forced positions within twice the reference's own bfloat16 floor, on the same KV
+    path; both controls (nibbles swapped, zero points one off) beyond five times the mean bound."""
+    api = served["api"]
+    ids = api.post("/tokenize", {"model": SERVED_NAME, "prompt": PROMPT_TEXT, "add_special_tokens": False})["tokens"]
+    assert len(ids) >= 65, "need at least 64 teacher-forced positions"
+    got, top1 = _served_prompt_logprobs(api, ids)
+    out = served["tmp"] / "references.json"
+    _run_engine_python(["-m", "qpn.scripts.checkpoints.int4_reference", str(served["ckpt"]),
+                        "--token-ids", ",".join(map(str, ids)), "--variants", ",".join(["float32", "bfloat16", *CONTROLS]),
+                        "--kv-cache", served["kv"], "--out", str(out)])
+    refs = json.loads(out.read_text())
+    check_agreement(got, top1, refs, f"{served['name']} (TP={served['tp']}, KV {served['kv']})", gross=CONTROLS)
+
+
+def test_census_every_int4_module_on_a_qpn_route(served):
+    """One prompt per band of the route table (M = 5, 12, 40, 130 tokens), each with a decode step:
+    every INT4 module the checkpoint declares is on a QPN4 route on every rank, each band used,
+    zero fallbacks; modules are served fused as vLLM fuses them (32 in this model), each prepacked
+    and proven; the head stays the engine's. At TP = 2 every row-parallel module holds K / 2 = 128
+    inputs per rank: one whole group of 128."""
     from qpn.fork_patches.census import aggregate
-    from qpn.kernels import formats
-    from qpn.kernels.routes import QPN_ROUTES, UNSERVED_ROUTES
+    from qpn.kernels.routes import QPN_ROUTES
+    from qpn.scripts.launcher import boot_gates
 
-    assert runs["qpn"]["quant_config"] == "qpn"
-    agg = aggregate(str(runs["qpn"]["census"]))
-    (rank,) = agg["ranks"]
-    assert rank["quant_config"] == "qpn"
-    _, declared = conventions.int4_declared_modules(runs["ckpt"])
-    trunk = [m for m in declared if not m.startswith("mtp.")]  # the drafter is not loaded without speculation
-    # fused shards (q/k/v, gate/up, in_proj_qkv/z) are one engine module each
-    fused = sum(1 for m in trunk if m.endswith((".k_proj", ".v_proj", ".up_proj", ".in_proj_z")))
-    assert agg["modules_by_region"] == {"int4": len(trunk) - fused}
-    assert agg["fallback_calls"] == 0 and agg["fallbacks"] == []
-    modules = [m for r in [json.loads(f.read_text()) for f in runs["qpn"]["census"].glob("census_rank*.json")]
-               for m in r["modules"].values()]
-    assert modules and all(m["eligible"] and m["prepack_verified"] and m["routes"] for m in modules)
-    # every call on one of the INT4 family's QPN routes; those join the served list (QPN_ROUTES, and so
-    # the census's on-QPN count and the qpn_routes gate) when formats.INT4 is served
-    int4_routes = {name for name, r in UNSERVED_ROUTES.items() if r.format == "int4"} | (
-        QPN_ROUTES if formats.INT4.served else set())
-    # the prompt (M = 117: reconstruct) and one decode step (M = 1)
-    assert {"qpn4_reconstruct", "qpn4"} <= set(agg["route_counts"]) <= int4_routes, agg["route_counts"]
-    assert agg["modules_on_qpn"] == (agg["modules_total"] if formats.INT4.served else 0)
+    api = served["api"]
+    words = "north south east west river stone cloud field light music paper window".split()
+    for n in (5, 12, 40, 130):
+        ids = api.post("/tokenize", {"model": SERVED_NAME, "prompt": " ".join(words * 20),
+                                     "add_special_tokens": False})["tokens"][:n]
+        ids[0] = (ids[0] + n) % 400  # distinct prompts
+        api.post("/v1/completions", {"model": SERVED_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0})
+    time.sleep(2.5)  # each rank's census thread writes at most once a second
+    agg = aggregate(str(served["census_dir"]))
+    config = json.loads((served["ckpt"] / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    expected = {"int4": 4 * layers}  # per layer: in_proj_qkvz / qkv_proj, out_proj / o_proj, gate_up_proj, down_proj
+    tp = served["tp"]
+    assert [r["rank"] for r in agg["ranks"]] == list(range(tp))
+    assert agg["modules_by_region"] == {"int4": expected["int4"] * tp}
+    assert agg["modules_on_qpn"] == agg["modules_total"] == expected["int4"] * tp
+    assert agg["fallback_calls"] == 0 and agg["fallbacks"] == [] and agg["non_qpn_routes"] == []
+    assert set(agg["route_counts"]) <= {r for r in QPN_ROUTES if r.startswith("qpn4")}, agg["route_counts"]
+    for band in ("qpn4", "qpn4_mt2", "qpn4_chunked", "qpn4_reconstruct"):
+        assert agg["route_counts"].get(band, {}).get("eager", 0) > 0, band
+    assert agg["lm_head"] == [] or all(h is None for h in agg["lm_head"]), agg["lm_head"]
+    _, declared = boot_gates.declared_modules(str(served["ckpt"]))
+    engine_names = {c.replace("model.language_model.", "model.", 1) for c in declared}
+    g = served["gen"]["group_size"]
+    for rank in agg["ranks"]:
+        assert rank["quant_config"] == "qpn" and rank["serving"]["num_speculative_tokens"] == K
+        assert set(rank["declared_on_qpn"]) == engine_names and not rank["declared_off_qpn"]
+        if served["convention"] == "compressed-tensors":   # the by-name record the gate pairs through
+            assert rank["checkpoint_modules"] == {c: c.replace("model.language_model.", "model.", 1) for c in declared}
+        modules = json.loads((Path(served["census_dir"]) / f"census_rank{rank['rank']}.json").read_text())["modules"]
+        assert len(modules) == expected["int4"]
+        for mname, m in modules.items():
+            assert m["region"] == "int4" and m["eligible"] and m["prepack_verified"], mname
+            if mname.rsplit(".", 1)[-1] in ROW_PARALLEL:
+                assert m["k"] == 256 // tp and m["k"] % g == 0, (mname, m["k"], g)
 
 
-def test_qpn_int4_agrees_with_a_float32_reference_of_the_checkpoint(runs):
-    from qpn.scripts.checkpoints.checkpoint_reference import reference_variants
+def test_tp4_that_would_cut_a_group_is_refused_before_any_engine_starts(tmp_path):
+    """The group-128 checkpoint of the TP = 2 server at TP = 4: 64 inputs per rank would cut every
+    row-parallel module's groups; the launcher refuses before starting an engine, naming one."""
+    from qpn.scripts.checkpoints.make_int4_checkpoint import make_int4_checkpoint
 
-    run = runs["qpn"]
-    refs = reference_variants(runs["ckpt"], run["ids"], ["float32", "bfloat16", "standard-nibbles"],
-                              load_model=_awq_reference_model, perturbations=("none", "standard-nibbles"))
-    check_agreement(run["logprobs"], run["top1"], refs, "QPN4 (AWQ, in-process engine)", gross=("standard-nibbles",))
-    assert torch.tensor(run["logprobs"]).isfinite().all()
+    make_int4_checkpoint(tmp_path / "awq128", "awq", seed=0, group_size=128)
+    server = LaunchedServer(str(tmp_path / "awq128"), env=_env(str(tmp_path), K=str(K), TP="4",
+                                                               RUN_DIR=str(tmp_path / "run")))
+    with pytest.raises(RuntimeError) as err:
+        server.start(timeout=300)
+    out = str(err.value)
+    assert "REFUSED" in out and "TP=4: this checkpoint cannot be split over 4 ranks" in out, out
+    assert "mlp.down_proj: row-parallel K=256/TP=4 = 64 inputs per rank splits an INT4 W4A16 group " \
+           "(one float16 scale per 128 inputs)" in out, out
+    assert server.server_pid is None and not server.leftover()
+    assert not (tmp_path / "run" / "census").exists()
 
 
-def test_qpn_int4_0_leaves_the_checkpoint_to_the_engines_own_config(runs):
+def test_qpn_int4_0_leaves_the_checkpoint_to_the_engines_own_config(tmp_path):
+    """QPN_INT4=0: the engine's own AWQ config (and its CPU kernels) serve the AWQ checkpoint, the
+    registered QPN config claims nothing, so no rank writes a QPN census; the engine's own INT4 path
+    agrees with the same float32 reference too (the reference is no mirror of QPN's decode)."""
     from vllm.model_executor.layers.quantization import get_quantization_config
 
-    engine = runs["engine"]
-    assert engine["quant_config"] != "qpn"
-    assert get_quantization_config(engine["quant_config"]).__name__ == "AutoAWQConfig"
-    census = engine["census"]
+    from qpn.scripts.checkpoints.make_int4_checkpoint import make_int4_checkpoint
+
+    ckpt = tmp_path / "awq"
+    make_int4_checkpoint(ckpt, "awq", seed=0, group_size=32)
+    census = tmp_path / "census"
+    proc = subprocess.run([os.environ.get("QPN_ENGINE_PYTHON", sys.executable), str(REPO / "tests" / "_int4_engine_probe.py"),
+                           str(ckpt), PROMPT_TEXT], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, QPN_INT4="0", QPN_CENSUS_DIR=str(census),
+                                   VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE="1"))
+    line = [x for x in proc.stdout.splitlines() if x.startswith("QPN_INT4_ENGINE ")]
+    assert proc.returncode == 0 and line, proc.stderr[-4000:]
+    run = json.loads(line[0][len("QPN_INT4_ENGINE "):])
+    assert run["quant_config"] != "qpn"
+    assert get_quantization_config(run["quant_config"]).__name__ == "AutoAWQConfig"
     assert not census.exists() or not list(census.glob("census_rank*.json")), "no QPN config may reach a rank"
-    assert engine["ids"] == runs["qpn"]["ids"]
+    out = tmp_path / "references.json"
+    _run_engine_python(["-m", "qpn.scripts.checkpoints.int4_reference", str(ckpt), "--token-ids",
+                        ",".join(map(str, run["ids"])), "--variants", ",".join(["float32", "bfloat16", *CONTROLS]),
+                        "--out", str(out)])
+    check_agreement(run["logprobs"], run["top1"], json.loads(out.read_text()), "the engine's own AWQ path (QPN_INT4=0)",
+                    gross=CONTROLS)

@@ -209,12 +209,13 @@ def test_registry_data():
     assert INT4.family == INT4_SYM.family == "int4" and INT4.route_prefix == INT4_SYM.route_prefix == "qpn4"
     assert INT4.roles == ("codes", "group_scales", "zero_points") and INT4_SYM.roles == ("codes", "group_scales")
     assert INT4.group_sizes == INT4_SYM.group_sizes == (32, 64, 128) and INT4.scale_dtype == "float16"
-    # served (issue 26 item 5): both members, the family under its asymmetric member; dense layers only
+    # served, both members: the served lookups, routes and build lists know them; no MoE kernels
     assert {INT4, INT4_SYM} <= set(formats.WEIGHT_FORMATS) and formats.FAMILIES["int4"] is INT4
     assert formats.find_format("int4") is INT4 and formats.weight_format("int4_sym") is INT4_SYM
     assert formats.KERNEL_FAMILIES["int4"] is INT4 and {INT4, INT4_SYM} <= set(formats.KERNEL_FORMATS)
     assert INT4.kernel_atoms == INT4_SYM.kernel_atoms == ("m8n8k4", "m16n8k16") and not INT4.has_s7_form
-    assert INT4.moe_atoms == INT4_SYM.moe_atoms == () and INT4.moe_entry_points("m8n8k4") == ()
+    assert INT4.moe_atoms == INT4_SYM.moe_atoms == () and "int4" not in formats.MOE_FAMILIES
+    assert INT4.moe_entry_points("m8n8k4") == () and INT4_SYM.moe_entry_points("m16n8k16") == ()
     prefixes = [f.route_prefix for f in formats.ALL_FAMILIES.values()]
     assert len(set(prefixes)) == len(prefixes)
     assert not any(a != b and b.startswith(a + "_") for a in prefixes for b in prefixes)
@@ -222,7 +223,7 @@ def test_registry_data():
     assert INT4.dense_entry_points("m8n8k4") == ("qpn4_mt1_m8n8k4", "qpn4_mt2_m8n8k4", "qpn4_reconstruct_ws_m8n8k4")
     assert INT4_SYM.dense_entry_points("m8n8k4") == ("qpn4_sym_mt1_m8n8k4", "qpn4_sym_mt2_m8n8k4",
                                                      "qpn4_sym_reconstruct_ws_m8n8k4")
-    # m16n8k16: the reconstruct pass here; the configured GEMM kernels are in sm80_tables.SM80_ROUTE_KERNELS
+    # m16n8k16: the reconstruct pass here; the configured GEMM kernels are sm80_tables.SM80_ROUTE_KERNELS
     assert INT4.dense_entry_points("m16n8k16") == ("qpn4_reconstruct_ws_m16n8k16",)
     assert INT4_SYM.dense_entry_points("m16n8k16") == ("qpn4_sym_reconstruct_ws_m16n8k16",)
 

@@ -34,7 +34,7 @@ def _general(x, packed, route, bias):
     """The general (uncached) path on the same call."""
     w = ops.operands(packed)
     r = routes.as_route(route) if route is not None else routes.route_for(
-        w.fmt, x.shape[0], w.n, w.k, arch="sm80", served_only=False)
+        w.fmt, x.shape[0], w.n, w.k, arch="sm80")
     return ops._linear(x, w, r, bias)
 
 
@@ -52,8 +52,7 @@ def test_cached_path_is_bit_identical_to_the_general_path(fmt, per_channel, n, k
     for m in M_LIST:
         x = x_all[:m].contiguous()
         for bname, bias in biases.items():
-            for route in (None, str(routes.route_for(ops.operands(packed).fmt, m, n, k, arch="sm80",
-                                                     served_only=False))):
+            for route in (None, str(routes.route_for(ops.operands(packed).fmt, m, n, k, arch="sm80"))):
                 y = ops.qpn_linear(x, packed, route=route, bias=bias)
                 ent = sm80_plan._eager_weights.get(id(packed))
                 assert ent is not None and ent.ref() is packed, "the cached path was not taken"

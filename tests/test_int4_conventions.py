@@ -2,7 +2,8 @@
 proven against the engines' own loader code (vLLM 0.32 installed beside the cpu engine and both
 1Cat-vLLM source archives, parsed by engine_source.verify_int4_conventions, and vLLM's config
 parsers run on the same dicts); the INT4 checkpoint generator (make_int4_checkpoint) byte for byte
-against vLLM's AutoAWQ and GPTQ packers and dequantizations and compressed-tensors' own compressor; and the
+against vLLM's AutoAWQ and GPTQ packers and dequantization (and its exllama kernel's GPTQ v1 zero
+points) and compressed-tensors' own compressor; and the
 launcher's pre-boot refusal of a broken INT4 checkpoint (serve_preflight.check_checkpoint_tensors),
 naming the module. No engine boots."""
 from __future__ import annotations
@@ -201,10 +202,10 @@ def test_ct_int4_schemes_qpn_does_not_serve_are_named(change, words):
         cv.ct_int4_scheme_of(w, "pack-quantized", "config_groups['group_0'] target 'Linear'")
 
 
-def test_the_nvfp4_fp8_conventions_do_not_take_int4():
-    """INT4 has conventions of its own (INT4_CONVENTIONS, detect_int4): the NVFP4/FP8 path
-    refuses an INT4 compressed-tensors scheme with the words qpn_config looks for, and ``detect``
-    does not return an AWQ / GPTQ convention."""
+def test_the_nvfp4_fp8_readers_keep_int4_apart():
+    """INT4 has readers of its own (detect_int4, ct_int4_scheme_of, INT4_CONVENTIONS): the NVFP4 / FP8
+    readers refuse an INT4 compressed-tensors scheme, naming what they read, and ``detect`` returns
+    no AWQ / GPTQ convention; compressed-tensors names its INT4 tensors through the same convention."""
     w = mi.quantization_config("compressed-tensors", 128, True)["config_groups"]["group_0"]["weights"]
     with pytest.raises(cv.ConventionError, match="neither NVFP4 nor FP8"):
         cv.ct_scheme_of(w, "pack-quantized", "group_0")
@@ -328,7 +329,8 @@ def vllm_awq():
     from vllm.scalar_type import scalar_types
     int_wna16 = pytest.importorskip("vllm.model_executor.layers.fused_moe.oracle.int_wna16")
     return SimpleNamespace(qu=qu, auto_awq=auto_awq, types=scalar_types,
-                           dequant=int_wna16._unpack_and_dequant_int4_awq)
+                           dequant=int_wna16._unpack_and_dequant_int4_awq,
+                           dequant_gptq=int_wna16._unpack_and_dequant_int4_gptq)
 
 
 def test_awq_checkpoint_is_vllms_awq_byte_for_byte(awq_ckpt, vllm_awq, monkeypatch):
@@ -375,6 +377,129 @@ def test_a_swapped_awq_nibble_order_would_not_be_vllms(vllm_awq, monkeypatch):
     assert not torch.equal(mi.to_awq(*src)["qweight"], vllm_awq.qu.awq_pack(q, 4, 64, 64))
 
 
+# GPTQ: one checkpoint per member and format (v1 stores zero - 1, v2 the zero itself)
+GPTQ_VARIANTS = [(False, "gptq"), (False, "gptq_v2"), (True, "gptq"), (True, "gptq_v2")]
+
+
+@pytest.fixture(scope="module", params=GPTQ_VARIANTS, ids=[f"{'sym' if s else 'asym'}-{f}" for s, f in GPTQ_VARIANTS])
+def gptq_ckpt(tmp_path_factory, request):
+    sym, fmt = request.param
+    out = tmp_path_factory.mktemp("gptq") / "ckpt"
+    mi.make_int4_checkpoint(out, "gptq", seed=0, symmetric=sym, checkpoint_format=fmt)
+    return out, sym, fmt
+
+
+def _exllama_v1_zeros(vllm_awq, k: int, n: int, g: int, monkeypatch) -> torch.Tensor:
+    """The qzeros vLLM's exllama kernel makes for a symmetric GPTQ layer (kernels/linear/mixed_precision/
+    exllama.py, process_weights_after_loading): the v1 format's stored zero point, uint4b8's bias
+    less 1. Run on the CPU with its CUDA-only weight shuffle stood down (it moves qweight, not qzeros)."""
+    import torch.nn as nn
+    from vllm.model_executor.kernels.linear.mixed_precision import exllama
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearLayerConfig
+    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+
+    monkeypatch.setattr(exllama.ops, "gptq_shuffle", lambda *a, **kw: None)
+    cfg = MPLinearLayerConfig(full_weight_shape=(k, n), partition_weight_shape=(k, n),
+                              weight_type=vllm_awq.types.uint4b8, act_type=torch.float16, group_size=g,
+                              zero_points=False)
+    kernel = exllama.ExllamaLinearKernel(cfg, w_q_param_name="qweight", w_s_param_name="scales",
+                                         w_zp_param_name="qzeros")
+    layer = nn.Module()
+    layer.qweight = PackedvLLMParameter(data=torch.zeros(k // 8, n, dtype=torch.int32), input_dim=0, output_dim=1,
+                                        packed_dim=0, packed_factor=8, weight_loader=lambda *a: None)
+    layer.scales = GroupQuantScaleParameter(data=torch.ones(k // g, n, dtype=torch.float16), input_dim=0,
+                                            output_dim=1, weight_loader=lambda *a: None)
+    kernel.process_weights_after_loading(layer)
+    return layer.qzeros.data
+
+
+def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq, monkeypatch):
+    """Every INT4 module of a GPTQ checkpoint (each member, v1 and v2): qweight is vLLM's GPTQ packer's
+    words (quant_utils.pack_rows) for family_int4.quantize's codes, qzeros its column packer's
+    (pack_cols) for the stored zero points; a symmetric v1 checkpoint's qzeros are the very words
+    vLLM's exllama kernel makes for uint4b8 (its v1 convention, zero - 1); the v1 words are the v2
+    words less one per nibble; vLLM's GPTQ dequantization (fused_moe.oracle.int_wna16.
+    _unpack_and_dequant_int4_gptq, which reads the v2 form) gives family_int4's weights in float16,
+    bit for bit; g_idx is k // g; and QPN's reader gives the canonical source back."""
+    import vllm.model_executor.parameter as vparam
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_world_size", lambda: 1)
+    ckpt, sym, fmt = gptq_ckpt
+    t = _load(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert (cfg["quant_method"], cfg["sym"], cfg["checkpoint_format"], cfg["desc_act"]) == ("gptq", sym, fmt, False)
+    scheme = cv.GPTQ.scheme(cfg)
+    assert (scheme.symmetric, scheme.zero_offset) == (sym, 1 if fmt == "gptq" and not sym else 0)
+    weights, modules = _modules()
+    assert len(modules) == 50
+    qu = vllm_awq.qu
+    for hub, module in modules.items():
+        src = family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym)
+        q = family_int4.unpack_codes(src[0]).t().to(torch.int32)     # [K, N]
+        k, n = q.shape
+        zero = torch.full((k // G, n), 8, dtype=torch.int32) if sym else src[2].t().to(torch.int32)
+        offset = 1 if fmt == "gptq" else 0
+        qw, qz, sc, gi = (t[f"{hub}.{r}"] for r in ("qweight", "qzeros", "scales", "g_idx"))
+        assert torch.equal(qw, qu.pack_rows(q, 4, k, n)), hub
+        assert torch.equal(qz, qu.pack_cols(zero - offset, 4, k // G, n)), hub
+        assert torch.equal(qu.unpack_quantized_values_into_int32(qz, vllm_awq.types.uint4, 1) + offset, zero), hub
+        assert sc.dtype == torch.float16 and torch.equal(sc, src[1].t()), hub
+        assert gi.dtype == torch.int32 and torch.equal(gi, torch.arange(k, dtype=torch.int32) // G), hub
+        v2_words = qu.pack_cols(zero, 4, k // G, n)
+        theirs = int_wna16._unpack_and_dequant_int4_gptq(qw[None], sc[None], None if sym else v2_words[None],
+                                                          transpose_output=True, output_dtype=torch.float16)[0]
+        assert torch.equal(theirs, family_int4.dequantize(*src).half()), hub
+        got = cv.GPTQ.int4_inputs({k_: t[f"{hub}.{k_}"] for k_ in ("qweight", "qzeros", "scales", "g_idx")}, hub, scheme)
+        assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
+        assert f"{hub}.weight" not in t
+        if sym and fmt == "gptq":   # the exllama kernel's own v1 zero points for uint4b8, at this layer's shape
+            assert torch.equal(qz, _exllama_v1_zeros(vllm_awq, k, n, G, monkeypatch)), hub
+    assert t["lm_head.weight"].dtype == torch.bfloat16 and "lm_head.qweight" not in t
+    # what stays BF16 is what GPTQModel's negative dynamic rules name, by vLLM's own matcher
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+    from vllm.model_executor.layers.quantization.utils.gptq_utils import get_dynamic_override
+
+    theirs = AutoGPTQConfig.from_config({**cfg, "sym": True})   # vLLM 0.32 parses symmetric GPTQ only
+    for name in ("model.layers.0.linear_attn.in_proj_ba", "model.language_model.layers.0.linear_attn.in_proj_b",
+                 "mtp.layers.0.mlp.gate_up_proj", "mtp.fc"):
+        assert get_dynamic_override(theirs, layer_name=name) is False, name
+        assert cv.GPTQ.excluded(name, dynamic=cfg["dynamic"]), name
+    for name in ("model.layers.0.linear_attn.in_proj_qkvz", "model.layers.3.self_attn.qkv_proj"):
+        assert get_dynamic_override(theirs, layer_name=name) is None, name
+        assert not cv.GPTQ.excluded(name, dynamic=cfg["dynamic"]), name
+
+
+def test_gptq_writer_over_every_code_and_zero_point(vllm_awq):
+    """The GPTQ writer on a source holding every code in every group and every zero point the
+    format can store (v2: 0..15; v1: 1..15, zero 0 having no v1 word, refused naming the module):
+    vLLM's packers give the same words, its dequantization the same weights, QPN's reader the
+    same source."""
+    qu = vllm_awq.qu
+    n, k, g = 32, 256, 32
+    codes = torch.stack([torch.roll(torch.arange(16).repeat(k // 16), r) for r in range(n)]).to(torch.uint8)
+    zeros = ((torch.arange(n).view(n, 1) + torch.arange(k // g).view(1, -1)) % 16).to(torch.uint8)
+    scales = (torch.rand(n, k // g, generator=torch.Generator().manual_seed(5)) * 0.02 + 1e-3).half()
+    src = (family_int4.pack_codes(codes), scales, zeros)
+    assert set(zeros.unique().tolist()) == set(range(16))
+    with pytest.raises(ValueError, match="^layers.0.mlp.down_proj: zero point 0 cannot be stored in GPTQ's v1"):
+        mi.to_gptq(*src, g, "gptq", module="layers.0.mlp.down_proj")
+    for fmt, z in (("gptq_v2", zeros), ("gptq", zeros.clamp(min=1))):
+        t = mi.to_gptq(src[0], scales, z, g, fmt)
+        offset = 1 if fmt == "gptq" else 0
+        q = codes.t().to(torch.int32)
+        assert torch.equal(t["qweight"], qu.pack_rows(q, 4, k, n))
+        assert torch.equal(t["qzeros"], qu.pack_cols(z.t().to(torch.int32) - offset, 4, k // g, n))
+        theirs = vllm_awq.dequant_gptq(t["qweight"][None], t["scales"][None],
+                                       qu.pack_cols(z.t().to(torch.int32), 4, k // g, n)[None],
+                                       transpose_output=True, output_dtype=torch.float32)[0]
+        assert torch.equal(theirs, family_int4.dequantize(src[0], scales, z)), fmt
+        scheme = cv.GPTQ.scheme(mi.quantization_config("gptq", g, False, checkpoint_format=fmt))
+        got = cv.GPTQ.int4_inputs(t, "m", scheme)
+        assert torch.equal(got[0], src[0]) and torch.equal(got[1], scales) and torch.equal(got[2], z), fmt
+
+
 def test_ct_checkpoint_is_the_librarys_byte_for_byte(ct_ckpt):
     """Every INT4 module: weight_packed / weight_zero_point are compressed-tensors' pack_to_int32
     of the signed codes and zero points; PackedQuantizationCompressor.compress, given the weights
@@ -410,130 +535,27 @@ def test_ct_checkpoint_is_the_librarys_byte_for_byte(ct_ckpt):
         assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
 
 
-@pytest.fixture(scope="module", params=[("gptq", False), ("gptq_v2", False), ("gptq", True)],
-                ids=["v1-asym", "v2-asym", "v1-sym"])
-def gptq_ckpt(tmp_path_factory, request):
-    fmt, sym = request.param
-    out = tmp_path_factory.mktemp("gptq") / "ckpt"
-    mi.make_int4_checkpoint(out, "gptq", seed=0, symmetric=sym, gptq_format=fmt)
-    return out, fmt, sym
-
-
-def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq):
-    """Every INT4 module of the GPTQ checkpoint: qweight is vLLM's own GPTQ packer's words
-    (quant_utils.gptq_pack) for the codes family_int4.quantize makes, qzeros its pack_cols of the
-    zero points less the format's offset (gptq: zero - 1, the symmetric zero 8 stored as 7;
-    gptq_v2: as they are), scales the float16 group scales transposed, g_idx k // g; vLLM's torch
-    GPTQ dequantization (fused_moe.oracle.int_wna16._unpack_and_dequant_int4_gptq, which reads
-    zero points as stored, i.e. gptq_v2, and uint4b8 without them) gives family_int4's weights in
-    float16, bit for bit; vLLM's unpack_cols reads the zero points back; QPN's GPTQ convention
-    unpacks the canonical source. vLLM's AutoGPTQConfig parses the symmetric config."""
-    import dataclasses as dc
-
-    import vllm.model_executor.layers.fused_moe.oracle.int_wna16 as iw
-
-    ckpt, fmt, sym = gptq_ckpt
-    t = _load(ckpt)
-    qcfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
-    scheme = cv.GPTQ.scheme(qcfg)
-    assert (scheme.symmetric, scheme.group_size, scheme.act_order) == (sym, G, False)
-    assert scheme.zero_offset == (0 if sym or fmt == "gptq_v2" else 1)
-    offset = 1 if fmt == "gptq" else 0   # what is stored, symmetric or not
-    weights, modules = _modules()
-    qu = vllm_awq.qu
-    for hub, module in modules.items():
-        src = family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym)
-        codes, s = src[0], src[1]
-        z = torch.full_like(s, 8, dtype=torch.int32) if sym else src[2].to(torch.int32)
-        q = family_int4.unpack_codes(codes).t().to(torch.int32)     # [K, N]
-        k, n = q.shape
-        qw, qz, sc, gi = (t[f"{hub}.{x}"] for x in ("qweight", "qzeros", "scales", "g_idx"))
-        assert torch.equal(qw, qu.gptq_pack(q, 4, k, n)), hub
-        assert torch.equal(qz, qu.pack_cols(z.t() - offset, 4, k // G, n)), hub
-        assert torch.equal(qu.unpack_cols(qz, 4, k // G, n), z.t() - offset), hub
-        assert sc.dtype == torch.float16 and torch.equal(sc, s.t()), hub
-        assert gi.dtype == torch.int32 and torch.equal(gi, (torch.arange(k) // G).to(torch.int32)), hub
-        as_stored = None if sym else qu.pack_cols(z.t(), 4, k // G, n)
-        if fmt == "gptq_v2" and not sym:
-            assert torch.equal(as_stored, qz), hub
-        theirs = iw._unpack_and_dequant_int4_gptq(qw[None], sc[None], None if as_stored is None else as_stored[None],
-                                                   transpose_output=True, output_dtype=torch.float16)[0]
-        assert torch.equal(theirs, family_int4.dequantize(*src).half()), hub
-        got = cv.GPTQ.int4_inputs({k_: v for k_, v in t.items() if k_.startswith(hub + ".")}, hub, scheme)
-        assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
-        assert f"{hub}.weight" not in t
-    assert t["lm_head.weight"].dtype == torch.bfloat16 and "lm_head.qweight" not in t
-    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
-
-    if sym:
-        theirs = AutoGPTQConfig.from_config(qcfg)
-        assert (theirs.weight_bits, theirs.group_size, theirs.is_sym, theirs.desc_act) == (4, G, True, False)
-    # read with the other format's offset, every zero point would be one off: the format is what decides
-    other = dc.replace(scheme, zero_offset=1 - scheme.zero_offset)
-    if not sym:
-        hub = next(iter(modules))
-        wrong = cv.GPTQ.int4_inputs({k_: v for k_, v in t.items() if k_.startswith(hub + ".")}, hub, other)
-        right = cv.GPTQ.int4_inputs({k_: v for k_, v in t.items() if k_.startswith(hub + ".")}, hub, scheme)
-        assert not torch.equal(wrong[2], right[2])
-
-
-def _declares_its_modules(ckpt, sym: bool):
+def test_the_generated_checkpoints_declare_their_modules(awq_ckpt, ct_ckpt, gptq_ckpt):
     _, modules = _modules()
-    conv, quant_cfg = cv.detect_int4(ckpt)
-    got_conv, schemes = cv.int4_declared_modules(ckpt)
-    assert got_conv is conv and sorted(schemes) == sorted(modules), conv.name
-    assert {(s.group_size, s.symmetric) for s in schemes.values()} == {(G, sym)}
-    assert cv.int4_checkpoint_problems(ckpt) == []
-    assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 tensors whole")
-    return conv
+    symmetric = {"awq": False, "compressed-tensors": ct_ckpt[1], "gptq": gptq_ckpt[1]}
+    for ckpt in (awq_ckpt, ct_ckpt[0], gptq_ckpt[0]):
+        conv, quant_cfg = cv.detect_int4(ckpt)
+        got_conv, schemes = cv.int4_declared_modules(ckpt)
+        assert got_conv is conv and sorted(schemes) == sorted(modules), conv.name
+        assert {(s.group_size, s.symmetric) for s in schemes.values()} == {(G, symmetric[conv.name])}
+        assert cv.int4_checkpoint_problems(ckpt) == []
+        assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 tensors whole")
+    assert cv.detect_int4(awq_ckpt)[0] is cv.AWQ and cv.detect_int4(ct_ckpt[0])[0] is cv.CT_PACK_QUANTIZED
+    assert cv.detect_int4(gptq_ckpt[0])[0] is cv.GPTQ
 
 
-def _reference_decodes_exactly(ckpt, sym: bool):
-    """qpn.scripts.checkpoints.int4_reference decodes with vLLM's AWQ / GPTQ dequantization and
-    compressed-tensors' decompressor, not with family_int4: both give the same float32 weights for
-    every module, and each negative control moves every module."""
-    from qpn.scripts.checkpoints import int4_reference
-
-    weights, modules = _modules()
-    engine = {hub: hub.replace("model.language_model.", "model.", 1) + ".weight" for hub in modules}
-    ref = int4_reference.dequantized_state_dict(ckpt)
-    for hub, module in modules.items():
-        want = family_int4.dequantize(*family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym))
-        assert ref[engine[hub]].dtype == torch.float32 and torch.equal(ref[engine[hub]], want), hub
-    assert not [k for k in ref if k.startswith("mtp.")]
-    for control in int4_reference.PERTURBATIONS[1:]:
-        bad = int4_reference.dequantized_state_dict(ckpt, control)
-        assert not [h for h in modules if torch.equal(bad[engine[h]], ref[engine[h]])], control
-
-
-def test_the_awq_checkpoint_declares_its_modules_and_the_reference_reads_it(awq_ckpt):
-    assert _declares_its_modules(awq_ckpt, False) is cv.AWQ
-    _reference_decodes_exactly(awq_ckpt, False)
-
-
-def test_the_ct_checkpoint_declares_its_modules_and_the_reference_reads_it(ct_ckpt):
-    assert _declares_its_modules(*ct_ckpt) is cv.CT_PACK_QUANTIZED
-    _reference_decodes_exactly(*ct_ckpt)
-
-
-def test_the_gptq_checkpoint_declares_its_modules_and_the_reference_reads_it(gptq_ckpt):
-    ckpt, _, sym = gptq_ckpt
-    assert _declares_its_modules(ckpt, sym) is cv.GPTQ
-    _reference_decodes_exactly(ckpt, sym)
-
-
-def test_generator_refuses_what_it_cannot_write(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="--symmetric is for gptq and compressed-tensors"):
+def test_generator_refuses_what_it_cannot_write(tmp_path):
+    with pytest.raises(ValueError, match="--symmetric is for GPTQ and compressed-tensors"):
         mi.make_int4_checkpoint(tmp_path / "a", "awq", symmetric=True)
-    with pytest.raises(ValueError, match="--gptq-format is for --convention gptq"):
-        mi.make_int4_checkpoint(tmp_path / "a", "awq", gptq_format="gptq_v2")
+    with pytest.raises(ValueError, match="--checkpoint-format is GPTQ's"):
+        mi.make_int4_checkpoint(tmp_path / "a", "awq", checkpoint_format="gptq_v2")
     with pytest.raises(ValueError, match="checkpoint_format 'marlin'"):
-        mi.make_int4_checkpoint(tmp_path / "a", "gptq", gptq_format="marlin")
-    # GPTQ v1 stores zero - 1: a group whose zero point is 0 (no negative weight) cannot be written
-    zero0 = (torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2).half(), torch.zeros(4, 2, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="^layers.0.mlp.up_proj: a zero point of 0.*--gptq-format gptq_v2"):
-        mi.to_gptq(*zero0, "gptq", "layers.0.mlp.up_proj")
-    assert int(mi.to_gptq(*zero0, "gptq_v2")["qzeros"].abs().sum()) == 0
+        mi.make_int4_checkpoint(tmp_path / "a", "gptq", checkpoint_format="marlin")
     with pytest.raises(ValueError, match="group size 16"):
         mi.make_int4_checkpoint(tmp_path / "a", "awq", group_size=16)
     with pytest.raises(ValueError, match="choose from"):
@@ -549,20 +571,22 @@ _KINDS = [(c, k) for k, m in sorted(mi.MALFORMED.items()) for c in m.conventions
 
 @pytest.fixture
 def qpn_serves_int4():
-    """QPN claims INT4 checkpoints (formats.INT4 served, the QPN4 method registered): what the
-    launcher refuses then is everything the family does not serve."""
+    """What the launcher refuses when QPN claims INT4 checkpoints (qpn_config.int4_ready: the family
+    is served, its module imports and the loader has its method)."""
     from qpn.fork_patches import qpn_config
 
-    ok, why = qpn_config.int4_served()
-    assert ok, why
+    assert qpn_config.int4_ready() == (True, "")
 
 
 @pytest.mark.parametrize("convention, kind", _KINDS, ids=[f"{c}-{k}" for c, k in _KINDS])
-def test_where_qpn_does_not_claim_int4_only_damage_is_refused(tmp_path, convention, kind, monkeypatch):
-    """With QPN_INT4=0 QPN does not claim INT4 checkpoints and the engine's own INT4 kernels serve
-    them: a damaged file is refused, a form QPN's family would not serve is left to the engine, and
-    the launcher says so."""
-    monkeypatch.setenv("QPN_INT4", "0")
+def test_where_qpn_leaves_int4_to_the_engine_only_damage_is_refused(tmp_path, convention, kind, monkeypatch):
+    """Where QPN does not claim INT4 checkpoints (its family not ready), the engine's own INT4
+    kernels serve them: a damaged file is refused, a form QPN's family would not serve is left to
+    the engine, and the launcher says so."""
+    from qpn.fork_patches import qpn_config
+
+    assert qpn_config.int4_ready() == (True, "")   # served: the family, its module and its method
+    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (False, "the INT4 family is not ready"))
     out = tmp_path / "ckpt"
     mi.make_int4_checkpoint(out, convention, malformed=kind)
     if kind == "truncated":

@@ -81,9 +81,9 @@ def test_route_table():
     for m in range(1, 300):
         assert str(routes.route_for("fp8", m, 64, 64)) in routes.QPN_ROUTES
     with pytest.raises(ValueError, match="unknown weight format"):
-        routes.route_for("mxfp4", 1, 1, 16)
-    with pytest.raises(ValueError, match="multiple of 32"):   # INT4's smallest group
-        routes.route_for("int4", 1, 1, 48)
+        routes.route_for("int8", 1, 1, 16)
+    with pytest.raises(ValueError, match="INT4 W4A16 needs K to be a multiple of 32"):
+        routes.route_for("int4", 1, 1, 16)
     with pytest.raises(ValueError, match="positive"):
         routes.route_for("fp8", 0, 1, 16)
     with pytest.raises(ValueError, match="multiple of 16"):

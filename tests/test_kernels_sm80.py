@@ -504,13 +504,16 @@ def test_sm80_entry_lines_parse_by_macro_and_a_wrong_argument_count_fails(monkey
 @pytest.mark.fast
 def test_sm80_kernel_table_and_route_kernels():
     configured = sm80_plan.sm80_kernels()
+    # keyed by the family's WeightFormat, or by each member where the members have kernels of their
+    # own (INT4); the kernel decodes that member's fragments
+    decoder = {formats.NVFP4: "Frag16NVFP4", formats.FP8_TENSOR: "Frag16FP8", formats.INT4: "Frag16INT4Asym",
+               formats.INT4_SYM: "Frag16INT4Sym"}
+    assert {fmt for fmt, _ in sm80_tables.SM80_ROUTE_KERNELS} == set(decoder)
     for (fmt, mt), name in sm80_tables.SM80_ROUTE_KERNELS.items():
         cfg = configured[name]
-        # the family's member, or (INT4) each member with kernels of its own
         assert fmt is formats.FAMILIES[fmt.family] or fmt.kernel_tag
         assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.kernel_prefix + "_mt")
-        assert sm80_tables.SM80_FRAGMENTS[cfg.frag] is fmt
-    assert {f for f, _ in sm80_tables.SM80_ROUTE_KERNELS} == set(formats.WEIGHT_FORMATS) - {formats.FP8_CHANNEL}
+        assert cfg.frag == decoder[fmt] and cfg.weight_format is fmt
     route = routes.as_route
     # the chunked route: the M-band kernel, one weight pass per 8 x MT rows; an MT = 2 kernel named
     # for it (how the route ran before) takes one pass per 16 rows

@@ -125,7 +125,7 @@ def test_sm70_entries_are_read_from_the_entry_macros():
     from qpn.kernels import jit
     entries = pm.sm70_linear_entries(jit.kernel_sources()[jit.ATOM_SOURCES["m8n8k4"]])
     # every GEMM entry point the build requires, and nothing else (not the macro's own #define)
-    # (a family with kernels but no served route yet, INT4, included: the V100 estimate covers it)
+    # (INT4's included: the V100 estimate covers it)
     assert set(entries) == {e for e in jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"]
                             if "reconstruct" not in e}
     assert entries["qpn4_sym_mt2_m8n8k4"] == ("DecINT4Sym", 2)

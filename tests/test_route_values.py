@@ -7,8 +7,6 @@ import re
 
 import pytest
 
-import torch
-
 from qpn.kernels import families, formats, jit, ops, routes, sm80_plan, sm80_tables
 
 pytestmark = pytest.mark.fast
@@ -30,7 +28,7 @@ EXPECTED = {
     "qpn4_mt2": ("int4", routes.TILED, 2, 0, 9, 16),
     "qpn4_chunked": ("int4", routes.TILED, 2, 16, 17, 96),
     "qpn4_reconstruct": ("int4", routes.RECONSTRUCT, 0, 0, 97, None),
-    # no qpn4_moe: INT4 has no MoE kernels (formats.WeightFormat.moe_atoms)
+    # no qpn4_moe: INT4 has no grouped MoE kernels (formats.INT4.moe_atoms is empty)
 }
 
 
@@ -61,84 +59,58 @@ def test_unknown_names_are_refused_naming_the_known_routes(bad):
         routes.as_route(bad)
 
 
-def test_every_registered_family_is_served():
-    """Every family with kernels is served today (formats.INT4 included): nothing is left in the
-    staging lists a family passes through before it is served."""
-    assert formats.KERNEL_FAMILIES == formats.FAMILIES and set(formats.KERNEL_FORMATS) == set(formats.WEIGHT_FORMATS)
-    assert routes.UNSERVED_ROUTES == {} and jit.UNSERVED_ENTRY_POINTS == {"m8n8k4": (), "m16n8k16": ()}
-    assert set(routes.FORMATS) == {"nvfp4", "fp8", "int4"}
+def test_every_family_with_kernels_is_served_and_none_is_staged():
+    """Every registered family with kernels is served (formats.py, "Staging": none waits for a
+    loader today): its dense routes are in the served lists, its kernels in the build's served
+    entry points, and the staging tables are empty. A MoE route exists exactly for the families
+    with MoE kernels. The shared formats, families, members: INT4's two members are both served."""
+    assert set(formats.KERNEL_FAMILIES) == set(formats.FAMILIES) == set(routes.FORMATS) == {"nvfp4", "fp8", "int4"}
+    assert {formats.INT4, formats.INT4_SYM} <= set(formats.WEIGHT_FORMATS)
+    assert routes.UNSERVED_ROUTES == {} and sm80_tables.SM80_UNSERVED_ROUTE_KERNELS == {}
+    assert jit.UNSERVED_ENTRY_POINTS == {"m8n8k4": (), "m16n8k16": ()}
+    assert set(formats.MOE_FAMILIES) == {"nvfp4", "fp8"}
+    assert {r.format for r in routes.ALL_ROUTES.values() if r.kernel == routes.MOE} == set(formats.MOE_FAMILIES)
+    with pytest.raises(ValueError, match="INT4 W4A16 has no QPN MoE kernels"):
+        routes.moe_route_for("int4")
 
 
-# The staging path a family registered before it is served takes (formats ``served=False``, as INT4
-# was until issue 26 item 5, and as MXFP4 would be): run on the real modules, with formats.py's
-# INT4 members registered unserved in a fresh interpreter (its tables are built at import).
-_UNSERVED_PROBE = r"""
-import importlib.util, json, sys
-import qpn.kernels
-spec = importlib.util.find_spec("qpn.kernels.formats")
-src = open(spec.origin).read()
-for decoder in ('decoder="DecINT4")', 'decoder="DecINT4Sym")'):
-    assert src.count(decoder) == 1, decoder
-    src = src.replace(decoder, decoder[:-1] + ", served=False)")
-mod = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = mod
-exec(compile(src, spec.origin, "exec"), mod.__dict__)
-from qpn.kernels import formats, jit, ops, routes
-out = {"families": sorted(formats.FAMILIES), "kernel_families": sorted(formats.KERNEL_FAMILIES),
-       "routes": sorted(routes.QPN_ROUTES | routes.QPN_MOE_ROUTES), "unserved": sorted(routes.UNSERVED_ROUTES),
-       "entry": jit.ENTRY_POINTS, "unserved_entry": jit.UNSERVED_ENTRY_POINTS, "bands": {}, "kernels": {}}
-try:
-    routes.route_for("int4", 1, 64, 128)
-except ValueError as e:
-    out["served_lookup"] = str(e)
-try:
-    formats.weight_format("int4_sym")
-except formats.UnknownFormat as e:
-    out["format_lookup"] = str(e)
-for m in range(1, 200):
-    r = routes.route_for("int4", m, 64, 128, served_only=False)
-    assert routes.as_route(str(r)) is routes.UNSERVED_ROUTES[str(r)]
-    out["bands"][m] = [str(r), r.kernel, r.tiles_per_pass, r.chunk_rows, r.m_min, r.m_max]
-    for member in (formats.INT4, formats.INT4_SYM):
-        name = (ops._route_kernel(r, m, "s7", member)[0] if r.kernel == routes.TILED
-                else f"{member.kernel_prefix}_reconstruct_ws") + "_m8n8k4"
-        out["kernels"].setdefault(member.key, []).append(name)
-out["entry_lines"] = jit.sm70_entry_lines()
-print(json.dumps(out))
-"""
+def _kernel_member(fmt: formats.WeightFormat) -> formats.WeightFormat:
+    """The member whose kernels a weight of ``fmt`` runs, as ops asks it (kernel_member on a packed
+    weight's operands): INT4's own member, FP8 per channel the family's kernels."""
+    import torch
+
+    num = families.numerics(fmt)
+    w = torch.randn((16, 128), generator=torch.Generator().manual_seed(0))
+    packed = num.prepack(*num.quantize(w, *([min(fmt.group_sizes)] if fmt.group_sizes else [])))
+    return ops.kernel_member(ops.operands(packed))[0]
 
 
-def test_a_family_registered_unserved_has_the_dense_bands_and_no_served_route():
-    """A family with kernels but ``served=False`` gets the dense route table's bands through
-    route_for(served_only=False), each route naming its member's kernels, its kernels are built
-    (UNSERVED_ENTRY_POINTS, written into qpn_kernels.cu) but not listed as served; the served lists,
-    parse_route and route_for's default know none of it, and a lookup says why."""
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _UNSERVED_PROBE], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout)
-    assert got["families"] == ["fp8", "nvfp4"] and got["kernel_families"] == ["fp8", "int4", "nvfp4"]
-    assert not [r for r in got["routes"] if r.startswith("qpn4")]
-    assert got["unserved"] == ["qpn4", "qpn4_chunked", "qpn4_mt2", "qpn4_reconstruct"]
-    assert "unknown weight format 'int4'" in got["served_lookup"]
-    assert "INT4 W4A16 symmetric has QPN kernels but no served route yet" in got["format_lookup"]
-    for m, (name, kernel, tiles, chunk_rows, lo, hi) in got["bands"].items():
-        twin = routes.route_for("nvfp4", int(m), 64, 128)   # the same band as a served family's
-        assert (kernel, tiles, chunk_rows, lo, hi) == (twin.kernel, twin.tiles_per_pass, twin.chunk_rows,
-                                                       twin.m_min, twin.m_max), m
-    int4_kernels = {e for f in (formats.INT4, formats.INT4_SYM) for e in f.dense_entry_points("m8n8k4")}
-    for atom in ("m8n8k4", "m16n8k16"):
-        assert not {e for e in got["entry"][atom] if e.startswith("qpn4")}, atom
-    assert set(got["unserved_entry"]["m8n8k4"]) == int4_kernels
-    assert set(got["unserved_entry"]["m16n8k16"]) == {
-        sm80_tables.SM80_ROUTE_KERNELS[key] for key in sm80_tables.SM80_ROUTE_KERNELS if key[0].family == "int4"} | {
-        e for f in (formats.INT4, formats.INT4_SYM) for e in f.dense_entry_points("m16n8k16")}
-    for key, names in got["kernels"].items():
-        assert set(names) == set(formats.weight_format(key).dense_entry_points("m8n8k4")), key
-    assert all(f"({k}, " in got["entry_lines"] for k in int4_kernels)
+def test_every_member_runs_its_own_kernels_on_every_band():
+    """Per served family and member, for every M: the route's m8n8k4 kernel (ops._route_kernel with
+    the member, as ops.qpn_linear passes it) and its m16n8k16 kernel (sm80_plan._sm80_kernel_for) are
+    entry points the build requires, named with the member's own prefix (INT4: qpn4_ / qpn4_sym_),
+    and the reconstruct route runs the member's reconstruct pass."""
+    for fam in formats.FAMILIES:
+        members = {_kernel_member(f) for f in formats.WEIGHT_FORMATS if f.family == fam}
+        assert len(members) == (2 if fam == "int4" else 1), members
+        seen = set()
+        for m in range(1, 200):
+            r = routes.route_for(fam, m, 64, 128)
+            seen.add(str(r))
+            for member in members:
+                if r.kernel == routes.TILED:
+                    names = {ops._route_kernel(r, m, form, member)[0] + "_m8n8k4" for form in ("restore", "s7")}
+                    names.add(sm80_plan._sm80_kernel_for(r, m, 64, member)[0])
+                else:
+                    names = {f"{member.kernel_prefix}_reconstruct_ws_{atom}" for atom in formats.ATOMS}
+                for name in names:
+                    atom = "m8n8k4" if name.endswith("_m8n8k4") else "m16n8k16"
+                    assert name in jit.ENTRY_POINTS[atom], (member.key, m, name)
+                    assert name.startswith(member.kernel_prefix + "_"), (member.key, m, name)
+                    others = [o for o in formats.WEIGHT_FORMATS if o.kernel_prefix != member.kernel_prefix
+                              and o.kernel_prefix.startswith(member.kernel_prefix)]
+                    assert not any(name.startswith(o.kernel_prefix + "_") for o in others), (member.key, m, name)
+        assert seen == {n for n, r in routes.ALL_ROUTES.items() if r.format == fam and r.kernel != routes.MOE}
 
 
 def test_route_for_returns_the_route_whose_band_holds_m():
@@ -150,10 +122,10 @@ def test_route_for_returns_the_route_whose_band_holds_m():
             assert r.m_min <= m and (r.m_max is None or m <= r.m_max), (m, r)
             seen.add(str(r))
         assert seen == {n for n, r in routes.ALL_ROUTES.items() if r.format == fmt and r.kernel != routes.MOE}
-        if formats.FAMILIES[fmt].moe_atoms:
+        if fmt in formats.MOE_FAMILIES:
             assert str(routes.moe_route_for(fmt)) == formats.FAMILIES[fmt].moe_route
-        else:   # dense layers only (INT4): no MoE route, and the refusal says which families have one
-            with pytest.raises(ValueError, match="has no MoE kernels, so no MoE route; QPN serves MoE experts in nvfp4, fp8"):
+        else:
+            with pytest.raises(ValueError, match="no QPN MoE kernels"):
                 routes.moe_route_for(fmt)
         assert [str(routes.tiled_route(fmt, t)) for t in (1, 2)] == [str(routes.route_for(fmt, m, 64, 128))
                                                                     for m in (8, 16)]
@@ -181,6 +153,8 @@ def test_nvfp4_form_setting_is_checked_and_kept_per_device(monkeypatch):
     """QPN_SM70_NVFP4_FORM chooses the m8n8k4 NVFP4 form without a probe (the probe itself needs a
     GPU: tests/test_gpu_kernels.py); a misspelt value is an error naming the setting and both forms;
     a device's form, once chosen, is kept and another device's is not touched."""
+    import torch
+
     monkeypatch.setattr(ops, "_nvfp4_forms", {})
     dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
     monkeypatch.setenv(ops.NVFP4_FORM_ENV, "fast")
@@ -197,6 +171,8 @@ def test_nvfp4_form_setting_is_checked_and_kept_per_device(monkeypatch):
 def test_weight_operands_are_the_custom_ops_weight_arguments():
     """qpn::linear's schema lists x, then WeightOperands' fields in order, then route and bias:
     qpn_linear spreads the record into the op, so the two cannot drift apart unseen."""
+    import torch
+
     schema = torch.ops.qpn.linear.default._schema
     assert [a.name for a in schema.arguments] == ["x", *ops.WeightOperands._fields, "route", "bias"]
     g = torch.Generator().manual_seed(4)
@@ -267,7 +243,7 @@ def test_no_route_name_parsing_outside_routes_py():
 
 def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bool,
                    member: formats.WeightFormat) -> tuple[str, int]:
-    """(kernel symbol, chunk planes) the launchers of ops.py run for one call of a weight of
+    """(kernel symbol, chunk planes) the launchers of ops.py run for one call of a weight of format
     ``member``, from the same pieces: _launch_reconstruct, _route_kernel (m8n8k4), _sm80_kernel_for
     and the shared-memory fallback of _sm80_plan (m16n8k16)."""
     if route.kernel == routes.RECONSTRUCT:
@@ -297,14 +273,8 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
 
     sm80 = sm80_plan.sm80_kernels()
     seen, checked = set(), 0
-    members = {}   # (format, atom) -> the member whose kernels the launchers run, as they find it
     for fmt in formats.WEIGHT_FORMATS:
-        num = families.numerics(fmt)
-        w = torch.randn((40, 128), generator=torch.Generator().manual_seed(5))
-        src = num.quantize(w, min(fmt.group_sizes)) if fmt.group_sizes else num.quantize(w)
-        for a in formats.ATOMS:
-            members[fmt, a] = ops.kernel_member(ops.operands(num.prepack(*src, atom=a)))[0]
-    for fmt in formats.WEIGHT_FORMATS:
+        member = _kernel_member(fmt)
         for route in (routes.ALL_ROUTES[n] for n in sorted(routes.QPN_ROUTES)):
             if route.weight_format.family != fmt.family:
                 continue
@@ -315,20 +285,19 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
                         for fits in (True, False):
                             if route.kernel_max_m is not None and m > route.kernel_max_m:
                                 with pytest.raises(ValueError, match=f"serves M <= {route.kernel_max_m}"):
-                                    _kernel_symbol(route, m, n, atom, fits, members[fmt, atom])
+                                    _kernel_symbol(route, m, n, atom, fits, member)
                                 continue
-                            name, chunks = _kernel_symbol(route, m, n, atom, fits, members[fmt, atom])
+                            name, chunks = _kernel_symbol(route, m, n, atom, fits, member)
                             where = (fmt.key, str(route), arch, m, n, fits, name)
                             seen.add(name)
                             checked += 1
-                            assert name.startswith(route.prefix + "_"), where
-                            # the member's own kernels (INT4: qpn4_sym_* only for the symmetric member)
-                            tags = {f.kernel_tag for f in formats.WEIGHT_FORMATS if f.family == fmt.family}
-                            assert [t for t in tags if t and name.startswith(f"{route.prefix}_{t}_")] == \
-                                ([fmt.kernel_tag] if fmt.kernel_tag else []), where
+                            # the member's own kernels: of the prefixes it starts with, the longest is the member's
+                            assert max((f.kernel_prefix for f in formats.WEIGHT_FORMATS
+                                        if name.startswith(f.kernel_prefix + "_")), key=len) == fmt.kernel_prefix, where
                             assert ("_reconstruct_ws_" in name) == (route.kernel == routes.RECONSTRUCT), where
                             if route.kernel == routes.RECONSTRUCT:
                                 assert name == f"{fmt.kernel_prefix}_reconstruct_ws_{atom}" and chunks == 1, where
+                                assert name in jit.ENTRY_POINTS[atom], where
                                 continue
                             if atom == "m8n8k4":
                                 assert name in jit.ENTRY_POINTS["m8n8k4"], where
@@ -336,16 +305,16 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
                             else:
                                 cfg = sm80[name]
                                 mt = cfg.mt
-                                frag = [f for p, f in sm80_tables.SM80_FRAGMENTS.items() if cfg.frag.startswith(p)]
-                                assert len(frag) == 1 and frag[0].family == fmt.family, where
-                                assert frag[0].kernel_tag == fmt.kernel_tag, where
+                                assert cfg.weight_format.kernel_prefix == fmt.kernel_prefix, where  # its decoder
                                 if not fits:
                                     assert cfg.smem_bytes == 0 or cfg.band, where
                             rows = 8 * mt  # token rows one plane of the kernel serves
                             assert chunks * rows >= m and (chunks - 1) * rows < m, where
                             if route.chunk_rows is None:
                                 assert chunks == 1, where
-    assert checked == 3120  # 5 formats x 4 routes x 6 archs x 40 cases, less the M a route refuses
+    # 5 formats (NVFP4, FP8 per tensor / channel, INT4 with zero points / symmetric) x 4 routes x 6
+    # archs x 40 cases, less the M a route refuses
+    assert checked == 3120
     named = {k for t in (sm80_tables.SM80_ROUTE_KERNELS, sm80_tables.SM80_LARGE_N_KERNELS,
                          sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM,
                          {k: v for k, v in enumerate(b for bs in sm80_tables.SM80_BAND_KERNELS.values() for b in bs)})

@@ -258,43 +258,56 @@ def test_cpu_engine_binds_one_core_group_per_rank():
         tp_env(CPU, 4, cpus=[0, 1])
 
 
-@pytest.mark.parametrize("convention, sym", [("awq", False), ("gptq", True), ("compressed-tensors", False)])
-def test_int4_checkpoints_are_planned_with_their_own_groups_and_words(tmp_path, convention, sym):
-    """An INT4 checkpoint (make_int4_checkpoint) is planned from its own layout: (N, K) from the
-    codes tensor as its convention stores it, the group size its config chose, and eight output
-    rows per word where a role packs N (AWQ's codes; every asymmetric zero point). The tiny model
-    splits at TP=2 with whole groups of 128 inputs per rank; at TP=4 its row-parallel modules would
-    cut every group in two, and the refusal names them before boot."""
-    from qpn.scripts.checkpoints.make_int4_checkpoint import make_int4_checkpoint
+# ---- INT4 W4A16 (issue 26 item 5): the checkpoint's own group size, words packing output rows ------
+def test_int4_split_keeps_whole_groups_of_the_checkpoints_size_and_whole_words():
+    """An INT4 row-parallel split needs K/TP to hold whole groups of the module's own group size
+    (not the format's default 128), and a layout that packs eight output rows per int32 needs a
+    multiple of 8 rows per rank in each fused partition."""
+    down = tps.Module("layers.0.mlp.down_proj", "int4", (128,), 256, group=32)
+    assert tps.plan([down], 4)[1] == []
+    assert not any("group" in i for i in tps.plan([down], 8)[1])   # 32 inputs: one group (a k-block short)
+    wide = tps.Module("layers.0.mlp.down_proj", "int4", (128,), 256, group=128)
+    assert tps.plan([wide], 2)[1] == []
+    (issue,) = tps.plan([wide], 4)[1]
+    assert issue == ("layers.0.mlp.down_proj: row-parallel K=256/TP=4 = 64 inputs per rank splits an "
+                     "INT4 W4A16 group (one float16 scale per 128 inputs)")
+    kv = tps.Module("layers.3.self_attn.qkv_proj", "int4", (256, 32, 32), 128, group=32, rows_per_word=8)
+    assert tps.plan([kv], 4)[1] == []
+    (issue,) = tps.plan([kv], 8)[1][:1]
+    assert "fused output partition 1: 32 rows)/TP=8 = 4 rows per rank is not a whole number of stored words " \
+           "(8 output rows each)" in issue
+    assert tps.plan([tps.Module("x.k_proj", "int4", (32,), 128, group=32)], 8)[1] == []  # no packed N
+
+
+@pytest.fixture(scope="module")
+def int4_ckpts(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    from qpn.scripts.checkpoints import make_int4_checkpoint as mi
+
+    root = tmp_path_factory.mktemp("tp-int4")
+    mi.make_int4_checkpoint(root / "awq128", "awq", group_size=128)
+    mi.make_int4_checkpoint(root / "ct-sym", "compressed-tensors", symmetric=True)
+    return root
+
+
+def test_preflight_plans_int4_checkpoints_from_their_headers(int4_ckpts):
+    """The launcher's TP plan of an INT4 checkpoint: every module's (N, K) from the convention's
+    layout (AWQ stores codes [K, N/8]), the scheme's group size, and whether the layout packs
+    output rows. TP=2 keeps whole groups of 128 on every row-parallel module (K = 256: one group
+    per rank); TP=4 would cut them and is refused naming the module."""
     from qpn.scripts.launcher.boot_gates import declared_modules
 
-    ckpt = tmp_path / "ckpt"
-    make_int4_checkpoint(ckpt, convention, group_size=128, symmetric=sym)
-    conv, declared = declared_modules(str(ckpt))
-    assert conv.name == convention and len(declared) == 50
-    planned = {m.name: m for m in tps.checkpoint_modules(str(ckpt), declared, conv)}
-    words = 8 if convention == "awq" or not sym else 1
-    assert planned["model.language_model.layers.0.mlp.down_proj"] == tps.Module(
-        "model.language_model.layers.0.mlp.down_proj", "int4", (128,), 256, 128, words)
-    assert planned["model.language_model.layers.3.self_attn.qkv_proj"] == tps.Module(
-        "model.language_model.layers.3.self_attn.qkv_proj", "int4", (512, 128, 128), 128, 128, words)
-    # 38: the plan keeps GDN's in_proj_qkv and in_proj_z apart (each output partition is checked alike)
-    assert {m.region for m in planned.values()} == {"int4"} and len(planned) == 38
-    assert serve_preflight.check_tp_split(str(ckpt), 2) == "38 quantized module(s) split over 2 ranks"
+    conv, declared = declared_modules(str(int4_ckpts / "awq128"))
+    modules = {m.name: m for m in tps.checkpoint_modules(str(int4_ckpts / "awq128"), declared, conv)}
+    down = modules["model.language_model.layers.0.mlp.down_proj"]
+    assert (down.region, down.output_sizes, down.k, down.group, down.rows_per_word) == ("int4", (128,), 256, 128, 8)
+    assert modules["model.language_model.layers.3.self_attn.qkv_proj"].output_sizes == (512, 128, 128)
+    assert serve_preflight.check_tp_split(str(int4_ckpts / "awq128"), 2) == f"{len(modules)} quantized module(s) split over 2 ranks"
     with pytest.raises(serve_preflight.Refusal) as err:
-        serve_preflight.check_tp_split(str(ckpt), 4)
-    assert ("model.language_model.layers.0.mlp.down_proj: row-parallel K=256/TP=4 = 64 inputs per rank splits "
-            "an INT4 W4A16 group (one float16 scale per 128 inputs)") in str(err.value)
-
-
-def test_an_int4_split_inside_a_packed_word_is_refused():
-    words = tps.problems(tps.Module("x.q_proj", "int4", (48,), 64, 32, 8), 2)   # 24 rows per rank: 3 words
-    assert words == []
-    cut = tps.problems(tps.Module("x.q_proj", "int4", (40,), 64, 32, 8), 2)    # 20 rows per rank
-    assert cut == ["x.q_proj: column-parallel output N=40/TP=2 = 20 rows per rank splits the int32 words "
-                   "that pack 8 rows each"]
-    assert tps.problems(tps.Module("x.q_proj", "int4", (40,), 64, 32, 1), 2) == []   # symmetric GPTQ / CT: no N words
-    # the checkpoint's own group, not the format's default of 128
-    assert tps.problems(tps.Module("x.down_proj", "int4", (64,), 128, 32, 8), 2) == []
-    assert any("splits an INT4 W4A16 group (one float16 scale per 128 inputs)" in p
-               for p in tps.problems(tps.Module("x.down_proj", "int4", (64,), 128, None, 8), 2))
+        serve_preflight.check_tp_split(str(int4_ckpts / "awq128"), 4)
+    assert "layers.0.mlp.down_proj: row-parallel K=256/TP=4 = 64 inputs per rank splits an INT4 W4A16 group " \
+           "(one float16 scale per 128 inputs)" in str(err.value)
+    # compressed-tensors symmetric: codes [N, K/8] pack inputs and there is no zero-point tensor
+    conv, declared = declared_modules(str(int4_ckpts / "ct-sym"))
+    sym = tps.checkpoint_modules(str(int4_ckpts / "ct-sym"), declared, conv)
+    assert {(m.group, m.rows_per_word) for m in sym} == {(32, 1)} and len(sym) == len(modules)

@@ -51,43 +51,6 @@ def _fp8_every_byte(per_channel: bool):
     return codes, scale
 
 
-def _int4_every_code(sym: bool):
-    """Every positive finite float16 scale (bits 0x0001..0x7BFF, subnormals included; one group of 32
-    each, the last row padded with 1.0), every code twice in every group (rotated per group), and for
-    the asymmetric member zero point = group index mod 16, so every (code, zero point) pair occurs
-    thousands of times. Each group holds code 0 and code 15, which pin min and max: the quantizer's
-    scale and zero point are the stored ones."""
-    g, groups = 32, 256
-    bits = torch.arange(1, 0x7C00, dtype=torch.int32)
-    bits = torch.cat([bits, torch.full((-bits.numel() % groups,), 0x3C00, dtype=torch.int32)])
-    n = bits.numel() // groups
-    scales = bits.to(torch.int16).view(torch.float16).reshape(n, groups)
-    idx = torch.arange(n * groups).reshape(n, groups)
-    base = torch.arange(16).repeat(2)
-    codes = torch.stack([torch.roll(base, int(r)) for r in idx.reshape(-1) % 16]).reshape(n, groups * g)
-    zeros = (idx % 16).to(torch.uint8)
-    src = (family_int4.pack_codes(codes.to(torch.uint8)), scales) + (() if sym else (zeros,))
-    return src, codes, (torch.full_like(zeros, family_int4.SYM_ZERO) if sym else zeros), g
-
-
-@pytest.mark.parametrize("fmt", [INT4, INT4_SYM], ids=lambda f: f.key)
-def test_int4_decode_and_quantize_round_trip_every_code_zero_and_scale(fmt):
-    sym = not fmt.has_zero_points
-    src, codes, zeros, g = _int4_every_code(sym)
-    w64 = families.numerics(fmt).decode_f64(*src)
-    # independent oracle: float64 arithmetic on the unpacked integers and torch's float16 decode
-    want = (codes.double() - zeros.double().repeat_interleave(g, 1)) * src[1].double().repeat_interleave(g, 1)
-    assert torch.equal(w64, want)
-    assert set(codes.unique().tolist()) == set(range(16)) and (sym or set(zeros.unique().tolist()) == set(range(16)))
-    q = families.numerics(fmt).quantize(w64.float(), g)
-    assert len(q) == len(fmt.roles) == len(src)
-    assert torch.equal(q[0], src[0])
-    assert torch.equal(q[1].view(torch.int16), src[1].view(torch.int16))
-    if not sym:
-        assert torch.equal(q[2], src[2])
-    assert torch.equal(families.numerics(fmt).decode_f32(*src).double(), w64)
-
-
 def test_nvfp4_decode_and_quantize_round_trip_every_byte():
     src, codes = _nvfp4_every_byte()
     w64 = families.numerics(NVFP4).decode_f64(*src)
@@ -112,12 +75,51 @@ def test_fp8_decode_and_quantize_round_trip_every_byte(fmt):
     assert q_scale.numel() == (codes.shape[0] if fmt is FP8_CHANNEL else 1)
 
 
+@pytest.mark.parametrize("fmt", [INT4, INT4_SYM], ids=lambda f: f.key)
+def test_int4_decode_and_quantize_round_trip_every_code_zero_point_and_scale(fmt):
+    src, codes, zeros = _int4_every_code_zero_and_scale(fmt is INT4_SYM)
+    num = families.numerics(fmt)
+    assert set(codes.unique().tolist()) == set(range(16)) and set(zeros.unique().tolist()) == set(
+        range(16) if fmt is INT4 else [8])
+    w64 = num.decode_f64(*src)
+    # oracle: the integers and torch's own float16 -> float64 cast, no family code
+    g = codes.shape[-1]
+    want = ((codes.double() - zeros.double().unsqueeze(-1)) * src[1].double().unsqueeze(-1)).reshape(w64.shape)
+    assert torch.equal(w64, want)
+    assert torch.equal(num.decode_f32(*src).double(), w64)  # (code - zero) * float16 is exact in float32
+    q = num.quantize(w64.float(), g)
+    assert len(q) == len(fmt.roles) == len(src)
+    assert torch.equal(q[0], src[0])
+    assert torch.equal(q[1].view(torch.int16), src[1].view(torch.int16))
+    if fmt.has_zero_points:
+        assert torch.equal(q[2], src[2])
+
+
+def _int4_every_code_zero_and_scale(symmetric: bool):
+    """A source holding every positive finite float16 scale (0x0001..0x7BFF, subnormals included,
+    one group each), every code in every group (each group holds 0..15 twice, rotated per group so
+    that every code meets every position) and, asymmetric, every zero point 0..15 (zero = group
+    index mod 16, so each zero point meets about 2000 scales). Codes 0 and 15 pin each group's
+    min and max, so min/max quantization of the decoded weight must give this source back."""
+    scale_bits = torch.arange(1, 0x7C00, dtype=torch.int32)                  # 31743 groups
+    groups, g, per_row = scale_bits.numel(), 32, 16
+    rows = -(-groups // per_row)
+    bits = torch.cat([scale_bits, torch.full((rows * per_row - groups,), 0x3C00, dtype=torch.int32)])
+    scales = bits.to(torch.int16).view(torch.float16).view(rows, per_row)
+    gi = torch.arange(rows * per_row).view(rows, per_row, 1)
+    codes = (torch.arange(g).view(1, 1, g) + gi) % 16                       # [rows, groups, 32]
+    q = family_int4.pack_codes(codes.reshape(rows, per_row * g))
+    if symmetric:
+        return (q, scales), codes, torch.full((rows, per_row), 8)
+    zeros = (gi.view(rows, per_row) % 16).to(torch.uint8)
+    return (q, scales, zeros), codes, zeros
+
+
 def _random_source(fmt, n=45, k=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.05
-    # a format whose weights choose their group size (INT4): the smallest, so K holds several groups
-    return families.numerics(fmt).quantize(w, min(fmt.group_sizes)) if fmt.group_sizes \
-        else families.numerics(fmt).quantize(w)
+    # a format whose weights choose their group size (INT4): its smallest, which divides K = 96
+    size = {"group_size": min(fmt.group_sizes)} if fmt.group_sizes else {}
+    return families.numerics(fmt).quantize(torch.randn(n, k, generator=g) * 0.05, **size)
 
 
 @pytest.mark.parametrize("atom", formats.ATOMS)
@@ -159,39 +161,42 @@ def test_kernel_tensors_and_reference_agree_with_decode(fmt):
     assert y.dtype == torch.float16 and y.shape == (5, 40)
 
 
+# Each family's packed buffers by field name: codes, group scales (or per-row records), output scale.
+PACKED_BUFFERS = {"nvfp4": ("codes", "scales", "global_scale"), "fp8": ("codes", None, "scale"),
+                  "int4": ("codes", "scales", "out_scale")}
+
+
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
 def test_packed_tensors_buffers_size_and_copy(fmt):
-    """A packed weight's own buffers in kernel order (the same objects: the eager launch cache
-    checks them by identity), its size in bytes, and a copy through ``to`` that keeps every
-    field and copies no buffer twice; an expert stack copies alike."""
+    """A packed weight's own buffers in kernel order (the same memory: a family may hand its
+    records out as a view of another dtype, INT4 does, so the eager launch cache compares bytes),
+    its size in bytes, and a copy through ``to`` that keeps every field and copies no buffer twice;
+    an expert stack copies alike where the format has MoE kernels, and is refused where it has none."""
     from qpn.kernels import moe
 
     packed = families.numerics(fmt).prepack(*_random_source(fmt, n=40, k=64, seed=3))
     codes, scales, out_scale = families.numerics(fmt).packed_tensors(packed)
-    # the buffer of each kernel tensor, by name (INT4: group records with zero points, an output scale of 1)
-    names = {NVFP4: ("codes", "scales", "global_scale"), FP8_TENSOR: ("codes", None, "scale"),
-             FP8_CHANNEL: ("codes", None, "scale"), INT4: ("codes", "scales", "out_scale"),
-             INT4_SYM: ("codes", "scales", "out_scale")}
-    assert set(names) == set(WEIGHT_FORMATS)
-    bufs = packed.buffers()
-    assert set(bufs) == {b for b in names[fmt] if b}
-    assert codes is packed.codes and out_scale is bufs[names[fmt][2]]
-    if fmt.has_group_scales:   # the buffer itself, or (INT4) a view of its bytes typed by the member's record
-        assert scales.data_ptr() == packed.scales.data_ptr() and scales.nbytes == packed.scales.nbytes
-    else:
-        assert scales is None
+    names = PACKED_BUFFERS[fmt.family]
+    assert set(packed.buffers()) == {n for n in names if n}
+    for got, name in zip((codes, scales, out_scale), names):
+        if name is None:
+            assert got is None
+            continue
+        own = getattr(packed, name)
+        assert got.data_ptr() == own.data_ptr() and got.nbytes == own.nbytes, name
+        assert torch.equal(got if got.dtype == own.dtype else got.view(own.dtype).reshape(own.shape), own), name
+    assert (scales is not None) == (fmt.has_group_scales or fmt.has_zero_points)
     kc, ks, ko = families.kernel_tensors(packed)
     assert ko.dtype == torch.float32 and ko.dim() == 1 and torch.equal(ko, out_scale.float().reshape(-1))
-    # codes and group scales are bytes; the output scale float32, one value or one per row
-    want = codes.numel() + (scales.nbytes if scales is not None else 0) + 4 * out_scale.numel()
+    want = codes.nbytes + (scales.nbytes if scales is not None else 0) + out_scale.nbytes
     assert packed.nbytes == want
     moved = packed.to("cpu")
     assert type(moved) is type(packed) and (moved.n, moved.k, moved.atom) == (packed.n, packed.k, packed.atom)
     for a, b in zip(families.numerics(fmt).packed_tensors(moved), families.numerics(fmt).packed_tensors(packed)):
         assert (a is None and b is None) or torch.equal(a, b)
-    if not fmt.moe_atoms:   # dense layers only: no expert stack of this format is built
-        with pytest.raises(moe.MoeShapeError, match="no .* MoE kernels"):
-            moe.prepack_expert_stack(fmt.family, *(t[None] for t in _random_source(fmt, n=40, k=64, seed=3)))
+    if not fmt.moe_atoms:
+        with pytest.raises(formats.MoeShapeError, match="no QPN MoE kernels"):
+            moe.prepack_expert_stack(fmt.key, torch.zeros(1, 8, 32, dtype=torch.uint8), torch.ones(1, 8, 1))
         return
     stack = moe.PackedExpertStack(fmt.family, codes[None], None if scales is None else scales[None],
                                   out_scale.float().reshape(1, -1), packed.n, packed.k, packed.atom)
@@ -208,10 +213,9 @@ def test_lookup_by_key_family_and_algo():
     assert formats.weight_format("fp8", fp8_scale="channel") is FP8_CHANNEL
     assert formats.weight_format("fp8_channel") is FP8_CHANNEL
     assert formats.weight_format(FP8_CHANNEL) is FP8_CHANNEL
-    # INT4: by member key, or the family name for its member with zero points; no ModelOpt algo
     assert formats.weight_format("int4") is INT4 and formats.weight_format("INT4_SYM") is INT4_SYM
-    assert formats.find_format("int4", served_only=True) is INT4
-    for bad in ("int4_asym", "W4A16", "nvfp", "FP8_PB_WO", "", "qpn2"):
+    assert formats.find_format("int4") is INT4   # the family name gives its first member
+    for bad in ("int8", "nvfp", "FP8_PB_WO", "", "qpn2", "qpn4", "W4A16"):
         with pytest.raises(formats.UnknownFormat, match="QPN serves"):
             formats.weight_format(bad)
         assert formats.find_format(bad) is None
@@ -236,21 +240,21 @@ def test_every_modelopt_algo_maps_to_one_format():
 
 
 def test_every_compressed_tensors_scheme_maps_to_one_format():
+    """Each served format is what one compressed-tensors weights scheme declares: NVFP4 and FP8
+    through ct_scheme_of, INT4 (integer weights, pack-quantized) through ct_int4_scheme_of."""
     from qpn.fork_patches.conventions import ct_int4_scheme_of, ct_scheme_of
 
     cases = {
         NVFP4: {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True},
         FP8_TENSOR: {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
         FP8_CHANNEL: {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+        INT4: {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False},
+        INT4_SYM: {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
     }
     for want, w in cases.items():
-        assert ct_scheme_of(w, None, "test").format is want
-    # INT4 W4A16 (pack-quantized): the W4A16_ASYM and W4A16 presets' weights
-    int4 = {INT4: False, INT4_SYM: True}
-    for want, sym in int4.items():
-        w = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": sym}
-        assert ct_int4_scheme_of(w, "pack-quantized", "test").format is want
-    assert set(cases) | set(int4) == set(WEIGHT_FORMATS)
+        read = ct_int4_scheme_of(w, "pack-quantized", "test") if w["type"] == "int" else ct_scheme_of(w, None, "test")
+        assert read.format is want
+    assert {f for f in cases} == set(WEIGHT_FORMATS)
 
 
 def test_every_route_maps_to_one_format():

@@ -1095,7 +1095,7 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 // shared-memory reads and the copy issue to the already issue-bound decode.
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
-// INT4 W4A16 (issue 26; the routes' kernels per member in sm80_tables.SM80_ROUTE_KERNELS).
+// INT4 W4A16 (issue 26; the route kernels sm80_tables.SM80_ROUTE_KERNELS names for both members).
 // The register ring of the NVFP4 routes in the NVFP4 routes' configurations: the same 16 code bytes
 // per lane per (tile, k-block) and an 8-byte (asymmetric) or 4-byte (symmetric) scale record load
 // where NVFP4 has an 8-byte scale load. Timed on the H200 as they are, not swept

@@ -1,34 +1,34 @@
-"""Independent float32 reference for an INT4 W4A16 checkpoint (AutoAWQ GEMM, GPTQ, compressed-tensors
-pack-quantized): every INT4 tensor is decoded by the engine's or the library's own code, loaded into
-transformers' ``Qwen3_5ForCausalLM`` in float32, and run teacher-forced through the runner of
+"""Independent float32 reference for an INT4 W4A16 checkpoint (AutoAWQ, GPTQ, compressed-tensors
+pack-quantized): every INT4 module is dequantized by the engine's or the library's own code, loaded
+into transformers' ``Qwen3_5ForCausalLM`` in float32 and run teacher-forced through the runner of
 qpn.scripts.checkpoints.checkpoint_reference (shared with the ModelOpt and compressed-tensors
 references).
 
     python -m qpn.scripts.checkpoints.int4_reference CKPT_DIR --token-ids 1,2,3,... --variants float32,bfloat16,... --out FILE
 
-Decoders (nothing of the QPN path -- qpn.kernels.family_int4, conventions, formats, prepack -- is used):
+Who decodes what (nothing of the QPN path: no qpn.kernels, no conventions):
 
-* AWQ: vLLM 0.32's ``_unpack_and_dequant_int4_awq`` (fused_moe/oracle/int_wna16.py, the torch
-  reference of its INT4 emulation path: AutoAWQ's interleaved nibble order undone, zero points
-  subtracted, times the group scale), asked for float32.
-* GPTQ: vLLM 0.32's ``_unpack_and_dequant_int4_gptq`` (the same file), which reads zero points as
-  stored (``checkpoint_format`` gptq_v2) and a symmetric checkpoint as uint4b8; for
-  ``checkpoint_format`` gptq (v1) the stored zero points are zero - 1, so they are read with vLLM's
-  ``unpack_cols``, given their 1 back (what vLLM's exllama kernel does on the GPU,
-  ``use_v2_format=False``) and packed again with its ``pack_cols``. ``g_idx`` must be k // g
-  (this reference does not reorder inputs).
-* compressed-tensors: the library's ``PackedQuantizationCompressor.decompress`` with the scale in
-  float32 (its ``dequantize`` then computes in float32).
+* AWQ: vLLM's ``_unpack_and_dequant_int4_awq`` (fused_moe/oracle/int_wna16.py, the torch
+  dequantization of its emulation path), in float32.
+* GPTQ: vLLM's ``_unpack_and_dequant_int4_gptq`` (same file), which reads zero points as stored in
+  the v2 format; a v1 checkpoint's words (``checkpoint_format`` gptq, zero - 1, the convention
+  vLLM's exllama kernel documents) are first unpacked, given their 1 back and repacked with vLLM's
+  own ``unpack_quantized_values_into_int32`` / ``pack_quantized_values_into_int32``. A symmetric
+  checkpoint reads no zero points (uint4b8, as vLLM does). Its ``g_idx`` must be the identity
+  order (k // g), which is what vLLM's function assumes; another is refused.
+* compressed-tensors pack-quantized: the library's ``unpack_from_int32`` (codes, and zero points
+  packed along N) and ``dequantize`` (quantization.lifecycle.forward), what its
+  PackedQuantizationCompressor.decompress calls, asked for float32 (decompress itself returns the
+  scale's float16, which rounds some (code - zero) x scale products).
 
-Every product (code - zero) * float16 scale is exact in float32, so the reference weights are
-exact; the served path rounds each operand to FP16 once (the bf16 floor variant measures the
-rounding of a bf16 engine).
+Which modules are INT4 and how is read from the files and config.json alone: a module holding
+``qweight`` (AWQ / GPTQ) or ``weight_packed`` (compressed-tensors) is INT4; the group size is K /
+the number of scale groups; AWQ is asymmetric, GPTQ reads ``sym`` and ``checkpoint_format``,
+compressed-tensors ``symmetric`` of its config group's weights.
 
-Negative controls (``--variants`` names; each a mistake an INT4 loader makes):
-``swap-nibbles`` (the two codes of each byte of the packed words exchanged: inputs, or for AWQ
-outputs, read in the wrong order), ``zero-off-by-one`` (every zero point one higher: reading a
-GPTQ v2 checkpoint as v1, or the symmetric bias as 9), ``scales-one-group-off`` (each group
-multiplied by the next group's scale along K: a group index off by one).
+Negative controls (``--variants`` names): ``swap-nibbles`` (the two 4-bit values of every byte of the
+codes words exchanged, neighbouring inputs or outputs trading places) and ``zero-off-by-one``
+(every zero point read one higher: the GPTQ v1 / v2 mistake, applied to every convention).
 """
 from __future__ import annotations
 
@@ -41,113 +41,142 @@ import torch
 
 from qpn.scripts.checkpoints import checkpoint_reference
 
-PERTURBATIONS = ("none", "swap-nibbles", "zero-off-by-one", "scales-one-group-off")
+PERTURBATIONS = ("none", "swap-nibbles", "zero-off-by-one")
+_CODES = {"qweight": ("awq", "gptq"), "weight_packed": ("compressed-tensors",)}
 
 
 def _swap_nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 words with the two nibbles of each byte exchanged (the same 32 bits otherwise)."""
+    """int32 words with the two nibbles of every byte exchanged (the same 32 bits otherwise)."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    w = ((w & 0x0F0F0F0F) << 4) | ((w >> 4) & 0x0F0F0F0F)
-    return (w - ((w >> 31) << 32)).to(torch.int32)
+    swapped = ((w & 0x0F0F0F0F) << 4) | ((w >> 4) & 0x0F0F0F0F)
+    return (swapped - ((swapped >> 31) << 32)).to(torch.int32)
 
 
-def _awq(t: dict, m: str, group_size: int, perturb: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _uint4():
+    from vllm.scalar_type import scalar_types
+
+    return scalar_types.uint4
+
+
+def _zero_words(values: torch.Tensor) -> torch.Tensor:
+    """Zero points [groups, N] as qzeros words (eight per int32 along N), by vLLM's own packer."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_quantized_values_into_int32
+
+    if int(values.min()) < 0 or int(values.max()) > 15:
+        raise ValueError(f"zero points {int(values.min())}..{int(values.max())} do not fit 4 bits (a GPTQ v1 "
+                         "checkpoint storing 15, AutoGPTQ's wrap of zero 0?)")
+    return pack_quantized_values_into_int32(values, _uint4(), packed_dim=1)
+
+
+def _zero_values(qzeros: torch.Tensor) -> torch.Tensor:
+    """qzeros words -> the zero points [groups, N] they store, by vLLM's own unpacker."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
+
+    return unpack_quantized_values_into_int32(qzeros, _uint4(), packed_dim=1)
+
+
+def decode_awq(t: dict, perturb: str = "none") -> torch.Tensor:
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import _unpack_and_dequant_int4_awq
 
-    qweight, scales = t[f"{m}.qweight"], t[f"{m}.scales"]
+    qweight, qzeros = t["qweight"], t["qzeros"]
     if perturb == "swap-nibbles":
         qweight = _swap_nibbles(qweight)
-    w = _unpack_and_dequant_int4_awq(qweight[None], scales[None], t[f"{m}.qzeros"][None], transpose_output=True,
-                                     output_dtype=torch.float32)[0]
-    return w, scales.t().float().repeat_interleave(group_size, dim=1)
+    if perturb == "zero-off-by-one":
+        # AWQ interleaves its columns, but adding 1 to every nibble is the same in any order
+        qzeros = _zero_words(_zero_values(qzeros) + 1)
+    return _unpack_and_dequant_int4_awq(qweight[None], t["scales"][None], qzeros[None], transpose_output=True,
+                                        output_dtype=torch.float32)[0]
 
 
-def _gptq(t: dict, m: str, group_size: int, quant_cfg: dict, perturb: str) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_gptq(t: dict, quant_cfg: dict, module: str, perturb: str = "none") -> torch.Tensor:
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import _unpack_and_dequant_int4_gptq
-    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_cols, unpack_cols
 
-    qweight, scales = t[f"{m}.qweight"], t[f"{m}.scales"]
-    k, n = 8 * qweight.shape[0], qweight.shape[1]
-    g_idx = t.get(f"{m}.g_idx")
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // group_size):
-        raise ValueError(f"{m}: g_idx is not k // {group_size} (activation order); this reference reads "
-                         "inputs in checkpoint order only")
-    qzeros = None
-    if not quant_cfg.get("sym", True):
-        qzeros = t[f"{m}.qzeros"]
-        if str(quant_cfg.get("checkpoint_format", "gptq")).lower() == "gptq":   # v1: stored zero - 1
-            qzeros = pack_cols(unpack_cols(qzeros, 4, k // group_size, n) + 1, 4, k // group_size, n)
+    qweight, scales = t["qweight"], t["scales"]
+    k = qweight.shape[0] * 8
+    g = k // scales.shape[0]
+    g_idx = t.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // g):
+        raise ValueError(f"{module}: g_idx is not k // {g}; this reference reads GPTQ in checkpoint order only")
     if perturb == "swap-nibbles":
         qweight = _swap_nibbles(qweight)
-    w = _unpack_and_dequant_int4_gptq(qweight[None], scales[None], None if qzeros is None else qzeros[None],
-                                      transpose_output=True, output_dtype=torch.float32)[0]
-    return w, scales.t().float().repeat_interleave(group_size, dim=1)
+    v1 = str(quant_cfg.get("checkpoint_format", "gptq")).lower() == "gptq"
+    off = 1 if perturb == "zero-off-by-one" else 0
+    if quant_cfg.get("sym"):
+        # uint4b8: the function subtracts its bias 8 when given no zero points
+        qzeros = _zero_words(torch.full(scales.shape, 8 + off, dtype=torch.int32)) if off else None
+    else:
+        qzeros = _zero_words(_zero_values(t["qzeros"]) + (1 if v1 else 0) + off)
+    return _unpack_and_dequant_int4_gptq(qweight[None], scales[None], None if qzeros is None else qzeros[None],
+                                         transpose_output=True, output_dtype=torch.float32)[0]
 
 
-def _pack_quantized(t: dict, m: str, weights_args: dict, perturb: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationScheme
+def decode_pack_quantized(t: dict, weights_args: dict, perturb: str = "none") -> torch.Tensor:
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
 
-    local = {k[len(m) + 1:]: v for k, v in t.items() if k.startswith(m + ".") and "." not in k[len(m) + 1:]}
-    local["weight_scale"] = local["weight_scale"].float()   # the library's dequantize computes in its dtype
-    if perturb == "swap-nibbles":
-        local["weight_packed"] = _swap_nibbles(local["weight_packed"])
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights_args)
-    w = PackedQuantizationCompressor.decompress(local, scheme)["weight"].float()
-    group_size = w.shape[1] // local["weight_scale"].shape[1]
-    return w, local["weight_scale"].repeat_interleave(group_size, dim=1)
+    args = QuantizationArgs.model_validate(weights_args)
+    shape = torch.Size(int(d) for d in t["weight_shape"])
+    packed = _swap_nibbles(t["weight_packed"]) if perturb == "swap-nibbles" else t["weight_packed"]
+    scale = t["weight_scale"].to(torch.float32)
+    values = unpack_from_int32(packed, args.num_bits, shape)
+    zero = None
+    if not args.symmetric:
+        zero = unpack_from_int32(t["weight_zero_point"], args.num_bits, (shape[0], scale.shape[1]), packed_dim=0)
+    if perturb == "zero-off-by-one":
+        zero = (torch.zeros(scale.shape, dtype=torch.int8) if zero is None else zero) + 1
+    return dequantize(x_q=values, scale=scale, zero_point=zero, g_idx=t.get("weight_g_idx"), dtype=torch.float32)
 
 
-def _perturbed(w: torch.Tensor, s: torch.Tensor, perturb: str, group_size: int) -> torch.Tensor:
-    if perturb == "zero-off-by-one":        # (code - (zero + 1)) * scale
-        return w - s
-    if perturb == "scales-one-group-off":   # (code - zero) * the next group's scale (exact: w / s is an integer)
-        return (w / s) * torch.roll(s, -group_size, dims=1)
-    return w
+def _config(ckpt_dir: Path) -> dict:
+    cfg = json.loads((ckpt_dir / "config.json").read_text()).get("quantization_config")
+    if not isinstance(cfg, dict) or str(cfg.get("quant_method", "")).lower() not in ("awq", "gptq", "compressed-tensors"):
+        raise ValueError(f"{ckpt_dir}: config.json declares no AWQ, GPTQ or compressed-tensors quantization_config")
+    return cfg
+
+
+def _ct_weights_args(quant_cfg: dict) -> dict:
+    groups = [g for g in (quant_cfg.get("config_groups") or {}).values() if g.get("weights")]
+    if len(groups) != 1:
+        raise ValueError(f"this reference reads a compressed-tensors checkpoint with one weights group, found {len(groups)}")
+    return groups[0]["weights"]
 
 
 def dequantized_state_dict(ckpt_dir: str | Path, perturb: str = "none") -> dict[str, torch.Tensor]:
-    """float32 state dict of the checkpoint under transformers' names (MTP weights dropped:
-    transformers has no MTP head)."""
+    """float32 state dict of the checkpoint, transformers' names (MTP weights dropped: transformers
+    has no MTP head)."""
     from safetensors.torch import load_file
 
     if perturb not in PERTURBATIONS:
         raise ValueError(f"unknown perturbation {perturb!r}; choose from {PERTURBATIONS}")
-    quant_cfg = json.loads((Path(ckpt_dir) / "config.json").read_text()).get("quantization_config") or {}
-    method = str(quant_cfg.get("quant_method", "")).lower()
+    ckpt_dir = Path(ckpt_dir)
+    quant_cfg = _config(ckpt_dir)
+    method = str(quant_cfg["quant_method"]).lower()
     t: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+    for f in sorted(ckpt_dir.glob("*.safetensors")):
         t.update(load_file(str(f)))
-    out: dict[str, torch.Tensor] = {}
-    if method in ("awq", "gptq"):
-        g = int(quant_cfg.get("group_size", quant_cfg.get("q_group_size", 0)))
-        modules = sorted(k[: -len(".qweight")] for k in t if k.endswith(".qweight"))
-        suffixes = ("qweight", "qzeros", "scales", "g_idx")
-        for m in modules:
-            w, s = _awq(t, m, g, perturb) if method == "awq" else _gptq(t, m, g, quant_cfg, perturb)
-            out[f"{m}.weight"] = _perturbed(w, s, perturb, g)
-    elif method == "compressed-tensors":
-        groups = [grp for grp in (quant_cfg.get("config_groups") or {}).values()
-                  if (grp.get("weights") or {}).get("type") == "int" and (grp.get("weights") or {}).get("num_bits") == 4]
-        if len(groups) != 1:
-            raise ValueError(f"{ckpt_dir}: expected one INT4 config group, found {len(groups)}")
-        args = groups[0]["weights"]
-        modules = sorted(k[: -len(".weight_packed")] for k in t if k.endswith(".weight_packed"))
-        suffixes = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
-        for m in modules:
-            w, s = _pack_quantized(t, m, args, perturb)
-            out[f"{m}.weight"] = _perturbed(w, s, perturb, int(args["group_size"]))
-    else:
-        raise ValueError(f"{ckpt_dir}: quant_method {method!r} is not an INT4 W4A16 convention this "
-                         "reference reads (awq, gptq, compressed-tensors pack-quantized)")
+    codes = next(c for c, methods in _CODES.items() if method in methods)
+    modules = sorted(k[: -len(codes) - 1] for k in t if k.endswith("." + codes))
     if not modules:
-        raise ValueError(f"{ckpt_dir}: no INT4 module in the safetensors files")
+        raise ValueError(f"{ckpt_dir}: no module holds {codes!r}; not an INT4 {method} checkpoint")
+    out: dict[str, torch.Tensor] = {}
+    owned: set[str] = set()
+    for m in modules:
+        local = {k[len(m) + 1:]: v for k, v in t.items() if k.startswith(m + ".") and "." not in k[len(m) + 1:]}
+        owned.update(f"{m}.{k}" for k in local)
+        if method == "awq":
+            w = decode_awq(local, perturb)
+        elif method == "gptq":
+            w = decode_gptq(local, quant_cfg, m, perturb)
+        else:
+            w = decode_pack_quantized(local, _ct_weights_args(quant_cfg), perturb)
+        out[f"{m}.weight"] = w.to(torch.float32).contiguous()
     for name, v in t.items():
-        if name.startswith("mtp.") or name.endswith(suffixes):
+        if name in owned or name.startswith("mtp."):
             continue
         out[name] = v.to(torch.float32)
-    return {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
-            for k, v in out.items()}
+    hub = "model.language_model."
+    return {("model." + k[len(hub):] if k.startswith(hub) else k): v for k, v in out.items()}
 
 
 def load_reference_model(ckpt_dir: str | Path, perturb: str = "none"):
@@ -156,8 +185,8 @@ def load_reference_model(ckpt_dir: str | Path, perturb: str = "none"):
 
 def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: list[str],
                        kv_cache: str = "auto") -> dict[str, dict]:
-    """``kv_cache``: 'auto' (the model dtype) or 'fp8_e4m3' (K and V through e4m3 as the cpu
-    engine stores them when FP8 KV is asked for; these checkpoints carry no KV scales: 1.0)."""
+    """``kv_cache``: 'auto' (the model dtype) or 'fp8_e4m3' (K and V through e4m3 as the cpu engine
+    stores them when FP8 KV is asked for; these checkpoints carry no KV scales, so 1.0)."""
     return checkpoint_reference.reference_variants(ckpt_dir, token_ids, variants, kv_cache,
                                                    load_model=load_reference_model, perturbations=PERTURBATIONS)
 

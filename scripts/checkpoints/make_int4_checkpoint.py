@@ -2,7 +2,8 @@
 compressed-tensors pack-quantized.
 
     python -m qpn.scripts.checkpoints.make_int4_checkpoint OUT_DIR --convention awq|gptq|compressed-tensors
-        [--seed S] [--group-size 32|64|128] [--symmetric] [--gptq-format gptq|gptq_v2] [--malformed KIND]
+        [--seed S] [--group-size 32|64|128] [--symmetric] [--checkpoint-format gptq|gptq_v2]
+        [--malformed KIND]
 
 Same float model and tokenizer as qpn.scripts.checkpoints.make_checkpoint (imported, not copied);
 W4A16 reads no activation scales, so there is no calibration pass. Every linear the mixed plan
@@ -11,7 +12,7 @@ qpn.kernels.family_int4.quantize (min/max per group of ``--group-size`` inputs, 
 scale rounded first); ``lm_head``, the embeddings, norms, the GDN convolution and
 ``in_proj_b/in_proj_a`` and the MTP head stay BF16 (AutoAWQ never quantizes lm_head;
 llm-compressor's W4A16 recipes ignore it). The canonical source (codes, float16 scales, uint4
-zero points) is written in the convention's layout (qpn.fork_patches.conventions.AWQ /
+zero points) is written in the convention's layout (qpn.fork_patches.conventions.AWQ / GPTQ /
 CT_PACK_QUANTIZED name the tensors and their shapes):
 
 * ``--convention awq`` (AutoAWQ GEMM, asymmetric): ``qweight`` int32 [K, N/8] and ``qzeros``
@@ -19,25 +20,27 @@ CT_PACK_QUANTIZED name the tensors and their shapes):
   8c + (0, 2, 4, 6, 1, 3, 5, 7)[j]); ``scales`` float16 [K/g, N]; config.json
   ``quantization_config`` {quant_method awq, bits 4, group_size, zero_point true, version gemm,
   modules_to_not_convert}.
-* ``--convention gptq`` (GPTQModel's ``checkpoint_format`` gptq, or gptq_v2; ``--symmetric`` for
-  sym true): ``qweight`` int32 [K/8, N] (nibble i of word r = input 8r + i), ``qzeros`` int32
-  [K/g, N/8] (nibble j = column 8c + j) holding the zero point minus 1 in the gptq format (v1) and
-  as it is in gptq_v2 (symmetric: 8, stored 7 / 8), ``scales`` float16 [K/g, N], ``g_idx`` int32
-  [K] = k // g (no activation order); config.json ``quantization_config`` {quant_method gptq,
-  bits 4, group_size, desc_act false, sym, checkpoint_format, lm_head false}. The modules left
-  BF16 hold no ``qweight``, which is how the engines' GPTQ configs tell them (vLLM reads the
-  quantized modules off the safetensors metadata). GPTQ v1 cannot store a zero point of 0 (it
-  would be -1): such a module is refused naming it (write gptq_v2).
+* ``--convention gptq`` (AutoGPTQ / GPTQModel, no act order; ``--symmetric`` for uint4b8, else
+  asymmetric): ``qweight`` int32 [K/8, N], eight consecutive inputs per word (nibble i = input
+  8r + i); ``qzeros`` int32 [K/g, N/8], eight output columns per word, holding the zero point less
+  1 (``--checkpoint-format gptq``, the v1 format the exllama kernels read, so a symmetric
+  checkpoint stores 7) or the zero point itself (``gptq_v2``); ``scales`` float16 [K/g, N];
+  ``g_idx`` int32 [K] = k // g (the identity order: groups in checkpoint order); config.json
+  ``quantization_config`` {quant_method gptq, bits 4, group_size, desc_act false, sym,
+  checkpoint_format, lm_head false, dynamic: GPTQModel's negative rules for what stays BF16}. The
+  v1 format cannot store zero point 0 (it would be -1): such a module is refused, naming it.
 * ``--convention compressed-tensors`` (pack-quantized; ``--symmetric`` for the W4A16 preset,
   else W4A16_ASYM): ``weight_packed`` int32 [N, K/8] (nibble i of word j = input 8j + i, the
   signed code + 8), ``weight_scale`` float16 [N, K/g], ``weight_zero_point`` int32 [N/8, K/g]
   packed along N (asymmetric only), ``weight_shape`` int64 [N, K]; one config group targeting
   ``Linear`` with ``ignore`` for what stays BF16.
 
-Byte for byte what vLLM 0.32's AutoAWQ and GPTQ packers (quant_utils.awq_pack, gptq_pack /
-pack_cols) and compressed-tensors' PackedQuantizationCompressor write from the same codes, scales
-and zero points, and decoded alike by vLLM's AWQ and GPTQ dequantization
-(tests/test_int4_conventions.py).
+Byte for byte what vLLM 0.32's AutoAWQ and GPTQ packers (quant_utils.awq_pack, pack_rows,
+pack_cols; the exllama kernel's own v1 zero points for a symmetric checkpoint) and
+compressed-tensors' PackedQuantizationCompressor write from the same codes, scales and zero
+points, and decoded alike by vLLM's AWQ and GPTQ dequantization (tests/test_int4_conventions.py).
+QPN serves all three (formats.INT4); the float32 reference they are checked against end to end is
+qpn.scripts.checkpoints.int4_reference (tests/test_e2e_int4.py).
 
 ``--malformed KIND`` writes a broken variant (MALFORMED) the launcher's pre-boot check
 (serve_preflight.check_checkpoint_tensors) must refuse naming the module.
@@ -60,12 +63,13 @@ from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
 AUTOAWQ_VERSION_FORM = "0.2.9"  # the AutoAWQ release whose GEMM layout this mirrors
 CT_VERSION_FORM = "0.17.0"
 DEFAULT_GROUP_SIZE = 32          # K = 128 / 256 in the tiny model: several groups per row
-# What stays BF16 besides lm_head: AutoAWQ's skip list (substrings, as vLLM matches it) and the
-# compressed-tensors ignore list (checkpoint names and re: patterns).
+# What stays BF16 besides lm_head: AutoAWQ's skip list (substrings, as vLLM matches it), GPTQModel's
+# negative dynamic rules (re.match on the module name; the engine's fused in_proj_ba matches too) and
+# the compressed-tensors ignore list (checkpoint names and re: patterns).
 AWQ_NOT_CONVERTED = ["linear_attn.in_proj_b", "linear_attn.in_proj_a", "mtp."]
+GPTQ_DYNAMIC = {r"-:.*linear_attn\.in_proj_[ab]": {}, r"-:(.*\.)?mtp\.": {}}
+GPTQ_FORMATS = ("gptq", "gptq_v2")   # checkpoint_format: v1 stores zero - 1, v2 the zero
 CT_IGNORE = ["lm_head", r"re:.*linear_attn\.in_proj_[ba]$", r"re:^mtp\."]
-GPTQ_FORMATS = ("gptq", "gptq_v2")   # checkpoint_format: gptq stores zero points minus 1
-CONVENTIONS = (AWQ.name, GPTQ.name, CT_PACK_QUANTIZED.name)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class Malformed:
     tensor: str         # the broken checkpoint tensor (role name resolved per convention)
     module: str         # the checkpoint module the pre-boot refusal must name
     problem: str        # words the refusal must contain
-    conventions: tuple[str, ...] = CONVENTIONS
+    conventions: tuple[str, ...] = ("awq", "gptq", "compressed-tensors")
 
 
 _DOWN = "model.language_model.layers.0.mlp.down_proj"
@@ -85,7 +89,7 @@ MALFORMED: dict[str, Malformed] = {m.kind: m for m in (
     Malformed("wrong-shape", "group_scales", "model.language_model.layers.1.mlp.up_proj", "has shape"),
     Malformed("wrong-dtype", "codes", "model.language_model.layers.2.linear_attn.out_proj", "is I64"),
     Malformed("truncated", "codes", "", "truncated"),   # the module: the last tensor of the file
-    Malformed("act-order", "g_idx", _DOWN, "activation-ordered", conventions=(GPTQ.name, CT_PACK_QUANTIZED.name)),
+    Malformed("act-order", "g_idx", _DOWN, "activation-ordered", conventions=("gptq", "compressed-tensors")),
 )}
 
 
@@ -123,20 +127,24 @@ def to_awq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> di
             n.group_scales: scales.t().contiguous()}
 
 
-def to_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, gptq_format: str,
-            module: str = "module") -> dict[str, torch.Tensor]:
-    """Canonical INT4 -> GPTQ {qweight, qzeros, scales, g_idx} in ``gptq_format`` (``gptq``:
-    zero points stored minus 1; ``gptq_v2``: as they are; symmetric: the zero point 8)."""
-    q = family_int4.unpack_codes(codes)
-    n, order = GPTQ.names, GPTQ.layout.nibble_order
-    z = torch.full_like(scales, family_int4.SYM_ZERO, dtype=torch.int64) if zeros is None else zeros.to(torch.int64)
-    stored = z - (1 if gptq_format == "gptq" else 0)
+def to_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+            checkpoint_format: str = "gptq", module: str = "") -> dict[str, torch.Tensor]:
+    """Canonical INT4 -> GPTQ {qweight, qzeros, scales, g_idx}; ``zeros`` None: symmetric (zero
+    point 8, still stored in qzeros as GPTQ writers do). The v1 format (``gptq``) stores zero - 1,
+    so a zero point 0 has no v1 word: ValueError naming ``module``."""
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}; choose {' or '.join(GPTQ_FORMATS)}")
+    q = family_int4.unpack_codes(codes)                             # [N, K]
+    z = zeros if zeros is not None else torch.full(scales.shape, family_int4.SYM_ZERO, dtype=torch.uint8)
+    stored = z.to(torch.int64) - (1 if checkpoint_format == "gptq" else 0)
     if int(stored.min()) < 0:
-        raise ValueError(f"{module}: a zero point of 0, which GPTQ's gptq format (zero minus 1) cannot "
-                         "store; write --gptq-format gptq_v2")
-    k, g = q.shape[1], q.shape[1] // scales.shape[1]
-    return {n.codes: pack_nibbles(q.t(), 0, order), n.zero_points: pack_nibbles(stored.t(), 1, order),
-            n.group_scales: scales.t().contiguous(), n.g_idx: (torch.arange(k) // g).to(torch.int32)}
+        raise ValueError(f"{module or 'module'}: zero point 0 cannot be stored in GPTQ's v1 format (zero - 1 "
+                         "= -1); write --checkpoint-format gptq_v2")
+    n = GPTQ.names
+    k = q.shape[1]
+    return {n.codes: pack_nibbles(q.t(), 0), n.zero_points: pack_nibbles(stored.t(), 1),
+            n.group_scales: scales.t().contiguous(),
+            n.g_idx: (torch.arange(k, dtype=torch.int32) // group_size).contiguous()}
 
 
 def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -151,21 +159,21 @@ def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return out
 
 
-def encode(w: torch.Tensor, convention: str, group_size: int, symmetric: bool, gptq_format: str = "gptq",
-           module: str = "module") -> dict[str, torch.Tensor]:
+def encode(w: torch.Tensor, convention: str, group_size: int, symmetric: bool,
+           checkpoint_format: str = "gptq", module: str = "") -> dict[str, torch.Tensor]:
     """float [N, K] -> the convention's tensors of one module (local names)."""
     src = family_int4.quantize(w, group_size, symmetric=symmetric)
     zeros = None if symmetric else src[2]
     if convention == AWQ.name:
         return to_awq(*src)
     if convention == GPTQ.name:
-        return to_gptq(src[0], src[1], zeros, gptq_format, module)
+        return to_gptq(src[0], src[1], zeros, group_size, checkpoint_format, module)
     return to_pack_quantized(src[0], src[1], zeros)
 
 
 # ------------------------------------------------------------------------------ declaration
 def quantization_config(convention: str, group_size: int, symmetric: bool, act_order: bool = False,
-                        gptq_format: str = "gptq") -> dict:
+                        checkpoint_format: str = "gptq") -> dict:
     """config.json ``quantization_config`` as AutoAWQ / GPTQModel / llm-compressor write it for
     this model."""
     if convention == AWQ.name:
@@ -173,8 +181,8 @@ def quantization_config(convention: str, group_size: int, symmetric: bool, act_o
                 "version": "gemm", "modules_to_not_convert": list(AWQ_NOT_CONVERTED)}
     if convention == GPTQ.name:
         return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
-                "sym": symmetric, "lm_head": False, "checkpoint_format": gptq_format, "damp_percent": 0.01,
-                "static_groups": False, "true_sequential": True}
+                "sym": symmetric, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+                "lm_head": False, "checkpoint_format": checkpoint_format, "dynamic": dict(GPTQ_DYNAMIC)}
     weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
                "group_size": group_size, "dynamic": False, "block_structure": None,
                "actorder": "group" if act_order else None, "observer": "minmax", "observer_kwargs": {}}
@@ -194,7 +202,7 @@ def quantization_config(convention: str, group_size: int, symmetric: bool, act_o
 
 
 def export_tensors(weights: dict[str, torch.Tensor], convention: str, group_size: int,
-                   symmetric: bool, gptq_format: str = "gptq") -> dict[str, torch.Tensor]:
+                   symmetric: bool, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
     """Checkpoint tensors under hub names: the INT4 modules in the convention's layout, the rest BF16."""
     quantized = set(int4_modules(weights))
     out: dict[str, torch.Tensor] = {}
@@ -204,7 +212,7 @@ def export_tensors(weights: dict[str, torch.Tensor], convention: str, group_size
             out[make_checkpoint.hub_name(key)] = w.to(torch.bfloat16).contiguous()
             continue
         m = make_checkpoint.hub_name(module)
-        for name, t in encode(w, convention, group_size, symmetric, gptq_format, m).items():
+        for name, t in encode(w, convention, group_size, symmetric, checkpoint_format, m).items():
             out[f"{m}.{name}"] = t
     return out
 
@@ -221,39 +229,44 @@ def _break(kind: str, convention: str, tensors: dict[str, torch.Tensor], group_s
         del tensors[name]
     elif kind == "wrong-shape":  # one scale per 2g inputs: half the groups
         s = tensors[name]
-        groups_dim = INT4_CONVENTIONS[convention].layout.group_scales.index("K/g")
-        tensors[name] = s.narrow(groups_dim, 0, s.shape[groups_dim] // 2).contiguous()
+        axis = INT4_CONVENTIONS[convention].layout.group_scales.index("K/g")
+        tensors[name] = s.narrow(axis, 0, s.shape[axis] // 2).contiguous()
     elif kind == "wrong-dtype":
         tensors[name] = tensors[name].to(torch.int64)
-    elif kind == "act-order":  # every module carries its g_idx (CT: actorder group); one scatters its groups
-        if names.shape is not None:  # compressed-tensors writes weight_g_idx only with act order
-            for key in [k for k in tensors if k.endswith(f".{names.shape}")]:
-                k_in = int(tensors[key][1])
-                tensors[key[: -len(names.shape)] + names.g_idx] = torch.arange(k_in, dtype=torch.int32) // group_size
+    elif kind == "act-order" and convention == GPTQ.name:  # desc_act: one module's g_idx scatters its groups
         k_in = tensors[name].numel()
         tensors[name] = (torch.arange(k_in, dtype=torch.int32) % (k_in // group_size)).contiguous()
+    elif kind == "act-order":  # every module carries weight_g_idx (actorder group); one scatters its groups
+        for key in [k for k in tensors if k.endswith(f".{names.shape}")]:
+            k_in = int(tensors[key][1])
+            gi = torch.arange(k_in, dtype=torch.int32) // group_size
+            if key == f"{bad.module}.{names.shape}":
+                gi = (torch.arange(k_in, dtype=torch.int32) % (k_in // group_size))
+            tensors[key[: -len(names.shape)] + names.g_idx] = gi.contiguous()
     return name
 
 
 def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", seed: int = 0,
                          group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = False,
                          malformed: str | None = None, spec: tiny_hybrid.TinyHybridSpec | None = None,
-                         gptq_format: str = "gptq") -> dict:
-    """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict."""
+                         checkpoint_format: str | None = None) -> dict:
+    """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict.
+    ``checkpoint_format``: GPTQ only, "gptq" (v1, the default) or "gptq_v2"."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown convention {convention!r}; choose {', '.join(CONVENTIONS)}")
-    if gptq_format not in GPTQ_FORMATS:
-        raise ValueError(f"unknown GPTQ checkpoint_format {gptq_format!r}; choose {', '.join(GPTQ_FORMATS)}")
-    if gptq_format != "gptq" and convention != GPTQ.name:
-        raise ValueError("--gptq-format is for --convention gptq")
+    if convention not in INT4_CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}; choose {', '.join(INT4_CONVENTIONS)}")
+    if checkpoint_format is not None and convention != GPTQ.name:
+        raise ValueError(f"--checkpoint-format is GPTQ's (gptq | gptq_v2); {convention} has none")
+    checkpoint_format = checkpoint_format or GPTQ_FORMATS[0]
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}; choose {' or '.join(GPTQ_FORMATS)}")
     if group_size not in formats.INT4_GROUP_SIZES:
         raise ValueError(f"group size {group_size}: the INT4 family packs groups of "
                          f"{', '.join(map(str, formats.INT4_GROUP_SIZES))}")
     if symmetric and convention == AWQ.name:
-        raise ValueError("AutoAWQ GEMM checkpoints carry zero points; --symmetric is for gptq and compressed-tensors")
+        raise ValueError("AutoAWQ GEMM checkpoints carry zero points; --symmetric is for GPTQ and compressed-tensors")
     if malformed is not None and (malformed not in MALFORMED or convention not in MALFORMED[malformed].conventions):
         kinds = sorted(k for k, m in MALFORMED.items() if convention in m.conventions)
         raise ValueError(f"unknown --malformed kind {malformed!r} for {convention}; choose from {kinds}")
@@ -265,12 +278,12 @@ def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", se
     with make_checkpoint.checkpoint_folder(out) as tmp:
         ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
         weights = tiny_hybrid.float_weights(spec, seed)
-        tensors = export_tensors(weights, convention, group_size, symmetric, gptq_format)
+        tensors = export_tensors(weights, convention, group_size, symmetric, checkpoint_format)
         broken = _break(malformed, convention, tensors, group_size) if malformed else None
         config = spec.config_dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
         config["quantization_config"] = quantization_config(convention, group_size, symmetric,
                                                             act_order=malformed == "act-order",
-                                                            gptq_format=gptq_format)
+                                                            checkpoint_format=checkpoint_format)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({
             "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -281,8 +294,8 @@ def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", se
             os.truncate(path, path.stat().st_size - 64)
         summary = {
             "out_dir": str(out), "seed": seed, "convention": convention, "group_size": group_size,
-            "symmetric": symmetric, "gptq_format": gptq_format if convention == GPTQ.name else None,
-            "malformed": malformed, "broken_tensor": broken,
+            "symmetric": symmetric, "malformed": malformed, "broken_tensor": broken,
+            "checkpoint_format": checkpoint_format if convention == GPTQ.name else None,
             "architecture": config["architectures"][0], "layer_types": spec.layer_types(),
             "int4_modules": len(int4_modules(weights)), "tensors": len(tensors),
             "bytes": path.stat().st_size,
@@ -294,22 +307,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.make_int4_checkpoint",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="folder to create (must not exist)")
-    p.add_argument("--convention", choices=CONVENTIONS, default=AWQ.name,
+    p.add_argument("--convention", choices=list(INT4_CONVENTIONS), default=AWQ.name,
                    help="checkpoint layout: AutoAWQ GEMM (default), GPTQ or compressed-tensors pack-quantized")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=formats.INT4_GROUP_SIZES,
                    help=f"inputs per scale and zero point (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--symmetric", action="store_true",
-                   help="gptq and compressed-tensors: symmetric weights (zero point 8; no weight_zero_point)")
-    p.add_argument("--gptq-format", choices=GPTQ_FORMATS, default="gptq",
-                   help="gptq only: checkpoint_format gptq (zero points stored minus 1, default) or gptq_v2")
+                   help="GPTQ and compressed-tensors: symmetric weights (zero point 8; compressed-tensors then "
+                        "stores no weight_zero_point)")
+    p.add_argument("--checkpoint-format", choices=GPTQ_FORMATS, default=None,
+                   help="GPTQ only: gptq (v1, zero points stored minus 1; default) or gptq_v2")
     p.add_argument("--malformed", choices=sorted(MALFORMED), default=None,
                    help="write a broken variant the launcher's pre-boot check must refuse")
     args = p.parse_args(argv)
     try:
         summary = make_int4_checkpoint(args.out_dir, args.convention, seed=args.seed, group_size=args.group_size,
                                        symmetric=args.symmetric, malformed=args.malformed,
-                                       gptq_format=args.gptq_format)
+                                       checkpoint_format=args.checkpoint_format)
     except (FileExistsError, ValueError) as e:
         print(f"make_int4_checkpoint: {e}", file=sys.stderr)
         return 2

@@ -17,11 +17,13 @@ table's order is the printed order; adding a gate is adding an entry. What each 
 - ``quant_config``: every rank's checkpoint was claimed by the registered QPN config ("qpn") when
   QPN serves the checkpoint (``qpn_config.claim``), and by the engine's own config otherwise;
 - ``qpn_routes``: every module the checkpoint declares quantized (ModelOpt ``quantized_layers``;
-  compressed-tensors ``config_groups`` less ``ignore``) is served on a QPN route on every rank (the
-  loader records which checkpoint names each module serves), with zero fallbacks and route calls
-  after the warm request;
-- ``lm_head_from_codes``: every rank's head reports what the loader did (codes and scales
-  received from the checkpoint and proven byte-identical after prepacking);
+  compressed-tensors ``config_groups`` less ``ignore``; AWQ / GPTQ: every module holding codes less
+  the config's skips) is served on a QPN route on every rank (the loader records which checkpoint
+  names each module serves), with zero fallbacks and route calls after the warm request;
+- ``lm_head_from_codes``: where the checkpoint quantizes ``lm_head``, every rank's head reports
+  what the loader did (codes and scales received from the checkpoint and proven byte-identical
+  after prepacking); where it leaves the head unquantized (AutoAWQ, GPTQ and llm-compressor's
+  W4A16 recipes do), no rank serves a head through QPN;
 - ``served_depth``: the engine exports K draft positions and has proposed draft tokens since
   the warm request (speculation configured but not running fails);
 - ``decode_attention_route``: XQA for decode and MTP verification wherever 1Cat's own conditions
@@ -147,37 +149,39 @@ def declared_modules(ckpt: str) -> tuple[object | None, dict]:
     ``quantized_layers``; compressed-tensors ``config_groups`` targets less ``ignore``, matched on
     the module names of the safetensors headers, a class target such as ``Linear`` expanded over
     the modules that hold its scheme's codes). Names the config lists itself come first, in its
-    order (the order the engine keeps its renamed copy of ModelOpt's map in). (None, {}) when the
-    folder carries no quantization config of a known convention; a scheme QPN does not serve
-    raises ConventionError naming the config group (the preflight refuses on it). An INT4 W4A16
-    checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized): its INT4 convention and
-    {module: INT4Scheme} (conventions.int4_declared_modules)."""
+    order (the order the engine keeps its renamed copy of ModelOpt's map in). An INT4 W4A16
+    checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized: conventions.detect_int4) gives its
+    INT4Convention and {module: INT4Scheme} (conventions.int4_declared_modules). (None, {}) when
+    the folder carries no quantization config of a known convention; a scheme QPN does not serve
+    raises ConventionError naming the config group (the preflight refuses on it)."""
     from qpn.fork_patches import conventions
 
     try:
-        int4 = conventions.detect_int4(ckpt) is not None
-        if not int4:
-            conventions.detect(ckpt)
+        if conventions.detect_int4(ckpt) is not None:
+            return conventions.int4_declared_modules(ckpt)
+        conventions.detect(ckpt)
     except (conventions.ConventionError, OSError, ValueError):
         return None, {}
-    return conventions.int4_declared_modules(ckpt) if int4 else conventions.declared_modules(ckpt)
+    return conventions.declared_modules(ckpt)
 
 
 def declared_regions(quant_config: dict | None) -> set[str]:
-    """Regions (format families: nvfp4, fp8, int4) the checkpoint's quantization config declares
-    (ModelOpt ``quantized_layers``, compressed-tensors ``config_groups``, or an INT4 W4A16
-    convention's scheme: qpn.fork_patches.conventions)."""
+    """Regions (format families: 'nvfp4', 'fp8', 'int4') the checkpoint's quantization config
+    declares (ModelOpt ``quantized_layers``, compressed-tensors ``config_groups``, AWQ / GPTQ:
+    qpn.fork_patches.conventions). An INT4 config QPN does not serve declares none (the preflight
+    refuses it, or the engine's own INT4 kernels serve it)."""
     from qpn.fork_patches import conventions
 
     int4 = conventions.int4_convention_of(quant_config)
-    if int4 is not None:  # an INT4 config declares INT4 only (one mixing formats is refused)
-        schemes = (conventions.ct_int4_group_schemes(quant_config).values() if int4.declared_by == "config_groups"
-                   else [int4.scheme(quant_config)])
+    if int4 is not None:
+        try:
+            schemes = (conventions.ct_int4_group_schemes(quant_config).values()
+                       if int4.declared_by == "config_groups" else [int4.scheme(quant_config)])
+        except conventions.ConventionError:
+            return set()
         return {s.format.family for s in schemes}
     if isinstance(quant_config, dict) and quant_config.get("quant_method") == "compressed-tensors":
-        from qpn.fork_patches.conventions import ct_declared_formats
-
-        return ct_declared_formats(quant_config)
+        return conventions.ct_declared_formats(quant_config)
     from qpn.kernels.formats import find_format  # torch-free: the format descriptions only
 
     regions = set()
@@ -343,28 +347,37 @@ def gate_quant_config(census: Census, qpn_claim: str | None, why_not: str = "") 
     return GateResult(GATE_QUANT_CONFIG, FAIL if problems else PASS, expected, observed)
 
 
-def _declared_by(checkpoint_modules: dict) -> str:
-    """Where the checkpoint's config declares the modules, for messages: ``config_groups``
-    (compressed-tensors) or ``quantization_config`` (AWQ, GPTQ), read off the schemes' sources
-    (conventions: "config_groups['g'] target ...", "quantization_config (awq)")."""
-    kinds = {str(getattr(s, "source", "")).split("[")[0].split(" (")[0] for s in checkpoint_modules.values()}
-    return kinds.pop() if len(kinds) == 1 and "" not in kinds else "config_groups"
-
-
 def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = None,
-                       checkpoint_modules: dict | None = None) -> list[str]:
+                       checkpoint_modules: dict | None = None, by_count: bool = False) -> list[str]:
     """Checkpoint modules the checkpoint declares quantized that are not served on QPN, per rank.
     Each checkpoint name is paired with the engine's name for it, which the per-module
     ``declared`` lists of the census carry. ModelOpt (``quantized_layers``): the engine renames
     the map's keys with the model's hf_to_vllm_mapper (``apply_dict``: same order, one name per
     name), so the checkpoint's n-th name is the engine's n-th name (``engine_quantized_layers``);
-    a changed count is reported. compressed-tensors and the INT4 conventions (``checkpoint_modules``:
-    the modules ``declared_modules`` gives): the engine holds no list of module names, so the
-    overlay records one, {checkpoint name: engine name}, renamed by the model's own mapper
-    (ct_config.record_checkpoint_modules; census ``checkpoint_modules``)."""
+    a changed count is reported. compressed-tensors and INT4 (``checkpoint_modules``: the modules
+    ``declared_modules`` gives): the engine holds no list of module names, so the overlay records
+    one, {checkpoint name: engine name}, renamed by the model's own mapper
+    (ct_config.record_checkpoint_modules; census ``checkpoint_modules``). ``by_count``: where the
+    census carries no such record for the checkpoint's convention (AWQ and GPTQ: the registered QPN
+    config records it for compressed-tensors only), every declared checkpoint module must still
+    have one engine name declared on QPN and none off it, counted (each checkpoint module is one
+    shard, one engine name), so a module the engine left unquantized or off QPN fails the gate,
+    without the pairing that would name it."""
     problems = []
     for rank in census.ranks:
         rid = rank.rank
+        drafting = int((rank.serving or {}).get("num_speculative_tokens") or 0) > 0
+        if checkpoint_modules and by_count and rank.checkpoint_modules is None:
+            needed = [c for c in checkpoint_modules if drafting or not c.startswith(DRAFTER_PREFIXES)]
+            on = {e for e in rank.declared_on_qpn if drafting or not e.startswith(DRAFTER_PREFIXES)}
+            if rank.declared_off_qpn:
+                problems.append(f"rank {rid}: {len(rank.declared_off_qpn)} declared module(s) admitted but not "
+                                f"on a QPN route, e.g. {sorted(rank.declared_off_qpn)[:3]}")
+            if len(on) != len(needed):
+                problems.append(f"rank {rid}: the checkpoint declares {len(needed)} quantized module(s), "
+                                f"the engine served {len(on)} on QPN (counted: the census records no "
+                                "checkpoint names for this convention)")
+            continue
         if quantized_layers:
             names = list(quantized_layers)
             engine = rank.engine_quantized_layers
@@ -382,16 +395,15 @@ def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = No
             engine_of = rank.checkpoint_modules
             if engine_of is None:
                 problems.append(f"rank {rid}: the census has no checkpoint_modules (the "
-                                f"{_declared_by(checkpoint_modules)} quant config never reached the QPN "
-                                "config, or it could not read the checkpoint: see the engine log)")
+                                "compressed-tensors quant config never reached the QPN hook, or the "
+                                "hook could not read the checkpoint: see the engine log)")
                 continue
             unknown = [c for c in checkpoint_modules if c not in engine_of]
             if unknown:
                 problems.append(f"rank {rid}: {len(unknown)} declared checkpoint module(s) missing from "
                                 f"the engine's checkpoint_modules, e.g. {unknown[:3]}")
             pairs = [(c, engine_of[c]) for c in checkpoint_modules if c in engine_of]
-            listed = f"declared by {_declared_by(checkpoint_modules)}"
-        drafting = int((rank.serving or {}).get("num_speculative_tokens") or 0) > 0
+            listed = "declared by the checkpoint's config"
         on, off = set(rank.declared_on_qpn), set(rank.declared_off_qpn)
         needed = [(c, e) for c, e in pairs
                   if drafting or not (c.startswith(DRAFTER_PREFIXES) or (e or "").startswith(DRAFTER_PREFIXES))]
@@ -413,10 +425,11 @@ def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = No
 
 def gate_qpn_routes(census: Census, regions: set[str], known: frozenset[str] | None,
                     quantized_layers: dict | None = None,
-                    checkpoint_modules: dict | None = None) -> GateResult:
+                    checkpoint_modules: dict | None = None, by_count: bool = False) -> GateResult:
     """``quantized_layers``: ModelOpt's map; ``checkpoint_modules``: the modules a
-    compressed-tensors checkpoint declares (``declared_modules``). Either makes the gate require
-    each listed module on a QPN route on every rank (``_coverage_problems``)."""
+    compressed-tensors or INT4 checkpoint declares (``declared_modules``). Either makes the gate
+    require each listed module on a QPN route on every rank (``_coverage_problems``; ``by_count``:
+    see there)."""
     census = _summary(census)
     total, on_qpn = census.modules_total, census.modules_on_qpn
     by_region = dict(census.modules_by_region)
@@ -441,36 +454,39 @@ def gate_qpn_routes(census: Census, regions: set[str], known: frozenset[str] | N
     if total and calls == 0:
         problems.append("no QPN route calls recorded after the warm request")
     if quantized_layers or checkpoint_modules:
-        problems += _coverage_problems(census, quantized_layers, checkpoint_modules)
+        problems += _coverage_problems(census, quantized_layers, checkpoint_modules, by_count)
     routes = ", ".join(f"{r}={total_calls({r: c})}" for r, c in sorted(route_counts.items()))
     observed = (f"{on_qpn}/{total} modules on QPN ({_fmt(by_region)}); calls: {routes or 'none'}"
                 f"; fallbacks {fallback_calls}")
     if problems:
         observed += " -- " + "; ".join(problems)
     listed = (f"quantized_layers ({len(quantized_layers)})" if quantized_layers else
-              f"{_declared_by(checkpoint_modules)} ({len(checkpoint_modules)})" if checkpoint_modules
-              else "quantized_layers")
+              f"declared modules ({len(checkpoint_modules)})" if checkpoint_modules else "quantized_layers")
     expected = (f"every module of the checkpoint's {listed} on a QPN route on "
                 "every rank, 0 fallbacks" + (f", regions {sorted(regions)}" if regions else ""))
     return GateResult(GATE_QPN_ROUTES, FAIL if problems else PASS, expected, observed)
 
 
-def quantizes_lm_head(declared: dict | None) -> bool | None:
-    """Whether the checkpoint's declared quantized modules (``declared_modules``, or ModelOpt's
-    ``quantized_layers``) include lm_head; None when nothing is known of them."""
-    if not declared:
-        return None
-    return any(name == "lm_head" or name.endswith(".lm_head") for name in declared)
+def head_declared(declared: dict | None) -> bool:
+    """Whether the checkpoint declares ``lm_head`` quantized (``declared_modules`` or ModelOpt's
+    ``quantized_layers``); None (nothing known of the checkpoint) counts as declared, the strict
+    reading."""
+    return declared is None or any(n == "lm_head" or n.endswith(".lm_head") for n in declared)
 
 
 def gate_lm_head(census: Census, known: frozenset[str] | None, declared: dict | None = None) -> GateResult:
+    """``declared``: the checkpoint's declared quantized modules: a head it leaves unquantized
+    (the INT4 conventions' writers do) is the engine's to serve, and no rank may report one."""
     census = _summary(census)
     heads = census.lm_head
-    expected = "source=checkpoint_codes, no repack fallback, QPN route family (every rank)"
-    if quantizes_lm_head(declared) is False:   # INT4 exports keep lm_head in BF16: no codes to serve it from
-        return GateResult(GATE_LM_HEAD, NA, "the checkpoint stores lm_head unquantized: the engine's own "
-                          "method serves it", f"{sum(1 for h in heads if h)} QPN lm_head entr(ies) in the census")
     ranks = census.ranks
+    if not head_declared(declared):
+        expected = "no QPN lm_head (the checkpoint leaves lm_head unquantized: the engine's own method)"
+        served = [h for h in heads if h is not None]
+        return GateResult(GATE_LM_HEAD, FAIL if served else PASS, expected,
+                          f"{len(served)} rank(s) report a QPN lm_head" + (
+                              f": {served[0].get('module')} from {served[0].get('source')}" if served else ""))
+    expected = "source=checkpoint_codes, no repack fallback, QPN route family (every rank)"
     if not heads or any(h is None for h in heads) or (ranks and len(heads) != len(ranks)):
         missing = sum(1 for h in heads if h is None) if heads else len(ranks) or 1
         return GateResult(GATE_LM_HEAD, FAIL, expected,
@@ -640,7 +656,8 @@ class GateInputs:
     it needs; ``env``: the server's environment (the engine's XQA switches and thresholds);
     ``qpn_claim``: the convention the registered QPN config claims the checkpoint as
     (qpn_config.claim under the server's environment; None: QPN does not claim it, and
-    ``qpn_not_claimed`` says why)."""
+    ``qpn_not_claimed`` says why); ``coverage_by_count``: the checkpoint's convention has no
+    census record of the engine's module names (AWQ, GPTQ), see _coverage_problems."""
 
     k: int
     warm: dict
@@ -657,6 +674,7 @@ class GateInputs:
     auto_depth: AutoDepth | None = None
     qpn_claim: str | None = None
     qpn_not_claimed: str = ""
+    coverage_by_count: bool = False
 
 
 @dataclass(frozen=True)
@@ -673,7 +691,7 @@ class Gate:
 
 def _check_qpn_routes(i: GateInputs, e: GateExpectation) -> GateResult:
     result = gate_qpn_routes(i.census, set(i.regions), i.known_routes, i.quantized_layers,
-                             i.checkpoint_modules)
+                             i.checkpoint_modules, i.coverage_by_count)
     backend = (e.expected or {}).get("backend")
     wrong = sorted({str(r.backend) for r in i.census.ranks} - {backend})
     if backend and wrong and result.status == PASS:
@@ -748,7 +766,7 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
              quantized_layers: dict | None = None, env: dict | None = None,
              declared: dict | None = None, checkpoint_modules: dict | None = None,
              auto_depth: AutoDepth | None = None, qpn_claim: str | None = None,
-             qpn_not_claimed: str = "") -> list[GateResult]:
+             qpn_not_claimed: str = "", coverage_by_count: bool = False) -> list[GateResult]:
     """Every gate, over what the launcher gathered after the warm request (see GateInputs)."""
     try:
         summary, error = CensusSummary.from_dict(census), ""
@@ -758,7 +776,8 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
                         regions=frozenset(regions), tp=tp, quantized_layers=quantized_layers,
                         checkpoint_modules=checkpoint_modules, declared=declared, env=env,
                         known_routes=qpn_route_names(), census_error=error,
-                        auto_depth=auto_depth, qpn_claim=qpn_claim, qpn_not_claimed=qpn_not_claimed)
+                        auto_depth=auto_depth, qpn_claim=qpn_claim, qpn_not_claimed=qpn_not_claimed,
+                        coverage_by_count=coverage_by_count)
     return apply_gates(profile, inputs)
 
 

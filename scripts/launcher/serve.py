@@ -623,12 +623,13 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     metrics = read_metrics(launch)
     quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
     quantized_layers = boot_gates.declared_layers(quant_cfg)
-    from qpn.fork_patches import conventions
-
     convention, declared = boot_gates.declared_modules(launch.ckpt)  # any convention: what it needs
-    # compressed-tensors and the INT4 conventions pair checkpoint and engine names through the
-    # census's checkpoint_modules; ModelOpt by position in its quantized_layers
-    by_name = convention is not None and convention is not conventions.MODELOPT
+    from qpn.fork_patches.conventions import MODELOPT, INT4Convention
+
+    # ModelOpt's coverage pairs by position in quantized_layers; every other convention's by name,
+    # through the census's checkpoint_modules, which AWQ / GPTQ boots do not record (by count)
+    by_name = convention is not None and convention is not MODELOPT
+    by_count = isinstance(convention, INT4Convention) and convention.declared_by == "codes"
     env = server_env(launch)
     from qpn.fork_patches.qpn_config import claim_verdict
 
@@ -637,7 +638,7 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
                                env=env, declared=declared,
                                checkpoint_modules=declared if by_name else None, auto_depth=auto,
-                               qpn_claim=qpn_claim, qpn_not_claimed=not_claimed)
+                               qpn_claim=qpn_claim, qpn_not_claimed=not_claimed, coverage_by_count=by_count)
 
 
 # ---- after READY: the engine's health ---------------------------------------------------------

@@ -246,7 +246,7 @@ def check_checkpoint_tensors(ckpt: str, environ=None) -> str:
         return "no INT4 checkpoint"
     if found is None:
         return "no INT4 checkpoint"
-    # Where QPN does not claim INT4 (the family not served yet, or QPN_INT4=0) the engine's own INT4
+    # Where QPN does not claim INT4 (QPN_INT4=0, or the family not ready: qpn_config.int4_ready) the engine's own INT4
     # kernels serve these checkpoints: only damage (a truncated or corrupt file) is refused then, not
     # what QPN's INT4 family would not serve.
     try:
