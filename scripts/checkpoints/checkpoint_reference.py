@@ -225,6 +225,35 @@ def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: lis
     return out
 
 
+def variants_main(prog: str, doc: str, perturbations: tuple[str, ...], run, argv: list[str] | None = None) -> int:
+    """The command line of a convention's reference (ct_reference, int4_reference): prompt token
+    ids and variants in, the JSON of ``run(ckpt_dir, ids, variants, kv_cache)`` out."""
+    p = argparse.ArgumentParser(prog=f"python -m qpn.scripts.checkpoints.{prog}", description=doc.split("\n\n")[0])
+    p.add_argument("ckpt_dir")
+    p.add_argument("--token-ids", required=True, help="comma-separated prompt token ids")
+    p.add_argument("--variants", default="float32",
+                   help=f"comma-separated list of float32, bfloat16 and {', '.join(perturbations[1:])}")
+    p.add_argument("--kv-cache", choices=("auto", "fp8_e4m3"), default="auto")
+    p.add_argument("--out", help="write the JSON result here (default: stdout)")
+    args = p.parse_args(argv)
+    ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
+    if len(ids) < 2:
+        print(f"{prog}: need at least two token ids", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    try:
+        result = run(args.ckpt_dir, ids, [v for v in args.variants.split(",") if v], args.kv_cache)
+    except ValueError as e:  # a checkpoint the reference cannot decode, named by the reference
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.checkpoint_reference",
                                 description=__doc__.split("\n\n")[0])

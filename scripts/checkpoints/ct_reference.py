@@ -18,8 +18,6 @@ multiplier: the mistake a loader that ignores the convention makes), ``collapse-
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -103,26 +101,7 @@ def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.ct_reference", description=__doc__.split("\n\n")[0])
-    p.add_argument("ckpt_dir")
-    p.add_argument("--token-ids", required=True, help="comma-separated prompt token ids")
-    p.add_argument("--variants", default="float32",
-                   help=f"comma-separated list of float32, bfloat16 and {', '.join(PERTURBATIONS[1:])}")
-    p.add_argument("--kv-cache", choices=("auto", "fp8_e4m3"), default="auto")
-    p.add_argument("--out", help="write the JSON result here (default: stdout)")
-    args = p.parse_args(argv)
-    ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
-    if len(ids) < 2:
-        print("ct_reference: need at least two token ids", file=sys.stderr)
-        return 2
-    torch.manual_seed(0)
-    result = reference_variants(args.ckpt_dir, ids, [v for v in args.variants.split(",") if v], args.kv_cache)
-    text = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text)
-    return 0
+    return checkpoint_reference.variants_main("ct_reference", __doc__, PERTURBATIONS, reference_variants, argv)
 
 
 if __name__ == "__main__":
