@@ -586,7 +586,7 @@ def provenance(args, atom) -> list[str]:
         + (f"; m8n8k4 NVFP4 form: {ops.nvfp4_form(torch.device('cuda', 0))}" if atom == "m8n8k4" else "")
         + "; sm_80+ route kernels: "
         + ", ".join(f"{f.family}/mt{mt}={k}" for (f, mt), k in sm80_tables.SM80_ROUTE_KERNELS.items())
-        + "".join(f"; {f.family}/mt{mt} with N >= {sm80_tables.SM80_LARGE_N}={k}"
+        + "".join(f"; {f.family}/mt{mt} with N >= {sm80_tables.SM80_LARGE_N[f]}={k}"
                   for (f, mt), k in sm80_tables.SM80_LARGE_N_KERNELS.items())
         + "".join(f"; {f.family}/chunked (M band)={'/'.join(k)}" for f, k in sm80_tables.SM80_BAND_KERNELS.items())
         + f"; split-K min items { {f.family: v for f, v in sm80_tables.SM80_MIN_ITEMS.items()} }",

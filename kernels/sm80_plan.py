@@ -272,7 +272,7 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0,
     if route.chunk_rows and route.weight_format in sm80_tables.SM80_BAND_KERNELS:
         bands = sm80_tables.SM80_BAND_KERNELS[route.weight_format]
         name = next((k for k in bands if routes.TILE_ROWS * _sm80_config(k).mt >= m), bands[-1])
-    elif n >= sm80_tables.SM80_LARGE_N and key in sm80_tables.SM80_LARGE_N_KERNELS:
+    elif key in sm80_tables.SM80_LARGE_N_KERNELS and n >= sm80_tables.SM80_LARGE_N[key[0]]:
         name = sm80_tables.SM80_LARGE_N_KERNELS[key]
     else:
         name = sm80_tables.SM80_ROUTE_KERNELS.get(key) or sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[key]

@@ -36,15 +36,15 @@ SM80_ROUTE_KERNELS = {
     (_NVFP4, 2): "qpn2_mt2_m16n8k16_t2s4x",
     (_FP8, 1): "qpn8_mt1_m16n8k16_t2d2c",
     (_FP8, 2): "qpn8_mt2_m16n8k16_t2s3x",
-    (_INT4, 1): "qpn4_mt1_m16n8k16_t2d4p0",
-    (_INT4, 2): "qpn4_mt2_m16n8k16_t1d4p0",
-    (_INT4_SYM, 1): "qpn4_sym_mt1_m16n8k16_t2d4p0",
-    (_INT4_SYM, 2): "qpn4_sym_mt2_m16n8k16_t1d4p0",
+    (_INT4, 1): "qpn4_mt1_m16n8k16_t2d2p0_fold",
+    (_INT4, 2): "qpn4_mt2_m16n8k16_t2d1p0_fold",
+    (_INT4_SYM, 1): "qpn4_sym_mt1_m16n8k16_t2d2p0_fold",
+    (_INT4_SYM, 2): "qpn4_sym_mt2_m16n8k16_t2d1p0_fold",
 }
 # (2026-12-01: FP8 M <= 8 moved from the per-warp register ring t2d2p0 to its block-cooperative
 # form t2d2c, 3 points of the read ceiling faster on average over the TP1 FP8 shapes at M 1 and 8,
 # results/kernel_sm80_coop2_sweep_h200_20261201.csv; see QPN80C_ENTRY in the .cu.)
-# Layers with at least SM80_LARGE_N output rows (lm_head) use these instead, where listed.
+# Layers with at least SM80_LARGE_N[format] output rows (NVFP4: lm_head) use these instead, where listed.
 # (2026-12-01, session 3: the NVFP4 operands lost their * 2^7 everywhere except in t4s4, where the
 # unit-scale form t4s4_u measured 2% slower; see Frag16NVFP4Scaled in qpn_atom_m16n8k16.cuh.
 # The threshold was 100,000 (TP1 lm_head only); two H200 sweeps of the same lease
@@ -52,8 +52,13 @@ SM80_ROUTE_KERNELS = {
 # lm_head (62,080 rows: 64.5 / 66.0 against 69.3 / 73.0 us at M = 1 / 8), even with it on TP1
 # gate_up (34,816 rows, its x 2^7 form t4s4_s7 in the 4a6d26c sweeps: 41.5 / 42.9 against 42.0 / 43.4
 # us) and behind it on the smaller layers; hence 50,000.)
-SM80_LARGE_N = 50_000
-SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
+# INT4 (2026-12-04, the INT4 sweeps named at QPN80_ENTRY(qpn4_*) in the .cu): four tiles per warp from
+# 16,384 rows (gate_up TP1 / TP2: 34,816 / 17,408 rows, 13% / 8% faster at M = 1), two below it (down,
+# 5,120 rows: 9% slower with four).
+# The threshold per format (the member for INT4, as the keys below).
+SM80_LARGE_N = {_NVFP4: 50_000, _INT4: 16_384, _INT4_SYM: 16_384}
+SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4", (_INT4, 1): "qpn4_mt1_m16n8k16_t4d1p0_fold",
+                        (_INT4_SYM, 1): "qpn4_sym_mt1_m16n8k16_t4d1p0_fold"}
 # The *_chunked route (M 17-96) on sm_80+: the M-band kernels of a format family, by token tiles (MT)
 # ascending; sm80_plan._sm80_kernel_for takes the first whose 8 x MT rows hold M, else the last: one weight
 # pass per chunk of its 8 x MT rows. A family not listed (FP8) runs its (family, 2) kernel above once
@@ -74,7 +79,9 @@ SM80_BAND_KERNELS = {
 # stays on plain launches (slower with PDL on the small layers: down 33.8 -> 34.2 us, TP4 down
 # 17.9 -> 19.0 us; results/kernel_sm80_pdl_notes_h200_20261201.md).
 SM80_PDL_KERNELS = frozenset({SM80_ROUTE_KERNELS[_NVFP4, 1], SM80_LARGE_N_KERNELS[_NVFP4, 1],
-                              SM80_ROUTE_KERNELS[_FP8, 1], SM80_ROUTE_KERNELS[_FP8, 2]})
+                              SM80_ROUTE_KERNELS[_FP8, 1], SM80_ROUTE_KERNELS[_FP8, 2],
+                              SM80_ROUTE_KERNELS[_INT4, 1], SM80_ROUTE_KERNELS[_INT4_SYM, 1],
+                              SM80_LARGE_N_KERNELS[_INT4, 1], SM80_LARGE_N_KERNELS[_INT4_SYM, 1]})
 # The register-ring kernels (no shared memory) serve a route when the GPU cannot give a block the
 # ring kernel's shared memory (sm_86 / sm_89 allow about 99 KB per block). INT4's route kernels are
 # register rings already: their own.
@@ -95,4 +102,5 @@ SM80_UNSERVED_ROUTE_KERNELS: dict = {}
 SM80_MIN_ITEMS = {_NVFP4: 4, _FP8: 2, _INT4: 4, _INT4_SYM: 4}
 # The fragment decoder each format's kernels are configured with (QPN80*_ENTRY's second field starts
 # with it; no key is the start of another).
-SM80_FRAGMENTS = {"Frag16NVFP4": _NVFP4, "Frag16FP8": _FP8, "Frag16INT4Asym": _INT4, "Frag16INT4Sym": _INT4_SYM}
+SM80_FRAGMENTS = {"Frag16NVFP4": _NVFP4, "Frag16FP8": _FP8, "Frag16INT4Asym": _INT4, "Frag16INT4Sym": _INT4_SYM,
+                  "Frag16INT4FoldAsym": _INT4, "Frag16INT4FoldSym": _INT4_SYM}

@@ -1,5 +1,5 @@
 """GPU numerics of the INT4 W4A16 kernels (qpn4_* asymmetric, qpn4_sym_* symmetric) on both atoms:
-m8n8k4 (which an sm_80+ GPU runs emulated) and, on sm_80+, m16n8k16 (Frag16INT4Form in
+m8n8k4 (which an sm_80+ GPU runs emulated) and, on sm_80+, m16n8k16 (Frag16INT4Form, Frag16INT4FoldForm in
 csrc/qpn_atom_m16n8k16.cuh), against family_int4's reference. Run on the H200 through the device
 tool; without a GPU every test skips (CI has none), and with a GPU but no NVRTC the build fixture
 fails under CI=true (tests/_ci.py) and skips elsewhere.
@@ -16,6 +16,11 @@ two must agree within twice it. No norm-wise slack: a wrong code, zero point, gr
 an element by a whole weight (|x_k| * scale), far outside that bound for these activations.
 The one-hot probe (tests/_per_group.py) then checks every (row, input) bit-exact, so no sum can
 hide a wrong group, and a corrupted record must be named by its (row, group).
+
+On m16n8k16 the tiled routes' kernels fold the group scales of 64- and 128-input groups into their
+FP32 sums (Frag16INT4FoldForm): they multiply the exact (code - zero) * scale, not its FP16 rounding,
+so the bound is taken with those weights in place of w16 (_multiplied). A one-hot row still gives
+fp16((code - zero) * scale) exactly, one rounding of an exact FP32 product.
 """
 from __future__ import annotations
 
@@ -107,6 +112,19 @@ def _w16(src) -> torch.Tensor:
     return fi.dequantize(*src).half().double()
 
 
+def _multiplied(src, packed, route, m: int, atom: str) -> torch.Tensor:
+    """The weights route multiplies at M = m on this atom, as float64: where the sm_80+ kernel folds
+    the group scales into its FP32 sums (Frag16INT4FoldForm, groups of 64 and 128) the exact
+    (code - zero) * scale, else (the m8n8k4 atom, groups of 32, the reconstruct route) their FP16
+    roundings, _w16."""
+    if atom == "m16n8k16" and route.tiles_per_pass and packed.group_size >= 64:
+        from qpn.kernels import sm80_plan
+        name = sm80_plan._sm80_kernel_for(route, m, packed.n, formats.format_of(packed))[0]
+        if sm80_plan.sm80_kernels()[name].frag.startswith("Frag16INT4Fold"):
+            return fi.dequantize_f64(*src)
+    return _w16(src)
+
+
 def _ulp16(v: torch.Tensor) -> torch.Tensor:
     a = v.abs().clamp(min=2.0 ** -14)
     return torch.exp2(torch.floor(torch.log2(a)) - 10)
@@ -153,7 +171,7 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member, atom):
         route = routes.route_for(formats.INT4.family, m, n, k)
         y = ops.qpn_linear(x.to(dev), packed)
         torch.cuda.synchronize()
-        _check(y, x, w16, f"{name} {kind} {member} g={g} M={m} ({route}, {atom})")
+        _check(y, x, _multiplied(src, packed, route, m, atom), f"{name} {kind} {member} g={g} M={m} ({route}, {atom})")
         yb = ops.qpn_linear(x.to(dev), packed, bias=bias.to(dev)).double().cpu()
         assert torch.allclose(yb, (y.double().cpu() + bias.double()).half().double(), rtol=2e-3, atol=2e-3), \
             f"{name} {member} M={m}: bias"
@@ -162,7 +180,8 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member, atom):
         r = routes.as_route(route)
         m = min(5, r.kernel_max_m or 5)
         x = fc.activations(m, k, gen, outliers=False)
-        _check(ops.qpn_linear(x.to(dev), packed, route=r), x, w16, f"{name} {member} {route} M={m} ({atom})")
+        _check(ops.qpn_linear(x.to(dev), packed, route=r), x, _multiplied(src, packed, r, m, atom),
+               f"{name} {member} {route} M={m} ({atom})")
 
 
 @pytest.mark.parametrize("member", list(MEMBERS))
@@ -241,4 +260,48 @@ def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
             assert name.startswith(fmt.kernel_prefix + "_")
             assert chunks == (-(-m // 16) if route.chunk_rows else 1)
             x = fc.activations(m, k, gen, outliers=True)
-            _check(ops.qpn_linear(x.cuda(), packed), x, _w16(src), f"{member} g={g} M={m} ({route}, {name})")
+            _check(ops.qpn_linear(x.cuda(), packed), x, _multiplied(src, packed, route, m, atom),
+                   f"{member} g={g} M={m} ({route}, {name})")
+
+
+def _configured_int4_kernels(fmt) -> dict:
+    """Every INT4 GEMM kernel of the sm_80+ source for member fmt (route kernels and candidates,
+    variant 0), parsed from its entry lines."""
+    from qpn.kernels import sm80_plan
+    return {kn: c for kn, c in sm80_plan.sm80_kernels().items() if c.weight_format is fmt and c.variant == 0}
+
+
+@pytest.mark.parametrize("member", list(MEMBERS))
+def test_int4_every_configured_m16n8k16_kernel(member, atom):
+    """Each configured INT4 kernel, route kernel or not, at every group size: a folded decoder
+    (Frag16INT4FoldForm: the group scale applied to FP32 sums, groups of 64 and 128) within the
+    FP32-order bound of the EXACT weights (code - zero) * scale, which it multiplies without
+    rounding them to FP16; the plain decoder (and a folded one on groups of 32, which runs its plain
+    form) within that bound of the FP16 weights. K = 1152 over 18 k-blocks, N = 200: the split-K runs
+    start inside 128-groups, so a fold at a segment's end is exercised. One-hot: every (row, input)
+    bit-exact, fp16((code - zero) * scale) for both forms."""
+    if atom != "m16n8k16":
+        pytest.skip("the m16n8k16 kernels")
+    from qpn.kernels import sm80_plan
+    sym = member == "sym"
+    kernels = _configured_int4_kernels(MEMBERS[member])
+    assert any(c.frag.startswith("Frag16INT4Fold") for c in kernels.values()), sorted(kernels)
+    dev = torch.device("cuda")
+    n, k = 200, 1152
+    for g in formats.INT4.group_sizes:
+        for kind in ("all_values", "outliers"):
+            gen = _gen(g + 7 * sym + (kind == "outliers"))
+            src = _source(kind, n, k, g, sym, gen)
+            packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
+            w16, exact = _w16(src), fi.dequantize_f64(*src)
+            for kn, c in sorted(kernels.items()):
+                folds = c.frag.startswith("Frag16INT4Fold") and g >= 64
+                for m in ((1, 8) if c.mt == 1 else (9, 16)):
+                    x = fc.activations(m, k, gen, outliers=True)
+                    y = sm80_plan.run_sm80_kernel(x.to(dev), packed, kn)
+                    torch.cuda.synchronize()
+                    _check(y, x, exact if folds else w16, f"{kn} {kind} g={g} M={m}")
+                if kind == "all_values":
+                    bad = pg.probe(lambda x, kn=kn: sm80_plan.run_sm80_kernel(x.to(dev), packed, kn).cpu(), w16,
+                                   8 * c.mt)
+                    assert not bad, f"{kn} g={g}: {len(bad)} wrong (row, input), first {bad[:4]}"

@@ -505,9 +505,10 @@ def test_sm80_entry_lines_parse_by_macro_and_a_wrong_argument_count_fails(monkey
 def test_sm80_kernel_table_and_route_kernels():
     configured = sm80_plan.sm80_kernels()
     # keyed by the family's WeightFormat, or by each member where the members have kernels of their
-    # own (INT4); the kernel decodes that member's fragments
-    decoder = {formats.NVFP4: "Frag16NVFP4", formats.FP8_TENSOR: "Frag16FP8", formats.INT4: "Frag16INT4Asym",
-               formats.INT4_SYM: "Frag16INT4Sym"}
+    # own (INT4); the kernel decodes that member's fragments (INT4: the folded decoder, which runs its
+    # plain form on groups of 32)
+    decoder = {formats.NVFP4: "Frag16NVFP4", formats.FP8_TENSOR: "Frag16FP8", formats.INT4: "Frag16INT4FoldAsym",
+               formats.INT4_SYM: "Frag16INT4FoldSym"}
     assert {fmt for fmt, _ in sm80_tables.SM80_ROUTE_KERNELS} == set(decoder)
     for (fmt, mt), name in sm80_tables.SM80_ROUTE_KERNELS.items():
         cfg = configured[name]
@@ -650,9 +651,21 @@ def test_band_partition_covers_every_tile_and_k_block_once_per_chunk(n, kblocks,
 
 def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fallback():
     small = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, 5120)
-    large = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, sm80_tables.SM80_LARGE_N)
+    large_n = sm80_tables.SM80_LARGE_N[formats.NVFP4]
+    assert sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, large_n - 1) == small
+    large = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, large_n)
     assert small == (sm80_tables.SM80_ROUTE_KERNELS[(formats.NVFP4, 1)], 1)
     assert large == (sm80_tables.SM80_LARGE_N_KERNELS[(formats.NVFP4, 1)], 1)
+    # INT4: its own threshold, per member (gate_up-sized layers get four tiles per warp, down-sized two)
+    for member in (formats.INT4, formats.INT4_SYM):
+        at = sm80_tables.SM80_LARGE_N[member]
+        assert 5120 < at <= 17408
+        for n, table in ((5120, sm80_tables.SM80_ROUTE_KERNELS), (at - 1, sm80_tables.SM80_ROUTE_KERNELS),
+                         (at, sm80_tables.SM80_LARGE_N_KERNELS), (34816, sm80_tables.SM80_LARGE_N_KERNELS)):
+            assert sm80_plan._sm80_kernel_for(routes.as_route("qpn4"), 1, n, member) == (table[(member, 1)], 1), n
+        # M 9-16 has no large-N kernel
+        assert sm80_plan._sm80_kernel_for(routes.as_route("qpn4_mt2"), 16, 34816, member)[0] == \
+            sm80_tables.SM80_ROUTE_KERNELS[(member, 2)]
     assert sm80_plan._sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == \
         (sm80_tables.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 1)], 1)
     kernels = sm80_plan.sm80_kernels()

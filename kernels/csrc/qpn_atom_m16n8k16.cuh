@@ -318,3 +318,57 @@ struct Frag16INT4Form : Frag16LaneRun16 {
 };
 using Frag16INT4Asym = Frag16INT4Form<false>;
 using Frag16INT4Sym = Frag16INT4Form<true>;
+
+// INT4 with the group scale folded into the FP32 sums (groups of 64 and 128: one group per
+// k-block or two, so every input of one MMA shares its row's scale). The operands are exact
+// integers, (code - zero) for row g and 16 (code - zero) for row g + 8 -- the high nibble of
+// each byte OR-ed under 0x6400 is 1024 + 16 code, so no shift per register pair -- and the
+// kernel (Qpn80, FoldsGroups) multiplies each group's sums by scale (row g) or scale / 16
+// (row g + 8) in FP32 before adding them up: per code word 1 shift, 4 LOP3 and 4 HSUB2 instead
+// of 3 shifts, 4 LOP3, 4 HSUB2 and 4 HMUL2. Every product (code - zero) x is exact in FP32, so a
+// one-hot row gives fp16((code - zero) * scale) exactly as Frag16INT4Form; a sum differs from
+// Frag16INT4Form's only by the FP16 rounding of each weight that this form does not make.
+// Plain: the decoder a kernel runs for groups of 32 (Qpn80Args.group_shift < 2).
+template <bool SYM>
+struct Frag16INT4FoldForm : Frag16INT4Form<SYM> {
+  using Plain = Frag16INT4Form<SYM>;
+  static constexpr bool FOLD = true;
+  static constexpr int MIN_FOLD_SHIFT = 2;   // group_shift of a 64-input group: one k-block
+  QPN_DEV static void frag(const u32 (&w)[4], int s, const u32 (&sc)[2], u32& a0, u32& a1, u32& a2, u32& a3) {
+    // 1024 + zero (row g, low nibbles) and 1024 + 16 zero (row g + 8, high nibbles) in both halves
+    const u32 zg = SYM ? 0x64086408u : prmt(sc[0], 0x64u, 0x4242u);
+    const u32 zh = SYM ? 0x64806480u : (shl_b32(prmt(sc[1], 0u, 0x4242u), 4) | 0x64006400u);
+    const u32 v = w[s];
+    const u32 v8 = shr_b32(v, 8);
+    a0 = hsub2(and_or(v, 0x000F000Fu, 0x64006400u), zg);
+    a1 = hsub2(and_or(v, 0x00F000F0u, 0x64006400u), zh);
+    a2 = hsub2(and_or(v8, 0x000F000Fu, 0x64006400u), zg);
+    a3 = hsub2(and_or(v8, 0x00F000F0u, 0x64006400u), zh);
+  }
+  // acc += scale * g over one group's sums (c0 c1 row g, c2 c3 row g + 8), and g = 0.
+  template <int T, int MT>
+  QPN_DEV static void fold(const u32 (&sc)[T][2], float (&g)[T][MT][4], float (&acc)[T][MT][4]) {
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      const float s0 = f16_to_f32((u16)(sc[j][0] & 0xFFFFu));
+      const float s8 = f16_to_f32((u16)(SYM ? sc[j][0] >> 16 : sc[j][1] & 0xFFFFu)) * 0.0625f;
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        acc[j][t][0] = fma_rn(s0, g[j][t][0], acc[j][t][0]);
+        acc[j][t][1] = fma_rn(s0, g[j][t][1], acc[j][t][1]);
+        acc[j][t][2] = fma_rn(s8, g[j][t][2], acc[j][t][2]);
+        acc[j][t][3] = fma_rn(s8, g[j][t][3], acc[j][t][3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) g[j][t][i] = 0.f;
+      }
+    }
+  }
+};
+using Frag16INT4FoldAsym = Frag16INT4FoldForm<false>;
+using Frag16INT4FoldSym = Frag16INT4FoldForm<true>;
+
+// Whether decoder F folds its group scales into the sums (F::FOLD), false for every other decoder.
+template <class F, class = void>
+struct FoldsGroups { static constexpr bool value = false; };
+template <class F>
+struct FoldsGroups<F, decltype(void(F::FOLD))> { static constexpr bool value = F::FOLD; };

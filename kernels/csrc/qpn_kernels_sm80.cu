@@ -100,6 +100,9 @@ struct Qpn80 {
   static constexpr bool EMPTY = VAR == 5;
   static constexpr bool PDL = VAR == 7;
   static constexpr bool WIDE_PARTIAL = T * MT > 4;   // see finish
+  // Group scales applied to FP32 sums (Frag16INT4FoldForm); weights with smaller groups than the
+  // decoder folds run its Plain form (same kernel, chosen per launch by Qpn80Args.group_shift).
+  static constexpr bool FOLD = FoldsGroups<F>::value && !LOADS_ONLY && VAR != 1 && VAR != 2;
 
   QPN_DEV static void load_w(const u8* const (&cp)[T], int kb, u32 (&w)[T][F::WORDS]) {
 #pragma unroll
@@ -197,6 +200,13 @@ struct Qpn80 {
     u32 sc[DS][T][2];
     u32 xr[DX][MT][8];
     u32 sink = 0u;
+    // FOLD: this group's sums, scaled into acc after its last k-block (or the segment's last)
+    float accg[T][MT][4];
+    int fold_mask = 0;   // k-blocks per scale group - 1
+    if constexpr (FOLD) {
+      zero(accg);
+      fold_mask = (1 << (a.group_shift - F::MIN_FOLD_SHIFT)) - 1;
+    }
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (kb0 + d < kb1) load_w(cp, kb0 + d, w[d]);
@@ -225,7 +235,12 @@ struct Qpn80 {
               for (int j = 0; j < T; ++j) prefetch_l2(cp[j] + (size_t)(k + D + PF) * BLOCK_BYTES);
             }
           }
-          compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
+          if constexpr (FOLD) {
+            compute(w[d], sc[d % DS], xr[d % DX], accg, sink);
+            if (((k + 1) & fold_mask) == 0 || k + 1 == kb1) F::fold(sc[d % DS], accg, acc);
+          } else {
+            compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
+          }
           if (k + D < kb1) load_w(cp, k + D, w[d]);
           if (k + DS < kb1) load_sc(sp, k + DS, sc[d % DS], a.group_shift);
           if (k + DX < kb1) load_x(xp, xv, k + DX, xr[d % DX]);
@@ -287,6 +302,12 @@ struct Qpn80 {
   }
 
   QPN_DEV static void run(const Qpn80Args& a) {
+    if constexpr (FoldsGroups<F>::value) {
+      if (a.group_shift < F::MIN_FOLD_SHIFT) {
+        Qpn80<typename F::Plain, MT, T, D, PF, VAR, MINB>::run(a);
+        return;
+      }
+    }
     const int lane = threadIdx.x & 31;
     const int plane = blockIdx.x % a.chunks;
     const int gw = (blockIdx.x / a.chunks) * QPN80_WARPS + (threadIdx.x >> 5);
@@ -1095,17 +1116,34 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 // shared-memory reads and the copy issue to the already issue-bound decode.
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
-// INT4 W4A16 (issue 26; the route kernels sm80_tables.SM80_ROUTE_KERNELS names for both members).
-// The register ring of the NVFP4 routes in the NVFP4 routes' configurations: the same 16 code bytes
-// per lane per (tile, k-block) and an 8-byte (asymmetric) or 4-byte (symmetric) scale record load
-// where NVFP4 has an 8-byte scale load. Timed on the H200 as they are, not swept
-// (results/kernel_matched_int4_h200_20261203.csv). No ring kernel (their cp.async layout copies
-// per-k-block scale blocks, not group records) and no M-band kernel (the chunked route runs the
-// MT = 2 kernel once per 16-row chunk).
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d4p0, Frag16INT4Asym, 1, 2, 4, 0, 0)
-QPN80_ENTRY(qpn4_mt2_m16n8k16_t1d4p0, Frag16INT4Asym, 2, 1, 4, 0, 0)
-QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d4p0, Frag16INT4Sym, 1, 2, 4, 0, 0)
-QPN80_ENTRY(qpn4_sym_mt2_m16n8k16_t1d4p0, Frag16INT4Sym, 2, 1, 4, 0, 0)
+// INT4 W4A16 (issue 26; the route kernels sm80_tables.SM80_ROUTE_KERNELS and SM80_LARGE_N_KERNELS
+// name for both members). The register ring with the folded decoder (Frag16INT4FoldForm: group
+// scales applied to FP32 sums; groups of 32 run its plain form in the same kernel), the same 16 code
+// bytes per lane per (tile, k-block) as NVFP4 and an 8-byte (asymmetric) or 4-byte (symmetric) record
+// load where NVFP4 has an 8-byte scale load. Chosen by two H200 sweeps of 2026-12-04 on the TP1 / TP2
+// MLP shapes (results/kernel_int4_sweep_h200_20261204.csv, _sweep2_): the fold alone 3-8% faster
+// than the same configuration decoding scaled FP16 operands; a shallower ring (t2d2) faster than the
+// NVFP4 routes' t2d4; on layers of 16,384 rows or more four tiles per warp (t4d1: gate_up TP1 35.2
+// against 40.3 us at M = 1), on the down layers two (t2d2: 25.1 against 27.6 us); M 9-16 two tiles
+// one k-block deep (t2d1: 47.7 against 61.2 us on gate_up TP1 for the t1d4 form). Configurations with
+// three tiles, a ring of 3+ with two or an L2 prefetch were slower; with four tiles and a ring of 2,
+// or MT = 2 with t2d2 / t1d2, they spill. No ring kernel (their cp.async layout copies per-k-block
+// scale blocks, not group records) and no M-band kernel (the chunked route runs the MT = 2 kernel
+// once per 16-row chunk).
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldAsym, 1, 2, 2, 0, 0)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldAsym, 1, 4, 1, 0, 0)
+QPN80_ENTRY(qpn4_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldAsym, 2, 2, 1, 0, 0)
+QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldSym, 1, 2, 2, 0, 0)
+QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldSym, 1, 4, 1, 0, 0)
+QPN80_ENTRY(qpn4_sym_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldSym, 2, 2, 1, 0, 0)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldAsym, 1, 2, 2, 0, 7)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldAsym, 1, 4, 1, 0, 7)
+QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldSym, 1, 2, 2, 0, 7)
+QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldSym, 1, 4, 1, 0, 7)
+// Measured variants: loads only (the split-K finish kept), and the kernel without that finish.
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_loadonly, Frag16INT4FoldAsym, 1, 2, 2, 0, 3)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_nofinish, Frag16INT4FoldAsym, 1, 2, 2, 0, 6)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
 
