@@ -26,9 +26,9 @@ from . import formats
 # coalesced (chunk_pos in the .cu), the ring t2s3x has the best mean for FP8 M 9-16: in_proj 57.8%
 # vs 53.0% for the register t1d4p0, out_proj 36.8% vs 37.5%; FP8 M <= 8 stays on the register ring.)
 # INT4 (both members, kernels of their own: formats.WeightFormat.kernel_tag; sm80_plan looks them up
-# by the member kernel_inputs.kernel_member names): the register ring in the NVFP4 routes'
-# configurations (M <= 8: t2d4p0; M 9-16 and, once per 16-row chunk, the chunked route: t1d4p0, the
-# NVFP4 register-ring M 9-16 form); no H200 sweep has chosen them yet.
+# by the member kernel_inputs.kernel_member names): the register ring with the folded decoder, chosen
+# by two H200 sweeps of 2026-12-04 (results/kernel_int4_sweep_h200_20261204.csv, _sweep2_): M <= 8
+# t2d2 (t4d1 from SM80_LARGE_N rows, below); M 9-16 and, once per 16-row chunk, the chunked route: t2d1.
 _NVFP4, _FP8 = formats.FAMILIES["nvfp4"], formats.FAMILIES["fp8"]
 _INT4, _INT4_SYM = formats.INT4, formats.INT4_SYM
 SM80_ROUTE_KERNELS = {
