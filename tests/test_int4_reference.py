@@ -92,3 +92,30 @@ def test_what_the_reference_cannot_read_is_refused(ckpts, tmp_path):
         ref.dequantized_state_dict(other)
     assert ref.main([str(other), "--token-ids", "1,2,3"]) == 2
     assert ref.main([str(ckpts / "awq"), "--token-ids", "1"]) == 2
+
+
+def test_reference_command_lines_read_ids_and_write_json(tmp_path, capsys):
+    """The convention references' shared command line (checkpoint_reference.variants_main): fewer
+    than two token ids is refused naming the tool, the variants and ids reach the run, the JSON goes
+    to --out or stdout, and a checkpoint the run refuses exits 2 with its message."""
+    from qpn.scripts.checkpoints import checkpoint_reference as cr
+    seen = []
+
+    def run(ckpt, ids, variants, kv):
+        if ckpt == "bad":
+            raise ValueError("module x: no scales")
+        seen.append((ckpt, ids, variants, kv))
+        return {v: {"ids": ids} for v in variants}
+
+    assert cr.variants_main("int4_reference", "doc", ("none", "zero"), run, ["c", "--token-ids", "5"]) == 2
+    assert "int4_reference: need at least two token ids" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    assert cr.variants_main("int4_reference", "doc", ("none", "zero"), run,
+                            ["c", "--token-ids", "5, 6,7", "--variants", "float32,zero", "--kv-cache", "fp8_e4m3",
+                             "--out", str(out)]) == 0
+    assert seen == [("c", [5, 6, 7], ["float32", "zero"], "fp8_e4m3")]
+    assert json.loads(out.read_text()) == {"float32": {"ids": [5, 6, 7]}, "zero": {"ids": [5, 6, 7]}}
+    assert cr.variants_main("ct_reference", "doc", ("none",), run, ["c", "--token-ids", "1,2"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"float32": {"ids": [1, 2]}}
+    assert cr.variants_main("ct_reference", "doc", ("none",), run, ["bad", "--token-ids", "1,2"]) == 2
+    assert "ct_reference: module x: no scales" in capsys.readouterr().err

@@ -225,6 +225,25 @@ def reference_variants(ckpt_dir: str | Path, token_ids: list[int], variants: lis
     return out
 
 
+def _token_ids(text: str, prog: str) -> list[int] | None:
+    """The prompt's token ids from --token-ids, or None (the error printed) when fewer than two."""
+    ids = [int(t) for t in text.split(",") if t.strip()]
+    if len(ids) < 2:
+        print(f"{prog}: need at least two token ids", file=sys.stderr)
+        return None
+    return ids
+
+
+def _emit(result: dict, out: str | None) -> int:
+    """Write the JSON result to --out, or print it."""
+    text = json.dumps(result)
+    if out:
+        Path(out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
 def variants_main(prog: str, doc: str, perturbations: tuple[str, ...], run, argv: list[str] | None = None) -> int:
     """The command line of a convention's reference (ct_reference, int4_reference): prompt token
     ids and variants in, the JSON of ``run(ckpt_dir, ids, variants, kv_cache)`` out."""
@@ -236,9 +255,8 @@ def variants_main(prog: str, doc: str, perturbations: tuple[str, ...], run, argv
     p.add_argument("--kv-cache", choices=("auto", "fp8_e4m3"), default="auto")
     p.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
-    ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
-    if len(ids) < 2:
-        print(f"{prog}: need at least two token ids", file=sys.stderr)
+    ids = _token_ids(args.token_ids, prog)
+    if ids is None:
         return 2
     torch.manual_seed(0)
     try:
@@ -246,12 +264,7 @@ def variants_main(prog: str, doc: str, perturbations: tuple[str, ...], run, argv
     except ValueError as e:  # a checkpoint the reference cannot decode, named by the reference
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    text = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text)
-    return 0
+    return _emit(result, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,9 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                    "writes {variant: result} (overrides --perturb and --dtype)")
     p.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
-    ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
-    if len(ids) < 2:
-        print("checkpoint_reference: need at least two token ids", file=sys.stderr)
+    ids = _token_ids(args.token_ids, "checkpoint_reference")
+    if ids is None:
         return 2
     torch.manual_seed(0)
     if args.variants:
@@ -283,12 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         result = reference_variants(args.ckpt_dir, ids, [variant], args.kv_cache)[variant]
         result.update(ckpt_dir=str(args.ckpt_dir), perturb=args.perturb, dtype=args.dtype,
                       kv_cache=args.kv_cache, token_ids=ids)
-    text = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text)
-    return 0
+    return _emit(result, args.out)
 
 
 if __name__ == "__main__":
