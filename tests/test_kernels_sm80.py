@@ -284,11 +284,19 @@ def test_replay_detects_a_wrong_layout():
     assert float((y - y64).norm() / y64.norm()) > 0.1
 
 
-def _replay_int4(packed, x: torch.Tensor) -> torch.Tensor:
+def _f16_bits(bits: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(bits.to(torch.int16).numpy()).view(torch.float16)
+
+
+def _replay_int4(packed, x: torch.Tensor, fold: bool = False) -> torch.Tensor:
     """y (float64) as the INT4 m16n8k16 kernels compute it (Frag16INT4Form): the lane's records
     fetched at the kernel's own addresses (tile_records + record_step, group shift from
     ops.kernel_member), the four registers of each step decoded as fp16((code - zero) * scale),
-    placed by the PTX fragment layout, with the lane's activations at inputs 16t + 4s .. +3."""
+    placed by the PTX fragment layout, with the lane's activations at inputs 16t + 4s .. +3.
+    fold: Frag16INT4FoldForm's bit operations instead -- register r of word v takes the byte
+    (v >> 8 (r >> 1)) of each half, its low nibble under 0x6400 minus (0x6400 | zero) for row g,
+    its high nibble under 0x6400 minus (0x6400 | zero << 4) for row g + 8, both in FP16 -- and the
+    fold's FP32 factors, scale for row g and scale * 0.0625 for row g + 8 (exact in float64)."""
     from qpn.kernels import family_int4 as fi
     tiles, kblocks = packed.n_pad // 16, packed.k_pad // 64
     m = x.shape[0]
@@ -320,6 +328,13 @@ def _replay_int4(packed, x: torch.Tensor) -> torch.Tensor:
             for r, (row, col) in enumerate(((gq, 2 * t), (gq + 8, 2 * t), (gq, 2 * t + 8), (gq + 8, 2 * t + 8))):
                 h = r & 1
                 for j in range(2):      # pair r: nibbles r (low half) and r + 4 (high half)
+                    if fold:
+                        byte = (v >> (8 * (r >> 1) + 16 * j)) & 0xFF
+                        mask, zbits = (0xF0, 0x6400 | (zero[h] << 4)) if h else (0x0F, 0x6400 | zero[h])
+                        op = _f16_bits(0x6400 | (byte & mask)) - _f16_bits(zbits)   # HSUB2
+                        factor = scale[h].float() * (0.0625 if h else 1.0)
+                        A[:, :, s, row, col + j] = op.double() * factor.double()
+                        continue
                     code = (v >> (4 * (r + 4 * j))) & 0xF
                     w16 = ((code - zero[h]).to(torch.float16) * scale[h]).double()   # one FP16 rounding
                     A[:, :, s, row, col + j] = w16
@@ -351,6 +366,14 @@ def test_replayed_int4_fragments_give_the_exact_product(n, k, g, m, sym):
     w16 = fi.dequantize(fi.pack_codes(q), s, z).half().double()
     y64 = x.double() @ w16.t()
     assert float((y - y64).norm() / y64.norm()) < 1e-12
+    # the folded decoder (groups of 64 and 128 on the route kernels): its operands and factors give
+    # the product of the EXACT weights (code - zero) * scale, not of their FP16 roundings
+    if g >= 64:
+        exact = fi.dequantize_f64(fi.pack_codes(q), s, z)
+        y_exact = x.double() @ exact.t()
+        yf = _replay_int4(p, x, fold=True)
+        assert float((yf - y_exact).norm() / y_exact.norm()) < 1e-12
+        assert not torch.equal(exact, w16)   # the two differ, so the check above tells them apart
     # not vacuous: the records of the neighbouring group size (the wrong group shift) give another product
     if g < 128:
         wrong = fi.PackedINT4(p.codes, p.scales, p.out_scale, n, k, 2 * g, sym, ATOM) if k % (2 * g) == 0 else None
