@@ -472,9 +472,11 @@ def host_time_per_call(n: int = 256, k: int = 256, calls: int = 2000) -> dict:
 
 
 # ------------------------------------------------------------------------------- sweep
-def sweep(names, ms, read, gen, path, provenance, only=()):
+def sweep(names, ms, read, gen, path, provenance, only=(), min_items=(16,)):
     """sm_80+ only: every configured kernel and every stage-dropping variant of the m16n8k16
-    source, graph-timed on the same weights, plus the split-K minimum-items knob."""
+    source, graph-timed on the same weights, plus the split-K minimum-items knob: the route's own
+    kernel again with each of ``min_items`` items per warp at least (the format's default is
+    SM80_MIN_ITEMS)."""
     rows = []
     kernels = sm80_plan.sm80_kernels()
     saved = {f.family: v for f, v in sm80_tables.SM80_MIN_ITEMS.items()}
@@ -498,8 +500,8 @@ def sweep(names, ms, read, gen, path, provenance, only=()):
                 fits = lambda kn, c: c.mt == key and not c.band  # noqa: E731
             trials = [(kn, saved[fmt]) for kn, c in kernels.items()
                       if c.fmt == fmt and fits(kn, c) and (kn == default or not only or any(o in kn for o in only))]
-            if not only and key != BAND:
-                trials += [(default, 16)]  # fewer, longer warp runs (the split-K minimum-items knob)
+            if key != BAND:   # fewer, longer warp runs (the split-K minimum-items knob), on the route's kernel
+                trials += [(default, mi) for mi in min_items]
             for kn, mi in trials:
                 sm80_tables.SM80_MIN_ITEMS[formats.FAMILIES[fmt]] = mi
                 sm80_plan._sm80_plans.clear()
@@ -868,6 +870,9 @@ def main(argv=None) -> int:
                          "the run (recorded in the CSV header)")
     ap.add_argument("--sweep-shapes", default="tp1")
     ap.add_argument("--sweep-m", default="1,8,16")
+    ap.add_argument("--sweep-min-items", default="",
+                    help="comma list: also time the route's kernel with these split-K minimum items per warp "
+                         "(default: 16, and none when --sweep-kernels narrows the sweep)")
     ap.add_argument("--sweep-kernels", default="",
                     help="comma list of name fragments: sweep only the kernels whose names contain one (and the "
                          "routes' own kernels, for the same-run comparison)")
@@ -943,8 +948,10 @@ def main(argv=None) -> int:
     if args.sweep:
         if cap < (8, 0):
             ap.error("--sweep times the m16n8k16 kernels: needs an sm_80+ GPU")
+        only = tuple(s for s in args.sweep_kernels.split(",") if s)
         srows = sweep(pick(args.sweep_shapes), [int(v) for v in args.sweep_m.split(",")], read, gen, args.sweep, prov,
-                      only=tuple(s for s in args.sweep_kernels.split(",") if s))
+                      only=only, min_items=tuple(int(v) for v in args.sweep_min_items.split(",") if v)
+                      or (() if only else (16,)))
         if args.adopt_sweep:
             win = sweep_winners(srows)
             sm80_tables.SM80_ROUTE_KERNELS.update(win)

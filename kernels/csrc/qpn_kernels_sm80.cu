@@ -1144,6 +1144,8 @@ QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldSym, 1, 4, 1, 0
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_loadonly, Frag16INT4FoldAsym, 1, 2, 2, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_nofinish, Frag16INT4FoldAsym, 1, 2, 2, 0, 6)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t1d2p0_fold, Frag16INT4FoldAsym, 1, 1, 2, 0, 0)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t1d3p0_fold, Frag16INT4FoldAsym, 1, 1, 3, 0, 0)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
 
