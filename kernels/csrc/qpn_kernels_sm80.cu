@@ -1127,7 +1127,8 @@ QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 // against 40.3 us at M = 1), on the down layers two (t2d2: 25.1 against 27.6 us); M 9-16 two tiles
 // one k-block deep (t2d1: 47.7 against 61.2 us on gate_up TP1 for the t1d4 form). Configurations with
 // three tiles, a ring of 3+ with two or an L2 prefetch were slower; with four tiles and a ring of 2,
-// or MT = 2 with t2d2 / t1d2, they spill. No ring kernel (their cp.async layout copies per-k-block
+// or MT = 2 with t2d2 / t1d2, they spill. On the down layers one tile per warp (t1d2, t1d3: fewer
+// warps per group's split-K finish) and more items per warp were slower too (_sweep3_). No ring kernel (their cp.async layout copies per-k-block
 // scale blocks, not group records) and no M-band kernel (the chunked route runs the MT = 2 kernel
 // once per 16-row chunk).
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldAsym, 1, 2, 2, 0, 0)
@@ -1144,8 +1145,6 @@ QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldSym, 1, 4, 1, 0
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_loadonly, Frag16INT4FoldAsym, 1, 2, 2, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_nofinish, Frag16INT4FoldAsym, 1, 2, 2, 0, 6)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t1d2p0_fold, Frag16INT4FoldAsym, 1, 1, 2, 0, 0)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t1d3p0_fold, Frag16INT4FoldAsym, 1, 1, 3, 0, 0)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
 
