@@ -77,7 +77,9 @@ SM80_BAND_KERNELS = {
 # FP8 M <= 8 kernel since: 1.6-2.8 us, results/kernel_matched_sm80_readlimit_h200_20261201.csv); in
 # a model's MLP block, torch kernels between, no measurable change (docs/architecture.md). The NVFP4 mt2 ring
 # stays on plain launches (slower with PDL on the small layers: down 33.8 -> 34.2 us, TP4 down
-# 17.9 -> 19.0 us; results/kernel_sm80_pdl_notes_h200_20261201.md).
+# 17.9 -> 19.0 us; results/kernel_sm80_pdl_notes_h200_20261201.md). INT4's mt1 kernels: 1.1-1.5 us
+# faster per call on every TP1 / TP2 shape at M 1 and 8 (results/kernel_matched_int4_pdl_h200_20261204.csv);
+# its mt2 kernels were not timed with PDL.
 SM80_PDL_KERNELS = frozenset({SM80_ROUTE_KERNELS[_NVFP4, 1], SM80_LARGE_N_KERNELS[_NVFP4, 1],
                               SM80_ROUTE_KERNELS[_FP8, 1], SM80_ROUTE_KERNELS[_FP8, 2],
                               SM80_ROUTE_KERNELS[_INT4, 1], SM80_ROUTE_KERNELS[_INT4_SYM, 1],

@@ -1128,9 +1128,9 @@ QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 // one k-block deep (t2d1: 47.7 against 61.2 us on gate_up TP1 for the t1d4 form). Configurations with
 // three tiles, a ring of 3+ with two or an L2 prefetch were slower; with four tiles and a ring of 2,
 // or MT = 2 with t2d2 / t1d2, they spill. On the down layers one tile per warp (t1d2, t1d3: fewer
-// warps per group's split-K finish) and more items per warp were slower too (_sweep3_). No ring kernel (their cp.async layout copies per-k-block
-// scale blocks, not group records) and no M-band kernel (the chunked route runs the MT = 2 kernel
-// once per 16-row chunk).
+// warps per group's split-K finish) and more items per warp were slower too (_sweep3_). No ring
+// kernel (their cp.async layout copies per-k-block scale blocks, not group records) and no M-band
+// kernel (the chunked route runs the MT = 2 kernel once per 16-row chunk).
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldAsym, 1, 2, 2, 0, 0)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldAsym, 1, 4, 1, 0, 0)
 QPN80_ENTRY(qpn4_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldAsym, 2, 2, 1, 0, 0)
