@@ -489,20 +489,8 @@ def sweep(names, ms, read, gen, path, provenance, only=(), min_items=(16,)):
         x_all = torch.randn((max(ms), k), device="cuda", generator=gen).to(torch.float16)
         for m in ms:
             x = x_all[:m]
-            key = _sweep_key(m)
             route = str(routes.route_for(fmt, m, n, k, arch="sm80"))
-            if key == BAND:   # the M-band kernels, beside the MT = 2 route kernel once per 16-row chunk
-                default = sm80_plan._sm80_kernel_for(routes.as_route(route), m, n)[0]
-                old = sm80_tables.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], 2)]
-                fits = lambda kn, c: c.band or kn == old  # noqa: E731
-            else:
-                default = sm80_tables.SM80_ROUTE_KERNELS[(formats.FAMILIES[fmt], key)]
-                fits = lambda kn, c: c.mt == key and not c.band  # noqa: E731
-            trials = [(kn, saved[fmt]) for kn, c in kernels.items()
-                      if c.fmt == fmt and fits(kn, c) and (kn == default or not only or any(o in kn for o in only))]
-            if key != BAND:   # fewer, longer warp runs (the split-K minimum-items knob), on the route's kernel
-                trials += [(default, mi) for mi in min_items]
-            for kn, mi in trials:
+            for kn, mi in sweep_trials(kernels, p0, route, m, only, min_items, saved[fmt]):
                 sm80_tables.SM80_MIN_ITEMS[formats.FAMILIES[fmt]] = mi
                 sm80_plan._sm80_plans.clear()
                 t = time_graph(lambda i: sm80_plan.run_sm80_kernel(x, packs[i % n_q], kn, route), target_ms=15)
@@ -535,6 +523,28 @@ def sweep(names, ms, read, gen, path, provenance, only=(), min_items=(16,)):
 
 
 BAND = "band"
+
+
+def sweep_trials(kernels, packed, route: str, m: int, only=(), min_items=(), default_items: int = 4) -> list:
+    """(kernel, split-K minimum items) pairs one sweep point times: the kernels that can run this
+    packed weight at M (its own member's: INT4's two members have kernels of their own, which
+    run_sm80_kernel refuses on the other's weights; the route's token tiling, or above M = 16 the
+    M-band kernels beside the MT = 2 route kernel once per 16-row chunk), narrowed to names holding
+    one of ``only``; always the kernel the route itself runs on this layer (a large-layer kernel
+    where sm80_tables names one), and that kernel again at each of ``min_items``."""
+    member = kernel_inputs.kernel_member(kernel_inputs.operands(packed))[0]
+    key = _sweep_key(m)
+    default = sm80_plan._sm80_kernel_for(routes.as_route(route), m, packed.n, member)[0]
+    if key == BAND:
+        old = sm80_tables.SM80_ROUTE_KERNELS[(member, 2)]
+        fits = lambda kn, c: c.band or kn == old  # noqa: E731
+    else:
+        fits = lambda kn, c: c.mt == key and not c.band  # noqa: E731
+    trials = [(kn, default_items) for kn, c in kernels.items()
+              if c.weight_format == member and fits(kn, c) and (kn == default or not only or any(o in kn for o in only))]
+    if key != BAND:   # fewer, longer warp runs (the split-K minimum-items knob), on the route's kernel
+        trials += [(default, mi) for mi in min_items]
+    return trials
 
 
 def _sweep_key(m: int):

@@ -121,7 +121,7 @@ def _multiplied(src, packed, route, m: int, atom: str) -> torch.Tensor:
     if atom == "m16n8k16" and route.tiles_per_pass and packed.group_size >= 64:
         from qpn.kernels import sm80_plan
         name = sm80_plan._sm80_kernel_for(route, m, packed.n, formats.format_of(packed))[0]
-        if sm80_plan.sm80_kernels()[name].frag.startswith("Frag16INT4Fold"):
+        if sm80_plan._sm80_config(name).frag.startswith("Frag16INT4Fold"):
             return fi.dequantize_f64(*src)
     return _w16(src)
 
