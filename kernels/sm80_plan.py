@@ -31,7 +31,7 @@ class Sm80Kernel:
     tiles: int     # 16-row weight tiles per warp (T)
     depth: int     # weight-load ring depth in k-blocks (D)
     prefetch: int  # L2 prefetch distance in k-blocks beyond the ring (PF)
-    variant: int   # 0: the kernel; 1-3: a measured variant with one stage dropped
+    variant: int   # Qpn80's VAR (qpn_kernels_sm80.cu): 0 the kernel, 7 its PDL form, others measured variants
     stages: int = 0     # shared-memory ring slots per warp (QPN80R_ENTRY); 0: the register ring
     min_blocks: int = 2  # blocks of SM80_THREADS per SM its register cap is sized for
     x_global: bool = False  # ring kernel reading the activations from global memory (QPN80RX_ENTRY)

@@ -306,3 +306,27 @@ def test_int4_every_configured_m16n8k16_kernel(member, atom):
                     bad = pg.probe(lambda x, kn=kn: sm80_plan.run_sm80_kernel(x.to(dev), packed, kn).cpu(), w16,
                                    8 * c.mt)
                     assert not bad, f"{kn} g={g}: {len(bad)} wrong (row, input), first {bad[:4]}"
+
+
+@pytest.mark.parametrize("name,n,k,g", [s for s in SHAPES if s[1] >= 257], ids=[s[0] for s in SHAPES if s[1] >= 257])
+def test_int4_thin_split_k_finish_is_bit_for_bit_the_wide_one(name, n, k, g, atom):
+    """The split-K finish that parks only the real tokens' sums (Qpn80::thin_finish: taken at M = 1
+    and 2 where a group has more contributors than its batches of whole partials cover) gives the
+    same bits as the one that parks whole partials (the *_wide variant) at every M of the band:
+    same sums in the same order, the same rows and tokens. Outlier activations and weights, so a
+    sum landing in the wrong row, token or slot shows."""
+    if atom != "m16n8k16":
+        pytest.skip("the m16n8k16 kernels")
+    from qpn.kernels import sm80_plan
+    dev = torch.device("cuda")
+    gen = _gen(n + k + g)
+    src = _source("outliers", n, k, g, False, gen)
+    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
+    for m in range(1, 9):
+        x = fc.activations(m, k, gen, outliers=True).to(dev)
+        thin = sm80_plan.run_sm80_kernel(x, packed, "qpn4_mt1_m16n8k16_t2d2p0_fold")
+        wide = sm80_plan.run_sm80_kernel(x, packed, "qpn4_mt1_m16n8k16_t2d2p0_fold_wide")
+        torch.cuda.synchronize()
+        assert torch.isfinite(wide).all(), f"{name} M={m}"
+        same = thin.view(torch.int16) == wide.view(torch.int16)
+        assert same.all(), f"{name} M={m}: {int((~same).sum())} of {same.numel()} outputs differ"

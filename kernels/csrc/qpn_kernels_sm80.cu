@@ -47,7 +47,8 @@ struct Qpn80Args {
 // 3 loads only (weights, scales, activations; nothing computed), 4 loads only and no split-K
 // finish (partial groups stored as if whole: no counter, no reduction), 5 empty (every warp
 // returns at once: launch and graph cost alone), 6 the kernel without the split-K finish;
-// 7 the kernel WITH the programmatic-dependent-launch hooks below (same results, bit for bit).
+// 7 the kernel WITH the programmatic-dependent-launch hooks below (same results, bit for bit);
+// 8 the kernel whose split-K finish always reads whole partials (no thin finish; same results).
 //
 // Programmatic dependent launch (sm_90), VAR 7 (the *_pdl kernels): the kernel signals
 // griddepcontrol.launch_dependents at its start, so the next kernel of the stream, when launched
@@ -261,16 +262,17 @@ struct Qpn80 {
 #pragma unroll
       for (int t = 0; t < MT; ++t)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = (grp * T + j) * A::TILE_N + A::acc_row(lane, i);
-          const int tok = m0 + t * A::TOKENS + A::acc_token(lane, i);
-          if (row < a.n && tok < a.m) {  // one rounding of the FP32 sum, then the bias, as before
-            const float cs = a.chscale_per_channel ? ldgf(a.chscale + row) * F::OUT_MULT : cs_tensor;
-            float r = v[j][t][i] * cs;
-            if (a.bias) r += f16_to_f32(ldg16(a.bias + row));
-            stg16(a.y + (size_t)tok * a.n + row, f32_to_f16(r));
-          }
-        }
+        for (int i = 0; i < 4; ++i)
+          store_one(a, (grp * T + j) * A::TILE_N + A::acc_row(lane, i), m0 + t * A::TOKENS + A::acc_token(lane, i),
+                    v[j][t][i], cs_tensor);
+  }
+  QPN_DEV static void store_one(const Qpn80Args& a, int row, int tok, float v, float cs_tensor) {
+    if (row < a.n && tok < a.m) {  // one rounding of the FP32 sum, then the bias, as before
+      const float cs = a.chscale_per_channel ? ldgf(a.chscale + row) * F::OUT_MULT : cs_tensor;
+      float r = v * cs;
+      if (a.bias) r += f16_to_f32(ldg16(a.bias + row));
+      stg16(a.y + (size_t)tok * a.n + row, f32_to_f16(r));
+    }
   }
 
   // Balanced runs in 32-bit arithmetic: items = q * nwarps + r; warps 0..r-1 take q+1 items.
@@ -344,9 +346,44 @@ struct Qpn80 {
         for (int i = 0; i < 4; ++i) acc[j][t][i] = 0.f;
   }
 
+  // Partials read per batch by the last contributor (RB, per lane: T x MT accumulators of 4) and by
+  // the thin finish (THIN_B, one float each). RB: four at a time in the register-ring kernels without
+  // L2 prefetch (D > 1, PF = 0) whose partial is at most two 16x8 accumulators (T * MT <= 2) -- the
+  // small-layer routes: their finish (about 13 contributors per group on the TP1 / TP4 down and
+  // out_proj shapes) then waits on 4 round trips instead of 7. Elsewhere RB = 4 spills (ptxas 12.9:
+  // on sm_90 the ring kernels with their tighter register caps, the PF > 0 kernels and T * MT = 4;
+  // on sm_80-89 also the D = 4 kernels, hence QPN80_WIDE_FINISH_D); RB = 8 spills everywhere.
+  static constexpr int RB = (MINB <= 2 && D > 1 && D <= QPN80_WIDE_FINISH_D && PF == 0 && T * MT <= 2) ? 4 : 2;
+  static constexpr int THIN_B = 16;
+  // Where the thin finish compiles in without spills (ptxas 12.9, sm_80 and sm_90): the register
+  // ring 2 deep without L2 prefetch, partials of at most two accumulators, 128 registers. (The
+  // four-tile, D = 4 and shared-ring kernels, whose bases are D = 1 with tighter caps, spill 4-12
+  // bytes with it.)
+  static constexpr bool THIN = VAR != 8 && !WIDE_PARTIAL && MINB <= 2 && T * MT <= 2 && D == 2 && PF == 0;
+  static constexpr int GROUP_ROWS = T * A::TILE_N;
+  static constexpr int ROWS_PER_LANE = (GROUP_ROWS + 31) / 32;
+
+  // The thin finish: with few tokens most of a partial's accumulators hold rows of tokens past M
+  // (at M = 1, 1 of 8). Then each contributor parks only its sums of real tokens, token-major
+  // ([token][group row], lane 0's slot start), and the last one reads them a row per lane, THIN_B
+  // contributors per batch: (tokens x rows per lane) batches of one round trip each, against
+  // contributors / RB batches for the full partials. Taken where that is no more round trips
+  // (every contributor decides the same from the launch's M and the group's contributor count).
+  // The sums are added in the same order, fw..lw: the results are the same bits either way.
+  QPN_DEV static bool thin_finish(int tokens, int contributors) {
+    return THIN && tokens * ROWS_PER_LANE * ((contributors + THIN_B - 1) / THIN_B) <=
+                                (contributors + RB - 1) / RB;
+  }
+
+  // The first and last contributing warps of group grp (stream-K runs are contiguous).
+  QPN_DEV static void contributors(const Qpn80Args& a, int grp, int q, int r, int& fw, int& lw) {
+    fw = warp_of(grp * a.kblocks, q, r);
+    lw = warp_of(grp * a.kblocks + a.kblocks - 1, q, r);
+  }
+
   // The end of one segment (k-blocks [kb0, kb1) of group grp) of warp gw's run: a whole group is
-  // stored directly; a partial one is parked and the last contributor to arrive finishes it. The
-  // result goes to the rows of group out_grp (grp itself, except in the M-band kernel).
+  // stored directly; a partial one is parked (park) and the last contributor to arrive finishes it
+  // (reduce). The result goes to the rows of group out_grp (grp itself, except in the M-band kernel).
   QPN_DEV static void finish(const Qpn80Args& a, int grp, int kb0, int kb1, int first_grp, int gw, int q, int r,
                              int plane, int m0, int lane, const float (&acc)[T][MT][4], float cs_tensor,
                              int out_grp) {
@@ -354,36 +391,92 @@ struct Qpn80 {
       store(a, out_grp, m0, lane, acc, cs_tensor);
       return;
     }
-    const int gbase = grp * a.kblocks;
-    // Partial group: park the sums, count the arrival; the last contributor finishes the group.
-    float* mine = slot_ptr(a, plane, gw, grp == first_grp ? 0 : 1, lane);
-#pragma unroll
-    for (int j = 0; j < T; ++j)
-#pragma unroll
-      for (int t = 0; t < MT; ++t)
-        stg128f(mine + (j * MT + t) * 4, acc[j][t][0], acc[j][t][1], acc[j][t][2], acc[j][t][3]);
+    park(a, grp, first_grp, gw, q, r, plane, m0, lane, acc);
     __threadfence();
     __syncwarp();
-    int* ctr = a.counters + (size_t)plane * a.n_groups + grp;
+    if (arrive(a, grp, q, r, plane, lane)) reduce(a, grp, gw, q, r, plane, m0, lane, acc, cs_tensor, out_grp);
+  }
+
+  // A partial group's sums into warp gw's slot (0: its run's first group, 1: its last).
+  QPN_DEV static void park(const Qpn80Args& a, int grp, int first_grp, int gw, int q, int r, int plane, int m0,
+                           int lane, const float (&acc)[T][MT][4]) {
+    int fw, lw;
+    contributors(a, grp, q, r, fw, lw);
+    const int tokens = min(a.m - m0, MT * A::TOKENS);
+    const int slot = grp == first_grp ? 0 : 1;
+    if (thin_finish(tokens, lw - fw + 1)) {
+      float* mine = slot_ptr(a, plane, gw, slot, 0);
+#pragma unroll
+      for (int j = 0; j < T; ++j)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tok = t * A::TOKENS + A::acc_token(lane, i);
+            if (tok < tokens) stgf(mine + tok * GROUP_ROWS + j * A::TILE_N + A::acc_row(lane, i), acc[j][t][i]);
+          }
+    } else {
+      float* mine = slot_ptr(a, plane, gw, slot, lane);
+#pragma unroll
+      for (int j = 0; j < T; ++j)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+          stg128f(mine + (j * MT + t) * 4, acc[j][t][0], acc[j][t][1], acc[j][t][2], acc[j][t][3]);
+    }
+  }
+
+  // Count this warp's arrival at partial group grp (its sums parked and fenced): whether it is the
+  // last contributor, which then finishes the group.
+  QPN_DEV static bool arrive(const Qpn80Args& a, int grp, int q, int r, int plane, int lane) {
+    int fw, lw;
+    contributors(a, grp, q, r, fw, lw);
     int old = 0;
-    if (lane == 0) old = atomicAdd(ctr, 1);
+    if (lane == 0) old = atomicAdd(a.counters + (size_t)plane * a.n_groups + grp, 1);
     old = __shfl_sync(0xffffffffu, old, 0);
-    const int fw = warp_of(gbase, q, r);
-    const int lw = warp_of(gbase + a.kblocks - 1, q, r);
-    if (old != lw - fw) return;
+    return old == lw - fw;
+  }
+
+  // The last contributor of partial group grp: add every contributor's parked sums in warp order
+  // (its own from acc), store the group, reset its counter.
+  QPN_DEV static void reduce(const Qpn80Args& a, int grp, int gw, int q, int r, int plane, int m0, int lane,
+                             const float (&acc)[T][MT][4], float cs_tensor, int out_grp) {
     __threadfence();
+    int fw, lw;
+    contributors(a, grp, q, r, fw, lw);
+    const int gbase = grp * a.kblocks;
+    const int tokens = min(a.m - m0, MT * A::TOKENS);
+    int* ctr = a.counters + (size_t)plane * a.n_groups + grp;
+    if (thin_finish(tokens, lw - fw + 1)) {
+      // fw's run may start in an earlier group (grp is then its second slot); the others' start in
+      // grp. One base address per batch: consecutive warps' slots are a constant stride apart.
+      constexpr int SLOT = 32 * PER_LANE, WARP_STRIDE = 2 * SLOT;
+      const int first_off = run_start(fw, q, r) < gbase ? SLOT : 0;
+      for (int p = 0; p < tokens * ROWS_PER_LANE; ++p) {
+        const int tok = p / ROWS_PER_LANE, row = lane + 32 * (p - tok * ROWS_PER_LANE);
+        if (row >= GROUP_ROWS) continue;   // T = 1: 16 rows, lanes 16-31 idle
+        float s = 0.f;
+        for (int w0 = fw; w0 <= lw; w0 += THIN_B) {
+          const float* base = slot_ptr(a, plane, w0, 0, 0) + tok * GROUP_ROWS + row;
+          // Every load unconditional (past lw: lw's again, not added), so no branch separates them
+          // and the batch is one round trip; a load under its own branch was waited on by its add
+          // before the next was issued (measured: one round trip per contributor).
+          float v[THIN_B];
+#pragma unroll
+          for (int b = 0; b < THIN_B; ++b)
+            v[b] = ldcgf(base + min(b, lw - w0) * WARP_STRIDE + (b == 0 && w0 == fw ? first_off : 0));
+#pragma unroll
+          for (int b = 0; b < THIN_B; ++b) s = w0 + b <= lw ? s + v[b] : s;
+        }
+        store_one(a, out_grp * GROUP_ROWS + row, m0 + tok, s, cs_tensor);
+      }
+      if (lane == 0) atomicExch(ctr, 0);
+      return;
+    }
     float sum[T][MT][4];
     zero(sum);
     // Fixed order fw..lw: deterministic sums. The partials are read RB warps at a time (all loads
     // of a batch in flight before the first add), so a group split over many warps (small layers)
     // does not pay one L2 round trip per contributor; the order of the additions is unchanged.
-    // Four at a time in the register-ring kernels without L2 prefetch (D > 1, PF = 0) whose partial
-    // is at most two 16x8 accumulators (T * MT <= 2) -- the small-layer routes: their finish
-    // (about 13 contributors per group on the TP1 / TP4 down and out_proj shapes) then waits on 4
-    // round trips instead of 7. Elsewhere RB = 4 spills (ptxas 12.9: on sm_90 the ring kernels
-    // with their tighter register caps, the PF > 0 kernels and T * MT = 4; on sm_80-89 also the
-    // D = 4 kernels, hence QPN80_WIDE_FINISH_D); RB = 8 spills everywhere.
-    constexpr int RB = (MINB <= 2 && D > 1 && D <= QPN80_WIDE_FINISH_D && PF == 0 && T * MT <= 2) ? 4 : 2;
     if constexpr (WIDE_PARTIAL) {
       // Partials of more than four 16x8 accumulators (the M-band kernels, Qpn80Band): one at a
       // time, the warp's own re-read from its slot too, so acc is dead by then (else MT = 8 spills).
@@ -1131,6 +1224,13 @@ QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 // warps per group's split-K finish) and more items per warp were slower too (_sweep3_). No ring
 // kernel (their cp.async layout copies per-k-block scale blocks, not group records) and no M-band
 // kernel (the chunked route runs the MT = 2 kernel once per 16-row chunk).
+// The split-K finish of the t2d2 kernels is the thin one at M = 1-4 (Qpn80::thin_finish): on the TP1
+// MLP down at M = 1 it cuts 2.0 us (21.7 against 23.7 us for the whole-partial finish, *_wide), within
+// 0.5 us of the kernel with no finish at all (results/kernel_int4_thin_sweep_h200_20261204.csv).
+// Measured and dropped the same day: one register ring over a warp's whole run, across group
+// boundaries, with a run's partial groups counted after its loop -- slower on every shape (TP1 down
+// at M = 1 26.5 against 22.8 us, NVFP4 t2d4p0 32.7 against 27.9;
+// results/kernel_int4_stream_sweep_h200_20261204.csv, *_segring = the per-segment ring kept here).
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldAsym, 1, 2, 2, 0, 0)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldAsym, 1, 4, 1, 0, 0)
 QPN80_ENTRY(qpn4_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldAsym, 2, 2, 1, 0, 0)
@@ -1141,10 +1241,12 @@ QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldAsym, 1, 2, 2, 0, 7
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldAsym, 1, 4, 1, 0, 7)
 QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldSym, 1, 2, 2, 0, 7)
 QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldSym, 1, 4, 1, 0, 7)
-// Measured variants: loads only (the split-K finish kept), and the kernel without that finish.
+// Measured variants: loads only (the split-K finish kept), the kernel without that finish, and with
+// its finish reading whole partials at every M (_wide: no thin finish).
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_loadonly, Frag16INT4FoldAsym, 1, 2, 2, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_nofinish, Frag16INT4FoldAsym, 1, 2, 2, 0, 6)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_wide, Frag16INT4FoldAsym, 1, 2, 2, 0, 8)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
 

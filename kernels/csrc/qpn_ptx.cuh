@@ -130,6 +130,16 @@ QPN_DEV void stg128f(float* p, float a, float b, float c, float d) {
   asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
+QPN_DEV float ldcgf(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+QPN_DEV void stgf(float* p, float v) {
+  asm volatile("st.global.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory");
+}
+
 // Ask L2 to fetch the line holding p (no register, no wait): deepens the memory pipeline beyond
 // what the register ring holds.
 QPN_DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
