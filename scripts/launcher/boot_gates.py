@@ -357,7 +357,7 @@ def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = No
     a changed count is reported. compressed-tensors and INT4 (``checkpoint_modules``: the modules
     ``declared_modules`` gives): the engine holds no list of module names, so the overlay records
     one, {checkpoint name: engine name}, renamed by the model's own mapper
-    (ct_config.record_checkpoint_modules; census ``checkpoint_modules``). ``by_count``: where the
+    (qpn_config.record_checkpoint_modules; census ``checkpoint_modules``). ``by_count``: where the
     census carries no such record for the checkpoint's convention (AWQ and GPTQ: the registered QPN
     config records it for compressed-tensors only), every declared checkpoint module must still
     have one engine name declared on QPN and none off it, counted (each checkpoint module is one
