@@ -317,7 +317,8 @@ class Census:
 
     def set_checkpoint_modules(self, names: dict) -> None:
         """{checkpoint module name: the engine's name for it (None: dropped by the mapper)} of the
-        modules a compressed-tensors checkpoint declares quantized (ct_config)."""
+        modules a compressed-tensors, AWQ or GPTQ checkpoint declares quantized
+        (qpn_config.record_checkpoint_modules)."""
         with self._lock:
             self.checkpoint_modules = {str(k): (None if v is None else str(v)) for k, v in names.items()}
             self._mark_dirty()

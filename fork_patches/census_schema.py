@@ -20,7 +20,8 @@ Version history:
   4: adds ``checkpoint_modules`` ({checkpoint module name: the engine's name for it, null when the
      engine's mapper drops it}: the modules a compressed-tensors checkpoint declares quantized,
      renamed in the engine by the model's own mapper, so the gates can pair the checkpoint's
-     names with the per-module ``declared`` names the engine records).
+     names with the per-module ``declared`` names the engine records). AWQ and GPTQ checkpoints
+     record it too, in the same form.
   5: adds ``draft_depth_steps`` ({depth as a string: scheduling steps whose drafter drafted that
      many tokens on this rank}; K=auto only, empty at a fixed depth), counted where the worker
      applies the depth the policy decided (fork_patches/auto_depth.py).
@@ -155,8 +156,8 @@ class RankCensus:
     # the config's quantized_layers names as the engine holds them (vLLM renames the
     # checkpoint's keys with the model's hf_to_vllm_mapper, keeping their order and count)
     engine_quantized_layers: list[str] | None = None
-    # compressed-tensors: {checkpoint module declared quantized: its engine name (None: the
-    # engine's mapper drops the module)}, renamed in the engine (ct_config.record_checkpoint_modules)
+    # every convention but ModelOpt: {checkpoint module declared quantized: its engine name (None:
+    # the engine's mapper drops the module)}, renamed in the engine (qpn_config.record_checkpoint_modules)
     checkpoint_modules: dict[str, str | None] | None = None
     fallbacks: list[dict] = field(default_factory=list)  # {module, reason, count}
     hooks_skipped: list[HookSkipped] = field(default_factory=list)

@@ -17,15 +17,14 @@ compressed-tensors checkpoint it claims:
 
 Routed experts are chosen in moe_method (``qpn_ct_moe_method_for``). Once per rank, QPNConfig
 records in the census every module the checkpoint declares quantized with the engine's name for
-it (``record_checkpoint_modules``), which the qpn_routes gate pairs by name.
+it (``qpn_config.record_checkpoint_modules``, as for AWQ and GPTQ), which the qpn_routes gate
+pairs by name.
 
 The engine config's ``get_min_capability`` is already 70 in all three engines, and the scheme's
 own capability check (75 for NVFP4 and W8A16 FP8) runs inside ``get_scheme``, which QPN modules
 skip.
 """
 from __future__ import annotations
-
-import logging
 
 from qpn.fork_patches.conventions import (
     COMPRESSED_TENSORS,
@@ -37,8 +36,6 @@ from qpn.fork_patches.conventions import (
     is_int4_weights,
 )
 from qpn.fork_patches.linear_method import QPNCheckpointError, int4_method_for, method_class
-
-logger = logging.getLogger("vllm.qpn.ct_config")
 
 
 def served_scheme(entry: dict, quant_format, prefix: str, src: str, int4: bool = False):
@@ -119,47 +116,3 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
 
 def _group(scheme) -> str:
     return f", group {scheme.group_size}" if isinstance(scheme, INT4Scheme) else ""
-
-
-# ------------------------------------------------------------ checkpoint names for the census
-
-
-def engine_module_names(model_class, names: list[str]) -> dict[str, str | None]:
-    """{checkpoint module name: the engine's name for it} by the model class's hf_to_vllm_mapper,
-    applied the way the engine applies it to a quant config's module names (vLLM 0.32: its
-    rename-only variant ``get_rename_mapper``; 1Cat-vLLM 1.2.2 / 1.3.0, which have none: the
-    mapper itself; ``_map_name`` in all three). None: the mapper drops the module."""
-    mapper = getattr(model_class, "hf_to_vllm_mapper", None)
-    if mapper is None:
-        return {n: n for n in names}
-    if hasattr(mapper, "get_rename_mapper"):
-        mapper = mapper.get_rename_mapper()
-    return {n: mapper._map_name(n) for n in names}
-
-
-def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
-    """Put in the census every module the checkpoint's compressed-tensors config declares
-    quantized (conventions.declared_modules over the served folder's safetensors headers;
-    int4_declared_modules for a pack-quantized INT4 checkpoint) with
-    the engine's name for it, so that the qpn_routes gate can require each one on a QPN route
-    (the census's per-module ``declared`` lists carry engine names). The engine's config does not
-    keep the mapper it renamed its targets with; the model class it builds does."""
-    import os
-
-    from qpn.fork_patches import conventions
-    from qpn.fork_patches.census import CENSUS
-
-    model_config = getattr(vllm_config, "model_config", None)
-    path = getattr(model_config, "model", None)
-    if not path or not os.path.isdir(path):
-        logger.warning("volta-qpn: the served model %r is not a local folder; the census gets no "
-                       "checkpoint module names and the qpn_routes gate reports that", path)
-        return None
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-
-    int4 = conventions.detect_int4(path) is not None
-    _, declared = (conventions.int4_declared_modules if int4 else conventions.declared_modules)(path)
-    model_class, _ = get_model_architecture(model_config)
-    names = engine_module_names(model_class, list(declared))
-    CENSUS.set_checkpoint_modules(names)
-    return names

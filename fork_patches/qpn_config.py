@@ -37,7 +37,8 @@ What the class does once it claimed a checkpoint:
   name (census ``quant_config``; the ``quant_config`` gate fails a boot whose checkpoint QPN
   should serve and whose ranks did not record "qpn"), the KV cache, the engine config, the
   engine's renamed ``quantized_layers`` (ModelOpt mixed), and the checkpoint's declared modules
-  with the engine's names for them (compressed-tensors: ``ct_config.record_checkpoint_modules``).
+  with the engine's names for them (every convention but ModelOpt: compressed-tensors, AWQ,
+  GPTQ; ``record_checkpoint_modules``).
 
 Engine behaviour keyed on the config's name, settled here:
 
@@ -498,14 +499,58 @@ def _record_rank(config) -> None:
     CENSUS.watch_engine(vllm_config)
     if getattr(config._inner, "quantized_layers", None) is not None:
         CENSUS.set_quantized_layers(config._inner.quantized_layers)  # renamed by the model's mapper
-    if config.convention == "compressed-tensors":
-        from qpn.fork_patches.ct_config import record_checkpoint_modules
-
+    # ModelOpt's declared modules pair by position with the engine's quantized_layers (above);
+    # every other convention's (compressed-tensors, AWQ, GPTQ) by name, through this record
+    if not config.convention.startswith("modelopt"):
         try:
             record_checkpoint_modules(vllm_config)
         except (ImportError, AttributeError, OSError, ValueError) as e:  # the gate fails on the gap
             logger.error("volta-qpn: could not record the checkpoint's module names for the census "
                          "(%s: %s); the qpn_routes gate will fail this boot", type(e).__name__, e)
+
+
+def engine_module_names(model_class, names: list[str]) -> dict[str, str | None]:
+    """{checkpoint module name: the engine's name for it} by the model class's hf_to_vllm_mapper,
+    applied the way the engine applies it to a quant config's module names (vLLM 0.32: its
+    rename-only variant ``get_rename_mapper``; 1Cat-vLLM 1.2.2 / 1.3.0, which have none: the
+    mapper itself; ``_map_name`` in all three). None: the mapper drops the module."""
+    mapper = getattr(model_class, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {n: n for n in names}
+    if hasattr(mapper, "get_rename_mapper"):
+        mapper = mapper.get_rename_mapper()
+    return {n: mapper._map_name(n) for n in names}
+
+
+def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
+    """Put in the census every module the served folder's checkpoint declares quantized, with the
+    engine's name for it, so that the qpn_routes gate can require each one on a QPN route (the
+    census's per-module ``declared`` lists carry engine names). The modules are those the
+    launcher reads (boot_gates.declared_modules): an INT4 checkpoint's
+    (``conventions.int4_declared_modules``: AWQ's and GPTQ's modules holding codes less the
+    config's skips, pack-quantized's config_groups targets less ignore), else
+    ``conventions.declared_modules`` (compressed-tensors NVFP4 / FP8). The engine's config does
+    not keep the mapper it renamed its names with; the model class it builds does, whatever the
+    quantization, and the engine loads each checkpoint tensor under the name that mapper gives it
+    (a quant config's own mappers touch scale and g_idx suffixes only; tests/test_quant_config.py
+    proves both from each engine's source)."""
+    from qpn.fork_patches import conventions
+    from qpn.fork_patches.census import CENSUS
+
+    model_config = getattr(vllm_config, "model_config", None)
+    path = getattr(model_config, "model", None)
+    if not path or not os.path.isdir(path):
+        logger.warning("volta-qpn: the served model %r is not a local folder; the census gets no "
+                       "checkpoint module names and the qpn_routes gate reports that", path)
+        return None
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    int4 = conventions.detect_int4(path) is not None
+    _, declared = (conventions.int4_declared_modules if int4 else conventions.declared_modules)(path)
+    model_class, _ = get_model_architecture(model_config)
+    names = engine_module_names(model_class, list(declared))
+    CENSUS.set_checkpoint_modules(names)
+    return names
 
 
 # ------------------------------------------------------------------------------ registration

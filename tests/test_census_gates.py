@@ -543,30 +543,35 @@ def test_int4_checkpoints_declare_the_int4_region_and_their_modules(int4_checkpo
                                            **cfg["config_groups"]["group_0"]["weights"], "group_size": 16}}}}) == set()
 
 
-def _int4_gate(tmp_path, declared, by_count=False):
+def _int4_gate(tmp_path, declared):
     return boot_gates.gate_qpn_routes(aggregate(str(tmp_path)), {"int4"}, boot_gates.qpn_route_names(),
-                                      checkpoint_modules=declared, by_count=by_count)
+                                      checkpoint_modules=declared)
 
 
-@pytest.mark.parametrize("change, by_count, needle", [
-    ({}, False, None),
-    (dict(record=False), True, None),
-    (dict(record=False), False, "the census has no checkpoint_modules"),
-    (dict(drop=("model.layers.4.mlp.gate_up_proj",)), False,
-     "2 of 50 checkpoint module(s) declared by the checkpoint's config not in the census"),
-    (dict(drop=("model.layers.4.mlp.gate_up_proj",), record=False), True,
-     "the checkpoint declares 50 quantized module(s), the engine served 48 on QPN"),
-    (dict(off_qpn=("model.layers.3.self_attn.o_proj",), record=False), True,
-     "1 declared module(s) admitted but not on a QPN route, e.g. ['model.layers.3.self_attn.o_proj']"),
+@pytest.mark.parametrize("change, needle", [
+    ({}, None),
+    (dict(record=False), "rank 0: the census has no checkpoint_modules (the QPN quant config never reached "
+                         "this rank, or could not read the checkpoint: see the engine log)"),
+    (dict(drop=("model.layers.4.mlp.gate_up_proj",)),
+     "2 of 50 checkpoint module(s) declared by the checkpoint's config not in the census, "
+     "e.g. ['model.language_model.layers.4.mlp.gate_proj (engine: model.layers.4.mlp.gate_proj)', "
+     "'model.language_model.layers.4.mlp.up_proj (engine: model.layers.4.mlp.up_proj)']"),
+    (dict(off_qpn=("model.layers.3.self_attn.o_proj",)),
+     "1 checkpoint module(s) admitted but not on a QPN route, e.g. ['model.language_model.layers.3.self_attn.o_proj']"),
+    (dict(unlisted=("model.language_model.layers.2.linear_attn.out_proj",)),
+     "1 declared checkpoint module(s) missing from the engine's checkpoint_modules, "
+     "e.g. ['model.language_model.layers.2.linear_attn.out_proj']"),
 ])
-def test_int4_coverage_by_name_and_by_count(int4_checkpoints, tmp_path, change, by_count, needle):
-    """qpn_routes on an INT4 checkpoint: its 50 declared modules on QPN routes (qpn4*), paired by
-    name through the census's checkpoint_modules where a rank records them (compressed-tensors), by
-    count where the convention's boots record none (AWQ, GPTQ: run_gates passes by_count); a module
-    dropped or off QPN fails either way, and a missing record fails unless counting was asked for."""
-    _, declared = boot_gates.declared_modules(str(int4_checkpoints / "awq"))
+@pytest.mark.parametrize("name", ["awq", "gptq", "ct"])
+def test_int4_coverage_pairs_every_declared_module_by_name(int4_checkpoints, tmp_path, name, change, needle):
+    """qpn_routes on an INT4 checkpoint of each convention (AWQ, GPTQ, compressed-tensors
+    pack-quantized): its 50 declared modules on QPN routes (qpn4*), paired by name through the
+    census's checkpoint_modules, which every rank records. A module the engine left out of the
+    census or off QPN fails the gate naming the checkpoint module; so do a checkpoint name the
+    record lacks and a rank with no record at all."""
+    _, declared = boot_gates.declared_modules(str(int4_checkpoints / name))
     _write_ct_rank(tmp_path, declared, head=False, **change)
-    gate = _int4_gate(tmp_path, declared, by_count)
+    gate = _int4_gate(tmp_path, declared)
     if needle is None:
         assert gate.status == boot_gates.PASS and "declared modules (50)" in gate.expected, gate.observed
         assert "qpn4=" in gate.observed and "int4" in gate.observed, gate.observed

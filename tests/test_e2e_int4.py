@@ -176,8 +176,8 @@ def test_census_every_int4_module_on_a_qpn_route(served):
     for rank in agg["ranks"]:
         assert rank["quant_config"] == "qpn" and rank["serving"]["num_speculative_tokens"] == K
         assert set(rank["declared_on_qpn"]) == engine_names and not rank["declared_off_qpn"]
-        if served["convention"] == "compressed-tensors":   # the by-name record the gate pairs through
-            assert rank["checkpoint_modules"] == {c: c.replace("model.language_model.", "model.", 1) for c in declared}
+        # the by-name record the gate pairs through, every convention
+        assert rank["checkpoint_modules"] == {c: c.replace("model.language_model.", "model.", 1) for c in declared}
         modules = json.loads((Path(served["census_dir"]) / f"census_rank{rank['rank']}.json").read_text())["modules"]
         assert len(modules) == expected["int4"]
         for mname, m in modules.items():

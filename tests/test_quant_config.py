@@ -381,6 +381,129 @@ def test_the_first_call_records_the_claiming_config_in_the_census(monkeypatch):
     assert census.CENSUS.snapshot()["quant_config"] == "qpn"
 
 
+@pytest.mark.parametrize("case, records", [("ct-nvfp4-fp8", True), ("ct-int4", True), ("awq", True), ("gptq", True),
+                                           ("modelopt-mixed", False), ("modelopt-nvfp4", False)])
+def test_every_convention_but_modelopt_records_its_checkpoint_names(case, records, monkeypatch, int4_ready):
+    """The first call on a rank records the checkpoint's module names for every convention the
+    qpn_routes gate pairs by name (compressed-tensors, AWQ, GPTQ); ModelOpt pairs by position with
+    the engine's quantized_layers instead."""
+    from qpn.fork_patches import census
+
+    monkeypatch.setattr(census, "CENSUS", census.Census())
+    monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
+    monkeypatch.setattr(qpn_config, "_RANK_RECORDED", False)
+    recorded = []
+    monkeypatch.setattr(qpn_config, "record_checkpoint_modules", recorded.append)
+    qpn_config._record_rank(_qpn({**CLAIMED, **INT4_CLAIMED}[case][0]()))
+    assert len(recorded) == int(records), case
+
+
+def _named_checkpoint(kind: str, out: Path) -> Path:
+    """The tiny model as a compressed-tensors NVFP4 / FP8 (``ct``), AWQ or GPTQ checkpoint."""
+    from qpn.scripts.checkpoints import make_ct_checkpoint, make_int4_checkpoint
+
+    if kind == "ct":
+        make_ct_checkpoint.make_ct_checkpoint(out, seed=0)
+    else:
+        make_int4_checkpoint.make_int4_checkpoint(out, kind)
+    return out
+
+
+@pytest.mark.parametrize("kind, count", [("ct", 51), ("awq", 50), ("gptq", 50)])
+def test_the_config_records_every_declared_module_with_the_engines_name(kind, count, tmp_path, monkeypatch,
+                                                                         int4_ready):
+    """record_checkpoint_modules (run once per rank by _record_rank) puts in the census each module
+    the served folder declares quantized (compressed-tensors: config_groups; AWQ / GPTQ: the modules
+    holding codes), exactly the names the launcher pairs through it (boot_gates.declared_modules),
+    renamed by the model class's own hf_to_vllm_mapper (Qwen3.5 drops model.language_model.). The
+    quant config's own mappers, which vLLM 0.32's weight loader composes with the model's, keep
+    every module's tensor names: the model's mapper alone renames the modules the engine loads
+    into. A served model that is not a local folder records nothing (the gate then reports the gap)."""
+    from vllm.model_executor.model_loader import utils as loader_utils
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    from qpn.fork_patches import census, conventions
+    from qpn.scripts.launcher import boot_gates
+
+    ckpt = _named_checkpoint(kind, tmp_path / kind)
+    monkeypatch.setattr(census, "CENSUS", census.Census())
+    monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
+    seen = []
+    monkeypatch.setattr(loader_utils, "get_model_architecture",
+                        lambda mc: seen.append(mc) or (Qwen3_5ForCausalLM, "Qwen3_5ForCausalLM"))
+    model_config = SimpleNamespace(model=str(ckpt))
+    names = qpn_config.record_checkpoint_modules(SimpleNamespace(model_config=model_config))
+    _, declared = boot_gates.declared_modules(str(ckpt))
+    assert seen == [model_config] and census.CENSUS.checkpoint_modules == names
+    assert list(names) == list(declared) and len(names) == count
+    assert names["model.language_model.layers.3.self_attn.q_proj"] == "model.layers.3.self_attn.q_proj"
+    assert names.get("lm_head") == ("lm_head" if kind == "ct" else None)  # the INT4 exports leave it BF16
+    assert all(e == c.replace("model.language_model.", "model.", 1) for c, e in names.items())
+    cfg = _qpn(json.loads((ckpt / "config.json").read_text())["quantization_config"])
+    loaded = [(n, None) for n in conventions.tensor_headers(ckpt) if n.rsplit(".", 1)[0] in declared]
+    kept = [n for n, _ in (cfg.get_cache_scale_mapper() | cfg.get_checkpoint_weight_mapper()).apply(loaded)]
+    assert kept == [n for n, _ in loaded], kind
+    missing = SimpleNamespace(model_config=SimpleNamespace(model="org/some-hub-id"))
+    assert qpn_config.record_checkpoint_modules(missing) is None
+
+
+def _registered_config(resolver, name: str):
+    """(file, ClassDef) of the class the engine's get_quantization_config returns for ``name``: its
+    method_to_config entry, bound through the function's own lazy imports."""
+    import ast
+
+    fn = resolver.find("vllm.model_executor.layers.quantization:get_quantization_config").node
+    cls = next(v.id for d in ast.walk(fn) if isinstance(d, ast.Dict)
+               for k, v in zip(d.keys, d.values) if isinstance(k, ast.Constant) and k.value == name)
+    imp = next(i for i in ast.walk(fn) if isinstance(i, ast.ImportFrom)
+               and any((a.asname or a.name) == cls for a in i.names))
+    relfile = resolver.module_file("vllm.model_executor.layers.quantization")
+    return resolver.binding(resolver.module_file(resolver._absolute(relfile, imp)), cls)
+
+
+@pytest.mark.parametrize("where", ["installed", "1.2.2", "1.3.0"])
+def test_the_name_record_renames_as_the_engine_does_for_every_convention(where):
+    """record_checkpoint_modules asks the engine for the model class (model_loader.utils.
+    get_model_architecture(model_config)) and renames with its WeightsMapper's _map_name, as the
+    engine renames a quant config's names (configure_quant_config -> apply_vllm_mapper); vLLM 0.32
+    passes the rename-only get_rename_mapper, 1Cat-vLLM the mapper itself (both handled). The same
+    holds for AWQ and GPTQ: the model class does not depend on the quantization method
+    (get_model_architecture reads no ``quantization``); the engine's AWQ and GPTQ config classes
+    (those its registry names "awq" and "gptq") rename their module lists through the mapper they
+    are handed (apply_vllm_mapper -> apply_list); and the weight loader takes from a quant config
+    only its cache-scale and checkpoint-weight mappers (vLLM 0.32; 1Cat none), which the AWQ and
+    GPTQ classes inherit from QuantizationConfig (the test above: they keep every module's tensor
+    names)."""
+    import ast
+
+    src = engine_source.open_source(_installed_site() if where == "installed" else onecat_archive(where))
+    resolver = engine_source._Resolver(src)
+    arch = resolver.find("vllm.model_executor.model_loader.utils:get_model_architecture")
+    assert [a.arg for a in arch.node.args.args] == ["model_config"], src.key
+    for fn in ("get_model_architecture", "_get_model_architecture"):
+        node = resolver.find(f"vllm.model_executor.model_loader.utils:{fn}").node
+        assert "quantization" not in {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}, (src.key, fn)
+    resolver.find("vllm.model_executor.models.utils:WeightsMapper._map_name")
+    assert resolver.calls("vllm.model_executor.model_loader.utils:configure_quant_config",
+                          "apply_vllm_mapper"), src.key
+    text = src.text("model_executor/models/utils.py")
+    assert ("def get_rename_mapper" in text) == src.key.startswith("cpu@"), src.key
+    loader = resolver.find("vllm.model_executor.models.utils:AutoWeightsLoader.load_weights").node
+    asked = {n.func.attr for n in ast.walk(loader) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and ast.unparse(n.func.value) == "quant_config"}
+    assert asked == ({"get_cache_scale_mapper", "get_checkpoint_weight_mapper"} if where == "installed" else set())
+    for method in qpn_config.INT4_METHODS:
+        relfile, cls = _registered_config(resolver, qpn_config.ENGINE_NAMES[method])
+        assert (relfile, cls.name) in engine_source.INT4_ENGINE_SITES[method]["config"], (src.key, relfile, cls.name)
+        _, owner, fn = resolver.method(relfile, cls, "apply_vllm_mapper")
+        mapper = fn.args.args[1].arg
+        assert owner is cls and any(
+            isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "apply_list"
+            and ast.unparse(n.func.value) == mapper for n in ast.walk(fn)), (src.key, cls.name)
+        for getter in asked:
+            assert resolver.method(relfile, cls, getter)[1].name == "QuantizationConfig", (src.key, cls.name, getter)
+
+
 # ------------------------------------------------------------------ INT4 on real vLLM layers
 def _int4_case(kind):
     from tests import test_int4_linear_method as t4

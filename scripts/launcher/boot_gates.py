@@ -348,36 +348,21 @@ def gate_quant_config(census: Census, qpn_claim: str | None, why_not: str = "") 
 
 
 def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = None,
-                       checkpoint_modules: dict | None = None, by_count: bool = False) -> list[str]:
+                       checkpoint_modules: dict | None = None) -> list[str]:
     """Checkpoint modules the checkpoint declares quantized that are not served on QPN, per rank.
     Each checkpoint name is paired with the engine's name for it, which the per-module
     ``declared`` lists of the census carry. ModelOpt (``quantized_layers``): the engine renames
     the map's keys with the model's hf_to_vllm_mapper (``apply_dict``: same order, one name per
     name), so the checkpoint's n-th name is the engine's n-th name (``engine_quantized_layers``);
-    a changed count is reported. compressed-tensors and INT4 (``checkpoint_modules``: the modules
-    ``declared_modules`` gives): the engine holds no list of module names, so the overlay records
-    one, {checkpoint name: engine name}, renamed by the model's own mapper
-    (ct_config.record_checkpoint_modules; census ``checkpoint_modules``). ``by_count``: where the
-    census carries no such record for the checkpoint's convention (AWQ and GPTQ: the registered QPN
-    config records it for compressed-tensors only), every declared checkpoint module must still
-    have one engine name declared on QPN and none off it, counted (each checkpoint module is one
-    shard, one engine name), so a module the engine left unquantized or off QPN fails the gate,
-    without the pairing that would name it."""
+    a changed count is reported. Every other convention (compressed-tensors, AWQ, GPTQ;
+    ``checkpoint_modules``: the modules ``declared_modules`` gives): the engine holds no list of
+    module names, so the registered QPN config records one per rank, {checkpoint name: engine
+    name}, renamed by the model's own mapper (qpn_config.record_checkpoint_modules; census
+    ``checkpoint_modules``); a rank without it fails."""
     problems = []
     for rank in census.ranks:
         rid = rank.rank
         drafting = int((rank.serving or {}).get("num_speculative_tokens") or 0) > 0
-        if checkpoint_modules and by_count and rank.checkpoint_modules is None:
-            needed = [c for c in checkpoint_modules if drafting or not c.startswith(DRAFTER_PREFIXES)]
-            on = {e for e in rank.declared_on_qpn if drafting or not e.startswith(DRAFTER_PREFIXES)}
-            if rank.declared_off_qpn:
-                problems.append(f"rank {rid}: {len(rank.declared_off_qpn)} declared module(s) admitted but not "
-                                f"on a QPN route, e.g. {sorted(rank.declared_off_qpn)[:3]}")
-            if len(on) != len(needed):
-                problems.append(f"rank {rid}: the checkpoint declares {len(needed)} quantized module(s), "
-                                f"the engine served {len(on)} on QPN (counted: the census records no "
-                                "checkpoint names for this convention)")
-            continue
         if quantized_layers:
             names = list(quantized_layers)
             engine = rank.engine_quantized_layers
@@ -394,9 +379,9 @@ def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = No
         else:
             engine_of = rank.checkpoint_modules
             if engine_of is None:
-                problems.append(f"rank {rid}: the census has no checkpoint_modules (the "
-                                "compressed-tensors quant config never reached the QPN hook, or the "
-                                "hook could not read the checkpoint: see the engine log)")
+                problems.append(f"rank {rid}: the census has no checkpoint_modules (the QPN "
+                                "quant config never reached this rank, or could not read the "
+                                "checkpoint: see the engine log)")
                 continue
             unknown = [c for c in checkpoint_modules if c not in engine_of]
             if unknown:
@@ -425,11 +410,10 @@ def _coverage_problems(census: CensusSummary, quantized_layers: dict | None = No
 
 def gate_qpn_routes(census: Census, regions: set[str], known: frozenset[str] | None,
                     quantized_layers: dict | None = None,
-                    checkpoint_modules: dict | None = None, by_count: bool = False) -> GateResult:
+                    checkpoint_modules: dict | None = None) -> GateResult:
     """``quantized_layers``: ModelOpt's map; ``checkpoint_modules``: the modules a
-    compressed-tensors or INT4 checkpoint declares (``declared_modules``). Either makes the gate
-    require each listed module on a QPN route on every rank (``_coverage_problems``; ``by_count``:
-    see there)."""
+    compressed-tensors, AWQ or GPTQ checkpoint declares (``declared_modules``). Either makes the
+    gate require each listed module on a QPN route on every rank (``_coverage_problems``)."""
     census = _summary(census)
     total, on_qpn = census.modules_total, census.modules_on_qpn
     by_region = dict(census.modules_by_region)
@@ -454,7 +438,7 @@ def gate_qpn_routes(census: Census, regions: set[str], known: frozenset[str] | N
     if total and calls == 0:
         problems.append("no QPN route calls recorded after the warm request")
     if quantized_layers or checkpoint_modules:
-        problems += _coverage_problems(census, quantized_layers, checkpoint_modules, by_count)
+        problems += _coverage_problems(census, quantized_layers, checkpoint_modules)
     routes = ", ".join(f"{r}={total_calls({r: c})}" for r, c in sorted(route_counts.items()))
     observed = (f"{on_qpn}/{total} modules on QPN ({_fmt(by_region)}); calls: {routes or 'none'}"
                 f"; fallbacks {fallback_calls}")
@@ -650,14 +634,13 @@ class GateInputs:
     not validate, ``census_error`` says why, and every gate that reads it fails on that);
     ``tp``: the tensor-parallel size asked for (None: what the ranks report);
     ``quantized_layers``: ModelOpt's own map (the engine keeps a renamed copy the census pairs
-    with it); ``checkpoint_modules``: a compressed-tensors checkpoint's declared modules (paired
-    through the census's ``checkpoint_modules``, see _coverage_problems); ``declared``: the
-    modules the checkpoint's convention declares quantized (``declared_modules``), which say what
-    it needs; ``env``: the server's environment (the engine's XQA switches and thresholds);
-    ``qpn_claim``: the convention the registered QPN config claims the checkpoint as
-    (qpn_config.claim under the server's environment; None: QPN does not claim it, and
-    ``qpn_not_claimed`` says why); ``coverage_by_count``: the checkpoint's convention has no
-    census record of the engine's module names (AWQ, GPTQ), see _coverage_problems."""
+    with it); ``checkpoint_modules``: a compressed-tensors, AWQ or GPTQ checkpoint's declared
+    modules (paired through the census's ``checkpoint_modules``, see _coverage_problems);
+    ``declared``: the modules the checkpoint's convention declares quantized
+    (``declared_modules``), which say what it needs; ``env``: the server's environment (the
+    engine's XQA switches and thresholds); ``qpn_claim``: the convention the registered QPN
+    config claims the checkpoint as (qpn_config.claim under the server's environment; None: QPN
+    does not claim it, and ``qpn_not_claimed`` says why)."""
 
     k: int
     warm: dict
@@ -674,7 +657,6 @@ class GateInputs:
     auto_depth: AutoDepth | None = None
     qpn_claim: str | None = None
     qpn_not_claimed: str = ""
-    coverage_by_count: bool = False
 
 
 @dataclass(frozen=True)
@@ -691,7 +673,7 @@ class Gate:
 
 def _check_qpn_routes(i: GateInputs, e: GateExpectation) -> GateResult:
     result = gate_qpn_routes(i.census, set(i.regions), i.known_routes, i.quantized_layers,
-                             i.checkpoint_modules, i.coverage_by_count)
+                             i.checkpoint_modules)
     backend = (e.expected or {}).get("backend")
     wrong = sorted({str(r.backend) for r in i.census.ranks} - {backend})
     if backend and wrong and result.status == PASS:
@@ -766,7 +748,7 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
              quantized_layers: dict | None = None, env: dict | None = None,
              declared: dict | None = None, checkpoint_modules: dict | None = None,
              auto_depth: AutoDepth | None = None, qpn_claim: str | None = None,
-             qpn_not_claimed: str = "", coverage_by_count: bool = False) -> list[GateResult]:
+             qpn_not_claimed: str = "") -> list[GateResult]:
     """Every gate, over what the launcher gathered after the warm request (see GateInputs)."""
     try:
         summary, error = CensusSummary.from_dict(census), ""
@@ -776,8 +758,7 @@ def evaluate(profile: EngineProfile, k: int, warm: dict, metrics_text: str | Non
                         regions=frozenset(regions), tp=tp, quantized_layers=quantized_layers,
                         checkpoint_modules=checkpoint_modules, declared=declared, env=env,
                         known_routes=qpn_route_names(), census_error=error,
-                        auto_depth=auto_depth, qpn_claim=qpn_claim, qpn_not_claimed=qpn_not_claimed,
-                        coverage_by_count=coverage_by_count)
+                        auto_depth=auto_depth, qpn_claim=qpn_claim, qpn_not_claimed=qpn_not_claimed)
     return apply_gates(profile, inputs)
 
 

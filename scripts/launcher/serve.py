@@ -624,12 +624,11 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
     quantized_layers = boot_gates.declared_layers(quant_cfg)
     convention, declared = boot_gates.declared_modules(launch.ckpt)  # any convention: what it needs
-    from qpn.fork_patches.conventions import MODELOPT, INT4Convention
+    from qpn.fork_patches.conventions import MODELOPT
 
     # ModelOpt's coverage pairs by position in quantized_layers; every other convention's by name,
-    # through the census's checkpoint_modules, which AWQ / GPTQ boots do not record (by count)
+    # through the census's checkpoint_modules
     by_name = convention is not None and convention is not MODELOPT
-    by_count = isinstance(convention, INT4Convention) and convention.declared_by == "codes"
     env = server_env(launch)
     from qpn.fork_patches.qpn_config import claim_verdict
 
@@ -638,7 +637,7 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
                                tp=launch.tp or 1, quantized_layers=quantized_layers,
                                env=env, declared=declared,
                                checkpoint_modules=declared if by_name else None, auto_depth=auto,
-                               qpn_claim=qpn_claim, qpn_not_claimed=not_claimed, coverage_by_count=by_count)
+                               qpn_claim=qpn_claim, qpn_not_claimed=not_claimed)
 
 
 # ---- after READY: the engine's health ---------------------------------------------------------
