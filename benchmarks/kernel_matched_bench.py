@@ -472,11 +472,11 @@ def host_time_per_call(n: int = 256, k: int = 256, calls: int = 2000) -> dict:
 
 
 # ------------------------------------------------------------------------------- sweep
-def sweep(names, ms, read, gen, path, provenance, only=(), min_items=(16,)):
-    """sm_80+ only: every configured kernel and every stage-dropping variant of the m16n8k16
-    source, graph-timed on the same weights, plus the split-K minimum-items knob: the route's own
-    kernel again with each of ``min_items`` items per warp at least (the format's default is
-    SM80_MIN_ITEMS)."""
+def sweep(names, ms, read, gen, path, provenance, only=(), min_items=()):
+    """sm_80+ only: every configured kernel and every measured variant of the m16n8k16 source,
+    graph-timed on the same weights, plus the split-K minimum-items knob: the route's own kernel
+    again with each of ``min_items`` items per warp at least (the format's default is
+    SM80_MIN_ITEMS; main() passes --sweep-min-items or its default)."""
     rows = []
     kernels = sm80_plan.sm80_kernels()
     saved = {f.family: v for f, v in sm80_tables.SM80_MIN_ITEMS.items()}
