@@ -48,8 +48,7 @@ struct Qpn80Args {
 // finish (partial groups stored as if whole: no counter, no reduction), 5 empty (every warp
 // returns at once: launch and graph cost alone), 6 the kernel without the split-K finish;
 // 7 the kernel WITH the programmatic-dependent-launch hooks below (same results, bit for bit);
-// 8 the kernel whose split-K finish always reads whole partials (no thin finish; same results);
-// 9 the kernel with a bulk L2 prefetch of each segment's codes at its start (sm_90; same results).
+// 8 the kernel whose split-K finish always reads whole partials (no thin finish; same results).
 //
 // Programmatic dependent launch (sm_90), VAR 7 (the *_pdl kernels): the kernel signals
 // griddepcontrol.launch_dependents at its start, so the next kernel of the stream, when launched
@@ -101,7 +100,6 @@ struct Qpn80 {
   static constexpr bool NO_FINISH = VAR == 4 || VAR == 6;
   static constexpr bool EMPTY = VAR == 5;
   static constexpr bool PDL = VAR == 7;
-  static constexpr bool BULK_PF = VAR == 9;
   static constexpr bool WIDE_PARTIAL = T * MT > 4;   // see finish
   // Group scales applied to FP32 sums (Frag16INT4FoldForm); weights with smaller groups than the
   // decoder folds run its Plain form (same kernel, chosen per launch by Qpn80Args.group_shift).
@@ -199,11 +197,6 @@ struct Qpn80 {
     const u8* cp[T];
     const u8* sp[T];
     pointers(a, grp, (a.n + A::TILE_N - 1) / A::TILE_N, lane, cp, sp);
-    if constexpr (BULK_PF) {   // the segment's codes, all of them, on their way to L2 at once
-      if (lane == 0)
-#pragma unroll
-        for (int j = 0; j < T; ++j) prefetch_l2_bulk(cp[j] + (size_t)kb0 * BLOCK_BYTES, (u32)(kb1 - kb0) * BLOCK_BYTES);
-    }
     u32 w[D][T][F::WORDS];
     u32 sc[DS][T][2];
     u32 xr[DX][MT][8];
@@ -1238,6 +1231,10 @@ QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 // boundaries, with a run's partial groups counted after its loop -- slower on every shape (TP1 down
 // at M = 1 26.5 against 22.8 us, NVFP4 t2d4p0 32.7 against 27.9;
 // results/kernel_int4_stream_sweep_h200_20261204.csv, *_segring = the per-segment ring kept here).
+// Also dropped: a bulk L2 prefetch (cp.async.bulk.prefetch.L2, sm_90, one instruction per tile) of a
+// segment's codes at its start -- slower on every shape, INT4 and NVFP4 (TP1 INT4 down at M = 1
+// 26.8 against 22.5 us, gate_up t4d1 45.3 against 35.6; results/kernel_int4_bpf_sweep_h200_20261204.csv;
+// commit c27ccb4 holds the code).
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldAsym, 1, 2, 2, 0, 0)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldAsym, 1, 4, 1, 0, 0)
 QPN80_ENTRY(qpn4_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldAsym, 2, 2, 1, 0, 0)
@@ -1254,9 +1251,6 @@ QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_loadonly, Frag16INT4FoldAsym, 1, 2, 2,
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_nofinish, Frag16INT4FoldAsym, 1, 2, 2, 0, 6)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_wide, Frag16INT4FoldAsym, 1, 2, 2, 0, 8)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_bpf, Frag16INT4FoldAsym, 1, 2, 2, 0, 9)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_bpf, Frag16INT4FoldAsym, 1, 4, 1, 0, 9)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_bpf, Frag16NVFP4, 1, 2, 4, 0, 9)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
 

@@ -144,14 +144,6 @@ QPN_DEV void stgf(float* p, float v) {
 // what the register ring holds.
 QPN_DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 
-// sm_90: ask L2 to fetch ``bytes`` (a multiple of 16) from p on, in one instruction of one thread
-// (the bulk-copy engine; no register, no wait). A no-op below sm_90.
-QPN_DEV void prefetch_l2_bulk(const void* p, u32 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 
 // One-instruction integer operations that NVVM cannot see through. The NVFP4 m8n8k4 decoder
 // (DecNVFP4::front_half2) is written with them: from plain C shifts and masks, NVVM moves each
