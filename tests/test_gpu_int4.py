@@ -310,8 +310,8 @@ def test_int4_every_configured_m16n8k16_kernel(member, atom):
 
 @pytest.mark.parametrize("name,n,k,g", [s for s in SHAPES if s[1] >= 257], ids=[s[0] for s in SHAPES if s[1] >= 257])
 def test_int4_thin_split_k_finish_is_bit_for_bit_the_wide_one(name, n, k, g, atom):
-    """The split-K finish that parks only the real tokens' sums (Qpn80::thin_finish: taken at M = 1
-    and 2 where a group has more contributors than its batches of whole partials cover) gives the
+    """The split-K finish that parks only the real tokens' sums (Qpn80::thin_finish: taken at few
+    tokens, M = 1 up to 4 as the group's contributors allow) gives the
     same bits as the one that parks whole partials (the *_wide variant) at every M of the band:
     same sums in the same order, the same rows and tokens. Outlier activations and weights, so a
     sum landing in the wrong row, token or slot shows."""

@@ -359,7 +359,7 @@ struct Qpn80 {
   // ring 2 deep without L2 prefetch, partials of at most two accumulators, 128 registers. (The
   // four-tile, D = 4 and shared-ring kernels, whose bases are D = 1 with tighter caps, spill 4-12
   // bytes with it.)
-  static constexpr bool THIN = VAR != 8 && !WIDE_PARTIAL && MINB <= 2 && T * MT <= 2 && D == 2 && PF == 0;
+  static constexpr bool THIN = VAR != 8 && MINB <= 2 && T * MT <= 2 && D == 2 && PF == 0;
   static constexpr int GROUP_ROWS = T * A::TILE_N;
   static constexpr int ROWS_PER_LANE = (GROUP_ROWS + 31) / 32;
 
@@ -375,15 +375,10 @@ struct Qpn80 {
                                 (contributors + RB - 1) / RB;
   }
 
-  // The first and last contributing warps of group grp (stream-K runs are contiguous).
-  QPN_DEV static void contributors(const Qpn80Args& a, int grp, int q, int r, int& fw, int& lw) {
-    fw = warp_of(grp * a.kblocks, q, r);
-    lw = warp_of(grp * a.kblocks + a.kblocks - 1, q, r);
-  }
-
   // The end of one segment (k-blocks [kb0, kb1) of group grp) of warp gw's run: a whole group is
-  // stored directly; a partial one is parked (park) and the last contributor to arrive finishes it
-  // (reduce). The result goes to the rows of group out_grp (grp itself, except in the M-band kernel).
+  // stored directly; a partial one is parked (park), its arrival counted, and the last contributor
+  // to arrive finishes it (reduce). The result goes to the rows of group out_grp (grp itself,
+  // except in the M-band kernel).
   QPN_DEV static void finish(const Qpn80Args& a, int grp, int kb0, int kb1, int first_grp, int gw, int q, int r,
                              int plane, int m0, int lane, const float (&acc)[T][MT][4], float cs_tensor,
                              int out_grp) {
@@ -391,20 +386,26 @@ struct Qpn80 {
       store(a, out_grp, m0, lane, acc, cs_tensor);
       return;
     }
-    park(a, grp, first_grp, gw, q, r, plane, m0, lane, acc);
+    // the group's first and last contributing warps (stream-K runs are contiguous)
+    const int fw = warp_of(grp * a.kblocks, q, r);
+    const int lw = warp_of(grp * a.kblocks + a.kblocks - 1, q, r);
+    const int tokens = min(a.m - m0, MT * A::TOKENS);
+    const bool thin = thin_finish(tokens, lw - fw + 1);
+    park(a, plane, gw, grp == first_grp ? 0 : 1, lane, tokens, thin, acc);
     __threadfence();
     __syncwarp();
-    if (arrive(a, grp, q, r, plane, lane)) reduce(a, grp, gw, q, r, plane, m0, lane, acc, cs_tensor, out_grp);
+    int* ctr = a.counters + (size_t)plane * a.n_groups + grp;
+    int old = 0;
+    if (lane == 0) old = atomicAdd(ctr, 1);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old == lw - fw) reduce(a, grp, gw, q, r, fw, lw, plane, m0, tokens, thin, ctr, lane, acc, cs_tensor, out_grp);
   }
 
-  // A partial group's sums into warp gw's slot (0: its run's first group, 1: its last).
-  QPN_DEV static void park(const Qpn80Args& a, int grp, int first_grp, int gw, int q, int r, int plane, int m0,
-                           int lane, const float (&acc)[T][MT][4]) {
-    int fw, lw;
-    contributors(a, grp, q, r, fw, lw);
-    const int tokens = min(a.m - m0, MT * A::TOKENS);
-    const int slot = grp == first_grp ? 0 : 1;
-    if (thin_finish(tokens, lw - fw + 1)) {
+  // A partial group's sums into warp gw's slot (0: its run's first group, 1: its last): thin
+  // (the real tokens' sums, token-major from lane 0's slot start) or whole.
+  QPN_DEV static void park(const Qpn80Args& a, int plane, int gw, int slot, int lane, int tokens, bool thin,
+                           const float (&acc)[T][MT][4]) {
+    if (thin) {
       float* mine = slot_ptr(a, plane, gw, slot, 0);
 #pragma unroll
       for (int j = 0; j < T; ++j)
@@ -425,28 +426,14 @@ struct Qpn80 {
     }
   }
 
-  // Count this warp's arrival at partial group grp (its sums parked and fenced): whether it is the
-  // last contributor, which then finishes the group.
-  QPN_DEV static bool arrive(const Qpn80Args& a, int grp, int q, int r, int plane, int lane) {
-    int fw, lw;
-    contributors(a, grp, q, r, fw, lw);
-    int old = 0;
-    if (lane == 0) old = atomicAdd(a.counters + (size_t)plane * a.n_groups + grp, 1);
-    old = __shfl_sync(0xffffffffu, old, 0);
-    return old == lw - fw;
-  }
-
-  // The last contributor of partial group grp: add every contributor's parked sums in warp order
-  // (its own from acc), store the group, reset its counter.
-  QPN_DEV static void reduce(const Qpn80Args& a, int grp, int gw, int q, int r, int plane, int m0, int lane,
-                             const float (&acc)[T][MT][4], float cs_tensor, int out_grp) {
+  // The last contributor (of fw..lw) of partial group grp: add every contributor's parked sums in
+  // warp order (its own from acc), store the group, reset its counter ctr.
+  QPN_DEV static void reduce(const Qpn80Args& a, int grp, int gw, int q, int r, int fw, int lw, int plane, int m0,
+                             int tokens, bool thin, int* ctr, int lane, const float (&acc)[T][MT][4],
+                             float cs_tensor, int out_grp) {
     __threadfence();
-    int fw, lw;
-    contributors(a, grp, q, r, fw, lw);
     const int gbase = grp * a.kblocks;
-    const int tokens = min(a.m - m0, MT * A::TOKENS);
-    int* ctr = a.counters + (size_t)plane * a.n_groups + grp;
-    if (thin_finish(tokens, lw - fw + 1)) {
+    if (thin) {
       // fw's run may start in an earlier group (grp is then its second slot); the others' start in
       // grp. One base address per batch: consecutive warps' slots are a constant stride apart.
       constexpr int SLOT = 32 * PER_LANE, WARP_STRIDE = 2 * SLOT;
@@ -1230,7 +1217,8 @@ QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 // Measured and dropped the same day: one register ring over a warp's whole run, across group
 // boundaries, with a run's partial groups counted after its loop -- slower on every shape (TP1 down
 // at M = 1 26.5 against 22.8 us, NVFP4 t2d4p0 32.7 against 27.9;
-// results/kernel_int4_stream_sweep_h200_20261204.csv, *_segring = the per-segment ring kept here).
+// results/kernel_int4_stream_sweep_h200_20261204.csv, where *_segring is the per-segment ring
+// these kernels keep; code not kept).
 // Also dropped: a bulk L2 prefetch (cp.async.bulk.prefetch.L2, sm_90, one instruction per tile) of a
 // segment's codes at its start -- slower on every shape, INT4 and NVFP4 (TP1 INT4 down at M = 1
 // 26.8 against 22.5 us, gate_up t4d1 45.3 against 35.6; results/kernel_int4_bpf_sweep_h200_20261204.csv;
