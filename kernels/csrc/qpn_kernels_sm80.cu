@@ -191,6 +191,15 @@ struct Qpn80 {
     }
   }
 
+  // After k-block k (ring slot d) is consumed: its slots' loads of the k-blocks D, DS and DX ahead.
+  QPN_DEV static void refill(const Qpn80Args& a, const u8* const (&cp)[T], const u8* const (&sp)[T],
+                             const u16* const (&xp)[MT], const bool (&xv)[MT], int k, int kb1, int d,
+                             u32 (&w)[D][T][F::WORDS], u32 (&sc)[DS][T][2], u32 (&xr)[DX][MT][8]) {
+    if (k + D < kb1) load_w(cp, k + D, w[d]);
+    if (k + DS < kb1) load_sc(sp, k + DS, sc[d % DS], a.group_shift);
+    if (k + DX < kb1) load_x(xp, xv, k + DX, xr[d % DX]);
+  }
+
   // k-blocks [kb0, kb1) of weight group grp into acc.
   QPN_DEV static void segment(const Qpn80Args& a, int grp, int kb0, int kb1, const u16* const (&xp)[MT],
                               const bool (&xv)[MT], int lane, float (&acc)[T][MT][4], bool first) {
@@ -237,14 +246,20 @@ struct Qpn80 {
             }
           }
           if constexpr (FOLD) {
+            // The refill loads go out before the fold: the fold waits for this k-block's MMAs to
+            // complete, and loads issued after it would wait with it (ring slots refilled late).
+            // The fold's records are kept first, since the record refill overwrites their slot.
             compute(w[d], sc[d % DS], xr[d % DX], accg, sink);
-            if (((k + 1) & fold_mask) == 0 || k + 1 == kb1) F::fold(sc[d % DS], accg, acc);
+            const bool fold_now = ((k + 1) & fold_mask) == 0 || k + 1 == kb1;
+            u32 fsc[T][2];
+#pragma unroll
+            for (int j = 0; j < T; ++j) fsc[j][0] = sc[d % DS][j][0], fsc[j][1] = sc[d % DS][j][1];
+            refill(a, cp, sp, xp, xv, k, kb1, d, w, sc, xr);
+            if (fold_now) F::fold(fsc, accg, acc);
           } else {
             compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
+            refill(a, cp, sp, xp, xv, k, kb1, d, w, sc, xr);
           }
-          if (k + D < kb1) load_w(cp, k + D, w[d]);
-          if (k + DS < kb1) load_sc(sp, k + DS, sc[d % DS], a.group_shift);
-          if (k + DX < kb1) load_x(xp, xv, k + DX, xr[d % DX]);
         }
       }
     }
