@@ -10,7 +10,7 @@ csrc/qpn_family.cuh (entry points qpn4[_sym]_{mt1,mt2,reconstruct_ws}_m8n8k4); t
 (sm_80+) ones are Frag16INT4Form and, in the tiled routes' kernels, Frag16INT4FoldForm (the group
 scale applied to FP32 sums for groups of 64 and 128: the kernel multiplies the exact
 (code - zero) * scale) in csrc/qpn_atom_m16n8k16.cuh; which kernel serves which route and layer
-size is sm80_tables (SM80_ROUTE_KERNELS, SM80_LARGE_N_KERNELS).
+size is sm80_tables.SM80_ROUTE_KERNELS.
 ops runs them through the family's routes (qpn4, qpn4_mt2, qpn4_chunked, qpn4_reconstruct:
 routes.py); the loader's QPN4LinearMethod (fork_patches/linear_method.py) serves AWQ, GPTQ and
 compressed-tensors pack-quantized checkpoints through them. There are no INT4 MoE kernels.

@@ -28,7 +28,7 @@ from . import formats
 # INT4 (both members, kernels of their own: formats.WeightFormat.kernel_tag; sm80_plan looks them up
 # by the member kernel_inputs.kernel_member names): the register ring with the folded decoder, chosen
 # by two H200 sweeps of 2026-12-04 (results/kernel_int4_sweep_h200_20261204.csv, _sweep2_): M <= 8
-# t2d2 (t4d1 from SM80_LARGE_N rows, below); M 9-16 and, once per 16-row chunk, the chunked route: t2d1.
+# t2d2 at every layer size (below); M 9-16 and, once per 16-row chunk, the chunked route: t2d1.
 _NVFP4, _FP8 = formats.FAMILIES["nvfp4"], formats.FAMILIES["fp8"]
 _INT4, _INT4_SYM = formats.INT4, formats.INT4_SYM
 SM80_ROUTE_KERNELS = {
@@ -52,13 +52,13 @@ SM80_ROUTE_KERNELS = {
 # lm_head (62,080 rows: 64.5 / 66.0 against 69.3 / 73.0 us at M = 1 / 8), even with it on TP1
 # gate_up (34,816 rows, its x 2^7 form t4s4_s7 in the 4a6d26c sweeps: 41.5 / 42.9 against 42.0 / 43.4
 # us) and behind it on the smaller layers; hence 50,000.)
-# INT4 (2026-12-04, the INT4 sweeps named at QPN80_ENTRY(qpn4_*) in the .cu): four tiles per warp from
-# 16,384 rows (gate_up TP1 / TP2: 34,816 / 17,408 rows, 13% / 8% faster at M = 1), two below it (down,
-# 5,120 rows: 9% slower with four).
+# INT4 has none since its fold kernels issue their ring refills before the group fold (2026-12-04):
+# two tiles per warp (t2d2) then beat four (t4d1) on every gate_up shape at M 1-8, TP1 32.6 against
+# 34.6 us, TP2 19.6 against 22.0 us at M = 1 (results/kernel_int4_refill_gateup_sweep_h200_20261204.csv);
+# before it four tiles had been 8-13% faster from 16,384 rows.
 # The threshold per format (the member for INT4, as the keys below).
-SM80_LARGE_N = {_NVFP4: 50_000, _INT4: 16_384, _INT4_SYM: 16_384}
-SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4", (_INT4, 1): "qpn4_mt1_m16n8k16_t4d1p0_fold",
-                        (_INT4_SYM, 1): "qpn4_sym_mt1_m16n8k16_t4d1p0_fold"}
+SM80_LARGE_N = {_NVFP4: 50_000}
+SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # The *_chunked route (M 17-96) on sm_80+: the M-band kernels of a format family, by token tiles (MT)
 # ascending; sm80_plan._sm80_kernel_for takes the first whose 8 x MT rows hold M, else the last: one weight
 # pass per chunk of its 8 x MT rows. A family not listed (FP8) runs its (family, 2) kernel above once
@@ -82,8 +82,7 @@ SM80_BAND_KERNELS = {
 # its mt2 kernels were not timed with PDL.
 SM80_PDL_KERNELS = frozenset({SM80_ROUTE_KERNELS[_NVFP4, 1], SM80_LARGE_N_KERNELS[_NVFP4, 1],
                               SM80_ROUTE_KERNELS[_FP8, 1], SM80_ROUTE_KERNELS[_FP8, 2],
-                              SM80_ROUTE_KERNELS[_INT4, 1], SM80_ROUTE_KERNELS[_INT4_SYM, 1],
-                              SM80_LARGE_N_KERNELS[_INT4, 1], SM80_LARGE_N_KERNELS[_INT4_SYM, 1]})
+                              SM80_ROUTE_KERNELS[_INT4, 1], SM80_ROUTE_KERNELS[_INT4_SYM, 1]})
 # The register-ring kernels (no shared memory) serve a route when the GPU cannot give a block the
 # ring kernel's shared memory (sm_86 / sm_89 allow about 99 KB per block). INT4's route kernels are
 # register rings already: their own.

@@ -309,12 +309,13 @@ def test_int4_every_configured_m16n8k16_kernel(member, atom):
 
 
 @pytest.mark.parametrize("name,n,k,g", [s for s in SHAPES if s[1] >= 257], ids=[s[0] for s in SHAPES if s[1] >= 257])
-def test_int4_thin_split_k_finish_is_bit_for_bit_the_wide_one(name, n, k, g, atom):
+def test_int4_thin_finish_and_refill_order_are_bit_for_bit_their_variants(name, n, k, g, atom):
     """The split-K finish that parks only the real tokens' sums (Qpn80::thin_finish: taken at few
-    tokens, M = 1 up to 4 as the group's contributors allow) gives the
-    same bits as the one that parks whole partials (the *_wide variant) at every M of the band:
-    same sums in the same order, the same rows and tokens. Outlier activations and weights, so a
-    sum landing in the wrong row, token or slot shows."""
+    tokens, M = 1 up to 4 as the group's contributors allow) gives the same bits as the one that
+    parks whole partials (the *_wide variant), and the refill loads issued before the group fold
+    the same bits as after it (*_foldfirst), at every M of the band: same sums in the same order,
+    the same rows and tokens. Outlier activations and weights, so a sum landing in the wrong row,
+    token or slot, or a fold reading a refilled record, shows."""
     if atom != "m16n8k16":
         pytest.skip("the m16n8k16 kernels")
     from qpn.kernels import sm80_plan
@@ -325,8 +326,9 @@ def test_int4_thin_split_k_finish_is_bit_for_bit_the_wide_one(name, n, k, g, ato
     for m in range(1, 9):
         x = fc.activations(m, k, gen, outliers=True).to(dev)
         thin = sm80_plan.run_sm80_kernel(x, packed, "qpn4_mt1_m16n8k16_t2d2p0_fold")
-        wide = sm80_plan.run_sm80_kernel(x, packed, "qpn4_mt1_m16n8k16_t2d2p0_fold_wide")
-        torch.cuda.synchronize()
-        assert torch.isfinite(wide).all(), f"{name} M={m}"
-        same = thin.view(torch.int16) == wide.view(torch.int16)
-        assert same.all(), f"{name} M={m}: {int((~same).sum())} of {same.numel()} outputs differ"
+        for variant in ("wide", "foldfirst"):
+            other = sm80_plan.run_sm80_kernel(x, packed, f"qpn4_mt1_m16n8k16_t2d2p0_fold_{variant}")
+            torch.cuda.synchronize()
+            assert torch.isfinite(other).all(), f"{name} M={m} {variant}"
+            same = thin.view(torch.int16) == other.view(torch.int16)
+            assert same.all(), f"{name} M={m}: {int((~same).sum())} of {same.numel()} outputs differ from {variant}"

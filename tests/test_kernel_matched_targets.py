@@ -109,19 +109,19 @@ def test_int4_naive_dequant_matches_the_family_reference_over_every_byte_and_zer
 def test_sweep_trials_are_the_weights_own_members_kernels_and_the_routes_own_kernel():
     """A sweep point times only kernels that can run the packed weight (INT4's symmetric kernels
     never on asymmetric weights, which run_sm80_kernel refuses mid-sweep), always the kernel the
-    route runs on that layer (from 16,384 rows INT4's large-layer one), and that kernel at each
-    extra split-K setting."""
-    from qpn.kernels import formats, sm80_plan, sm80_tables
+    route runs on that layer (sm80_plan's choice for that many rows), and that kernel at each extra
+    split-K setting."""
+    from qpn.kernels import formats, routes, sm80_plan, sm80_tables
     kernels = sm80_plan.sm80_kernels()
     gen = torch.Generator().manual_seed(3)
     for sym, member in ((False, formats.INT4), (True, formats.INT4_SYM)):
-        for n, table in ((5120, sm80_tables.SM80_ROUTE_KERNELS), (sm80_tables.SM80_LARGE_N[member],
-                                                                   sm80_tables.SM80_LARGE_N_KERNELS)):
+        for n in (5120, 34816):
             src = family_int4.quantize(torch.randn((n, 128), generator=gen), 128, symmetric=sym)
             p = family_int4.prepack_int4(*src, atom="m16n8k16")
             trials = kb.sweep_trials(kernels, p, "qpn4", 1, min_items=(24,), default_items=4)
             names = [kn for kn, _ in trials]
-            want = table[(member, 1)]
+            want = sm80_plan._sm80_kernel_for(routes.as_route("qpn4"), 1, n, member)[0]
+            assert want == sm80_tables.SM80_ROUTE_KERNELS[(member, 1)]
             assert want in names and trials[-1] == (want, 24)
             assert all(kernels[kn].weight_format is member and kernels[kn].mt == 1 for kn in names), names
             assert any(kn.startswith("qpn4_sym_") for kn in names) == sym

@@ -679,13 +679,12 @@ def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fal
     large = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, large_n)
     assert small == (sm80_tables.SM80_ROUTE_KERNELS[(formats.NVFP4, 1)], 1)
     assert large == (sm80_tables.SM80_LARGE_N_KERNELS[(formats.NVFP4, 1)], 1)
-    # INT4: its own threshold, per member (gate_up-sized layers get four tiles per warp, down-sized two)
+    # INT4: no large-N kernel; its members' own route kernel at every layer size, lm_head-sized included
     for member in (formats.INT4, formats.INT4_SYM):
-        at = sm80_tables.SM80_LARGE_N[member]
-        assert 5120 < at <= 17408
-        for n, table in ((5120, sm80_tables.SM80_ROUTE_KERNELS), (at - 1, sm80_tables.SM80_ROUTE_KERNELS),
-                         (at, sm80_tables.SM80_LARGE_N_KERNELS), (34816, sm80_tables.SM80_LARGE_N_KERNELS)):
-            assert sm80_plan._sm80_kernel_for(routes.as_route("qpn4"), 1, n, member) == (table[(member, 1)], 1), n
+        assert member not in sm80_tables.SM80_LARGE_N
+        for n in (5120, 17408, 34816, large_n, 248320):
+            assert sm80_plan._sm80_kernel_for(routes.as_route("qpn4"), 1, n, member) == \
+                (sm80_tables.SM80_ROUTE_KERNELS[(member, 1)], 1), n
         # M 9-16 has no large-N kernel
         assert sm80_plan._sm80_kernel_for(routes.as_route("qpn4_mt2"), 16, 34816, member)[0] == \
             sm80_tables.SM80_ROUTE_KERNELS[(member, 2)]

@@ -281,7 +281,7 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
             for arch in routes.KNOWN_ARCHS:
                 atom = atom_for_arch(jit.arch_number(arch))
                 for m in (1, 8, 9, 16, 17, 32, 33, 96, 97, 4096):
-                    for n in (5120, *sorted(set(sm80_tables.SM80_LARGE_N.values()))):
+                    for n in sorted({5120, 34816, *sm80_tables.SM80_LARGE_N.values()}):
                         for fits in (True, False):
                             if route.kernel_max_m is not None and m > route.kernel_max_m:
                                 with pytest.raises(ValueError, match=f"serves M <= {route.kernel_max_m}"):
@@ -313,7 +313,7 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
                             if route.chunk_rows is None:
                                 assert chunks == 1, where
     # 5 formats (NVFP4, FP8 per tensor / channel, INT4 with zero points / symmetric) x 4 routes x 6
-    # archs x 60 cases (10 M x 3 N: below and at each large-N threshold x 2 fits), less the M a route
+    # archs x 60 cases (10 M x 3 N: down, gate_up and NVFP4's large-N threshold x 2 fits), less the M a route
     # refuses
     assert checked == 4680
     named = {k for t in (sm80_tables.SM80_ROUTE_KERNELS, sm80_tables.SM80_LARGE_N_KERNELS,

@@ -48,7 +48,8 @@ struct Qpn80Args {
 // finish (partial groups stored as if whole: no counter, no reduction), 5 empty (every warp
 // returns at once: launch and graph cost alone), 6 the kernel without the split-K finish;
 // 7 the kernel WITH the programmatic-dependent-launch hooks below (same results, bit for bit);
-// 8 the kernel whose split-K finish always reads whole partials (no thin finish; same results).
+// 8 the kernel whose split-K finish always reads whole partials (no thin finish; same results);
+// 9 (INT4 fold kernels) the refill loads issued after the group fold instead of before it (same results).
 //
 // Programmatic dependent launch (sm_90), VAR 7 (the *_pdl kernels): the kernel signals
 // griddepcontrol.launch_dependents at its start, so the next kernel of the stream, when launched
@@ -254,8 +255,13 @@ struct Qpn80 {
             u32 fsc[T][2];
 #pragma unroll
             for (int j = 0; j < T; ++j) fsc[j][0] = sc[d % DS][j][0], fsc[j][1] = sc[d % DS][j][1];
-            refill(a, cp, sp, xp, xv, k, kb1, d, w, sc, xr);
-            if (fold_now) F::fold(fsc, accg, acc);
+            if constexpr (VAR == 9) {   // the order before: fold, then refill
+              if (fold_now) F::fold(fsc, accg, acc);
+              refill(a, cp, sp, xp, xv, k, kb1, d, w, sc, xr);
+            } else {
+              refill(a, cp, sp, xp, xv, k, kb1, d, w, sc, xr);
+              if (fold_now) F::fold(fsc, accg, acc);
+            }
           } else {
             compute(w[d], sc[d % DS], xr[d % DX], acc, sink);
             refill(a, cp, sp, xp, xv, k, kb1, d, w, sc, xr);
@@ -1211,49 +1217,56 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 // shared-memory reads and the copy issue to the already issue-bound decode.
 QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
 QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
-// INT4 W4A16 (issue 26; the route kernels sm80_tables.SM80_ROUTE_KERNELS and SM80_LARGE_N_KERNELS
-// name for both members). The register ring with the folded decoder (Frag16INT4FoldForm: group
-// scales applied to FP32 sums; groups of 32 run its plain form in the same kernel), the same 16 code
-// bytes per lane per (tile, k-block) as NVFP4 and an 8-byte (asymmetric) or 4-byte (symmetric) record
-// load where NVFP4 has an 8-byte scale load. Chosen by two H200 sweeps of 2026-12-04 on the TP1 / TP2
-// MLP shapes (results/kernel_int4_sweep_h200_20261204.csv, _sweep2_): the fold alone 3-8% faster
-// than the same configuration decoding scaled FP16 operands; a shallower ring (t2d2) faster than the
-// NVFP4 routes' t2d4; on layers of 16,384 rows or more four tiles per warp (t4d1: gate_up TP1 35.2
-// against 40.3 us at M = 1), on the down layers two (t2d2: 25.1 against 27.6 us); M 9-16 two tiles
-// one k-block deep (t2d1: 47.7 against 61.2 us on gate_up TP1 for the t1d4 form). Configurations with
-// three tiles, a ring of 3+ with two or an L2 prefetch were slower; with four tiles and a ring of 2,
-// or MT = 2 with t2d2 / t1d2, they spill. On the down layers one tile per warp (t1d2, t1d3: fewer
-// warps per group's split-K finish) and more items per warp were slower too (_sweep3_). No ring
-// kernel (their cp.async layout copies per-k-block scale blocks, not group records) and no M-band
-// kernel (the chunked route runs the MT = 2 kernel once per 16-row chunk).
+// INT4 W4A16 (issue 26; the route kernels sm80_tables.SM80_ROUTE_KERNELS names for both members).
+// The register ring with the folded decoder (Frag16INT4FoldForm: group scales applied to FP32 sums;
+// groups of 32 run its plain form in the same kernel), the same 16 code bytes per lane per (tile,
+// k-block) as NVFP4 and an 8-byte (asymmetric) or 4-byte (symmetric) record load where NVFP4 has an
+// 8-byte scale load. Chosen by H200 sweeps of 2026-12-04 (results/kernel_int4_sweep_h200_20261204.csv,
+// _sweep2_, _sweep3_): the fold alone 3-8% faster than the same configuration decoding scaled FP16
+// operands; a shallower ring (t2d2) faster than the NVFP4 routes' t2d4; M 9-16 two tiles one k-block
+// deep (t2d1: 47.7 against 61.2 us on gate_up TP1 for the t1d4 form). Configurations with three
+// tiles, a ring of 3+ with two or an L2 prefetch were slower; with four tiles and a ring of 2, or
+// MT = 2 with t2d2 / t1d2, they spill. On the down layers one tile per warp (t1d2, t1d3) and more
+// items per warp were slower too. No ring kernel (their cp.async layout copies per-k-block scale
+// blocks, not group records) and no M-band kernel (the chunked route runs the MT = 2 kernel once per
+// 16-row chunk).
+// Qpn80::segment issues the ring's refill loads before the group fold, which waits for the
+// k-block's MMAs; issued after it, they waited with it. That took the TP1 MLP down at M = 1 from
+// about 21.7 to 20.0 us (plain launches; results/kernel_int4_refill_sweep_h200_20261204.csv) and
+// made two tiles per warp faster than four on every gate_up shape (t4d1, kept below as a measured
+// variant, had served layers of 16,384 rows or more: TP1 32.6 against 34.6 us at M = 1;
+// results/kernel_int4_refill_gateup_sweep_h200_20261204.csv).
 // The split-K finish of the t2d2 kernels is the thin one at M = 1-4 (Qpn80::thin_finish): on the TP1
-// MLP down at M = 1 it cuts 2.0 us (21.7 against 23.7 us for the whole-partial finish, *_wide), within
+// MLP down at M = 1 it cut 2.0 us (21.7 against 23.7 us for the whole-partial finish, *_wide), within
 // 0.5 us of the kernel with no finish at all (results/kernel_int4_thin_sweep_h200_20261204.csv).
-// Measured and dropped the same day: one register ring over a warp's whole run, across group
-// boundaries, with a run's partial groups counted after its loop -- slower on every shape (TP1 down
-// at M = 1 26.5 against 22.8 us, NVFP4 t2d4p0 32.7 against 27.9;
-// results/kernel_int4_stream_sweep_h200_20261204.csv, where *_segring is the per-segment ring
-// these kernels keep; code not kept).
-// Also dropped: a bulk L2 prefetch (cp.async.bulk.prefetch.L2, sm_90, one instruction per tile) of a
-// segment's codes at its start -- slower on every shape, INT4 and NVFP4 (TP1 INT4 down at M = 1
-// 26.8 against 22.5 us, gate_up t4d1 45.3 against 35.6; results/kernel_int4_bpf_sweep_h200_20261204.csv;
-// commit c27ccb4 holds the code).
+// Measured and dropped the same day (code not kept unless named):
+// - one register ring over a warp's whole run, across group boundaries, with a run's partial groups
+//   counted after its loop: slower on every shape (TP1 down at M = 1 26.5 against 22.8 us, NVFP4
+//   t2d4p0 32.7 against 27.9; results/kernel_int4_stream_sweep_h200_20261204.csv, where *_segring is
+//   the per-segment ring these kernels keep);
+// - a bulk L2 prefetch (cp.async.bulk.prefetch.L2, sm_90, one instruction per tile) of a segment's
+//   codes at its start: slower on every shape, INT4 and NVFP4 (TP1 INT4 down at M = 1 26.8 against
+//   22.5 us; results/kernel_int4_bpf_sweep_h200_20261204.csv; commit c27ccb4 holds the code);
+// - the block-cooperative ring (Qpn80Coop with the group records and a fold per item; t2d2c, t2d3c,
+//   t1d4c, t1d6c, t1d2c at 3 blocks per SM): slower on every shape and M, its loads alone too (TP1
+//   down at M = 1 24.7 against 22.0 us, loads only 20.0 against 17.7; gate_up 44.0 against 33.8;
+//   results/kernel_int4_coop_sweep_h200_20261204.csv, before the refill order above). Its numerics
+//   were not established: the every-kernel GPU test failed on one of them and was not pursued.
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldAsym, 1, 2, 2, 0, 0)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldAsym, 1, 4, 1, 0, 0)
 QPN80_ENTRY(qpn4_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldAsym, 2, 2, 1, 0, 0)
 QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldSym, 1, 2, 2, 0, 0)
-QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldSym, 1, 4, 1, 0, 0)
 QPN80_ENTRY(qpn4_sym_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldSym, 2, 2, 1, 0, 0)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldAsym, 1, 2, 2, 0, 7)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldAsym, 1, 4, 1, 0, 7)
 QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldSym, 1, 2, 2, 0, 7)
-QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t4d1p0_fold_pdl, Frag16INT4FoldSym, 1, 4, 1, 0, 7)
-// Measured variants: loads only (the split-K finish kept), the kernel without that finish, and with
-// its finish reading whole partials at every M (_wide: no thin finish).
+// Measured variants: loads only (the split-K finish kept), the kernel without that finish, with its
+// finish reading whole partials at every M (_wide: no thin finish), with the refill loads after the
+// group fold (_foldfirst: the order before), and four tiles per warp.
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_loadonly, Frag16INT4FoldAsym, 1, 2, 2, 0, 3)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_nofinish, Frag16INT4FoldAsym, 1, 2, 2, 0, 6)
 QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_wide, Frag16INT4FoldAsym, 1, 2, 2, 0, 8)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_foldfirst, Frag16INT4FoldAsym, 1, 2, 2, 0, 9)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldAsym, 1, 4, 1, 0, 0)
+QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
 QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
 
