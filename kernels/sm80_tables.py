@@ -56,7 +56,7 @@ SM80_ROUTE_KERNELS = {
 # two tiles per warp (t2d2) then beat four (t4d1) on every gate_up shape at M 1-8, TP1 32.6 against
 # 34.6 us, TP2 19.6 against 22.0 us at M = 1 (results/kernel_int4_refill_gateup_sweep_h200_20261204.csv);
 # before it four tiles had been 8-13% faster from 16,384 rows.
-# The threshold per format (the member for INT4, as the keys below).
+# The threshold per format (a family member where its kernels are its own, as the keys below).
 SM80_LARGE_N = {_NVFP4: 50_000}
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # The *_chunked route (M 17-96) on sm_80+: the M-band kernels of a format family, by token tiles (MT)

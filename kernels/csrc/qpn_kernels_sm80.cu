@@ -1233,9 +1233,9 @@ QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
 // Qpn80::segment issues the ring's refill loads before the group fold, which waits for the
 // k-block's MMAs; issued after it, they waited with it. Same run, plain launches, M = 1: TP1 MLP
 // down 19.6 against 21.8 us for the old order (*_foldfirst), gate_up 33.6 against 39.3
-// (results/kernel_int4_refill_sweep_h200_20261204.csv). It also
-// made two tiles per warp faster than four on every gate_up shape (t4d1, kept below as a measured
-// variant, had served layers of 16,384 rows or more: TP1 32.6 against 34.6 us at M = 1;
+// (results/kernel_int4_refill_sweep_h200_20261204.csv). It also made two tiles per warp faster
+// than four on every gate_up shape (t4d1, kept below as a measured variant, had served layers of
+// 16,384 rows or more: TP1 32.6 against 34.6 us at M = 1;
 // results/kernel_int4_refill_gateup_sweep_h200_20261204.csv).
 // The split-K finish of the t2d2 kernels is the thin one at M = 1-4 (Qpn80::thin_finish): on the TP1
 // MLP down at M = 1 it cut 2.0 us (21.7 against 23.7 us for the whole-partial finish, *_wide), within
