@@ -248,6 +248,13 @@ def main(argv=None) -> int:
                             f"depth {depth}: llama-benchy reported no tg figure: it times tokens "
                             f"by network read, and every token after the first arrived in the "
                             f"same read as the first; raise --tg")
+                    if pp is None:
+                        writer.add_note(
+                            f"depth {depth}: llama-benchy reported no pp figure: it takes the "
+                            f"prefill time as the time to the first response less the network "
+                            f"latency it measured once before the run, and that latency was at "
+                            f"least the time to the first response (a short prompt on a busy "
+                            f"host); e2e_ttft_ms stands, or raise --pp")
                     print(f"depth {depth}: tg {tg} t/s, pp {pp} t/s, tau {tau}", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
