@@ -72,3 +72,28 @@ def guard_vision_imports(text: str) -> str:
     first = min(node.lineno for node in imports)
     lines[first - 1 : first - 1] = [_PLACEHOLDER]
     return "".join(lines)
+
+
+def wrap_one_token_conv(original):
+    """``gdn_attention:_causal_conv1d_fwd_cpu`` (the cpu engine's C++ causal conv of a prefill):
+    ``x`` handed over with the strides the C++ op checks for.
+
+    The op takes ``x`` as the transpose of a packed ``[tokens, dim]`` block and refuses anything
+    else ("causal_conv1d_fwd_cpu: expect x to be transposed"). Its callers make the block with
+    ``mixed_qkv.contiguous()`` and then transpose it; for a one-token prompt ``mixed_qkv`` is a
+    one-row column slice of the projection's output, which torch counts as contiguous already (a
+    dimension of size one has no stride to honour), so no copy is made and the transpose keeps the
+    projection's row stride: the engine core dies on a one-token prompt, at every depth. The
+    engine's Triton conv on CUDA (1Cat 1.2.2 / 1.3.0 ``causal_conv1d_fn``) takes both strides as
+    arguments, so the sm70 engine has no such fault."""
+    import functools
+
+    @functools.wraps(original)
+    def _causal_conv1d_fwd_cpu(*, x, **kwargs):
+        import torch
+
+        if x.dim() == 2 and x.size(1) > 0 and x.stride(1) != x.size(0):
+            x = x.transpose(0, 1).clone(memory_format=torch.contiguous_format).transpose(0, 1)
+        return original(x=x, **kwargs)
+
+    return _causal_conv1d_fwd_cpu

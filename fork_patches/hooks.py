@@ -302,6 +302,58 @@ REGISTRY: list[Hook] = [
         remove_when="vLLM's apply_top_k_only handles an empty batch",
         apply="qpn.fork_patches.spec_sampling:wrap_apply_top_k_only",
     ),
+    # ---- requests that killed the engine core (runtime; issue 40 item 1)
+    Hook(
+        name="spec-named-token-logprobs-bonus",
+        kind="runtime",
+        anchor="vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
+        what="the rejection sampler's step (verified tokens and bonus token) for a batch where a "
+        "request asks for the log-probabilities of named tokens (logprob_token_ids: every "
+        "/generative_scoring request, chat and completions with logprob_token_ids)",
+        why="it asks the sampler for the bonus rows' whole logits (max_num_logprobs=-1), but the "
+        "sampler prefers logprob_token_ids and returns the gathered [rows, len(ids)+1] columns; "
+        "_get_logprobs_tensors writes them into a [rows, vocab] buffer ('value tensor of shape [3] "
+        "cannot be broadcast to indexing result of shape [1, 512]') and the engine core dies: one "
+        "unauthenticated /generative_scoring request stopped a K=3 server. The same code is in "
+        "1Cat 1.2.2 and 1.3.0 (their forward differs, the bonus call and _get_logprobs_tensors "
+        "do not)",
+        how="run the engine's forward on sampling metadata without logprob_token_ids (the bonus "
+        "rows come back as whole logits) and hold the ids for _get_logprobs_tensors "
+        "(qpn.fork_patches.spec_logprobs); requests without them take the engine's code unchanged",
+        remove_when="vLLM's RejectionSampler handles logprob_token_ids",
+        apply="qpn.fork_patches.spec_logprobs:wrap_rejection_forward",
+    ),
+    Hook(
+        name="spec-named-token-logprobs-verified",
+        kind="runtime",
+        anchor="vllm.v1.sample.rejection_sampler:RejectionSampler._get_logprobs_tensors",
+        what="the log-probabilities the rejection sampler returns for every verified row",
+        why="it gathers the top len(ids) tokens of each row, not the named ones, so a speculating "
+        "server would answer logprob_token_ids with other tokens (the chat endpoint's "
+        "_create_chat_logprobs then fails with an IndexError)",
+        how="while spec-named-token-logprobs-bonus holds ids for the step, the function's last "
+        "step (sampler.gather_logprobs) gathers each row's named tokens with the sampler's own "
+        "gather_specific_token_logprobs from the log-probabilities the engine computed: the "
+        "columns and ranks of a step without speculation (qpn.fork_patches.spec_logprobs)",
+        remove_when="vLLM's RejectionSampler handles logprob_token_ids",
+        apply="qpn.fork_patches.spec_logprobs:wrap_accepted_logprobs",
+    ),
+    Hook(
+        name="cpu-gdn-one-token-prefill-conv",
+        kind="runtime",
+        anchor="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_causal_conv1d_fwd_cpu",
+        engines=("cpu",),
+        what="the cpu engine's C++ causal conv of a gated-delta-net prefill",
+        why="the C++ op accepts x only as the transpose of a packed [tokens, dim] block; for a "
+        "one-token prompt the caller's mixed_qkv.contiguous() keeps a one-row column slice as it "
+        "is (torch counts it contiguous), the op raises 'causal_conv1d_fwd_cpu: expect x to be "
+        "transposed' and the engine core dies, at every depth. On CUDA (1Cat 1.2.2 / 1.3.0) the "
+        "Triton causal_conv1d_fn takes x's strides as arguments: no such fault",
+        how="copy x into a packed block when its token stride is not the op's; any other x goes "
+        "to the op as it is (qpn.fork_patches.engine_quirks)",
+        remove_when="vLLM's CPU GDN packs mixed_qkv by stride, or the C++ op takes strides",
+        apply="qpn.fork_patches.engine_quirks:wrap_one_token_conv",
+    ),
     # ---- constrained output kept (runtime; issue 29 item 3; qpn.fork_patches.constrained_output)
     Hook(
         name="constrained-reasoning-bans",

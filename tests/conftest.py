@@ -57,6 +57,17 @@ def fixed_global_seeds(request):
         torch.manual_seed(seed)
 
 
+@pytest.fixture(scope="module")
+def cpu_kernel_overrides():
+    """The CPU platform's C++ stand-ins for the sampler's Triton kernels, as every cpu-engine
+    worker registers them (``worker_base.py``): the engine's rejection sampler, run in a test."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the cpu engine's sampler path")
+    current_platform.register_triton_kernel_overrides()
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

@@ -20,7 +20,7 @@ import pytest
 from tests._ci import onecat_archive, onecat_text
 from tests._sampling_stats import chi_square, target_probs
 
-pytestmark = [pytest.mark.fast]
+pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("cpu_kernel_overrides")]
 
 torch = pytest.importorskip("torch")
 rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
@@ -42,17 +42,6 @@ PROFILES = {  # name: (temperature, top_k, top_p)
     "top_k alone": (1.0, 5, None),
     "top_p alone": (0.8, None, 0.7),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_kernel_overrides():
-    """The CPU platform's C++ stand-ins for the sampler's Triton kernels, as every cpu-engine
-    worker registers them (``worker_base.py``)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        pytest.skip("the cpu engine's sampler path")
-    current_platform.register_triton_kernel_overrides()
 
 
 def _expanded_reference(x, cu, replace_from=0, replace_to=0):
