@@ -73,7 +73,7 @@ from qpn.fork_patches.conventions import (
     INT4Convention,
     INT4Scheme,
 )
-from qpn.kernels import families, formats
+from qpn.kernels import families, formats, prepack
 
 logger = logging.getLogger("vllm.qpn.linear_method")
 
