@@ -37,7 +37,7 @@ class FP8Numerics:
     def unprepack(self, packed: PackedFP8) -> tuple:
         return prepack.unprepack_fp8(packed)
 
-    def verify_roundtrip(self, packed, codes, scale=None,
+    def verify_roundtrip(self, packed, codes, scale,
                          rows_per_chunk: int | None = None) -> None:
         prepack.verify_fp8_roundtrip(packed, codes, scale, rows_per_chunk=rows_per_chunk)
 

@@ -489,15 +489,25 @@ def unprepack_int4(packed: PackedINT4, rows_per_chunk: int | None = DEFAULT_ROWS
     return (codes, s) if z is None else (codes, s, z)
 
 
+_ONE_F32_BITS = 0x3F800000  # float32 1.0
+
+
 def verify_int4_roundtrip(packed: PackedINT4, codes, group_scales, zero_points=None,
                           rows_per_chunk: int | None = DEFAULT_ROWS_PER_CHUNK) -> None:
     """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the
-    source (codes, scale bits, zero points), before the loader frees the source."""
+    source (codes, scale bits, zero points) and the output scale the kernels read is 1.0, before
+    the loader frees the source."""
     n, k, g = check_source(codes, group_scales, zero_points)
     if (n, k, g, zero_points is None) != (packed.n, packed.k, packed.group_size, packed.symmetric):
         raise PrepackMismatch(f"shape mismatch: packed is N={packed.n} K={packed.k} g={packed.group_size} "
                               f"{'sym' if packed.symmetric else 'asym'}, source is N={n} K={k} g={g} "
                               f"{'sym' if zero_points is None else 'asym'}")
+    # The family has no output scale, but the kernels' epilogue multiplies by this one: anything
+    # but float32 1.0 would scale every output, so it is compared like the source's own scales.
+    out = packed.out_scale.reshape(-1)
+    if out.numel() != 1 or out.dtype != torch.float32 or int(out.view(torch.int32)[0]) != _ONE_F32_BITS:
+        raise PrepackMismatch(f"INT4 out_scale must be one float32 1.0 (the family has no output scale), "
+                              f"the packed copy holds {out.tolist()} ({out.dtype}); re-pack from the source")
     dev = packed.codes.device
     step = _chunk_rows(rows_per_chunk, geometry(packed.atom).tile_n)
     for r0 in range(0, n, step):

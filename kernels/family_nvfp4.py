@@ -47,10 +47,14 @@ class NVFP4Numerics:
     def unprepack(self, packed: PackedNVFP4) -> tuple:
         return (*prepack.unprepack_nvfp4(packed), packed.global_scale.reshape(()))
 
-    def verify_roundtrip(self, packed, codes, scales, global_scale=None,
+    def verify_roundtrip(self, packed, codes, scales, global_scale,
                          rows_per_chunk: int | None = None) -> None:
-        # the scalar global scale is copied, not permuted: codes and group scales are compared
-        prepack.verify_nvfp4_roundtrip(packed, codes, scales, rows_per_chunk=rows_per_chunk)
+        # The global scale is copied, not permuted, but the kernels multiply by the packed copy:
+        # it is compared like every code and group scale, so it is required here.
+        if global_scale is None:
+            raise prepack.PrepackMismatch("NVFP4 weight_scale_2 (global scale) not given: the round "
+                                          "trip must compare it as well; pass the source's value")
+        prepack.verify_nvfp4_roundtrip(packed, codes, scales, global_scale, rows_per_chunk=rows_per_chunk)
 
     def reference_linear(self, x, packed, bias=None) -> torch.Tensor:
         return reference.linear_nvfp4(x, packed, bias)

@@ -212,12 +212,32 @@ def _first_diff(a: torch.Tensor, b: torch.Tensor):
     return idx, int(a.reshape(-1)[idx]), int(b.reshape(-1)[idx])
 
 
+def _check_global_scale(packed: PackedNVFP4, weight_scale_2) -> None:
+    src = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1).to(packed.global_scale.device)
+    held = packed.global_scale.reshape(-1)
+    if src.numel() != 1 or held.numel() != 1:
+        raise PrepackMismatch(f"NVFP4 weight_scale_2 must be one float32 value, got {src.numel()} in the "
+                              f"source and {held.numel()} in the packed copy")
+    # bits, not values: the kernels multiply by exactly this float32
+    if not torch.equal(src.view(torch.int32), held.view(torch.int32)):
+        raise PrepackMismatch(
+            f"NVFP4 weight_scale_2 (global scale) differs after round trip: {float(held[0])!r} in the "
+            f"packed copy, {float(src[0])!r} in the source; the packed copy must carry the "
+            "checkpoint's global scale unchanged")
+
+
 def verify_nvfp4_roundtrip(packed: PackedNVFP4, weight_u8: torch.Tensor, weight_scale: torch.Tensor,
-                           rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> None:
-    """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the source."""
+                           weight_scale_2=None, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> None:
+    """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the
+    source: every code byte, every group-scale byte and, when ``weight_scale_2`` is given, the
+    global scale's float32 bits. The loader and the MoE path always give it (through
+    NVFP4Numerics.verify_roundtrip, which requires it); callers that check the permutation
+    alone may leave it out."""
     n, k = codecs.check_nvfp4(weight_u8, weight_scale)
     if (n, k) != (packed.n, packed.k):
         raise PrepackMismatch(f"shape mismatch: packed is N={packed.n} K={packed.k}, source is N={n} K={k}")
+    if weight_scale_2 is not None:
+        _check_global_scale(packed, weight_scale_2)
     sc_src = codecs.as_e4m3_bytes(weight_scale)
     g = geometry(packed.atom)
     step = _chunk_rows(rows_per_chunk, g.tile_n)
@@ -291,9 +311,12 @@ def unprepack_fp8(packed: PackedFP8, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUN
     return w.view(torch.float8_e4m3fn), packed.scale.clone()
 
 
-def verify_fp8_roundtrip(packed: PackedFP8, weight_e4m3: torch.Tensor, weight_scale=None,
+def verify_fp8_roundtrip(packed: PackedFP8, weight_e4m3: torch.Tensor, weight_scale,
                          rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> None:
-    """Raise PrepackMismatch naming the first differing byte unless unprepack(packed) equals the source."""
+    """Raise PrepackMismatch naming the first differing byte or scale unless unprepack(packed)
+    equals the source: every code byte, and every scale (the one per-tensor value or each row's
+    per-channel value), compared as float32 bits. The scale is required: a check without it
+    would prove the codes and let a wrong scale through."""
     w_src = codecs.as_e4m3_bytes(weight_e4m3)
     n, k = w_src.shape
     if (n, k) != (packed.n, packed.k):
@@ -308,8 +331,21 @@ def verify_fp8_roundtrip(packed: PackedFP8, weight_e4m3: torch.Tensor, weight_sc
             raise PrepackMismatch(
                 f"FP8 weight byte differs after round trip at offset {r0 * k + off} "
                 f"(row {r0 + off // k}, column {off % k}): got 0x{got:02x}, source 0x{want:02x}")
-    if weight_scale is not None:
-        src = torch.as_tensor(weight_scale, dtype=torch.float32).reshape(-1).to(packed.scale.device)
-        if src.numel() != packed.scale.numel() or not torch.equal(
-                src.view(torch.int32), packed.scale.reshape(-1).view(torch.int32)):
-            raise PrepackMismatch("FP8 weight_scale differs from the packed copy")
+    if weight_scale is None:
+        raise PrepackMismatch("FP8 weight_scale not given: the round trip must compare the scale "
+                              "as well as the codes; pass the source's weight_scale")
+    src = torch.as_tensor(weight_scale, dtype=torch.float32).reshape(-1).to(packed.scale.device)
+    held = packed.scale.reshape(-1)
+    if src.numel() != held.numel():
+        raise PrepackMismatch(f"FP8 weight_scale holds {src.numel()} value(s) in the source but "
+                              f"{held.numel()} in the packed copy (1: per tensor, N={n}: per channel); "
+                              "re-pack from the source")
+    # bits, not values: -0.0 and NaN payloads must come back as they were stored
+    d = _first_diff(held.view(torch.int32), src.view(torch.int32))
+    if d is not None:
+        row = d[0]
+        where = "per-tensor scale" if src.numel() == 1 else f"per-channel scale of row {row}"
+        raise PrepackMismatch(
+            f"FP8 weight_scale differs after round trip: {where} is {float(held[row])!r} in the "
+            f"packed copy, {float(src[row])!r} in the source (bits 0x{d[1] & 0xFFFFFFFF:08x} vs "
+            f"0x{d[2] & 0xFFFFFFFF:08x}); the packed copy must carry the checkpoint's scales unchanged")

@@ -116,7 +116,7 @@ def test_verify_names_first_differing_byte():
     pf = prepack.prepack_fp8(f, 2.0)
     pf.codes[100] ^= 1
     with pytest.raises(prepack.PrepackMismatch, match="FP8 weight byte differs"):
-        prepack.verify_fp8_roundtrip(pf, f)
+        prepack.verify_fp8_roundtrip(pf, f, 2.0)
 
 
 @pytest.mark.fast
@@ -149,3 +149,132 @@ def test_lm_head_per_rank_chunked_without_second_full_copy():
     p = prepack.prepack_nvfp4(w, s, 0.02, rows_per_chunk=4096)
     assert p.codes.numel() == n * k // 2  # 62080 is a whole number of 32-row tiles
     prepack.verify_nvfp4_roundtrip(p, w, s, rows_per_chunk=4096)
+
+
+# ---- the verification compares every scale the packed copy carries (issue 40 item 8) ----------
+# Each test hands verification the one wrong value a partial check (codes only, the first scale
+# only, the per-tensor case only) would let through.
+
+def _fp8_source(n, k, seed, per_channel):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    return w, (torch.rand(n, generator=g) + 0.5 if per_channel else torch.tensor(0.01))
+
+
+@pytest.mark.fast
+def test_fp8_verify_compares_every_per_channel_scale():
+    w, scale = _fp8_source(70, 48, 5, per_channel=True)
+    for row in (0, 37, 69):  # first, middle and last channel: no prefix of the vector is enough
+        p = prepack.prepack_fp8(w, scale, rows_per_chunk=32)
+        p.scale[row] *= 2
+        with pytest.raises(prepack.PrepackMismatch, match=rf"per-channel scale of row {row} is "):
+            prepack.verify_fp8_roundtrip(p, w, scale)
+    p = prepack.prepack_fp8(w, scale)
+    with pytest.raises(prepack.PrepackMismatch, match=r"holds 1 value\(s\) in the source but 70"):
+        prepack.verify_fp8_roundtrip(p, w, scale[:1])  # a per-tensor scale against a per-channel copy
+    with pytest.raises(prepack.PrepackMismatch, match="must compare the scale"):
+        prepack.verify_fp8_roundtrip(p, w, None)
+    w1, one = _fp8_source(40, 48, 6, per_channel=False)
+    p = prepack.prepack_fp8(w1, one)
+    p.scale[0] *= 3
+    with pytest.raises(prepack.PrepackMismatch, match="per-tensor scale"):
+        prepack.verify_fp8_roundtrip(p, w1, one)
+
+
+@pytest.mark.fast
+def test_fp8_layer_whose_per_channel_scale_changed_after_packing_is_refused(monkeypatch):
+    """The loader's own path: a prepack that changes one row's per-channel scale stops the load
+    with an error naming the layer and the row, before the checkpoint's tensors are freed."""
+    from types import SimpleNamespace
+
+    from qpn.fork_patches.linear_method import QPN8LinearMethod, QPNCheckpointError
+
+    w, scale = _fp8_source(96, 64, 7, per_channel=True)
+    real = prepack.prepack_fp8
+
+    def changes_row_41(*a, **k):
+        packed = real(*a, **k)
+        packed.scale[41] = packed.scale[41] * 1.5
+        return packed
+
+    method = QPN8LinearMethod(prefix="model.layers.0.linear_attn.out_proj", algo="FP8",
+                              backend="reference", fp8_scale="channel")
+    method.partition_sizes, method.n, method.k = [96], 96, 64
+    layer = SimpleNamespace(weight=SimpleNamespace(data=w),
+                            weight_scale=SimpleNamespace(data=scale.reshape(96, 1).clone()))
+    method._prepack(layer)  # the untouched prepack is proven
+    assert method.pieces[0][2].per_channel
+    monkeypatch.setattr(prepack, "prepack_fp8", changes_row_41)
+    with pytest.raises(QPNCheckpointError,
+                       match=r"model\.layers\.0\.linear_attn\.out_proj .*prepack inverse is not "
+                             r"byte-identical.*per-channel scale of row 41"):
+        method._prepack(layer)
+
+
+@pytest.mark.fast
+def test_nvfp4_verify_compares_the_global_scale(monkeypatch):
+    """The global scale is copied, not permuted, yet the kernels multiply by the packed copy: a
+    fused layer whose shards' global scales differ, packed with the wrong one, is refused."""
+    from types import SimpleNamespace
+
+    from qpn.fork_patches.linear_method import QPN2LinearMethod, QPNCheckpointError
+    from qpn.kernels import families
+
+    w, s = _nvfp4_bytes(64, 64, 12)
+    num = families.numerics(formats.NVFP4)
+    p = num.prepack(w, s, torch.tensor(0.25))
+    num.verify_roundtrip(p, w, s, torch.tensor(0.25))
+    p.global_scale[0] = 0.5
+    with pytest.raises(prepack.PrepackMismatch, match=r"weight_scale_2 \(global scale\) differs.*0\.5 in the "
+                                                      r"packed copy, 0\.25 in the source"):
+        num.verify_roundtrip(p, w, s, torch.tensor(0.25))
+    with pytest.raises(prepack.PrepackMismatch, match="global scale.*not given"):
+        num.verify_roundtrip(p, w, s, None)
+
+    # the loader's path: gate and up shards with different global scales, the second packed with
+    # the first shard's (what a prepack that reads weight_scale_2[0] for every piece would do)
+    real = prepack.prepack_nvfp4
+
+    def first_shards_global(wt, st, gs, *a, **k):
+        return real(wt, st, torch.tensor(0.125), *a, **k)
+
+    method = QPN2LinearMethod(prefix="model.layers.0.mlp.gate_up_proj", algo="NVFP4", backend="reference")
+    method.partition_sizes, method.n, method.k = [32, 32], 64, 64
+    layer = SimpleNamespace(weight=SimpleNamespace(data=w), weight_scale=SimpleNamespace(data=s),
+                            weight_scale_2=SimpleNamespace(data=torch.tensor([0.125, 0.375])))
+    method._prepack(layer)
+    assert len(method.pieces) == 2
+    monkeypatch.setattr(prepack, "prepack_nvfp4", first_shards_global)
+    with pytest.raises(QPNCheckpointError, match=r"model\.layers\.0\.mlp\.gate_up_proj .*rows 32-63.*"
+                                                 r"global scale\) differs"):
+        method._prepack(layer)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
+def test_int4_verify_compares_every_scale_and_zero_and_the_output_scale(sym):
+    """Every group scale and zero point of the last row too, and the output scale the kernels'
+    epilogue multiplies by (the family has none: it must stay 1.0)."""
+    import dataclasses
+
+    from qpn.kernels import family_int4
+
+    n, k, g = 40, 128, 32
+    gen = torch.Generator().manual_seed(13)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    s = (torch.rand(n, k // g, generator=gen) + 0.5).to(torch.float16)
+    z = None if sym else torch.randint(0, 16, (n, k // g), dtype=torch.uint8, generator=gen)
+    p = family_int4.prepack_int4(codes, s, z)
+    family_int4.verify_int4_roundtrip(p, codes, s, z)
+    last = s.clone()
+    last[n - 1, k // g - 1] *= 2
+    with pytest.raises(prepack.PrepackMismatch, match=rf"group_scales \(bits\) differ .* row {n - 1}, column {k // g - 1}"):
+        family_int4.verify_int4_roundtrip(p, codes, last, z)
+    if not sym:
+        zz = z.clone()
+        zz[n - 1, k // g - 1] ^= 1
+        with pytest.raises(prepack.PrepackMismatch, match=rf"zero_points differ .* row {n - 1}"):
+            family_int4.verify_int4_roundtrip(p, codes, s, zz)
+    scaled = dataclasses.replace(p, out_scale=torch.full((1,), 2.0))
+    with pytest.raises(prepack.PrepackMismatch, match=r"out_scale must be one float32 1\.0.*\[2\.0\]"):
+        family_int4.verify_int4_roundtrip(scaled, codes, s, z)
