@@ -1,6 +1,6 @@
-"""Request limits (issue 12 item 3) at the ASGI layer: what is refused, with which message, and
-that an accepted request reaches vLLM byte for byte. The same middleware against a real server:
-tests/test_launcher_api.py."""
+"""The request policy (issue 12 item 3, issue 40 items 4 and 6) at the ASGI layer: who may call which
+route, what is refused with which message, and that an accepted request reaches vLLM byte for byte.
+The same middleware against real servers: tests/test_launcher_api.py, tests/test_route_policy.py."""
 from __future__ import annotations
 
 import asyncio
@@ -76,8 +76,12 @@ def test_other_paths_and_non_json_untouched():
     assert status == 200 and forwarded == b'{"n": 9}'
     status, _, forwarded = _call(Limits(max_n=1), b"not json{")
     assert status == 200 and forwarded == b"not json{"
-    # booleans are not counts; a missing model length leaves max_tokens to vLLM
-    assert Limits(max_n=1).problem({"n": True, "max_tokens": 10 ** 9}) is None
+    # a path the app has no route for goes to vLLM (its 404), key or not
+    status, _, forwarded = _call(Limits(max_n=1), b'{"n": 9}', path="/no/such/route",
+                                 api_keys=["k"])
+    assert status == 200 and forwarded == b'{"n": 9}'
+    # a missing model length leaves max_tokens to vLLM
+    assert Limits(max_n=1).problem({"max_tokens": 10 ** 9}) is None
 
 
 def test_defaults_from_env(monkeypatch):
@@ -108,15 +112,18 @@ def test_launcher_passes_the_middleware_and_limits(tmp_path):
 
 
 @pytest.mark.parametrize("value,refused", [("5", True), (" 5 ", True), (5.0, True), ("4", False),
-                                           (4.0, False), ("five", False), (True, False),
-                                           (4.5, False), (None, False)])
+                                           (4.0, False), ("five", True), (True, True),
+                                           (False, True), (4.5, True), ([4], True), (None, False)])
 def test_counts_are_read_as_the_engine_reads_them(value, refused):
     """A numeric string or an integral float is a count to the engine (pydantic lax mode), so
-    it is one to the limit too; what the engine refuses anyway passes to it untouched."""
+    it is one to the limit too; anything else that is not an integer (true, 4.5, "five") is
+    refused naming the field: the engine would read true as 1 and serve it."""
     status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
                                        json.dumps({"model": "m", "n": value}).encode())
     assert (status == 400) is refused, (value, payload)
     assert (forwarded is None) is refused
+    if refused:
+        assert json.loads(payload)["error"]["param"] == "n"
 
 
 @pytest.mark.parametrize("depth", [2000, 10000])
@@ -127,17 +134,31 @@ def test_a_deeply_nested_body_gets_a_400_not_a_500(depth):
     assert "nests JSON deeper" in json.loads(payload)["error"]["message"]
 
 
-@pytest.mark.parametrize("header,limited", [
+@pytest.mark.parametrize("header,authorised", [
     (None, False), (b"Bearer wrong", False), (b"Basic s3cret", False), (b"Bearer s3cret ", False),
     (b"Bearer s3cret", True), (b"bearer s3cret", True)])
-def test_only_an_authorised_request_meets_the_limits(header, limited):
-    """With a key set, a request vLLM would refuse (no key, another key, another scheme) passes to
-    vLLM untouched, whose authentication answers 401; only a request with the key is judged."""
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generative_scoring",
+                                  "/v1/chat/completions/batch", "/tokenize", "/invocations"])
+def test_the_key_guards_every_route_but_the_probes(header, authorised, path):
+    """With a key set, a request without it (no key, another key, another scheme) gets 401 on
+    every route that is not a probe, /generative_scoring and /invocations included (vLLM's own
+    check guards /v1, /v2 and /inference only); no limit message reaches it. With the key, the
+    limits judge it (or the route answers 501 when it is off)."""
     headers = [(b"authorization", header)] if header else []
     status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
                                        json.dumps({"model": "m", "n": 50}).encode(),
-                                       api_keys=["s3cret"], headers=headers)
-    assert (status == 400) is limited and (forwarded is None) is limited, (header, payload)
+                                       api_keys=["s3cret"], headers=headers, path=path)
+    assert forwarded is None or path == "/tokenize", (path, header, payload)
+    if not authorised:
+        assert (status, json.loads(payload)) == (401, {"error": "Unauthorized"})
+    elif path == "/tokenize":
+        assert status == 200
+    elif path == "/invocations":
+        assert status == 501 and "/v1/chat/completions" in json.loads(payload)["error"]["message"]
+    else:
+        assert status == 400, payload
+    for probe in ("/health", "/ping", "/metrics", "/version"):
+        assert _call(Limits(), b"", api_keys=["s3cret"], headers=headers, path=probe)[0] == 200
 
 
 @pytest.mark.parametrize("field,key", [("guided_json", "json"), ("guided_regex", "regex"),
@@ -178,3 +199,113 @@ def test_a_tool_message_needs_its_call_id(tool_msg, refused):
     assert (status == 400) is refused and (forwarded is None) is refused
     if refused:
         assert json.loads(payload)["error"]["param"] == "messages[2].tool_call_id"
+
+
+@pytest.mark.parametrize("path,body,param,sequences", [
+    ("/v1/completions", {"prompt": ["a"] * 50, "n": 4}, "prompt", 200),
+    ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 3}, "prompt", 6),
+    ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "a"}]] * 40},
+     "messages", 40),
+    ("/generative_scoring", {"query": "a", "items": ["b"] * 9, "label_token_ids": [1, 2]},
+     "items", 9)])
+def test_sequences_are_counted_across_prompts_conversations_and_items(path, body, param, sequences):
+    """50 prompts x n=4 are 200 sequences, not 4: every generating route counts what it starts."""
+    status, payload, forwarded = _call(Limits(max_n=4, max_model_len=4096),
+                                       json.dumps({"model": "m", **body}).encode(), path=path)
+    assert status == 400 and forwarded is None
+    err = json.loads(payload)["error"]
+    assert err["param"] == param and f"{sequences} sequences" in err["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 2}),
+    ("/v1/completions", {"prompt": [1, 2, 3, 4, 5, 6], "n": 4}),  # one prompt of token ids
+    ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "a"}]] * 4}),
+    ("/generative_scoring", {"query": "a", "items": ["b"] * 4, "label_token_ids": [1, 2]})])
+def test_sequences_within_the_limit_pass(path, body):
+    raw = json.dumps({"model": "m", **body}).encode()
+    assert _call(Limits(max_n=4, max_model_len=4096), raw, path=path) == (200, b"ok", raw)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions/batch", "/generative_scoring"])
+def test_guided_fields_are_refused_on_every_generating_route(path):
+    status, payload, forwarded = _call(Limits(), json.dumps(
+        {"model": "m", "guided_choice": ["a"], "messages": [[{"role": "user", "content": "a"}]],
+         "items": ["b"]}).encode(), path=path)
+    assert status == 400 and json.loads(payload)["error"]["param"] == "guided_choice"
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    ([{"content": "hi"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "system", "content": "s"}, {"role": "developer"}], "messages[1].content"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant"}], "messages[1].content"),
+    ([{"role": "user", "content": "a"},
+      {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                            "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c"}], "messages[2].content")])
+def test_chat_messages_follow_the_chat_api(messages, param):
+    status, payload, forwarded = _call(Limits(), json.dumps({"model": "m", "messages": messages}).encode())
+    assert status == 400 and forwarded is None, payload
+    assert json.loads(payload)["error"]["param"] == param
+    batch = _call(Limits(), json.dumps({"model": "m", "messages": [messages]}).encode(),
+                  path="/v1/chat/completions/batch")
+    assert batch[0] == 400 and json.loads(batch[1])["error"]["param"] == param.replace(
+        "messages[", "messages[0][", 1)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": ""}],
+    [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+     {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+     {"role": "tool", "tool_call_id": "c", "content": "18C"}, {"role": "assistant", "content": "ok"}]])
+def test_well_formed_conversations_pass(messages):
+    raw = json.dumps({"model": "m", "messages": messages}).encode()
+    assert _call(Limits(), raw) == (200, b"ok", raw)
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", True), ("max_tokens", "many"),
+                                         ("max_completion_tokens", 1.5),
+                                         ("max_output_tokens", False)])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_token_counts_must_be_integers(field, value, path):
+    status, payload, forwarded = _call(Limits(), json.dumps(
+        {"model": "m", field: value, "messages": [{"role": "user", "content": "a"}]}).encode(),
+        path=path)
+    assert status == 400 and forwarded is None
+    err = json.loads(payload)["error"]
+    assert err["param"] == field and "not an integer" in err["message"]
+
+
+@pytest.mark.parametrize("path,why", [("/invocations", "/v1/chat/completions"),
+                                      ("/v1/messages", "/v1/chat/completions"),
+                                      ("/collective_rpc", "administration"),
+                                      ("/v1/embeddings", "task")])
+def test_routes_that_are_off_answer_501_naming_the_route(path, why):
+    status, payload, forwarded = _call(Limits(), b'{"model": "m"}', path=path)
+    assert status == 501 and forwarded is None
+    message = json.loads(payload)["error"]["message"]
+    assert message.startswith(f"{path} is turned off") and why in message
+
+
+def test_a_route_the_table_does_not_name_is_off():
+    """Fail closed: a route the app has (Starlette puts the app in the scope) that the table
+    does not classify answers 501; a path the app has no route for still reaches vLLM's 404."""
+    from fastapi import FastAPI
+
+    from qpn.scripts.launcher.request_limits import route_for
+
+    app = FastAPI()
+
+    @app.post("/v9/new_generate")
+    async def new_generate():
+        return {}
+
+    scope = {"type": "http", "method": "POST", "path": "/v9/new_generate", "app": app}
+    assert route_for("/v9/new_generate", scope).access == "off"
+    assert route_for("/v9/other", {**scope, "path": "/v9/other"}) is None
+    assert route_for("/v1/responses/resp_1").access == "keyed"
