@@ -66,6 +66,38 @@ def test_capture_spec_resolution():
         resolve_capture("eight", 1, 7)
 
 
+@pytest.mark.parametrize("mns,k", [(1, 0), (1, 7), (2, 3), (4, 4), (16, 0), (33, 3), (256, 7)])
+def test_capture_coverage_checks_both_ends_of_the_width_range(mns, k):
+    """The coverage check spans N = 1..MNS inclusive: a ladder that reaches every width but the
+    largest (a check that stops at MNS - 1 passes it) is refused naming that width, and an empty
+    ladder leaves the smallest, K+1, uncovered as well."""
+    width = k + 1
+    top = mns * width
+    short = [s for s in derive_capture_sizes(mns, k) if s < top] + ([top - width] if mns > 1 else [])
+    assert uncovered_widths(short, mns, k) == [top]
+    assert uncovered_widths([], mns, k) == [n * width for n in range(1, mns + 1)]
+    if short:
+        with pytest.raises(CaptureSpecError, match=rf"decode widths \[{top}\] .*MNS={mns}.* exceed the "
+                                                   rf"largest captured size {top - width} .*Use CAPTURE="):
+            resolve_capture(",".join(map(str, short)), mns, k)
+        assert resolve_capture(",".join(map(str, short + [top])), mns, k) == sorted(set(short + [top]))
+
+
+def test_a_derived_ladder_short_of_the_top_is_refused(monkeypatch):
+    """The derived ladder goes through the same coverage check as a hand-written one, for every
+    depth it must cover (K=auto's ladder too): a derivation that drops the top rung is refused."""
+    from qpn.scripts.launcher import capture_ladder
+
+    real = capture_ladder.derive_capture_sizes
+    monkeypatch.setattr(capture_ladder, "derive_capture_sizes", lambda mns, k: real(mns, k)[:-1])
+    with pytest.raises(CaptureSpecError, match=r"derived capture ladder .* leaves decode widths \[20\]"):
+        capture_ladder.resolve_capture(None, 4, 4)
+    with pytest.raises(CaptureSpecError, match=r"widths \[16\] \(N\*\(K\+1\) for K=3, N up to MNS=4\)"):
+        capture_ladder.resolve_capture(None, 4, 3, ladder=(1, 3))
+    # on the sm70 engine its own rule adds every N*(K+1) up to MNS: the union still covers them
+    assert capture_ladder.resolve_capture(None, 4, 4, engine_rules=True, tp=4)[-1] == 20
+
+
 # ---- refusals before boot --------------------------------------------------------------------
 
 def _serve(args, tmp_path, **env_over):

@@ -71,7 +71,8 @@ def engine_sm70_capture_sizes(max_num_seqs: int, k: int, tp: int) -> list[int]:
 
 
 def uncovered_widths(sizes: list[int], max_num_seqs: int, k: int) -> list[int]:
-    """Decode widths N*(K+1), N in 1..MNS, with no captured size at or above them."""
+    """Decode widths N*(K+1), N in 1..MNS (both ends: K+1 and MNS*(K+1)), with no captured size
+    at or above them (vLLM pads a step up to the next captured size; a wider one runs eager)."""
     top = max(sizes) if sizes else 0
     return [n * (k + 1) for n in range(1, max_num_seqs + 1) if n * (k + 1) > top]
 
@@ -96,6 +97,16 @@ def resolve_capture(spec: str | None, max_num_seqs: int, k: int, engine_rules: b
             derived |= set(derive_capture_sizes(max_num_seqs, d))
             if engine_rules and d > 0:
                 derived |= set(engine_sm70_capture_sizes(max_num_seqs, d, tp))
+        # The derived list is checked like a hand-written one: a ladder that stops one rung short
+        # of MNS*(d+1) would leave the widest steps eager with nothing else to say so.
+        for d in depths:
+            missing = uncovered_widths(sorted(derived), max_num_seqs, d)
+            if missing:
+                raise CaptureSpecError(
+                    f"the derived capture ladder {sorted(derived)} leaves decode widths {missing} "
+                    f"(N*(K+1) for K={d}, N up to MNS={max_num_seqs}) uncovered: a bug in "
+                    f"capture_ladder.py. Set CAPTURE to sizes reaching {max_num_seqs * (d + 1)}, "
+                    "or CAPTURE=none for the engine default")
         return sorted(derived)
     if ladder and spec.strip().lower() != "none":
         raise CaptureSpecError(f"CAPTURE={spec!r} with K=auto: the widths of every depth of the "
