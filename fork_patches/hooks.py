@@ -318,7 +318,10 @@ REGISTRY: list[Hook] = [
         "1Cat 1.2.2 and 1.3.0 (their forward differs, the bonus call and _get_logprobs_tensors "
         "do not)",
         how="run the engine's forward on sampling metadata without logprob_token_ids (the bonus "
-        "rows come back as whole logits) and hold the ids for _get_logprobs_tensors "
+        "rows come back as whole logits) and with a top-k count of len(ids) where the request sent "
+        "none (chat and completions do: without a count the rejection sampler returns no "
+        "log-probabilities and the chat endpoint fails with an IndexError); hold the ids for "
+        "_get_logprobs_tensors "
         "(qpn.fork_patches.spec_logprobs); requests without them take the engine's code unchanged",
         remove_when="vLLM's RejectionSampler handles logprob_token_ids",
         apply="qpn.fork_patches.spec_logprobs:wrap_rejection_forward",

@@ -14,12 +14,16 @@ them. Under MTP that kills the engine core on the first such request (found 2026
   gathered ``[rows, len(ids) + 1]`` columns. ``_get_logprobs_tensors`` then writes that into a
   ``[rows, vocab]`` buffer: "shape mismatch: value tensor of shape [3] cannot be broadcast to
   indexing result of shape [1, 512]", and the engine core dies;
-- had it lived, ``_get_logprobs_tensors`` gathers the top ``len(ids)`` tokens, not the named ones,
-  which the chat endpoint's ``_create_chat_logprobs`` then indexes as if they were (an IndexError).
+- had it lived, ``_get_logprobs_tensors`` gathers the top ``len(ids)`` tokens, not the named ones;
+- and a chat or completions request sends the ids without a top-k count (``logprobs`` None), so
+  the rejection sampler, which computes log-probabilities only with a count, returns none for any
+  step it samples (with MTP that is every step, the prompt's too): the chat endpoint's
+  ``_create_chat_logprobs`` then indexes an empty list (IndexError, HTTP 500).
 
 The fix keeps the engine's arithmetic and changes what it is asked: ``wrap_rejection_forward`` runs
 the rejection sampler on sampling metadata without ``logprob_token_ids`` (so the bonus rows come
-back as whole logits, as the rejection sampler expects) and hands the ids to
+back as whole logits, as the rejection sampler expects) and with the count the plain sampler's
+request would have (``SamplingParams.num_logprobs``: the number of ids), and hands the ids to
 ``wrap_accepted_logprobs``, which lets ``_get_logprobs_tensors`` compute every verified row's
 log-probabilities as before and gathers the named tokens from them with the sampler's own
 ``gather_specific_token_logprobs``: the same columns (sampled token first, then the named ones, -inf
@@ -47,7 +51,13 @@ def wrap_rejection_forward(original):
         if not ids:
             return original(self, metadata, draft_probs, logits, sampling_metadata)
         STATS["named_token_steps"] += 1
-        plain = dataclasses.replace(sampling_metadata, logprob_token_ids=None)
+        # chat and completions send the ids without a top-k count (SamplingParams.logprobs None),
+        # and the rejection sampler computes log-probabilities only with a count: give it the one
+        # SamplingParams.num_logprobs gives such a request, or it returns none at all
+        top = sampling_metadata.max_num_logprobs
+        if top is None:
+            top = max(len(named) for named in ids.values())
+        plain = dataclasses.replace(sampling_metadata, logprob_token_ids=None, max_num_logprobs=top)
         setattr(self, _PENDING, ids)
         try:
             return original(self, metadata, draft_probs, logits, plain)

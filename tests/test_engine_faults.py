@@ -70,9 +70,9 @@ def _batch(named):
     return spec, logits, meta
 
 
-def _run(forward, get_logprobs, named, top=None):
+def _run(forward, get_logprobs, named, top=None, clear_top=False):
     spec, logits, meta = _batch(named)
-    if top is not None:
+    if top is not None or clear_top:
         meta.max_num_logprobs = top
     sampler = rs.RejectionSampler(sampler_mod.Sampler("raw_logprobs"))
 
@@ -94,9 +94,20 @@ def test_named_token_logprobs_under_speculation_kill_the_engines_sampler():
 
 
 @pytest.mark.usefixtures("cpu_kernel_overrides")
-def test_named_token_logprobs_under_speculation_are_the_named_tokens():
+def test_named_tokens_without_a_top_k_count_get_no_logprobs_from_the_engine():
+    """Chat and completions send logprob_token_ids with logprobs None, so the batch's
+    max_num_logprobs is None: the engine's rejection sampler returns no log-probabilities at all
+    (the chat endpoint then fails with an IndexError)."""
+    out, _ = _run(ENGINE_FORWARD, ENGINE_LOGPROBS, NAMED, top=None, clear_top=True)
+    assert out.logprobs_tensors is None
+
+
+@pytest.mark.usefixtures("cpu_kernel_overrides")
+@pytest.mark.parametrize("clear_top", [False, True], ids=["scoring", "chat"])
+def test_named_token_logprobs_under_speculation_are_the_named_tokens(clear_top):
     out, logits = _run(spec_logprobs.wrap_rejection_forward(ENGINE_FORWARD),
-                       spec_logprobs.wrap_accepted_logprobs(ENGINE_LOGPROBS), NAMED)
+                       spec_logprobs.wrap_accepted_logprobs(ENGINE_LOGPROBS), NAMED,
+                       clear_top=clear_top)
     sampled = out.sampled_token_ids
     assert sampled[0, :3].tolist() == [3, 7, int(logits[2].argmax())]  # two drafts kept, then target
     assert sampled[1, 0].item() == 6  # first draft rejected: the target's token
