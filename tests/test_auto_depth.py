@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -549,6 +550,151 @@ def test_the_gate_under_auto_reads_the_census_steps_per_drafted_depth():
     assert boot_gates.census_depth_steps(None) == {}
 
 
+# ---- K=auto's long warm request, sized to the served max_model_len (issue 40 item 3) ---------
+
+class _ChatLimits:
+    """A stand-in for vLLM's chat endpoint as far as its length check goes: /v1/models reports
+    max_model_len, a chat whose prompt (the checkpoint's template, rendered, then encoded) plus
+    max_tokens exceeds it is refused with HTTP 400 and vLLM's words."""
+
+    def __init__(self, ckpt: str, mml: int):
+        from transformers import AutoTokenizer
+
+        self.tok, self.mml, self.prompts = AutoTokenizer.from_pretrained(ckpt), mml, []
+
+    def tokens(self, messages) -> int:
+        chat = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                            enable_thinking=False)
+        return len(self.tok(chat, add_special_tokens=False, verbose=False)["input_ids"])
+
+    def serve(self):
+        import http.server
+        import threading
+
+        limits = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, status, body):
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):  # noqa: N802
+                self._send(200, {"data": [{"id": "tiny", "max_model_len": limits.mml}]})
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                n, m = limits.tokens(body["messages"]), body["max_tokens"]
+                limits.prompts.append(n)
+                if n + m > limits.mml:
+                    return self._send(400, {"error": {"message": (
+                        f"This model's maximum context length is {limits.mml} tokens. However, you "
+                        f"requested {n + m} tokens ({n} in the messages, {m} in the completion).")}})
+                self._send(200, {"choices": [{"message": {"content": "ready " * m}}],
+                                 "usage": {"prompt_tokens": n, "completion_tokens": m}})
+
+            def log_message(self, *args):
+                pass
+
+        httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_dir(tmp_path_factory):
+    """The tiny test checkpoint's tokenizer and chat template (the files make_checkpoint writes)."""
+    from qpn.scripts.checkpoints import tiny_hybrid, tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    spec = tiny_hybrid.TinyHybridSpec()
+    tiny_tokenizer.write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings)
+    return str(out)
+
+
+def _warm_against(ckpt: str, mml: int, **env):
+    from qpn.scripts.launcher import serve
+
+    limits = _ChatLimits(ckpt, mml)
+    httpd = limits.serve()
+    try:
+        launch = SimpleNamespace(root_url=f"http://127.0.0.1:{httpd.server_port}", api_key=None,
+                                 environ=env, ckpt=ckpt, mml=mml, k=7, depth=_test_policy())
+        short = serve.warm_request(launch, "tiny")
+        assert short["ok"], short
+        long, auto = serve.auto_depth_warm(launch, "tiny", short)
+        return limits, short, long, auto
+    finally:
+        httpd.shutdown()
+
+
+def _gate(short: dict, long: dict):
+    from qpn.scripts.launcher import serve
+
+    return boot_gates.gate_warm(serve.with_long_warm(short, long))
+
+
+@pytest.mark.fast
+def test_the_long_warm_request_fits_the_served_max_model_len(tiny_tokenizer_dir):
+    from qpn.scripts.launcher.serve import long_warm_prompt
+
+    # the cpu engine's default MML: the default 1500 words are longer than that on this tokenizer
+    limits, short, long, auto = _warm_against(tiny_tokenizer_dir, 4096)
+    asked = limits.tokens([{"role": "user", "content": long_warm_prompt(1500)}])
+    assert asked + 8 > 4096, asked
+    assert long["ok"], long  # before issue 40: HTTP 400, maximum context length is 4096
+    from qpn.scripts.launcher.serve import LONG_WARM_SLACK, WARM_MAX_TOKENS
+
+    sent = long["prompt_tokens"]
+    budget = 4096 - WARM_MAX_TOKENS - LONG_WARM_SLACK
+    assert budget - 40 < sent <= budget, sent  # as long as fits, to within a word or two
+    words = int(re.search(r"cut to (\d+) of the 1500 words asked", long["note"]).group(1))
+    assert limits.tokens([{"role": "user", "content": long_warm_prompt(words)}]) == sent
+    assert limits.tokens([{"role": "user", "content": long_warm_prompt(words + 1)}]) > budget
+    # the gate line says so, and the policy decides for both contexts (k=7 short, k=3 long)
+    gate = _gate(short, long)
+    assert not gate.failed and f"({sent} prompt tokens)" in gate.observed, gate.observed
+    assert "max_model_len 4096 holds no more" in gate.observed, gate.observed
+    assert auto.short[1] == 7 and auto.long == (sent + WARM_MAX_TOKENS, 3), auto
+
+
+@pytest.mark.fast
+def test_the_long_warm_request_as_asked_where_it_fits_and_none_where_nothing_longer_fits(
+        tiny_tokenizer_dir):
+    from qpn.scripts.launcher.serve import long_warm_prompt
+
+    limits, _, long, auto = _warm_against(tiny_tokenizer_dir, 32768)
+    assert long["ok"] and long["note"] == (f"K=auto long warm request: 1500 words "
+                                           f"({long['prompt_tokens']} prompt tokens)"), long
+    assert long["prompt_tokens"] == limits.tokens([{"role": "user",
+                                                    "content": long_warm_prompt(1500)}])
+    _, _, long, _ = _warm_against(tiny_tokenizer_dir, 32768, DEPTH_WARM_WORDS="400")
+    assert long["note"].startswith("K=auto long warm request: 400 words"), long
+    # a max_model_len that holds the short warm request but nothing longer: no long request
+    short_tokens = limits.tokens([{"role": "user", "content": "Say ready."}])
+    limits, short, long, auto = _warm_against(tiny_tokenizer_dir, short_tokens + 30)
+    assert limits.prompts == [short_tokens], limits.prompts  # the short request only
+    assert not auto.expects_change and auto.long == auto.short, auto
+    gate = _gate(short, long)
+    assert not gate.failed and "long warm request not sent" in gate.observed, gate.observed
+    assert "too short for a long-context decision" in gate.observed, gate.observed
+
+
+@pytest.mark.fast
+def test_without_a_tokenizer_the_long_warm_request_is_bounded_by_its_bytes(tiny_tokenizer_dir,
+                                                                           monkeypatch):
+    from qpn.scripts.launcher import serve
+
+    monkeypatch.setattr(serve, "chat_token_counter", lambda ckpt: (None, "no transformers"),
+                        raising=False)
+    _, short, long, _ = _warm_against(tiny_tokenizer_dir, 4096)
+    assert long["ok"] and "cut to" in long["note"] and "one token per byte" in long["note"], long
+    assert long["prompt_tokens"] > short["prompt_tokens"] + 100, long
+
+
 # ---- a real server on the cpu engine (engine) ------------------------------------------------
 
 def _prompt(words: int) -> str:
@@ -559,14 +705,17 @@ def _prompt(words: int) -> str:
 
 @pytest.fixture(scope="module")
 def servers(mixed_checkpoint, tmp_path_factory):
-    """The launcher's K=auto server (its gates must pass) and a raw K=0 server, both greedy."""
+    """The launcher's K=auto server (its gates must pass) and a raw K=0 server, both greedy. The
+    auto server runs at the cpu engine's default MML (4096) with the default long warm request
+    (no DEPTH_WARM_WORDS): the launcher must size that request to fit (issue 40 item 3)."""
     from qpn.scripts.launcher.launched import LaunchedServer
     from tests.test_launcher_server import _env
 
     tmp = tmp_path_factory.mktemp("auto")
     env = _env(str(tmp), K="auto", DEPTH_LADDER="3,7", DEPTH_PRIOR_ROUNDS=repr(PRIOR_ONLY),
-               DEPTH_CONSTANTS=json.dumps(TEST_CONSTANTS), DEPTH_WARM_WORDS="400",
-               RUN_DIR=str(tmp / "run"), TOOL_PARSER="hermes")
+               DEPTH_CONSTANTS=json.dumps(TEST_CONSTANTS), RUN_DIR=str(tmp / "run"),
+               TOOL_PARSER="hermes")
+    env.pop("DEPTH_WARM_WORDS", None)
     auto = LaunchedServer(str(mixed_checkpoint), env=env)
     off = LaunchedServer(str(mixed_checkpoint), env={**_env(str(tmp / "off"), K="0",
                                                             RUN_DIR=str(tmp / "off-run"),
@@ -614,6 +763,14 @@ def _complete(server, prompt: str, max_tokens: int) -> dict:
 def test_auto_server_passes_its_gates_with_a_depth_change(servers):
     auto, _ = servers
     gates = {g["name"]: g for g in json.load(open(auto.gates_json))["gates"]}
+    # the default long warm request (1500 words, more than 4096 tokens on the tiny tokenizer) was
+    # cut to what the engine's default max_model_len holds, and the gate line says so
+    warm = gates["warm_request"]
+    assert warm["status"] == "PASS", warm
+    cut = re.search(r"K=auto long warm request cut to (\d+) of the 1500 words asked \((\d+) prompt "
+                    r"tokens\): max_model_len 4096 holds no more", warm["observed"])
+    assert cut and 3800 < int(cut.group(2)) <= 4096 - 8, warm["observed"]
+    assert "MML=model default" not in auto.output and "MML=4096" in auto.output, auto.output
     depth = gates["served_depth"]
     assert depth["status"] == "PASS" and "K=auto over [3, 7]" in depth["expected"], depth
     # the gate read the census's steps per drafted depth (auto-depth-draft-depth), both depths

@@ -209,6 +209,8 @@ def gate_warm(warm: dict) -> GateResult:
     tokens = warm.get("completion_tokens", 0)
     ok = warm.get("ok", False) and tokens > 0
     observed = f"{tokens} completion tokens" if warm.get("ok") else warm.get("error", "no reply")
+    if warm.get("ok") and warm.get("note"):  # K=auto: the long warm request's size (serve.py)
+        observed += f"; {warm['note']}"
     return GateResult(GATE_WARM, PASS if ok else FAIL,
                       "greedy chat answered with > 0 completion tokens", observed)
 

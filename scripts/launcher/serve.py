@@ -527,13 +527,17 @@ def wait_for_models(server: Server, progress: BootProgress | None = None) -> str
 
 
 # K=auto's second warm request: a prompt of about this many words, so the policy decides for a
-# long live context too (DEPTH_WARM_WORDS overrides it).
+# long live context too (DEPTH_WARM_WORDS overrides it); cut to what the served max_model_len holds.
 LONG_WARM_WORDS = 1500
+WARM_MAX_TOKENS = 8
+# Tokens the long warm request leaves free beyond its completion: slack for a server that renders
+# or counts the chat a few tokens differently from the checkpoint's tokenizer here.
+LONG_WARM_SLACK = 16
 
 
 def warm_request(launch: Launch, model: str, prompt: str = "Say ready.") -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "temperature": 0.0, "max_tokens": 8, "seed": 0,
+            "temperature": 0.0, "max_tokens": WARM_MAX_TOKENS, "seed": 0,
             "chat_template_kwargs": {"enable_thinking": False}}
     try:
         status, raw = _request(launch, "/v1/chat/completions", body, timeout=600)
@@ -559,11 +563,122 @@ def long_warm_prompt(words: int) -> str:
     return " ".join(filler[i % len(filler)] for i in range(words)) + " What did the committee do?"
 
 
+def chat_token_counter(ckpt: str):
+    """(count, None), ``count(text)`` being the prompt tokens of a one-message chat of ``text`` as
+    the server builds it (the checkpoint's chat template, thinking off, with the generation
+    prompt, rendered and then encoded without added special tokens, as vLLM does) with the
+    checkpoint's own tokenizer; or (None, why) when that tokenizer cannot be loaded here."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(ckpt)
+    except Exception as exc:  # noqa: BLE001 - any failure: the caller falls back to a bound
+        return None, f"{type(exc).__name__}: {exc}"[:200]
+
+    def count(text: str) -> int:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True, enable_thinking=False)
+        return len(tok(chat, add_special_tokens=False, verbose=False)["input_ids"])
+
+    return count, None
+
+
+@dataclass(frozen=True)
+class LongWarm:
+    """K=auto's long warm request, sized to the served max_model_len: ``words`` of
+    long_warm_prompt (0: not sent), ``tokens`` its prompt tokens as counted before sending."""
+
+    asked: int
+    words: int
+    tokens: int
+    mml: int | None
+    counted: str  # how the tokens were counted
+
+    @property
+    def cut(self) -> bool:
+        return self.words < self.asked
+
+    def note(self, prompt_tokens: int | None = None) -> str:
+        """The warm_request gate's words on it; ``prompt_tokens``: what the server counted."""
+        served = f"{prompt_tokens if prompt_tokens is not None else self.tokens} prompt tokens"
+        if not self.asked:
+            return "K=auto long warm request not sent (DEPTH_WARM_WORDS=0)"
+        if not self.words:
+            return (f"K=auto long warm request not sent: max_model_len {self.mml} is too short "
+                    f"for a long-context decision (no prompt longer than the short warm "
+                    f"request's fits with {WARM_MAX_TOKENS} completion tokens); the depth policy "
+                    "was checked at the short warm request's context only")
+        if self.cut:
+            return (f"K=auto long warm request cut to {self.words} of the {self.asked} words "
+                    f"asked ({served}): max_model_len {self.mml} holds no more with "
+                    f"{WARM_MAX_TOKENS} completion tokens (counted with {self.counted}); the "
+                    "long-context decision is checked at that context only")
+        return f"K=auto long warm request: {self.words} words ({served})"
+
+
+def size_long_warm(asked: int, mml: int | None, count, floor: int = 0,
+                   counted: str = "the checkpoint's tokenizer") -> LongWarm:
+    """The most words of long_warm_prompt, up to ``asked``, whose chat (``count``: prompt tokens)
+    leaves WARM_MAX_TOKENS completion tokens and LONG_WARM_SLACK free in ``mml`` (None: no
+    limit known). Words whose prompt is no longer than ``floor`` tokens (the short warm
+    request's context) decide nothing new: then none are sent."""
+    if asked <= 0:
+        return LongWarm(0, 0, 0, mml, counted)
+    tokens = count(long_warm_prompt(asked))
+    if mml is None or tokens + WARM_MAX_TOKENS + LONG_WARM_SLACK <= mml:
+        return LongWarm(asked, asked, tokens, mml, counted)
+    budget = mml - WARM_MAX_TOKENS - LONG_WARM_SLACK
+    lo, hi, lo_tokens = 0, asked, None  # count(lo words) fits (or lo == 0), count(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        mid_tokens = count(long_warm_prompt(mid))
+        if mid_tokens <= budget:
+            lo, lo_tokens = mid, mid_tokens
+        else:
+            hi = mid
+    if lo_tokens is None or lo_tokens <= floor:
+        return LongWarm(asked, 0, 0, mml, counted)
+    return LongWarm(asked, lo, lo_tokens, mml, counted)
+
+
+def served_max_model_len(launch: Launch) -> int | None:
+    """max_model_len as the server reports it on /v1/models; the launcher's MML when it does not."""
+    try:
+        status, body = _request(launch, "/v1/models", timeout=10)
+        if status == 200:
+            return int(json.loads(body)["data"][0]["max_model_len"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        pass
+    return launch.mml
+
+
 def auto_depth_warm(launch: Launch, model: str, short: dict) -> tuple[dict, boot_gates.AutoDepth]:
     """K=auto: the long warm request, and the depths the policy picks (from its prior) for the
-    two warm contexts, which the served_depth gate checks the engine drafted."""
+    two warm contexts, which the served_depth gate checks the engine drafted. The long request is
+    DEPTH_WARM_WORDS words (LONG_WARM_WORDS), cut to what the served max_model_len holds (counted
+    with the checkpoint's tokenizer and chat template; without them here, bounded by one token
+    per byte over the short request's prompt), or not sent where nothing longer than the short
+    request fits. The reply's ``note`` says which."""
     words = _int_setting(launch.environ, "DEPTH_WARM_WORDS", LONG_WARM_WORDS)
-    long = warm_request(launch, model, long_warm_prompt(words))
+    mml = served_max_model_len(launch)
+    floor = int(short.get("prompt_tokens", 0)) + int(short.get("completion_tokens", 0))
+    count, why = chat_token_counter(launch.ckpt)
+    counted = "the checkpoint's tokenizer"
+    if count is None:
+        # no tokenizer here: a byte-level BPE never needs more tokens than UTF-8 bytes, and the
+        # short request's prompt holds the chat template's tokens
+        def count(text: str, base: int = int(short.get("prompt_tokens", 0))) -> int:
+            return base + len(text.encode())
+
+        counted = f"one token per byte (no tokenizer here: {why})"
+        warn(f"K=auto: the long warm request is sized by {counted}")
+    plan = size_long_warm(words, mml, count, floor=floor, counted=counted)
+    if plan.words:
+        long = warm_request(launch, model, long_warm_prompt(plan.words))
+        note = plan.note(long.get("prompt_tokens") if long.get("ok") else None)
+    else:
+        long, note = dict(short), plan.note()
+    long["note"] = note
     policy = launch.depth
 
     def pick(reply: dict) -> tuple[int, int]:
@@ -571,6 +686,14 @@ def auto_depth_warm(launch: Launch, model: str, short: dict) -> tuple[dict, boot
         return context, policy.decide(context).k
 
     return long, boot_gates.AutoDepth(policy.ladder, pick(short), pick(long))
+
+
+def with_long_warm(warm: dict, long: dict) -> dict:
+    """The warm_request gate's input under K=auto: the short reply with the long request's note,
+    or the long request's failure."""
+    if not long.get("ok"):
+        return {**long, "error": f"the long warm request: {long.get('error')} ({long.get('note')})"}
+    return {**warm, "note": long.get("note")}
 
 
 def read_metrics(launch: Launch) -> str | None:
@@ -617,8 +740,7 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     if launch.depth and warm.get("ok"):
         progress.tick(force=True, phase="K=auto: a long warm request")
         long, auto = auto_depth_warm(launch, model, warm)
-        if not long.get("ok"):
-            warm = {**long, "error": f"the long warm request: {long.get('error')}"}
+        warm = with_long_warm(warm, long)
     census = read_census(launch)
     metrics = read_metrics(launch)
     quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
