@@ -33,7 +33,7 @@ def _good_cpu_summary() -> dict:
     return {
         "summary_version": SUMMARY_VERSION,
         "ranks": [{"rank": 0, "platform": "cpu", "backend": "reference", "tensor_parallel_size": 1,
-                   "quant_config": "qpn"}],
+                   "quant_config": "qpn", "modules_total": 1, "modules_on_qpn": 1}],
         "modules_by_region": {"nvfp4": 1}, "modules_on_qpn": 1, "modules_total": 1,
         "route_counts": {"qpn2": {"eager": 3, "graph": 0, "m_min": 1, "m_max": 8}},
         "lm_head": [{"module": "lm_head", "region": "nvfp4", "source": "checkpoint_codes",

@@ -264,7 +264,8 @@ def _metrics(k: int) -> str:
 def _census(**over) -> dict:
     census = {
         "ranks": [{"rank": 0, "pid": 1, "platform": "cpu", "backend": "reference",
-                   "device_capability": None, "tensor_parallel_size": 1}],
+                   "device_capability": None, "tensor_parallel_size": 1,
+                   "modules_total": 5, "modules_on_qpn": 5}],
         "modules_by_region": {"nvfp4": 3, "fp8": 2}, "modules_on_qpn": 5, "modules_total": 5,
         "route_counts": {"qpn2": {"eager": 10, "graph": 0}, "qpn8": {"eager": 8, "graph": 0}},
         "non_qpn_routes": [], "fallback_calls": 0, "fallbacks": [],
@@ -328,7 +329,7 @@ def test_cpu_gate_failures_name_the_gate(change, gate):
 def test_sm70_gates_require_fp16_kv_and_tensor_core_attention():
     # the decode-attention decision table itself: tests/test_attention_routes.py
     rank = {"rank": 0, "platform": "cuda", "backend": "cuda", "device_capability": "7.0",
-            "tensor_parallel_size": 1, "engine_version": "1.3.0",
+            "tensor_parallel_size": 1, "engine_version": "1.3.0", "modules_total": 5, "modules_on_qpn": 5,
             "serving": {"max_model_len": 32768, "enforce_eager": False, "num_speculative_tokens": 7,
                         "attention_backend": "FLASH_ATTN_V100"},
             "attention_layers": [{"impl": "FlashAttnV100Impl", "kv_cache_dtype": "auto",
@@ -351,6 +352,86 @@ def test_sm70_gates_require_fp16_kv_and_tensor_core_attention():
                          kv_resolved=[{"resolved": "float16"}])
     assert _by_name(boot_gates.evaluate(SM70, 7, WARM_OK, _metrics(7), unobserved, {"nvfp4"})
                     )["decode_attention_route"].failed
+
+
+def _sm70_two_ranks(**rank1) -> dict:
+    """A TP2 sm70 census every gate passes; ``rank1`` overrides rank 1's record (None: drop the key)."""
+    def rank(rid):
+        return {"rank": rid, "platform": "cuda", "backend": "cuda", "device_capability": "7.0",
+                "tensor_parallel_size": 2, "engine_version": "1.3.0", "quant_config": "qpn",
+                "modules_total": 5, "modules_on_qpn": 5, "draft_depth_steps": {"3": 4, "7": 6},
+                "serving": {"max_model_len": 32768, "enforce_eager": False, "num_speculative_tokens": 7,
+                            "attention_backend": "FLASH_ATTN_V100"},
+                "attention_layers": [{"impl": "FlashAttnV100Impl", "kv_cache_dtype": "auto",
+                                      "cache_tensor_dtype": "float16", "head_size": 256, "num_heads": 12,
+                                      "num_kv_heads": 2, "sliding_window": None, "layers": 16}],
+                "attention_routes": {"decode_xqa_paged": {"eager": 0, "graph": 40},
+                                     "prefill_smallq_decode_xqa": {"eager": 0, "graph": 16}}}
+    second = {k: v for k, v in {**rank(1), **rank1}.items() if v is not None}
+    head = {"module": "lm_head", "region": "nvfp4", "source": "checkpoint_codes", "route_family": "qpn2",
+            "repack_fallback": False}
+    return _census(ranks=[rank(0), second], modules_on_qpn=10, modules_total=10,
+                   modules_by_region={"nvfp4": 6, "fp8": 4}, lm_head=[head, head],
+                   kv_resolved=[{"resolved": "float16"}, {"resolved": "float16"}],
+                   draft_depth_steps={"3": 4, "7": 6})
+
+
+# Rank 0 right, rank 1 wrong, one gate at a time: a gate that passes when one rank is right (or
+# fails without saying which rank is wrong) does not guard every rank.
+_RANK1_WRONG = [
+    ("kv_cache_dtype", dict(census=dict(kv_resolved=[{"resolved": "float16"}, {"resolved": "fp8_e4m3"}])),
+     "rank(s) [1] not on float16"),
+    ("kv_cache_dtype", dict(census=dict(kv_resolved=[{"resolved": "float16"}])), "rank 1: not recorded"),
+    ("kv_cache_dtype", dict(census=dict(kv_resolved=[{"resolved": "float16"}, None])), "rank(s) [1] not on"),
+    ("qpn_routes", dict(rank1=dict(modules_total=0, modules_on_qpn=0), census=dict(modules_total=5, modules_on_qpn=5)),
+     "rank 1: no quantized module admitted"),
+    ("qpn_routes", dict(rank1=dict(modules_on_qpn=3), census=dict(modules_on_qpn=8)),
+     "rank 1: 2 of 5 module(s) not on a QPN route"),
+    ("qpn_routes", dict(rank1=dict(backend="reference")), "backend ['reference'] on rank(s) [1]"),
+    ("lm_head_from_codes", dict(census=dict(lm_head=[
+        {"module": "lm_head", "region": "nvfp4", "source": "checkpoint_codes", "route_family": "qpn2",
+         "repack_fallback": False},
+        {"module": "lm_head", "region": "nvfp4", "source": "repacked", "route_family": "qpn2",
+         "repack_fallback": True}])), "rank(s) [1] not served from the checkpoint's codes"),
+    ("lm_head_from_codes", dict(census=dict(lm_head=[
+        {"module": "lm_head", "region": "nvfp4", "source": "checkpoint_codes", "route_family": "qpn2",
+         "repack_fallback": False}, None])), "no lm_head entry in the census of 1 rank(s) [1]"),
+    ("quant_config", dict(rank1=dict(quant_config=None)), "rank(s) [1] were not served through the QPN config"),
+    ("census_platform", dict(rank1=dict(device_capability="8.0")), "rank(s) [1] not on"),
+    ("decode_attention_route", dict(rank1=dict(attention_routes={
+        "decode_xqa_paged": {"eager": 0, "graph": 40}, "decode_scalar_paged": {"eager": 2, "graph": 0},
+        "prefill_smallq_decode_xqa": {"eager": 0, "graph": 16}})), "rank 1 "),
+    ("served_depth", dict(rank1=dict(draft_depth_steps={"3": 4, "5": 6})),
+     "rank 1 drafted depth(s) [5] outside the ladder"),
+    ("skipped_hooks", dict(census=dict(hooks_skipped=[{"hook": "qpn-moe-method", "needed_for": "moe",
+                                                       "engine": "sm70", "rank": 1}])),
+     "qpn-moe-method (rank(s) [1])"),
+]
+
+
+@pytest.mark.parametrize("gate,change,needle", _RANK1_WRONG,
+                         ids=[f"{g}-{i}" for i, (g, _, _) in enumerate(_RANK1_WRONG)])
+def test_every_per_rank_gate_requires_every_rank(gate, change, needle):
+    auto = boot_gates.AutoDepth((3, 7), short=(30, 7), long=(400, 3))
+    declared = {"lm_head": {"quant_algo": "NVFP4"}, "model.layers.0.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4"}}
+
+    def gates(census):
+        return _by_name(boot_gates.evaluate(SM70, 7, WARM_OK, _metrics(7), census, {"nvfp4", "fp8"}, tp=2,
+                                            declared=declared, auto_depth=auto, qpn_claim="modelopt_mixed"))
+
+    good = gates(_sm70_two_ranks())
+    assert not any(r.failed for r in good.values()), boot_gates.format_table(list(good.values()))
+    bad = gates({**_sm70_two_ranks(**change.get("rank1", {})), **change.get("census", {})})
+    assert bad[gate].failed and needle in bad[gate].observed, boot_gates.format_table(list(bad.values()))
+
+
+def test_quant_config_reads_every_record_of_a_rank():
+    # two census records for rank 0 (a stale file beside a fresh one): the wrong one is not hidden
+    # behind the right one, whichever is read last
+    for records in ([None, "qpn"], ["qpn", None]):
+        g = boot_gates.gate_quant_config({"ranks": [{"rank": 0, "quant_config": q} for q in records]},
+                                         "modelopt_mixed")
+        assert g.failed and "rank(s) [0] were not served through the QPN config" in g.observed, g
 
 
 def test_gate_table_and_json():

@@ -29,6 +29,9 @@ table's order is the printed order; adding a gate is adding an entry. What each 
 - ``decode_attention_route``: XQA for decode and MTP verification wherever 1Cat's own conditions
   send them there for the served layers (``qpn.fork_patches.attention_routes``), per rank;
 - ``skipped_hooks``: no hook the plugin skipped (its anchor missing) is one this checkpoint needs.
+
+A gate that reads per-rank records requires every rank's to be right and names the ranks that are
+not: one right rank never stands for another (which ranks must be there is ``census_platform``'s).
 """
 from __future__ import annotations
 
@@ -277,6 +280,12 @@ def gate_depth(k: int, metrics_text: str | None, auto: AutoDepth | None = None,
             problems.append(f"drafted depth(s) {outside} outside the ladder")
         elif auto.expects_change and len(rounds) < 2:
             problems.append("the depth never changed")
+        # the summary's steps are the lowest rank's: every other rank's own must stay in the ladder too
+        for rank in (_summary(census).ranks if census is not None else []):
+            off = sorted({int(d) for d, n in (rank.draft_depth_steps or {}).items() if int(n) > 0}
+                         - set(auto.ladder))
+            if off:
+                problems.append(f"rank {rank.rank} drafted depth(s) {off} outside the ladder")
     if problems:
         observed += " -- " + "; ".join(problems)
     return GateResult(GATE_DEPTH, FAIL if problems else PASS, expected, observed)
@@ -326,17 +335,18 @@ def gate_quant_config(census: Census, qpn_claim: str | None, why_not: str = "") 
     from qpn.fork_patches.qpn_config import QPN_NAME
 
     ranks = _summary(census).ranks
-    claimed = {r.rank: r.quant_config for r in ranks}
-    observed = "; ".join(f"rank {rid}: {name or 'no QPN config'}" for rid, name in sorted(claimed.items())) \
+    # a list, not a dict by rank: two records of one rank must both be right
+    claimed = sorted(((r.rank, r.quant_config) for r in ranks), key=lambda c: c[0])
+    observed = "; ".join(f"rank {rid}: {name or 'no QPN config'}" for rid, name in claimed) \
         or "no census written by any rank"
     if qpn_claim is None:
         expected = "the engine's own quantization config" + (f" ({why_not})" if why_not else "")
-        wrong = sorted(rid for rid, name in claimed.items() if name == QPN_NAME)
+        wrong = sorted({rid for rid, name in claimed if name == QPN_NAME})
         if wrong:
             observed += f" -- rank(s) {wrong} served through the QPN config, which should not claim it"
         return GateResult(GATE_QUANT_CONFIG, FAIL if wrong else PASS, expected, observed)
     expected = f'"{QPN_NAME}" on every rank (QPN claims this {qpn_claim} checkpoint)'
-    off = sorted(rid for rid, name in claimed.items() if name != QPN_NAME)
+    off = sorted({rid for rid, name in claimed if name != QPN_NAME})
     problems = []
     if not ranks:
         problems.append("the QPN config reached no rank: the engine's own config claimed the checkpoint "
@@ -439,6 +449,15 @@ def gate_qpn_routes(census: Census, regions: set[str], known: frozenset[str] | N
         problems.append(f"declared region(s) {missing_regions} have no admitted module")
     if total and calls == 0:
         problems.append("no QPN route calls recorded after the warm request")
+    # The totals above are merged over the ranks: a rank with nothing admitted, or with modules
+    # off QPN, is named here so that another rank's modules cannot stand for it.
+    for rank in census.ranks:
+        if total and rank.modules_total == 0:
+            problems.append(f"rank {rank.rank}: no quantized module admitted (the QPN config did not "
+                            "serve this rank's layers: see its engine log)")
+        elif rank.modules_on_qpn != rank.modules_total:
+            problems.append(f"rank {rank.rank}: {rank.modules_total - rank.modules_on_qpn} of "
+                            f"{rank.modules_total} module(s) not on a QPN route")
     if quantized_layers or checkpoint_modules:
         problems += _coverage_problems(census, quantized_layers, checkpoint_modules)
     routes = ", ".join(f"{r}={total_calls({r: c})}" for r, c in sorted(route_counts.items()))
@@ -466,42 +485,67 @@ def gate_lm_head(census: Census, known: frozenset[str] | None, declared: dict | 
     census = _summary(census)
     heads = census.lm_head
     ranks = census.ranks
+    # census.aggregate lists one head per rank file, in rank order: the n-th is the n-th rank's
+    ids = [r.rank for r in ranks] + [f"#{i}" for i in range(len(ranks), len(heads))]
     if not head_declared(declared):
         expected = "no QPN lm_head (the checkpoint leaves lm_head unquantized: the engine's own method)"
-        served = [h for h in heads if h is not None]
+        served = [(rid, h) for rid, h in zip(ids, heads) if h is not None]
         return GateResult(GATE_LM_HEAD, FAIL if served else PASS, expected,
                           f"{len(served)} rank(s) report a QPN lm_head" + (
-                              f": {served[0].get('module')} from {served[0].get('source')}" if served else ""))
+                              f": {served[0][1].get('module')} from {served[0][1].get('source')} "
+                              f"(rank(s) {[rid for rid, _ in served]})" if served else ""))
     expected = "source=checkpoint_codes, no repack fallback, QPN route family (every rank)"
-    if not heads or any(h is None for h in heads) or (ranks and len(heads) != len(ranks)):
-        missing = sum(1 for h in heads if h is None) if heads else len(ranks) or 1
+    if ranks and len(heads) > len(ranks):
         return GateResult(GATE_LM_HEAD, FAIL, expected,
-                          f"no lm_head entry in the census of {missing} rank(s): the head was "
-                          "not loaded through a QPN method")
-    bad = [h for h in heads
+                          f"{len(heads)} lm_head entries for {len(ranks)} rank(s): the census summary is "
+                          "inconsistent (re-read it with census.aggregate)")
+    if not heads or any(h is None for h in heads) or len(heads) < len(ranks):
+        without = [rid for rid, h in zip(ids, heads) if h is None] + [r.rank for r in ranks[len(heads):]]
+        return GateResult(GATE_LM_HEAD, FAIL, expected,
+                          f"no lm_head entry in the census of {len(without) or 1} rank(s)"
+                          + (f" {without}" if without else "")
+                          + ": the head was not loaded through a QPN method")
+    bad = [rid for rid, h in zip(ids, heads)
            if h.get("source") != "checkpoint_codes" or h.get("repack_fallback") is not False
            or not is_qpn_route(str(h.get("route_family", "")), known)]
     seen = sorted({(str(h.get("source")), str(h.get("route_family")),
                     str(h.get("repack_fallback"))) for h in heads})
     observed = "; ".join(f"source={s} route_family={f} repack_fallback={r}" for s, f, r in seen)
+    if bad:
+        observed += f" -- rank(s) {bad} not served from the checkpoint's codes on a QPN route"
     return GateResult(GATE_LM_HEAD, FAIL if bad else PASS, expected,
                       f"{len(heads)} rank(s): {observed}")
 
 
-def kv_observed(census: Census) -> tuple[list[str], str]:
-    """(each rank's resolved KV cache dtype, the text the gate prints for them)."""
-    resolved = [str(v.get("resolved") if isinstance(v, dict) else v)
-                for v in _summary(census).kv_resolved]
-    return resolved, ", ".join(sorted(set(resolved))) or "not recorded"
+def kv_observed(census: Census) -> tuple[list[tuple[object, str]], str]:
+    """([(rank, its resolved KV cache dtype)], the text the gate prints for them). census.aggregate
+    lists ``kv_resolved`` one record per rank file, in rank order, so the n-th record is the n-th
+    rank's; a record without a rank, or a rank without a record ("not recorded"), is listed too."""
+    summary = _summary(census)
+    records = list(summary.kv_resolved)
+    ids = [r.rank for r in summary.ranks]
+    per_rank = []
+    for i in range(max(len(ids), len(records))):
+        rid = ids[i] if i < len(ids) else f"#{i} (no rank summary)"
+        rec = records[i] if i < len(records) else None
+        value = rec.get("resolved") if isinstance(rec, dict) else rec
+        per_rank.append((rid, "not recorded" if value is None else str(value)))
+    return per_rank, "; ".join(f"rank {rid}: {v}" for rid, v in per_rank) or "not recorded"
 
 
 def gate_kv(expect_applies: bool, expected: tuple[str, ...] | None, why_not: str,
             census: Census) -> GateResult:
-    resolved, observed = kv_observed(census)
+    per_rank, observed = kv_observed(census)
     if not expect_applies:
         return GateResult(GATE_KV, NA, why_not, observed)
-    ok = bool(resolved) and all(v in expected for v in resolved)
-    return GateResult(GATE_KV, PASS if ok else FAIL, " or ".join(expected), observed)
+    want = " or ".join(expected)
+    wrong = [rid for rid, v in per_rank if v not in expected]
+    if not per_rank:
+        observed += " -- no rank recorded its KV cache dtype"
+    elif wrong:
+        observed += (f" -- rank(s) {wrong} not on {want}: every rank's KV cache must be {want} (an "
+                     "explicit --kv-cache-dtype wins over the SM70 FP16 policy: drop it)")
+    return GateResult(GATE_KV, FAIL if wrong or not per_rank else PASS, want + " (every rank)", observed)
 
 
 def _route_total(routes: dict, name: str, mode: str | None = None) -> int:
@@ -606,10 +650,15 @@ def gate_skipped_hooks(census: Census, declared: dict | None) -> GateResult:
         return GateResult(GATE_SKIPPED_HOOKS, PASS, expected, "no hook skipped")
     names = sorted({f"{s.get('hook')} (needed for {s.get('needed_for')}, engine {s.get('engine')})"
                     for s in skipped})
-    needed = sorted({s.get("hook") for s in skipped if s.get("needed_for") in needs})
+    needed: dict[str, set] = {}
+    for s in skipped:
+        if s.get("needed_for") in needs:
+            needed.setdefault(str(s.get("hook")), set()).add(s.get("rank"))
     if needed:
+        listed = ", ".join(f"{hook} (rank(s) {sorted(r for r in ranks if r is not None) or '?'})"
+                           for hook, ranks in sorted(needed.items()))
         return GateResult(GATE_SKIPPED_HOOKS, FAIL, expected,
-                          f"skipped but needed: {', '.join(needed)}; all skipped: {'; '.join(names)}")
+                          f"skipped but needed: {listed}; all skipped: {'; '.join(names)}")
     return GateResult(GATE_SKIPPED_HOOKS, PASS, expected, f"skipped, not needed here: {'; '.join(names)}")
 
 
@@ -680,7 +729,8 @@ def _check_qpn_routes(i: GateInputs, e: GateExpectation) -> GateResult:
     wrong = sorted({str(r.backend) for r in i.census.ranks} - {backend})
     if backend and wrong and result.status == PASS:
         result.status = FAIL
-        result.observed += f" -- backend {wrong}, expected {backend}"
+        ranks = sorted(r.rank for r in i.census.ranks if str(r.backend) != backend)
+        result.observed += f" -- backend {wrong} on rank(s) {ranks}, expected {backend}"
     return result
 
 
