@@ -1,6 +1,7 @@
 """The launcher as a user meets it (issue 12 items 2-4), on one real cpu-engine server started
 through serve-qwen38-native.sh: boot progress and READY, the request limits, and, last, an
-engine core killed after READY, which the launcher must report as a failure naming the error.
+engine core killed after READY, which the launcher must report as a failure naming the error
+(the engine core's own death, never the WARNING lines before it: issue 40 item 7).
 """
 from __future__ import annotations
 
@@ -121,5 +122,14 @@ def test_engine_killed_after_ready_fails_the_launcher(launched):
     assert rc != 0, out
     assert "ENGINE FAILED after READY" in out, out
     assert re.search(r"engine core is dead|exited on its own", out), out
+    # the root error is the failure, never a WARNING (vLLM's ulimit warning names an OSError):
+    # the engine core, SIGKILLed, logged nothing, and the launcher says so, naming it
+    root = re.search(r"^\[serve\] root error: (.*)$", out, re.M)
+    assert root, out
+    assert "WARNING" not in root.group(1) and "ulimit" not in root.group(1), root.group(1)
+    assert re.fullmatch(rf"\(EngineCore pid=({'|'.join(map(str, cores))})\) logged no error before "
+                        r"it died: killed by a signal .*", root.group(1)), root.group(1)
     assert "last error lines of" in out, out
+    last = out.split("last error lines of", 1)[1].split("[serve] server stopped")[0]
+    assert not re.search(r"\) WARNING \d\d-\d\d|ulimit", last), last  # the server log's warnings
     assert not launched.leftover(), out

@@ -151,3 +151,111 @@ def test_the_root_error_is_the_crash_not_an_error_the_engine_survived(before):
 def test_an_engine_error_without_a_later_crash_is_still_named():
     cause, _ = serve.failure_summary(SURVIVED)
     assert cause.endswith("RecursionError: maximum recursion depth exceeded"), cause
+
+
+# ---- the root error is the failing process's first error, never a WARNING (issue 40 item 7) ----
+
+# What every cpu-engine server log holds before anything fails, where the open-files limit cannot
+# be raised (vLLM's set_ulimit): a WARNING that names an OSError, and the engine's own warnings.
+WARNINGS = """\
+/venv/lib/python3.11/site-packages/vllm/entrypoints/openai/api_server.py:24: DeprecationWarning: `vllm.entrypoints.openai.api_server` is deprecated and will likely beunsupported in a future version.
+  warnings.warn(
+W1206 01:27:58.587000 6281 .venv-cpu/lib/python3.11/site-packages/torch/_library/triton.py:53] Triton not available, find_triton_kernels = []
+(APIServer pid=6281) WARNING 12-06 01:27:58 [system_utils.py:255] Found ulimit of 20000 and failed to automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n
+(APIServer pid=6281) WARNING 12-06 01:28:14 [vllm.py:725] Model Runner V2 requires Triton; using the V1 model runner instead.
+(Worker pid=6770) WARNING 12-06 01:28:27 [cpu_worker.py:130] Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will cause significant performance loss.
+(Worker pid=6770) WARNING 12-06 01:28:27 [utils.py:333] Attempted to load weight layers.3.self_attn.attn.k_scale with dtype torch.float32 into parameter with dtype torch.bfloat16
+(EngineCore pid=6642) INFO 12-06 01:28:32 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='/tmp/ckpt'
+(EngineCore pid=6642) WARNING 12-06 01:28:33 [cpu.py:224] Triton is not installed. triton-cpu is expected on x86 CPUs.
+INFO:     Started server process [6281]
+INFO:     127.0.0.1:43530 - "POST /v1/chat/completions HTTP/1.1" 200 OK
+INFO:     127.0.0.1:43544 - "GET /health HTTP/1.1" 200 OK
+"""
+
+# The API process's lines once the engine core is gone (vLLM 0.32.0, as a SIGKILLed core left them).
+API_AFTER_DEATH = """\
+(APIServer pid=6281) WARNING 12-06 01:28:35 [core_client.py:817] [shutdown] MPClient: engine core exited unexpectedly; starting cleanup
+(APIServer pid=6281) INFO 12-06 01:28:35 [core_client.py:777] [shutdown] MPClient: complete
+(APIServer pid=6281) ERROR 12-06 01:28:35 [async_llm.py:906] AsyncLLM output_handler failed.
+(APIServer pid=6281) ERROR 12-06 01:28:35 [async_llm.py:906] Traceback (most recent call last):
+(APIServer pid=6281) ERROR 12-06 01:28:35 [async_llm.py:906]   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/async_llm.py", line 849, in output_handler
+(APIServer pid=6281) ERROR 12-06 01:28:35 [async_llm.py:906]     outputs = await engine_core.get_output_async()
+(APIServer pid=6281) ERROR 12-06 01:28:35 [async_llm.py:906]     raise self._format_exception(outputs) from None
+(APIServer pid=6281) ERROR 12-06 01:28:35 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
+INFO:     127.0.0.1:45618 - "GET /health HTTP/1.1" 503 Service Unavailable
+(APIServer pid=6281) INFO 12-06 01:28:37 [launcher.py:254] [shutdown] API server: shutdown triggered
+/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 1 leaked shared_memory objects to clean up at shutdown
+"""
+
+FATAL = """\
+(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512] EngineCore encountered a fatal error.
+(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512] Traceback (most recent call last):
+(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512]   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 1503, in run_engine_core
+(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512]     engine_core.run_busy_loop()
+(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512]   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 1544, in run_busy_loop
+(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512]     self._process_engine_step()
+(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512] RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to allocate 17179869184 bytes.
+"""
+
+WORKER_KILLED = """\
+(EngineCore pid=6642) ERROR 12-06 01:31:10 [multiproc_executor.py:316] Worker proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor.
+(EngineCore pid=6642) ERROR 12-06 01:31:10 [core.py:1512] EngineCore encountered a fatal error.
+(EngineCore pid=6642) ERROR 12-06 01:31:10 [core.py:1512] Traceback (most recent call last):
+(EngineCore pid=6642) ERROR 12-06 01:31:10 [core.py:1512]   File "/venv/lib/python3.11/site-packages/vllm/v1/executor/multiproc_executor.py", line 399, in collective_rpc
+(EngineCore pid=6642) ERROR 12-06 01:31:10 [core.py:1512]     raise RuntimeError("Executor failed.")
+(EngineCore pid=6642) ERROR 12-06 01:31:10 [core.py:1512] RuntimeError: Executor failed.
+"""
+
+# An engine core that died of an exception it printed itself (no log level), chained
+PRINTED = """\
+(EngineCore pid=6642) Process EngineCore:
+(EngineCore pid=6642) Traceback (most recent call last):
+(EngineCore pid=6642)   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 1503, in run_engine_core
+(EngineCore pid=6642)     engine_core.run_busy_loop()
+(EngineCore pid=6642) torch.OutOfMemoryError: CPU out of memory while allocating the KV cache
+(EngineCore pid=6642)
+(EngineCore pid=6642) During handling of the above exception, another exception occurred:
+(EngineCore pid=6642)
+(EngineCore pid=6642) Traceback (most recent call last):
+(EngineCore pid=6642)   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 1520, in run_engine_core
+(EngineCore pid=6642) RuntimeError: cleanup after the failure failed too
+"""
+
+
+def _no_warning(cause: str | None) -> None:
+    assert cause is None or ("WARNING" not in cause and "ulimit" not in cause
+                             and "Warning:" not in cause), cause
+
+
+def test_a_killed_engine_core_is_named_not_the_ulimit_warning():
+    cause, errors = serve.failure_summary(WARNINGS + API_AFTER_DEATH)
+    _no_warning(cause)
+    assert cause == ("(EngineCore pid=6642) logged no error before it died: killed by a signal "
+                     "(SIGKILL from outside, or the kernel's out-of-memory killer: dmesg tells "
+                     "which)"), cause
+    assert "ulimit" not in errors and "EngineDeadError" in errors
+
+
+@pytest.mark.parametrize("crash,root", [
+    (FATAL, "(EngineCore pid=6642) ERROR 12-06 01:30:02 [core.py:1512] RuntimeError: [enforce fail "
+            "at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to "
+            "allocate 17179869184 bytes."),
+    (WORKER_KILLED, "(EngineCore pid=6642) ERROR 12-06 01:31:10 [multiproc_executor.py:316] Worker "
+                    "proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor."),
+    (PRINTED, "(EngineCore pid=6642) torch.OutOfMemoryError: CPU out of memory while allocating "
+              "the KV cache"),
+], ids=["fatal-error", "worker-killed", "printed-chained"])
+def test_the_root_error_is_the_failing_engines_first_error(crash, root):
+    cause, errors = serve.failure_summary(WARNINGS + crash + API_AFTER_DEATH)
+    assert cause == root
+    assert "ulimit" not in errors and "Model Runner V2" not in errors
+
+
+def test_a_survived_engine_error_is_not_the_root_of_a_later_silent_death():
+    cause, _ = serve.failure_summary(WARNINGS + SURVIVED + API_AFTER_DEATH)
+    assert cause.startswith("(EngineCore pid=9371) logged no error before it died"), cause
+
+
+def test_warnings_alone_name_no_root_error():
+    cause, errors = serve.failure_summary(WARNINGS + "INFO:     Shutting down\n")
+    assert cause is None and errors == "", (cause, errors)

@@ -11,12 +11,13 @@ default derived from MNS and K, ``none`` = engine default), ENV_PREFIX / QPN_ENG
 default 4; scripts/launcher/request_limits.py).
 
 Order of events: every refusal check (before any engine process exists); the server in its own
-process group with a fresh census directory; /v1/models; one warm greedy chat; the gates
-(census + /metrics + the warm reply); on any failure the server and all its children are
-stopped and the exit status is 1; on success the gate table is printed and written as JSON and
-the launcher stays in the foreground, watching the engine core's /health, until interrupted (then
-it stops the server and exits 0) or until the engine dies (then it reports the error lines of the
-server log and exits 1). During the boot a progress line every 5 s names the phase.
+process group with a fresh census directory; /v1/models; one warm greedy chat (K=auto: and a
+long one, sized to the served max_model_len); the gates (census + /metrics + the warm reply);
+on any failure the server and all its children are stopped and the exit status is 1; on success
+the gate table is printed and written as JSON and the launcher stays in the foreground, watching
+the engine core's /health, until interrupted (then it stops the server and exits 0) or until the
+engine dies (then it reports the root error and the error lines of the server log, never a
+WARNING, and exits 1). During the boot a progress line every 5 s names the phase.
 """
 from __future__ import annotations
 
@@ -766,8 +767,21 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
 
 HEALTH_PERIOD_S = 2.0
 HEALTH_SILENCE_S = 60.0  # no answer from /health for this long counts as a dead server
-_EXCEPTION_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception))(?::|$)")
-_ENGINE_PROCS = ("(EngineCore", "(Worker", "(VllmWorker")
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::|$)")
+_ENGINE_PROCS = ("EngineCore", "Worker", "VllmWorker")
+# vLLM's log line: "(EngineCore pid=7) ERROR 11-30 15:35:53 [core.py:1512] message"; the process tag
+# is absent where one process logs alone.
+_VLLM_LINE = re.compile(r"^(?:\((?P<proc>[^)]*)\)\s+)?(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)"
+                        r"\s+\d\d-\d\d\s+[\d:.]+\s+\[[^\]]*\]\s?(?P<msg>.*)$")
+# What a process printed itself (a traceback on stderr), behind vLLM's process tag
+_TAGGED_LINE = re.compile(r"^\((?P<proc>[^)]*)\)\s(?P<msg>.*)$")
+# Lines that are never an error: other log levels (vLLM's, uvicorn's "INFO:", glog's "W1206 ..."
+# of torch) and Python's warnings ("...: FutureWarning: ...")
+_NOT_AN_ERROR = re.compile(r"^(?:DEBUG|INFO|WARNING|WARN)\b|^\[?[IWD]\d{4} \d\d:\d\d|"
+                           r"\b[A-Z]\w*Warning: ")
+# The API process's word that the engine core is gone (vLLM 0.32: core_client.py, async_llm.py)
+_ENGINE_DIED = re.compile(r"engine core exited unexpectedly|EngineDeadError|"
+                          r"Engine core proc \S+ died")
 
 
 def watch_engine(server: Server, period_s: float = HEALTH_PERIOD_S,
@@ -796,32 +810,104 @@ def watch_engine(server: Server, period_s: float = HEALTH_PERIOD_S,
         time.sleep(period_s)
 
 
+def _log_line(line: str) -> tuple[str | None, str | None, str]:
+    """(process tag, level, message) of a server log line; level None for a line a process printed
+    itself, "INFO" for any line that is no error (another level, a Python warning)."""
+    text = line.strip()
+    if m := _VLLM_LINE.match(text):
+        return m["proc"], m["level"], m["msg"]
+    proc, msg = None, text
+    if m := _TAGGED_LINE.match(text):
+        proc, msg = m["proc"], m["msg"]
+    return proc, ("INFO" if _NOT_AN_ERROR.search(msg) else None), msg
+
+
+def _first_error(run: list[tuple[str, str | None, str]]) -> str | None:
+    """The first error of a run of (line, level, message): the exception line that ends its first
+    traceback, or its first ERROR line that is neither a traceback nor the message a traceback
+    follows (logger.exception's "EngineCore encountered a fatal error."), e.g. "Worker proc ...
+    died unexpectedly (exit code: -9)". A printed line counts only inside a traceback or as an
+    exception line."""
+    in_traceback = False
+    for i, (line, level, msg) in enumerate(run):
+        text = msg.rstrip()
+        if text.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+            continue
+        if in_traceback:
+            if not text or text[0].isspace() or text.startswith(("During handling", "The above")):
+                continue
+            return line
+        if level is None:
+            if _EXCEPTION_LINE.match(text):
+                return line
+            continue
+        following = run[i + 1][2] if i + 1 < len(run) else ""
+        if following.startswith("Traceback (most recent call last)"):
+            continue
+        return line
+    return None
+
+
 def failure_summary(log_text: str, max_lines: int = 12) -> tuple[str | None, str]:
-    """(the root error line, the last error lines) of a server log. The root error is the first
-    exception an engine process (EngineCore, Worker) logged in its last run of ERROR lines: the
-    crash that killed it, not an earlier error it survived (a request's error is followed by the
-    engine's ordinary log lines). The API process's EngineDeadError only repeats that the engine is
-    gone."""
+    """(the root error line, the last error lines) of a server log. Never a WARNING (vLLM's ulimit
+    warning names an OSError, and is no failure).
+
+    The root error is the first error of the failing engine process (EngineCore, Worker) in its
+    last run of error lines: the exception that ends its first traceback, or an error line such
+    as the engine core's "Worker proc ... died unexpectedly (exit code: -9)"; not an earlier error
+    it survived (a request's error is followed by the engine's ordinary log lines). Where the
+    engine core died without an error of its own (killed by a signal) and the API process says it
+    is gone, the root error says that, naming the engine process. Otherwise the first error of the
+    log's last run of error lines. The API process's EngineDeadError only repeats that the engine
+    is gone."""
     lines = log_text.splitlines()
-    cause = last_engine_exc = None
-    for line in lines:
-        if not line.lstrip().startswith(_ENGINE_PROCS):
+    parsed = [_log_line(line) for line in lines]
+    runs: list[tuple[list, int | None]] = []  # (run, index of the ordinary line that closed it)
+    run: list = []
+    engine = died = None  # the last engine process tag; the line where the API saw it die
+    for i, (line, (proc, level, msg)) in enumerate(zip(lines, parsed)):
+        if proc is None or not proc.startswith(_ENGINE_PROCS):
+            if _ENGINE_DIED.search(line):
+                died = i
             continue
-        if not re.search(r"\bERROR\b", line):
-            cause = None  # the engine went on logging: what came before did not kill it
+        if proc.startswith("EngineCore"):
+            engine = proc
+        if level in ("DEBUG", "INFO", "WARNING"):
+            if run:  # the engine went on logging: what came before did not kill it
+                runs.append((run, i))
+                run = []
             continue
-        if _EXCEPTION_LINE.search(line):
-            last_engine_exc = line.strip()
-            if cause is None:
-                cause = last_engine_exc
-    cause = cause or last_engine_exc
+        run.append((line.strip(), level, msg))
+    if run:
+        runs.append((run, None))
+    cause = None
+    for run, closed in reversed(runs):
+        if cause := _first_error(run):
+            if closed is None or died is None or died < closed:
+                break
+            cause = None  # an error the engine survived; it died later, silently
+            break
+    if cause is None and died is not None and engine is not None:
+        cause = (f"({engine}) logged no error before it died: killed by a signal (SIGKILL from "
+                 "outside, or the kernel's out-of-memory killer: dmesg tells which)")
     if cause is None:
-        exc_lines = [ln.strip() for ln in lines if _EXCEPTION_LINE.search(ln)
-                     and "EngineDeadError" not in ln]
-        cause = exc_lines[-1] if exc_lines else None
+        run, runs = [], []
+        for line, (proc, level, msg) in zip(lines, parsed):
+            if "EngineDeadError" in line:
+                continue
+            if level in ("DEBUG", "INFO", "WARNING"):
+                if run:
+                    runs.append(run)
+                    run = []
+                continue
+            run.append((line.strip(), level, msg))
+        runs.append(run)
+        cause = next((c for r in reversed(runs) if (c := _first_error(r))), None)
     errors: list[str] = []
-    for line in lines:
-        if re.search(r"\bERROR\b|Error|Exception|Traceback|died", line):
+    for line, (_, level, _) in zip(lines, parsed):
+        if level not in ("DEBUG", "INFO", "WARNING") and re.search(
+                r"\bERROR\b|Error|Exception|Traceback|died", line):
             text = line.strip()[:300]
             if not errors or errors[-1] != text:
                 errors.append(text)
