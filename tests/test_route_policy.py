@@ -238,6 +238,7 @@ def test_the_requests_that_killed_the_engine_are_served(keyed_server):
     assert status == 200, raw
     assert json.loads(raw)["choices"][0]["finish_reason"] in ("length", "stop")
     assert server.proc.poll() is None and _request(base + "/health", "GET", None, None)[0] == 200
+    assert "API key required on every route but the probes" in server.output
     # and no generation without the key on the routes vLLM's own check leaves open
     for path in ("/generative_scoring", "/invocations"):
         assert _request(base + path, "POST", json.dumps({"model": server.model}).encode(),

@@ -953,7 +953,8 @@ def announce(launch: Launch) -> None:
            "off (the chat template has no tool-call format)")
         + "; structured output on")
     if launch.api_key:
-        log("API key required on /v1 (VLLM_API_KEY); it does not guard every endpoint")
+        log("API key required on every route but the probes /health, /ping, /metrics, /version, "
+            "/load, /ready, /readyz (VLLM_API_KEY; the request policy, docs/serving.md)")
     if not serve_preflight.is_loopback(launch.host):
         warn(f"binding {launch.host} with no real authentication: keep it behind a firewall")
     log(f"run directory {launch.run_dir} (server log, census, gate table)")
