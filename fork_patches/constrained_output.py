@@ -6,7 +6,8 @@ forced tool call is valid for its constraint, or it says it is not (``finish_rea
 vLLM applies a request's grammar only to the answer, not to the reasoning before it: while the
 model thinks, every token is allowed, and the grammar starts after the reasoning ends. Four faults
 of the engines we serve follow from that, and from the tool-call paths (found 2026-12-02 on the cpu
-engine, vLLM 0.32, with the issue-29 matrix; docs/serving.md "Constrained output" lists them):
+engine, vLLM 0.32, with the issue-29 matrix; docs/serving.md "Constrained output" lists them); a
+fifth is xgrammar's own:
 
 - **A stop or a tool-call token inside the reasoning.** The qwen3 reasoning parser takes
   ``<tool_call>`` as an implicit end of reasoning and hands that token to the grammar as the
@@ -36,16 +37,23 @@ engine, vLLM 0.32, with the issue-29 matrix; docs/serving.md "Constrained output
   ``json.dumps`` could not write as JSON. Streamed, the parser splits the text so far into calls
   at the first ``</tool_call>`` too; ``wrap_hermes_tool_call_jsons`` hides the ones inside strings
   from that split.
-
-Control characters inside JSON strings (U+0000-U+001F) are rejected by every grammar xgrammar
-0.2.8 builds (its JSON schema, builtin JSON and structural-tag grammars; tests/test_constrained_output.py
-checks each): the raw control characters seen in constrained answers came from the drafted rows'
-garbage temperatures that fork_patches/spec_sampling.py fixes.
+- **Raw control characters inside JSON strings** (U+0000-U+001F, which JSON allows only escaped;
+  issue 40 item 2). xgrammar 0.2.8 keeps them out of a plain ``{"type": "string"}`` but writes a
+  string with ``minLength`` or ``maxLength`` (anywhere in a schema, a strict tool's parameters
+  included) from a character class that lets 30 of the 32 through raw and takes no escape, and
+  its ``json-pointer`` formats take them with raw quotes and backslashes: strict answers ended
+  ``stop`` with invalid JSON. ``wrap_xgrammar_backend_init`` wraps the backend's compiler in
+  ``C0SafeCompiler``, which replaces those classes in the grammar it compiles. The forms
+  tests/test_constrained_output.py compiles through the engine's backend are listed in
+  docs/serving.md "Constrained output". (Raw control characters seen before issue 40 in answers
+  to unbounded strings came from the drafted rows' garbage temperatures that
+  fork_patches/spec_sampling.py fixes.)
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import sys
 
 # The tag the qwen3 reasoning parsers of vLLM 0.32 and 1Cat-vLLM 1.2.2/1.3.0 take as an implicit end
@@ -53,6 +61,8 @@ import sys
 TOOL_CALL_TAG = "<tool_call>"
 BAN_ATTR = "_qpn_reasoning_bans"
 STOP_ATTR = "_qpn_stop_token_ids"
+
+logger = logging.getLogger(__name__)
 
 
 def _token_id(manager, text: str) -> int | None:
@@ -319,3 +329,124 @@ def wrap_hermes_tool_call_jsons(original):
         return [(body.replace(SENTINEL, "<"), complete) for body, complete in original(self, masked)]
 
     return _extract_tool_call_jsons
+
+
+# ---- JSON strings: no raw control characters, in every form ----------------------------------------
+
+# xgrammar 0.2.8 writes the characters of a JSON-schema string itself in two forms that take raw
+# control characters (JSON allows none: U+0000-U+001F must be escaped). The classes below are as
+# its EBNF printer writes them; each is replaced, as a whole class outside string literals, by its
+# safe form (tests/test_constrained_output.py compiles every string form through the engine's
+# backend and finds no other).
+#
+# A string with minLength or maxLength (anywhere: a property, an array's items, a $ref, a type
+# list, propertyNames, a strict tool's parameters) is '"' X_characters{m, n} '"' with
+# X_characters ::= [^"\\\r\n]: 30 of the 32 C0 characters pass raw and no escape can be written.
+UNSAFE_STRING_CLASS = r'[^\"\\\r\n]'
+# One JSON string character, as its unbounded strings (basic_string_sub) take them: anything but
+# '"', '\' and U+0000-U+001F, or one escape (which counts as one character of the bound).
+SAFE_STRING_CHARACTER = (r'(([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | '
+                         r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))')
+# The json-pointer and relative-json-pointer formats take RFC 6901's unescaped ranges
+# %x00-2E / %x30-7D raw, U+0000-U+001F, '"' and '\' included; like every format string, they
+# take no escape, so those three go.
+SAFE_CLASSES = {
+    UNSAFE_STRING_CLASS: SAFE_STRING_CHARACTER,
+    r"[\0-.]": r"[ !#-.]",
+    r"[0-}]": r"[0-[\]-}]",
+}
+
+
+def c0_safe_ebnf(text: str) -> str:
+    """``text`` (an EBNF grammar as xgrammar prints it) with every character class of
+    ``SAFE_CLASSES`` replaced by its safe form; string literals (also those of ``Regex("...")``
+    and tag texts) and every other class are left as they are."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"' or c == "[":
+            close = '"' if c == '"' else "]"
+            j = i + 1
+            while j < n and text[j] != close:
+                j += 2 if text[j] == "\\" else 1
+            token = text[i:j + 1]
+            out.append(SAFE_CLASSES.get(token, token) if c == "[" else token)
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+class C0SafeCompiler:
+    """An ``xgrammar.GrammarCompiler`` whose JSON-schema and structural-tag grammars keep raw
+    control characters out of every JSON string: the grammar xgrammar converts, with
+    ``c0_safe_ebnf`` applied, compiled from its text. A grammar without the unsafe class (no
+    length-bounded string) is compiled by xgrammar's own method, as before; so is one that xgrammar
+    cannot convert (the engine's method then raises its own error). Anything else is the wrapped
+    compiler's."""
+
+    def __init__(self, compiler):
+        self._qpn_compiler = compiler
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_qpn_compiler"], name)
+
+    def _compile(self, convert, original):
+        import xgrammar as xgr
+
+        try:
+            text = str(convert(xgr.Grammar))
+        except Exception:  # noqa: BLE001 - the engine's own method reports it
+            return original()
+        safe = c0_safe_ebnf(text)
+        if safe == text:
+            return original()
+        try:
+            return self._qpn_compiler.compile_grammar(safe)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("volta-qpn: the control-character-safe JSON grammar did not compile (%s); "
+                           "compiling xgrammar's own, which admits raw control characters in "
+                           "length-bounded strings", exc)
+            return original()
+
+    def compile_json_schema(self, schema, **kwargs):
+        return self._compile(lambda g: g.from_json_schema(schema, **kwargs),
+                             lambda: self._qpn_compiler.compile_json_schema(schema, **kwargs))
+
+    def compile_structural_tag(self, *args, **kwargs):
+        return self._compile(lambda g: g.from_structural_tag(*args, **kwargs),
+                             lambda: self._qpn_compiler.compile_structural_tag(*args, **kwargs))
+
+
+def bounded_string_admits_control_characters(compiler) -> bool:
+    """Whether ``compiler`` (the backend's) lets a raw U+0001 into a string with maxLength: the
+    check the hook runs once per backend, so an xgrammar that prints its grammars otherwise is
+    named in the log rather than trusted."""
+    import xgrammar as xgr
+
+    ctx = compiler.compile_json_schema('{"type": "string", "maxLength": 4}')
+    return xgr.GrammarMatcher(ctx).accept_string('"a\x01')
+
+
+def wrap_xgrammar_backend_init(original):
+    """``XgrammarBackend.__post_init__(self)``: after the engine's, the backend's compiler is
+    wrapped in ``C0SafeCompiler``; a compiler that still lets a control character into a bounded
+    string is logged."""
+
+    @functools.wraps(original)
+    def __post_init__(self):
+        original(self)
+        if not isinstance(self.compiler, C0SafeCompiler):
+            self.compiler = C0SafeCompiler(self.compiler)
+        try:
+            unsafe = bounded_string_admits_control_characters(self.compiler)
+        except Exception as exc:  # noqa: BLE001 - a check, never a reason not to serve
+            logger.warning("volta-qpn: could not check JSON strings for control characters: %s", exc)
+            return
+        if unsafe:
+            logger.warning("volta-qpn: this xgrammar's length-bounded JSON strings admit raw control "
+                           "characters and the overlay does not recognise its grammar text; JSON "
+                           "answers may be invalid")
+
+    return __post_init__

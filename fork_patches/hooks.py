@@ -446,6 +446,29 @@ REGISTRY: list[Hook] = [
         remove_when="vLLM's hermes parser reads calls with a JSON decoder",
         apply="qpn.fork_patches.constrained_output:wrap_hermes_tool_call_jsons",
     ),
+    Hook(
+        name="constrained-json-string-characters",
+        kind="runtime",
+        anchor="vllm.v1.structured_output.backend_xgrammar:XgrammarBackend.__post_init__",
+        what="the xgrammar GrammarCompiler the structured-output backend compiles JSON schemas "
+        "(response_format json_schema and json_object, structured_outputs json, the JSON-schema "
+        "array of forced tool calls) and structural tags (vLLM 0.32's forced tool calls) with",
+        why="xgrammar 0.2.8 writes the characters of a string with minLength or maxLength (also "
+        "in propertyNames and in strict tools' parameters) from a class that excludes only the "
+        "quote, the backslash, CR and LF: 30 of the 32 C0 control characters pass raw and no escape "
+        "can be written, so 4-5 of 10 strict answers ended with finish_reason stop and invalid JSON; "
+        "its json-pointer formats take raw C0 characters, quotes and backslashes",
+        how="after the engine's __post_init__, the backend's compiler is wrapped "
+        "(qpn.fork_patches.constrained_output.C0SafeCompiler): compile_json_schema and "
+        "compile_structural_tag convert the grammar as xgrammar does, replace those character "
+        "classes by JSON-safe ones (in a bounded string: any character but the quote, the backslash "
+        "and U+0000-U+001F, or one escape) and compile the EBNF; a grammar without them is compiled "
+        "by xgrammar's own method; a compiler that still admits U+0001 in a bounded string is "
+        "logged at start",
+        remove_when="xgrammar's JSON-schema converter keeps control characters out of bounded and "
+        "json-pointer strings",
+        apply="qpn.fork_patches.constrained_output:wrap_xgrammar_backend_init",
+    ),
     # ---- greedy output with speculation identical to without (runtime, cpu engine; issue 12)
     Hook(
         name="gdn-spec-cpp-conv-on-avx512-bf16",

@@ -1,4 +1,4 @@
-"""Constrained output (issue 29 item 3), below the server: our hooks in
+"""Constrained output (issue 29 item 3, issue 40 item 2), below the server: our hooks in
 fork_patches/constrained_output.py on the engine's own functions and xgrammar's own grammars, with
 the test checkpoint's tokenizer, and the 1Cat archives read for the not_on reasons. The server-level
 matrix is tests/test_constraint_matrix.py.
@@ -282,9 +282,10 @@ def test_text_that_is_not_a_call_is_left_to_the_engine(parser, text):
     assert (ours.tools_called, ours.content) == (engine.tools_called, engine.content) == (False, text)
 
 
-# ---- xgrammar's grammars refuse control characters in strings (the premise of the module doc) ---
+# ---- xgrammar's own grammars refuse control characters in strings without a length bound -------
+# (strings with one, and every other form, through the engine's backend with our hook: below)
 
-def test_every_json_grammar_refuses_control_characters_in_strings():
+def test_xgrammars_unbounded_strings_refuse_control_characters():
     tag = {"type": "structural_tag", "format": {
         "type": "tags_with_separator", "separator": "", "at_least_one": True, "stop_after_first": True,
         "tags": [{"type": "tag", "begin": "<tool_call>", "content": {"type": "json_schema", "json_schema": SCHEMA},
@@ -407,3 +408,256 @@ def test_mask_hides_only_tags_inside_strings():
     assert len(masked) == len(text) and masked.count(co.SENTINEL) == 2
     assert masked.replace(co.SENTINEL, "<") == text
     assert masked.find("</tool_call>") == text.index('}</tool_call>') + 1
+
+
+# ---- JSON strings keep raw control characters out, in every form (issue 40 item 2) ---------------
+# Each schema is compiled as the engine's structured-output backend compiles it (XgrammarBackend,
+# its compile_grammar, the test checkpoint's tokenizer); a raw U+0000-U+001F is then refused at every
+# position inside every string of a valid answer, by the matcher and in the engine's token bitmask,
+# while the escapes a JSON string writes them with are accepted where the form takes escapes.
+
+ENGINE_BACKEND_INIT = inspect.unwrap(bx.XgrammarBackend.__post_init__)
+SO = pytest.importorskip("vllm.v1.structured_output.backend_types").StructuredOutputOptions
+utils = pytest.importorskip("vllm.tool_parsers.utils")
+protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+
+
+def _string(**bounds) -> dict:
+    return {"type": "string", **bounds}
+
+
+# every format xgrammar 0.2.8 builds (vLLM's STRING_SUPPORTED_FORMATS), each with a valid value
+FORMAT_EXAMPLES = {
+    "email": "ab.c@example.org", "date": "2026-12-02", "time": "12:34:56Z",
+    "date-time": "2026-12-02T12:34:56+01:00", "duration": "P1DT2H", "ipv4": "192.168.0.1",
+    "ipv6": "2001:db8::1", "hostname": "example.org", "uuid": "123e4567-e89b-12d3-a456-426614174000",
+    "uri": "https://example.org/a?b=c", "uri-reference": "../a/b", "uri-template": "https://example.org/{id}",
+    "json-pointer": "/a/b~1c", "relative-json-pointer": "1/a"}
+ESCAPES = "\\n\\u0001"  # a newline and U+0001 as a JSON string writes them: two characters
+BOUNDED_PARAMS = {"type": "object",
+                  "properties": {"city": _string(minLength=1, maxLength=12), "days": {"type": "integer"},
+                                 "tags": {"type": "array", "items": _string(maxLength=4)}},
+                  "required": ["city"], "additionalProperties": False}
+
+# name: (schema, a valid answer, a valid answer with ESCAPES inside a string, or None where the
+# form takes no escape: xgrammar matches pattern and format strings on their raw characters and
+# writes no backslash in them, and enum/const strings are the schema's own, escapes included)
+STRING_FORMS = {
+    "string": (_string(), '"ab c"', f'"a{ESCAPES}"'),
+    "maxLength": (_string(maxLength=6), '"ab c"', f'"a{ESCAPES}b"'),
+    "minLength": (_string(minLength=2), '"ab c"', f'"{ESCAPES}"'),
+    "minLength and maxLength": (_string(minLength=1, maxLength=3), '"abc"', f'"{ESCAPES}"'),
+    "maxLength 1": (_string(maxLength=1), '"a"', '"\\n"'),
+    "pattern": (_string(pattern="^[a-z ]+$"), '"ab c"', None),
+    "pattern with any character": (_string(pattern="^a.*$"), '"a b"', None),
+    **{f"format {f}": (_string(format=f), json.dumps(v), None) for f, v in FORMAT_EXAMPLES.items()},
+    "enum": ({"type": "string", "enum": ["ab", "c\u0001\nd"]}, '"ab"', '"c\\u0001\\nd"'),
+    "const": ({"const": "a\nb"}, '"a\\nb"', '"a\\nb"'),
+    "type list": ({"type": ["string", "null"], "maxLength": 4}, '"ab"', f'"{ESCAPES}"'),
+    "anyOf": ({"anyOf": [_string(minLength=2), {"type": "integer"}]}, '"ab"', f'"{ESCAPES}"'),
+    "$ref": ({"$defs": {"s": _string(maxLength=5)}, "$ref": "#/$defs/s"}, '"ab"', f'"{ESCAPES}"'),
+    "object properties": (BOUNDED_PARAMS, '{"city": "Paris", "days": 2, "tags": ["a", "bc"]}',
+                          f'{{"city": "P{ESCAPES}", "tags": ["{ESCAPES}"]}}'),
+    "nested object and array": (
+        {"type": "object", "properties": {"a": {"type": "array", "items": {
+            "type": "object", "properties": {"b": _string(minLength=1), "c": _string(pattern="^x+$")},
+            "required": ["b", "c"]}}}, "required": ["a"]},
+        '{"a": [{"b": "ab", "c": "xx"}]}', f'{{"a": [{{"b": "{ESCAPES}", "c": "x"}}]}}'),
+    "prefixItems": ({"type": "array", "prefixItems": [_string(maxLength=3), _string(format="date")],
+                     "items": False}, '["ab", "2026-12-02"]', f'["{ESCAPES}", "2026-12-02"]'),
+    "additionalProperties": ({"type": "object", "additionalProperties": _string(maxLength=3)},
+                             '{"k": "ab"}', f'{{"k{ESCAPES}": "{ESCAPES}"}}'),
+    "propertyNames with maxLength": ({"type": "object", "propertyNames": {"maxLength": 4}},
+                                     '{"ab": 1}', f'{{"{ESCAPES}": 1}}'),
+    "patternProperties": ({"type": "object", "patternProperties": {"^k[0-9]*$": _string(minLength=1)}},
+                          '{"k1": "ab"}', None),
+}
+
+
+def _in_string_positions(text: str) -> list[int]:
+    """The indices ``i`` at which ``text[:i]`` ends inside a JSON string (past its opening quote,
+    not inside an escape): where a raw control character would be a string character."""
+    positions, in_string, i = [], False, 0
+    while i < len(text):
+        c = text[i]
+        if in_string:
+            positions.append(i)
+            if c == "\\":
+                i += 2 if text[i + 1] != "u" else 6
+                continue
+            in_string = c != '"'
+        elif c == '"':
+            in_string = True
+        i += 1
+    return positions
+
+
+def _backend(tokenizer, hooked: bool, compact: bool = False):
+    """The engine's XgrammarBackend, built as the engine builds it, with our hook or without."""
+    init = co.wrap_xgrammar_backend_init(ENGINE_BACKEND_INIT) if hooked else ENGINE_BACKEND_INIT
+    cls = type("Backend", (bx.XgrammarBackend,), {"__post_init__": init})
+    config = SimpleNamespace(structured_outputs_config=SimpleNamespace(disable_any_whitespace=compact),
+                             model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3")),
+                             speculative_config=None)
+    return cls(vllm_config=config, tokenizer=tokenizer, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return _backend(tokenizer, hooked=True)
+
+
+@pytest.fixture(scope="module")
+def control_tokens(tokenizer):
+    """Tokens whose bytes hold a C0 character: the 32 single-byte ones of the byte-level vocabulary."""
+    vocab = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512).decoded_vocab
+    tokens = {t for t, raw in enumerate(vocab) if any(b < 0x20 for b in raw)}
+    assert len(tokens) >= 32  # the premise: the model can sample every one of them
+    return tokens
+
+
+def _control_characters_admitted(ctx, text: str, control_tokens: set[int]) -> list[str]:
+    """Where a compiled grammar lets a raw control character into a string of ``text``, a valid
+    answer: by the matcher (each character at each in-string position) and by the bitmask the
+    engine samples under (tokens holding one)."""
+    assert xgr.GrammarMatcher(ctx).accept_string(text), f"the valid answer itself is refused: {text!r}"
+    found = []
+    walker, mask, done = xgr.GrammarMatcher(ctx), xgr.allocate_token_bitmask(1, 512), 0
+    for i in _in_string_positions(text):
+        assert walker.accept_string(text[done:i])
+        done = i
+        walker.fill_next_token_bitmask(mask, 0)
+        leaked = control_tokens & _allowed(mask[0])
+        if leaked:
+            found.append(f"tokens {sorted(leaked)[:4]}... after {text[:i]!r}")
+        found += [f"U+{c:04X} after {text[:i]!r}" for c in range(0x20) if walker.fork().accept_string(chr(c))]
+    return found
+
+
+@pytest.mark.parametrize("form", list(STRING_FORMS))
+def test_no_json_string_form_admits_a_raw_control_character(backend, control_tokens, form):
+    schema, answer, escaped = STRING_FORMS[form]
+    ctx = backend.compile_grammar(SO.JSON, json.dumps(schema)).ctx
+    assert not _control_characters_admitted(ctx, answer, control_tokens)
+    if escaped is not None:
+        assert not _control_characters_admitted(ctx, escaped, control_tokens)
+        jsonschema = pytest.importorskip("jsonschema")
+        jsonschema.validate(json.loads(escaped), schema)  # the escaped answer is one the schema allows
+
+
+@pytest.mark.parametrize("form", ["maxLength", "minLength", "minLength and maxLength", "type list",
+                                  "anyOf", "$ref", "object properties", "propertyNames with maxLength"])
+def test_the_engine_alone_admits_control_characters_and_no_escape_in_bounded_strings(tokenizer, control_tokens,
+                                                                                      form):
+    """The premise: the engine's own backend lets 30 of the 32 C0 characters into a string with a
+    length bound, and takes no escape there."""
+    schema, answer, escaped = STRING_FORMS[form]
+    ctx = _backend(tokenizer, hooked=False).compile_grammar(SO.JSON, json.dumps(schema)).ctx
+    admitted = _control_characters_admitted(ctx, answer, control_tokens)
+    assert sum(f.startswith("U+") for f in admitted) >= 30
+    assert not xgr.GrammarMatcher(ctx).accept_string(escaped)
+
+
+@pytest.mark.parametrize("fmt, prefix", [("json-pointer", '"/a'), ("relative-json-pointer", '"1/a')])
+def test_json_pointer_strings_take_no_raw_control_character_quote_or_backslash(tokenizer, backend, fmt, prefix):
+    """xgrammar writes these formats' characters from RFC 6901's raw ranges (%x00-2E, %x30-7D):
+    the engine alone takes a control character, a backslash and a quote that does not end the
+    string."""
+    schema = json.dumps(_string(format=fmt))
+    engine = _backend(tokenizer, hooked=False).compile_grammar(SO.JSON, schema).ctx
+    ours = backend.compile_grammar(SO.JSON, schema).ctx
+    for raw in ("\x01", "\x1f", "\\", '"b'):
+        assert xgr.GrammarMatcher(engine).accept_string(prefix + raw), raw  # the premise
+        assert not xgr.GrammarMatcher(ours).accept_string(prefix + raw), raw
+    assert _complete(ours, prefix + ' b~1c/~0!#-.0-[]-}\x7fé"')
+
+
+def test_length_bounds_still_hold_and_an_escape_counts_as_one_character(backend):
+    ctx = backend.compile_grammar(SO.JSON, json.dumps(_string(minLength=2, maxLength=3))).ctx
+    for text, ok in [('"ab"', True), ('"abc"', True), ('"abcd"', False), ('"a"', False),
+                     ('"\\n\\t"', True), ('"\\u0001\\"\\\\"', True), ('"\\n\\n\\n\\n"', False),
+                     ('"\\x"', False), ('"\\u00g1"', False)]:
+        assert _complete(ctx, text) is ok, text
+
+
+def _complete(ctx, text: str) -> bool:
+    m = xgr.GrammarMatcher(ctx)
+    return m.accept_string(text) and m.is_completed()
+
+
+def test_compact_separators_and_json_object_keep_control_characters_out(tokenizer, control_tokens):
+    compact = _backend(tokenizer, hooked=True, compact=True)
+    schema, answer, escaped = STRING_FORMS["object properties"]
+    ctx = compact.compile_grammar(SO.JSON, json.dumps(schema)).ctx
+    for text in (answer, escaped):
+        assert not _control_characters_admitted(ctx, text.replace(": ", ":").replace(", ", ","), control_tokens)
+    ctx = compact.compile_grammar(SO.JSON_OBJECT, "").ctx  # xgrammar 0.2.8 keeps ", " here
+    assert not _control_characters_admitted(ctx, f'{{"k{ESCAPES}":["a", {{"b":"c"}}], "d":"e"}}', control_tokens)
+
+
+def _strict_tool(parameters=BOUNDED_PARAMS):
+    return protocol.ChatCompletionToolsParam(type="function", function={
+        "name": "get_weather", "parameters": parameters, "strict": True})
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_a_forced_strict_tool_call_keeps_control_characters_out_of_its_arguments(backend, control_tokens,
+                                                                                 tool_choice):
+    """vLLM 0.32 forces a hermes call with a structural tag built from the tool's parameters
+    (structural_tag_registry, serialized as the chat front end does)."""
+    choice = tool_choice if tool_choice == "required" else protocol.ChatCompletionNamedToolChoiceParam(
+        type="function", function={"name": "get_weather"})
+    tag = stags.get_model_structural_tag("hermes", [_strict_tool()], choice, reasoning=False)
+    ctx = backend.compile_grammar(SO.STRUCTURAL_TAG, json.dumps(tag.model_dump())).ctx
+    for args in (STRING_FORMS["object properties"][1], STRING_FORMS["object properties"][2]):
+        call = '<tool_call>\n{"name": "get_weather", "arguments": ' + args + "}\n</tool_call>"
+        assert not _control_characters_admitted(ctx, call, control_tokens)
+    engine_ctx = _backend(backend.tokenizer, hooked=False).compile_grammar(
+        SO.STRUCTURAL_TAG, json.dumps(tag.model_dump())).ctx
+    assert xgr.GrammarMatcher(engine_ctx).accept_string('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\x01')
+
+
+def test_a_required_call_through_the_json_schema_array_keeps_control_characters_out(backend, control_tokens):
+    """The other forced-call path (1Cat's for hermes, and vLLM 0.32's without structural tags):
+    a JSON schema of an array of {name, parameters}."""
+    schema = utils.get_json_schema_from_tools(tool_choice="required", tools=[_strict_tool()])
+    ctx = backend.compile_grammar(SO.JSON, json.dumps(schema)).ctx
+    args = STRING_FORMS["object properties"][2]
+    assert not _control_characters_admitted(ctx, f'[{{"name": "get_weather", "parameters": {args}}}]', control_tokens)
+
+
+def test_the_legacy_structural_tag_form_keeps_control_characters_out(backend, control_tokens):
+    spec = {"type": "structural_tag", "triggers": ["<f>"],
+            "structures": [{"begin": "<f>", "schema": BOUNDED_PARAMS, "end": "</f>"}]}
+    ctx = backend.compile_grammar(SO.STRUCTURAL_TAG, json.dumps(spec)).ctx
+    assert not _control_characters_admitted(ctx, 'x <f>{"city": "P' + ESCAPES + '"}</f>', control_tokens)
+
+
+def test_grammars_without_a_bounded_string_are_xgrammars_own(backend):
+    """Only the unsafe class changes: a grammar without one is compiled by xgrammar's own method,
+    and the rewrite leaves literals (tag texts, enum values, Regex patterns) alone."""
+    calls = []
+    inner = backend.compiler._qpn_compiler
+    spy = SimpleNamespace(compile_json_schema=lambda *a, **k: calls.append("json") or inner.compile_json_schema(*a, **k),
+                          compile_grammar=lambda *a, **k: calls.append("ebnf") or inner.compile_grammar(*a, **k))
+    safe = co.C0SafeCompiler(spy)
+    safe.compile_json_schema(json.dumps(SCHEMA))
+    safe.compile_json_schema(json.dumps(_string(maxLength=3)))
+    assert calls == ["json", "ebnf"]
+    literal = 'root ::= "[^\\"\\\\\\r\\n]" [^\\"\\\\\\r\\n] Regex("[^\\"\\\\\\r\\n]")'
+    assert co.UNSAFE_STRING_CLASS in literal
+    assert co.c0_safe_ebnf(literal) == ('root ::= "[^\\"\\\\\\r\\n]" ' + co.SAFE_STRING_CHARACTER
+                                        + ' Regex("[^\\"\\\\\\r\\n]")')
+
+
+@pytest.mark.parametrize("version", ["1.2.2", "1.3.0"])
+def test_1cat_compiles_json_schemas_and_structural_tags_through_the_backends_compiler(version):
+    """The hook's premise on 1Cat: its XgrammarBackend makes self.compiler (an xgrammar
+    GrammarCompiler) in __post_init__ and compiles JSON schemas, json_object and structural tags
+    (both forms) with that compiler's compile_json_schema and compile_structural_tag."""
+    src = onecat_text(version, "v1/structured_output/backend_xgrammar.py")
+    init, compile_ = _method_source(src, "__post_init__"), _method_source(src, "compile_grammar")
+    assert "self.compiler = xgr.GrammarCompiler(" in init
+    assert compile_.count("self.compiler.compile_json_schema(") == 2
+    assert compile_.count("self.compiler.compile_structural_tag(") == 2
+    assert "xgr.Grammar." not in compile_ and "compile_builtin_json_grammar" not in compile_

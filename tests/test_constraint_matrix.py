@@ -4,11 +4,15 @@
 
 An answer is valid when it is what its constraint allows: complete (``finish_reason`` stop or
 tool_calls) and valid for the constraint, or cut by ``max_tokens`` (``length``) and still a prefix
-the constraint allows, read by xgrammar's own matcher from the same schema, choice or regex. Tool
-calls: each call's arguments are JSON (no ``Infinity`` or ``NaN``), an object, valid for a strict
-tool's schema, and no ``<tool_call>`` text is left in the content. Zero 5xx, zero invalid answers,
-and the engine alive after. The hooks behind it are fork_patches/constrained_output.py; the tests
-below the server are tests/test_constrained_output.py.
+the constraint allows, read by xgrammar's own matcher from the same schema (with the
+control-character-safe strings our hook compiles), choice or regex. Tool calls: each call's
+arguments are JSON (no ``Infinity`` or ``NaN``), an object, valid for a strict tool's schema, and
+no ``<tool_call>`` text is left in the content. No answer holds a raw control character (U+0000-U+001F
+other than JSON's whitespace between tokens; inside a string JSON allows none): a schema and a
+strict tool with length-bounded strings, the form xgrammar let them into (issue 40 item 2), are
+among the constraints. Zero 5xx, zero invalid answers, and the engine alive after. The hooks behind
+it are fork_patches/constrained_output.py; the tests below the server are
+tests/test_constrained_output.py.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from qpn.fork_patches.constrained_output import c0_safe_ebnf
 from tests._server import VllmServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -39,32 +44,48 @@ SCHEMA = {"type": "object",
                          "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["city", "temp", "ok"], "additionalProperties": False}
 CHOICES = ["sunny", "rain", "snow"]
+# strings with a length bound: xgrammar's own grammar for them takes raw control characters
+BOUNDED_SCHEMA = {"type": "object",
+                  "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                                 "note": {"type": "string", "maxLength": 40}, "temp": {"type": "number"}},
+                  "required": ["city", "note"], "additionalProperties": False}
 REGEX = r"[A-Z][a-z]{2,8}-[0-9]{2}"
 TOOL_PARAMS = {"type": "object",
                "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                "required": ["city"], "additionalProperties": False}
+BOUNDED_TOOL_PARAMS = {"type": "object",
+                       "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 16},
+                                      "days": {"type": "integer"}},
+                       "required": ["city"], "additionalProperties": False}
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris? Answer in JSON."}]
 
 
-def _tool(strict: bool) -> dict:
+def _tool(strict: bool, params: dict = TOOL_PARAMS) -> dict:
     fn = {"name": "get_weather", "description": "Current weather for a city",
-          "parameters": TOOL_PARAMS if strict else {"type": "object", "properties": {"city": {"type": "string"}}}}
+          "parameters": params if strict else {"type": "object", "properties": {"city": {"type": "string"}}}}
     if strict:
         fn["strict"] = True
     return {"type": "function", "function": fn}
 
 
-def _named(strict: bool) -> dict:
-    return {"tools": [_tool(strict)], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+def _named(strict: bool, params: dict = TOOL_PARAMS) -> dict:
+    return {"tools": [_tool(strict, params)],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
 
 
-# name: (endpoint, body fields, thinking, stream, what the answer must satisfy)
+def _json_schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema,
+                                                                       "strict": True}}}
+
+
+# name: (endpoint, body fields, thinking, stream, what the answer must satisfy); a strict tool's
+# check carries its parameters' schema, a non-strict one's None
 CASES = {
-    "response_format json_schema": ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "weather", "schema": SCHEMA, "strict": True}}}, False, False, ("json", SCHEMA)),
-    "response_format json_schema, streamed": ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "weather", "schema": SCHEMA, "strict": True}}}, False, True, ("json", SCHEMA)),
+    "response_format json_schema": ("chat", _json_schema(SCHEMA), False, False, ("json", SCHEMA)),
+    "response_format json_schema, streamed": ("chat", _json_schema(SCHEMA), False, True, ("json", SCHEMA)),
+    "response_format json_schema, bounded strings": ("chat", _json_schema(BOUNDED_SCHEMA), False, False,
+                                                     ("json", BOUNDED_SCHEMA)),
     "response_format json_object": ("chat", {"response_format": {"type": "json_object"}}, False, False,
                                     ("json", {"type": "object"})),
     "structured_outputs json": ("chat", {"structured_outputs": {"json": SCHEMA}}, False, False, ("json", SCHEMA)),
@@ -75,12 +96,14 @@ CASES = {
     "structured_outputs regex, thinking, streamed": ("chat", {"structured_outputs": {"regex": REGEX}}, True, True,
                                                      ("regex", REGEX)),
     "tool_choice required, strict": ("chat", {"tools": [_tool(True)], "tool_choice": "required"}, False, False,
-                                     ("tools", True)),
+                                     ("tools", TOOL_PARAMS)),
     "tool_choice required, non-strict": ("chat", {"tools": [_tool(False)], "tool_choice": "required"}, False, False,
-                                         ("tools", False)),
-    "named tool, strict": ("chat", _named(True), False, False, ("tools", True)),
-    "named tool, strict, streamed": ("chat", _named(True), False, True, ("tools", True)),
-    "named tool, non-strict, thinking": ("chat", _named(False), True, False, ("tools", False)),
+                                         ("tools", None)),
+    "named tool, strict": ("chat", _named(True), False, False, ("tools", TOOL_PARAMS)),
+    "named tool, strict, streamed": ("chat", _named(True), False, True, ("tools", TOOL_PARAMS)),
+    "named tool, strict, bounded strings": ("chat", _named(True, BOUNDED_TOOL_PARAMS), False, False,
+                                            ("tools", BOUNDED_TOOL_PARAMS)),
+    "named tool, non-strict, thinking": ("chat", _named(False), True, False, ("tools", None)),
     "completions structured_outputs json": ("completions", {"structured_outputs": {"json": SCHEMA}}, False, False,
                                             ("json", SCHEMA)),
 }
@@ -137,18 +160,28 @@ def _prefix_allowed(grammar, text: str) -> bool:
 
 
 def _grammar(check):
+    """The grammar the served constraint is, read by xgrammar: a JSON schema's with our hook's
+    control-character-safe strings (fork_patches/constrained_output.py), as the server compiles it."""
     kind, spec = check
     if kind == "json":
-        return xgr.Grammar.from_json_schema(json.dumps(spec))
+        return xgr.Grammar.from_ebnf(c0_safe_ebnf(str(xgr.Grammar.from_json_schema(json.dumps(spec)))))
     if kind == "choice":
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec))
     return xgr.Grammar.from_regex(spec)
+
+
+# U+0000-U+001F but tab, LF and CR, which JSON allows between tokens (and strict json.loads
+# refuses inside a string)
+RAW_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
 def invalid(check, answer: dict) -> str | None:
     """Why ``answer`` breaks its constraint, or None."""
     kind, spec = check
     finish, text, calls = answer["finish"], answer["content"], answer["calls"]
+    for raw in [text] + [args for _, args in calls]:
+        if RAW_CONTROL.search(raw):
+            return f"raw control character (finish {finish}): {raw!r}"
     if kind == "tools":
         if finish == "length":
             return None
@@ -167,7 +200,7 @@ def invalid(check, answer: dict) -> str | None:
                 return f"arguments not an object: {args!r}"
             if spec:
                 try:
-                    jsonschema.validate(value, TOOL_PARAMS)
+                    jsonschema.validate(value, spec)
                 except jsonschema.ValidationError as e:
                     return f"arguments break the strict schema ({e.message}): {args!r}"
         return None
@@ -249,6 +282,9 @@ def test_every_constrained_answer_is_valid_for_its_constraint(mixed_checkpoint, 
     assert not failures, f"K={k}: {len(failures)} of {DRAWS * len(CASES)} answers:\n" + "\n".join(failures[:30])
     assert res["health"] == 200
     assert "grammar rejected" not in res["log"] and "Failed to advance FSM" not in res["log"]
+    # the control-character-safe grammars compiled (constrained-json-string-characters)
+    assert "control-character-safe JSON grammar did not compile" not in res["log"]
+    assert "admit raw control characters" not in res["log"]
     # the matrix checks complete answers, not only cut ones (one in six of them here)
     assert complete >= DRAWS, f"K={k}: only {complete} complete answers"
 
@@ -259,17 +295,34 @@ def test_the_validity_check_refuses_what_the_engine_gave_before_the_fix():
         (("json", SCHEMA), {"finish": "stop", "content": "", "calls": []}),  # a stop in the reasoning
         (("choice", CHOICES), {"finish": "stop", "content": "", "calls": []}),
         (("json", SCHEMA), {"finish": "stop", "content": "weather\ufffdweather, 42", "calls": []}),
-        (("tools", False), {"finish": "tool_calls", "content": "", "calls": [("get_weather", "true")]}),
-        (("tools", False), {"finish": "stop", "content": "", "calls": [("get_weather", "10")]}),
-        (("tools", True), {"finish": "stop", "calls": [], "content":
-                           '<tool_call>{"name": "get_weather", "arguments": {"city": "a]</tool_call>8["}}</tool_call>'}),
-        (("tools", True), {"finish": "tool_calls", "content": "", "calls": [("get_weather", '{"city": "x", "days": Infinity}')]}),
-        (("tools", True), {"finish": "tool_calls", "content": "", "calls": [("get_weather", '{"city": "x"}}')]}),
-        (("tools", True), {"finish": "tool_calls", "content": "", "calls": [("get_weather", '{"town": "x"}')]}),
+        (("tools", None), {"finish": "tool_calls", "content": "", "calls": [("get_weather", "true")]}),
+        (("tools", None), {"finish": "stop", "content": "", "calls": [("get_weather", "10")]}),
+        (("tools", TOOL_PARAMS), {"finish": "stop", "calls": [], "content":
+                                  '<tool_call>{"name": "get_weather", "arguments": {"city": "a]</tool_call>8["}}</tool_call>'}),
+        (("tools", TOOL_PARAMS), {"finish": "tool_calls", "content": "",
+                                  "calls": [("get_weather", '{"city": "x", "days": Infinity}')]}),
+        (("tools", TOOL_PARAMS), {"finish": "tool_calls", "content": "", "calls": [("get_weather", '{"city": "x"}}')]}),
+        (("tools", TOOL_PARAMS), {"finish": "tool_calls", "content": "", "calls": [("get_weather", '{"town": "x"}')]}),
         (("json", SCHEMA), {"finish": "length", "content": '{"city": "a\x01', "calls": []}),
+        # issue 40 item 2: raw control characters in bounded strings, finished and cut; a call
+        # whose raw text held one (json.dumps then escapes it) and one that breaks a bound
+        (("json", BOUNDED_SCHEMA), {"finish": "stop", "content": '{"city": "P\x01\x1fs", "note": ""}', "calls": []}),
+        (("json", BOUNDED_SCHEMA), {"finish": "length", "content": '{"city": "Pa", "note": "\x07', "calls": []}),
+        (("json", BOUNDED_SCHEMA), {"finish": "stop", "content": '{"city": "", "note": ""}', "calls": []}),
+        (("tools", BOUNDED_TOOL_PARAMS), {"finish": "tool_calls", "content": "",
+                                          "calls": [("get_weather", '{"city": "P\x02"}')]}),
+        (("tools", BOUNDED_TOOL_PARAMS), {"finish": "tool_calls", "content": "",
+                                          "calls": [("get_weather", '{"city": "' + "x" * 17 + '"}')]}),
         (("regex", REGEX), {"finish": "stop", "content": "Paris-4", "calls": []}),
     ]
     for check, answer in seen:
         assert invalid(check, answer), answer
     assert invalid(("json", SCHEMA), {"finish": "length", "content": '{"city": "Pa', "calls": []}) is None
+    # escapes are what a bounded string holds instead, finished or cut
+    assert invalid(("json", BOUNDED_SCHEMA), {"finish": "stop", "content": '{"city": "P\\u0001\\n",\n "note": ""}',
+                                              "calls": []}) is None
+    assert invalid(("json", BOUNDED_SCHEMA), {"finish": "length", "content": '{"city": "P\\u0001", "note": "\\t',
+                                              "calls": []}) is None
+    assert invalid(("tools", BOUNDED_TOOL_PARAMS), {"finish": "tool_calls", "content": "",
+                                                    "calls": [("get_weather", '{"city": "P\\u0002"}')]}) is None
     assert invalid(("regex", REGEX), {"finish": "stop", "content": "Paris-42", "calls": []}) is None
