@@ -86,6 +86,27 @@ def test_request_limits_refused_with_400(launched, field, value):
     assert field in body["error"]["message"] and str(value) in body["error"]["message"], body
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": True},
+     "max_tokens"),
+    ("/completions", {"prompt": ["hi"] * 50, "n": 2}, "prompt"),
+    ("/chat/completions/batch", {"messages": [[{"role": "user", "content": "hi"}]] * 40},
+     "messages")])
+def test_request_hygiene_refused_with_400_naming_the_field(launched, path, body, param):
+    """Issue 40 items 5-6 on the real server: what vLLM served silently (an unknown role, a user
+    message without content, max_tokens true, 50 prompts x n, 40 conversations) is a 400 naming
+    the field."""
+    req = urllib.request.Request(launched.url + path, data=json.dumps(
+        {"model": launched.model, "max_tokens": 4, **body}).encode(),
+        headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=300)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["param"] == param
+
+
 def test_prompt_longer_than_the_model_refused_with_400(launched):
     status, body = _post(launched.url, {"model": launched.model, "max_tokens": 4,
                                         "messages": [{"role": "user", "content": "word " * 6000}]})
