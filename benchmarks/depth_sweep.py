@@ -21,7 +21,7 @@ is how an owner is meant to serve auto on their own box. Written, all with prove
 
 ``--fit`` only fits, from sweep files already measured (``K=FILE``; K=0 is speculation off).
 
-The fit (the model is fork_patches/depth_policy.py's ``CostConstants``): a round at depth k
+The fit (the model is fork_patches/spec/depth_policy.py's ``CostConstants``): a round at depth k
 commits tau + 1 tokens, so its time is ``R = 1000 (1 + tau) / tok_s`` ms; a plain step (K=0) is
 ``1000 / tok_s``. At each context measured at two or more depths k <= 7, a line through R against
 k gives the fixed round cost F (intercept) and the cost of one more depth d (slope); F and d are
@@ -42,7 +42,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from qpn.fork_patches import depth_policy as DP
+from qpn.fork_patches.spec import depth_policy as DP
 
 from . import context_sweep, plot
 from .client import BenchError
@@ -214,7 +214,7 @@ def write_fit(path: str, fit: DepthFit, checkpoint: str, sources: dict, ladder: 
     from . import provenance as P
     doc = {"provenance": {"command": shlex.join([sys.executable, "-m", "qpn.benchmarks.depth_sweep", *sys.argv[1:]]),
                           "commit": P.git_commit(), "date": P.now_iso(), "sources": sources},
-           "model": "fork_patches/depth_policy.py CostConstants (round = fixed + k (a + b ctx + c) [+ wide])",
+           "model": "fork_patches/spec/depth_policy.py CostConstants (round = fixed + k (a + b ctx + c) [+ wide])",
            "constants": fit.constants.as_dict(), "fitted": list(fit.fitted), "kept_default": list(fit.kept),
            "notes": list(fit.notes), "residuals": list(fit.residuals),
            "serve": serve_command(fit.constants, checkpoint, ladder)}

@@ -29,7 +29,7 @@ DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-# volta-qpn's own counter under K=auto (fork_patches/auto_depth.py): rounds by drafted depth.
+# volta-qpn's own counter under K=auto (fork_patches/spec/auto_depth.py): rounds by drafted depth.
 ROUNDS_PER_DEPTH = "qpn:spec_decode_rounds_per_depth_total"
 
 THROUGHPUT_ROUND_LABEL = "tok/s (generated - (tau+1)) / decode_s"

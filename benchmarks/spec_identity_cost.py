@@ -2,7 +2,7 @@
 """What greedy identity with speculation costs on the cpu engine, op by op (issue 12).
 
 The cpu engine gives a verified token the bits the server without speculation gives it only
-with three hooks (fork_patches/spec_identity.py) and our QPN CPU linear computing the rows of
+with three hooks (fork_patches/spec/spec_identity.py) and our QPN CPU linear computing the rows of
 decode-sized batches one at a time (kernels/reference.py). This times, on this host's CPU, each
 changed op both ways, in the engine's own functions:
 
@@ -104,7 +104,7 @@ def ssm_rows(repeats: int) -> list[tuple]:
     import torch
     import vllm._custom_ops as ops
 
-    from qpn.fork_patches import spec_identity
+    from qpn.fork_patches.spec import spec_identity
 
     engine_op = ops.fused_sigmoid_gating_delta_rule_update_spec_cpu
     engine_op = getattr(engine_op, "__wrapped__", engine_op)

@@ -12,7 +12,7 @@ scale applied to FP32 sums for groups of 64 and 128: the kernel multiplies the e
 (code - zero) * scale) in csrc/qpn_atom_m16n8k16.cuh; which kernel serves which route and layer
 size is sm80_tables.SM80_ROUTE_KERNELS.
 ops runs them through the family's routes (qpn4, qpn4_mt2, qpn4_chunked, qpn4_reconstruct:
-routes.py); the loader's QPN4LinearMethod (fork_patches/linear_method.py) serves AWQ, GPTQ and
+routes.py); the loader's QPN4LinearMethod (fork_patches/quant/linear_method.py) serves AWQ, GPTQ and
 compressed-tensors pack-quantized checkpoints through them. There are no INT4 MoE kernels.
 
 Canonical source (what a checkpoint convention hands the family; roles in formats.py):

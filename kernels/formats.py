@@ -17,7 +17,7 @@ NVFP4 (codes uint8 [N, K/2], group_scales float8_e4m3fn [N, K/16], global_scale 
 multiplier); FP8 (codes float8_e4m3fn [N, K], scale float32 [1] per tensor or [N] per channel);
 INT4 (codes uint8 [N, K/2], low nibble = even k; group_scales float16 [N, K/g]; zero_points
 uint8 [N, K/g] holding 0..15, asymmetric member only; w = (code - zero) * scale, symmetric zero 8).
-Checkpoint conventions (fork_patches/conventions.py) map their tensor names onto these roles.
+Checkpoint conventions (fork_patches/quant/conventions.py) map their tensor names onto these roles.
 
 Lookup: ``weight_format(x)`` takes a format key ("nvfp4", "fp8_tensor", "fp8_channel", "int4",
 "int4_sym"), a kernel family name ("nvfp4", "fp8", "int4": the family's first member), a ModelOpt

@@ -30,7 +30,7 @@ ENGINE_SOURCES = Path(os.environ.get("QPN_ENGINE_SOURCES",
 def onecat_archive(version: str) -> Path:
     """The source archive the lock names for 1Cat-vLLM ``version``; its absence fails under CI=true
     (CI promises every hook and flag was proven against both archives) and skips elsewhere."""
-    from qpn.fork_patches import engine_lock
+    from qpn.fork_patches.engine import engine_lock
 
     path = ENGINE_SOURCES / engine_lock.profile("sm70", version)["source_archive"]
     if not path.is_file():
@@ -41,9 +41,9 @@ def onecat_archive(version: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def onecat_source(version: str):
-    """The 1Cat ``version`` archive's ``vllm`` Python files (qpn.fork_patches.engine_source, the
+    """The 1Cat ``version`` archive's ``vllm`` Python files (qpn.fork_patches.engine.engine_source, the
     reader the hooks are proven with), read once per test process; ``.text(relpath)`` gives one."""
-    from qpn.fork_patches import engine_source
+    from qpn.fork_patches.engine import engine_source
 
     return engine_source.open_source(onecat_archive(version), version=version, profile="sm70")
 

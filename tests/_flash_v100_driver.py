@@ -73,8 +73,8 @@ def main() -> None:
     import vllm.config  # noqa: F401 - the engine's own import order
     from vllm.v1.attention.backends import flash_attn_v100 as fa
 
-    from qpn.fork_patches import hooks, plugin
-    from qpn.fork_patches.census import CENSUS
+    from qpn.fork_patches.engine import hooks, plugin
+    from qpn.fork_patches.route_census.census import CENSUS
 
     # before our hooks: what the engine alone keeps for an explicit float16 cache
     unhooked = _impl(fa, 6, 1, 256, "float16")[0].kv_cache_dtype

@@ -38,7 +38,7 @@ def token_ids(ckpt) -> list[int]:
 
 def serve(ckpt, ids: list[int], served_name: str, census_dir) -> dict:
     """One boot: prompt log-probabilities of ``ids``, the census folder and the KV path resolved."""
-    from qpn.fork_patches import census
+    from qpn.fork_patches.route_census import census
 
     with VllmServer(str(ckpt), served_model_name=served_name, census_dir=str(census_dir)) as srv:
         resp = srv.post("/v1/completions", {"model": served_name, "prompt": ids, "max_tokens": 4,
@@ -132,7 +132,7 @@ def check_census(served, ckpt, expert_format) -> dict:
     MoE route of its layer's expert format only, the shared experts on NVFP4 dense routes, lm_head
     from the checkpoint's codes. ``expert_format``: 'nvfp4' | 'fp8', or {layer: format} for a
     checkpoint that mixes them. Returns rank 0's modules for the caller's convention-specific checks."""
-    from qpn.fork_patches import census
+    from qpn.fork_patches.route_census import census
 
     agg = census.aggregate(str(served["census_dir"]))
     cfg = json.loads((ckpt / "config.json").read_text())

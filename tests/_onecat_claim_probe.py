@@ -11,7 +11,7 @@ import types
 from vllm.config.model import ModelConfig
 from vllm.model_executor.layers import quantization as q
 
-from qpn.fork_patches import qpn_config
+from qpn.fork_patches.quant import qpn_config
 from qpn.scripts.checkpoints import make_ct_checkpoint, make_int4_checkpoint
 
 CASES = {

@@ -20,7 +20,7 @@ from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.spec_decode.eagle import EagleProposer  # noqa: E402
 
-from qpn.fork_patches import auto_depth  # noqa: E402
+from qpn.fork_patches.spec import auto_depth  # noqa: E402
 
 res = {"chains": {}}
 for label, obj in (("propose", lbp.SpecDecodeBaseProposer.propose),

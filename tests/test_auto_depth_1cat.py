@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from qpn.fork_patches import engine_source
-from qpn.fork_patches.hooks import hooks_for
+from qpn.fork_patches.engine import engine_source
+from qpn.fork_patches.engine.hooks import hooks_for
 from tests.test_engine_source import VERSIONS, _archive
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from qpn.fork_patches.hooks import hooks_for
-from qpn.fork_patches.overlay import BACKUP_SUFFIX, FAULT_ENV, load_lock, sha256_file
+from qpn.fork_patches.engine.hooks import hooks_for
+from qpn.fork_patches.engine.overlay import BACKUP_SUFFIX, FAULT_ENV, load_lock, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 BOOTSTRAP = REPO / "scripts" / "bootstrap-sm70.sh"
@@ -36,7 +36,7 @@ def _overlay(py: Path, action: str, **env_extra) -> subprocess.CompletedProcess:
     env = dict(os.environ, **env_extra)
     env.pop("PYTHONPATH", None)  # the installed volta-qpn, as a user's engine would run it
     return subprocess.run(
-        [str(py), "-m", "qpn.fork_patches.overlay", action, "--engine", "cpu"],
+        [str(py), "-m", "qpn.fork_patches.engine.overlay", action, "--engine", "cpu"],
         env=env, capture_output=True, text=True, timeout=600,
     )
 
@@ -354,7 +354,7 @@ def test_sm70_preflight_counts_gpus_and_driver(tmp_path):
 
 def test_check_reports_an_installed_copy_older_than_the_checkout(light_engine, tmp_path):
     assert _overlay(light_engine, "apply").returncode == 0
-    from qpn.fork_patches.overlay import SOURCE_FOLDERS
+    from qpn.fork_patches.engine.overlay import SOURCE_FOLDERS
 
     # A checkout laid out from exactly what was installed (the repository itself may move on
     # while the tests run).
@@ -369,7 +369,7 @@ def test_check_reports_an_installed_copy_older_than_the_checkout(light_engine, t
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)
         return subprocess.run(
-            [str(light_engine), "-m", "qpn.fork_patches.overlay", "check", "--engine", "cpu",
+            [str(light_engine), "-m", "qpn.fork_patches.engine.overlay", "check", "--engine", "cpu",
              "--source", str(src)], env=env, capture_output=True, text=True, timeout=600)
 
     same = check_against(source)
@@ -378,4 +378,4 @@ def test_check_reports_an_installed_copy_older_than_the_checkout(light_engine, t
         (source / "fork_patches" / "hooks.py").read_text() + "\n# a newer checkout\n")
     stale = check_against(source)
     assert stale.returncode == 1
-    assert "fork_patches/hooks.py differs from the installed copy" in stale.stdout
+    assert "fork_patches/engine/hooks.py differs from the installed copy" in stale.stdout

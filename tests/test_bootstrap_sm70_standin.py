@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from qpn.fork_patches import engine_lock
-from qpn.fork_patches.hooks import hooks_for
-from qpn.fork_patches.overlay import sha256_file
+from qpn.fork_patches.engine import engine_lock
+from qpn.fork_patches.engine.hooks import hooks_for
+from qpn.fork_patches.engine.overlay import sha256_file
 from tests.test_bootstrap import _fake_nvidia_smi
 from tests.test_engine_source import _archive, _engine_site_packages
 

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-from qpn.fork_patches import census as census_mod
-from qpn.fork_patches.census import Census, aggregate, attention_layer_groups
-from qpn.fork_patches.census_schema import (
+from qpn.fork_patches.route_census import census as census_mod
+from qpn.fork_patches.route_census.census import Census, aggregate, attention_layer_groups
+from qpn.fork_patches.route_census.census_schema import (
     SCHEMA_VERSION, SUMMARY_VERSION, CensusSchemaError, CensusSummary, validate_rank,
 )
 from qpn.scripts.launcher import boot_gates
@@ -256,7 +256,7 @@ def test_served_depth_wants_drafts_proposed():
 def test_lm_head_source_comes_from_the_loader():
     """weight_source reads what the checked loader received and what the prepack proved."""
     pytest.importorskip("vllm")
-    from qpn.fork_patches.linear_method import QPN2LinearMethod
+    from qpn.fork_patches.quant.linear_method import QPN2LinearMethod
 
     m = QPN2LinearMethod(prefix="lm_head", algo="NVFP4", backend="reference")
     m.partition_sizes, m.n = [64], 64

@@ -1,5 +1,5 @@
 """Constrained output (issue 29 item 3, issue 40 item 2), below the server: our hooks in
-fork_patches/constrained_output.py on the engine's own functions and xgrammar's own grammars, with
+fork_patches/api/constrained_output.py on the engine's own functions and xgrammar's own grammars, with
 the test checkpoint's tokenizer, and the 1Cat archives read for the not_on reasons. The server-level
 matrix is tests/test_constraint_matrix.py.
 """
@@ -25,7 +25,7 @@ bx = pytest.importorskip("vllm.v1.structured_output.backend_xgrammar")
 hermes = pytest.importorskip("vllm.tool_parsers.hermes_tool_parser")
 stags = pytest.importorskip("vllm.tool_parsers.structural_tag_registry")
 
-from qpn.fork_patches import constrained_output as co  # noqa: E402
+from qpn.fork_patches.api import constrained_output as co  # noqa: E402
 from qpn.scripts.checkpoints import tiny_tokenizer  # noqa: E402
 
 Manager = so_mod.StructuredOutputManager

@@ -11,7 +11,7 @@ no ``<tool_call>`` text is left in the content. No answer holds a raw control ch
 other than JSON's whitespace between tokens; inside a string JSON allows none): a schema and a
 strict tool with length-bounded strings, the form xgrammar let them into (issue 40 item 2), are
 among the constraints. Zero 5xx, zero invalid answers, and the engine alive after. The hooks behind
-it are fork_patches/constrained_output.py; the tests below the server are
+it are fork_patches/api/constrained_output.py; the tests below the server are
 tests/test_constrained_output.py.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from qpn.fork_patches.constrained_output import c0_safe_ebnf
+from qpn.fork_patches.api.constrained_output import c0_safe_ebnf
 from tests._server import VllmServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -161,7 +161,7 @@ def _prefix_allowed(grammar, text: str) -> bool:
 
 def _grammar(check):
     """The grammar the served constraint is, read by xgrammar: a JSON schema's with our hook's
-    control-character-safe strings (fork_patches/constrained_output.py), as the server compiles it."""
+    control-character-safe strings (fork_patches/api/constrained_output.py), as the server compiles it."""
     kind, spec = check
     if kind == "json":
         return xgr.Grammar.from_ebnf(c0_safe_ebnf(str(xgr.Grammar.from_json_schema(json.dumps(spec)))))

@@ -1,4 +1,4 @@
-"""Checkpoint conventions (qpn.fork_patches.conventions) checked against the code that defines
+"""Checkpoint conventions (qpn.fork_patches.quant.conventions) checked against the code that defines
 them: compressed-tensors' own compressors, quantizer and ModelOpt converter, and vLLM 0.32's
 compressed-tensors scheme classes and config matcher."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qpn.fork_patches import conventions as cv
+from qpn.fork_patches.quant import conventions as cv
 from qpn.kernels import codecs
 
 pytestmark = pytest.mark.fast

@@ -13,7 +13,7 @@ pytest.importorskip("compressed_tensors", reason="compressed-tensors is installe
 
 from _ct_library import ct_fp8, ct_nvfp4, whole_format_weight  # noqa: E402
 
-from qpn.fork_patches import conventions as cv  # noqa: E402
+from qpn.fork_patches.quant import conventions as cv  # noqa: E402
 from qpn.scripts.checkpoints import make_checkpoint, make_ct_checkpoint as mct, tiny_hybrid  # noqa: E402
 
 

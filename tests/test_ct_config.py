@@ -1,4 +1,4 @@
-"""The compressed-tensors side of the registered QPN config (qpn.fork_patches.ct_config) on vLLM
+"""The compressed-tensors side of the registered QPN config (qpn.fork_patches.quant.ct_config) on vLLM
 0.32's own CompressedTensorsConfig (no server): which QPN method each module of the tiny hybrid
 gets, with which tensor names and FP8 scale layout; pack-quantized INT4 groups get the QPN4 method;
 fused shards that disagree, and schemes QPN does not serve, fail naming the module and the config
@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("compressed_tensors")
 
-from qpn.fork_patches import conventions as cv  # noqa: E402
-from qpn.fork_patches.ct_config import qpn_method_for  # noqa: E402
-from qpn.fork_patches.linear_method import (  # noqa: E402
+from qpn.fork_patches.quant import conventions as cv  # noqa: E402
+from qpn.fork_patches.quant.ct_config import qpn_method_for  # noqa: E402
+from qpn.fork_patches.quant.linear_method import (  # noqa: E402
     QPN2LinearMethod, QPN4LinearMethod, QPN8LinearMethod, QPNCheckpointError)
 from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config  # noqa: E402
 

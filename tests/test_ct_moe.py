@@ -22,8 +22,8 @@ pytest.importorskip("compressed_tensors")
 
 from _ct_library import ct_decompress_fp8, ct_decompress_nvfp4, ct_fp8, ct_nvfp4  # noqa: E402
 
-from qpn.fork_patches import moe_method  # noqa: E402
-from qpn.fork_patches.linear_method import QPNCheckpointError  # noqa: E402
+from qpn.fork_patches.quant import moe_method  # noqa: E402
+from qpn.fork_patches.quant.linear_method import QPNCheckpointError  # noqa: E402
 from qpn.scripts.checkpoints import make_ct_checkpoint as mct  # noqa: E402
 from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group)
 
@@ -37,7 +37,7 @@ EXPERTS_TARGET = r"re:^model\.(language_model\.)?layers\.\d+\.mlp\.experts\.\d+\
 def _config(expert_group: dict | None):
     """The registered QPN config over the dense generator's config, plus (when given) one config
     group for the experts."""
-    from qpn.fork_patches import qpn_config
+    from qpn.fork_patches.quant import qpn_config
 
     q = copy.deepcopy(mct.quantization_config())
     if expert_group is not None:
@@ -158,7 +158,7 @@ def test_ct_experts_load_through_the_engine_and_compute_the_librarys_weights(kin
                                                              encoded[(e, "w3")]["weight_global_scale"])
                 deq[(e, s)] = _decode(kind, t).double()
             assert float((_moe64(x, ids, w, deq) - y).abs().max()) > 10 * tol, wrong
-    from qpn.fork_patches.census import CENSUS
+    from qpn.fork_patches.route_census.census import CENSUS
 
     route = "qpn2_moe" if kind == "nvfp4" else "qpn8_moe"
     for name in method.census_names:
@@ -189,7 +189,7 @@ def test_expert_schemes_the_kernels_do_not_serve_are_not_claimed_and_fail_naming
         CompressedTensorsConfig,
     )
 
-    from qpn.fork_patches import qpn_config
+    from qpn.fork_patches.quant import qpn_config
 
     group = _group("nvfp4")
     group["weights"].update({"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32})
@@ -210,7 +210,7 @@ def test_int4_experts_are_never_handed_a_qpn_moe_method():
         CompressedTensorsConfig,
     )
 
-    from qpn.fork_patches import qpn_config
+    from qpn.fork_patches.quant import qpn_config
 
     group = _group("nvfp4")
     group["weights"] = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
@@ -232,7 +232,7 @@ def test_experts_with_quantized_output_activations_fail_naming_the_layer():
 
 
 def test_expert_projections_that_disagree_fail():
-    from qpn.fork_patches import qpn_config
+    from qpn.fork_patches.quant import qpn_config
 
     q = copy.deepcopy(mct.quantization_config())
     q["config_groups"]["experts_gate_up"] = {"targets": [EXPERTS_TARGET.replace("(gate|up|down)", "(gate|up)")],

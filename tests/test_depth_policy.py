@@ -1,4 +1,4 @@
-"""The ``K=auto`` depth policy (fork_patches/depth_policy.py): cost model, acceptance, decisions.
+"""The ``K=auto`` depth policy (fork_patches/spec/depth_policy.py): cost model, acceptance, decisions.
 
 The cost constants are fitted on seed 000 (v100-skinny README) figures; the tests check that the
 fit gives those figures back, then pin the decisions the defaults make (with the crossover context
@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from qpn.fork_patches import depth_policy as dp
+from qpn.fork_patches.spec import depth_policy as dp
 
 pytestmark = pytest.mark.fast
 

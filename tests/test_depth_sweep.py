@@ -13,7 +13,7 @@ import pytest
 from qpn.benchmarks import depth_sweep as DS
 from qpn.benchmarks.client import BenchError
 from qpn.benchmarks.results import read_results
-from qpn.fork_patches import depth_policy as DP
+from qpn.fork_patches.spec import depth_policy as DP
 
 
 def _points(costs: DP.CostConstants, ks=(3, 7), contexts=(512, 65_536), tau=1.5):

@@ -60,7 +60,7 @@ def served(ct_root):
 def served_fp8_kv(ct_root, served):
     """FP8 KV asked for explicitly, where the cpu engine has it (x86 with AVX-512/AMX): the
     checkpoint's self_attn.k_scale / v_scale must reach the cache."""
-    from qpn.fork_patches.kv_policy import cpu_lacks_fp8_kv
+    from qpn.fork_patches.engine.kv_policy import cpu_lacks_fp8_kv
 
     if cpu_lacks_fp8_kv():
         pytest.skip("this CPU has no FP8 KV cache in vLLM 0.32 (needs AVX-512 or AMX)")
@@ -101,7 +101,7 @@ def test_served_logprobs_agree_with_float32_reference(kv_path, request):
 
 
 def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
-    from qpn.fork_patches.census import aggregate
+    from qpn.fork_patches.route_census.census import aggregate
     from qpn.kernels.routes import QPN_ROUTES
 
     server, ckpt, census_dir = served["server"], served["ckpt"], served["census_dir"]

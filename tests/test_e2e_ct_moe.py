@@ -74,7 +74,7 @@ def reference(checkpoint, token_ids, served):
 def test_checkpoint_is_a_compressed_tensors_qwen35_moe(checkpoint):
     from safetensors.torch import load_file
 
-    from qpn.fork_patches import conventions as cv
+    from qpn.fork_patches.quant import conventions as cv
 
     ckpt, summary = checkpoint
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -131,7 +131,7 @@ def test_every_declared_checkpoint_module_is_paired_and_on_a_qpn_route(served, c
     every module the config_groups declare with the engine's name for it (the model's mapper drops
     model.language_model.), and each one is on a QPN route; the same census with one expert stack
     taken out fails naming the stack's checkpoint modules."""
-    from qpn.fork_patches import census
+    from qpn.fork_patches.route_census import census
     from qpn.scripts.launcher import boot_gates
 
     ckpt = checkpoint[0]

@@ -69,7 +69,7 @@ def served(request, tmp_path_factory):
     name = request.param
     convention, gen, settings, extra = SERVERS[name]
     if "--kv-cache-dtype" in extra:
-        from qpn.fork_patches.kv_policy import cpu_lacks_fp8_kv
+        from qpn.fork_patches.engine.kv_policy import cpu_lacks_fp8_kv
 
         if cpu_lacks_fp8_kv():
             pytest.skip("this CPU has no FP8 KV cache in vLLM 0.32 (needs AVX-512 or AMX)")
@@ -145,7 +145,7 @@ def test_census_every_int4_module_on_a_qpn_route(served):
     zero fallbacks; modules are served fused as vLLM fuses them (32 in this model), each prepacked
     and proven; the head stays the engine's. At TP = 2 every row-parallel module holds K / 2 = 128
     inputs per rank: one whole group of 128."""
-    from qpn.fork_patches.census import aggregate
+    from qpn.fork_patches.route_census.census import aggregate
     from qpn.kernels.routes import QPN_ROUTES
     from qpn.scripts.launcher import boot_gates
 

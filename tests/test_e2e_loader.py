@@ -143,7 +143,7 @@ def _served_prompt_logprobs(server: Server, ids: list[int]) -> tuple[list[float]
 
 
 def _kv_resolved(census_dir: Path) -> str:
-    from qpn.fork_patches.census import aggregate
+    from qpn.fork_patches.route_census.census import aggregate
 
     (kv,) = aggregate(str(census_dir))["kv_resolved"]
     return kv["resolved"]
@@ -182,7 +182,7 @@ def test_served_logprobs_agree_with_float32_reference(kv_path, request):
     controls = ("swap-nibbles", "collapse-fp8-shards")
     refs = _references(ckpt, ids, tmp, ["float32", "bfloat16", *controls], kv)
     check_agreement(got, top1, refs, f"KV path {resolved} ({served['kv_setting']})", gross=controls)
-    from qpn.fork_patches.census import aggregate
+    from qpn.fork_patches.route_census.census import aggregate
 
     (rank,) = aggregate(str(served["census_dir"]))["ranks"]
     layers = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
@@ -191,8 +191,8 @@ def test_served_logprobs_agree_with_float32_reference(kv_path, request):
 
 
 def test_census_every_quantized_module_on_qpn_and_zero_fallbacks(served):
-    from qpn.fork_patches.census import aggregate
-    from qpn.fork_patches.kv_policy import cpu_lacks_fp8_kv
+    from qpn.fork_patches.route_census.census import aggregate
+    from qpn.fork_patches.engine.kv_policy import cpu_lacks_fp8_kv
     from qpn.kernels.routes import QPN_ROUTES
 
     server, ckpt, census_dir = served["server"], served["ckpt"], served["census_dir"]

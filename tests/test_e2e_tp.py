@@ -79,7 +79,7 @@ def test_tp2_logprobs_agree_with_float32_reference(served_tp2):
 
 
 def test_tp2_census_per_rank_and_gates_over_both_ranks(served_tp2):
-    from qpn.fork_patches.census import aggregate
+    from qpn.fork_patches.route_census.census import aggregate
 
     server, ckpt, census_dir = served_tp2["server"], served_tp2["ckpt"], served_tp2["census_dir"]
     reply = server.post("/v1/chat/completions", {
@@ -92,7 +92,7 @@ def test_tp2_census_per_rank_and_gates_over_both_ranks(served_tp2):
         metrics = r.read().decode()
     quant = json.loads((Path(ckpt) / "hf_quant_config.json").read_text())
     layers = boot_gates.declared_layers(quant)
-    from qpn.fork_patches.qpn_config import claim
+    from qpn.fork_patches.quant.qpn_config import claim
 
     results = boot_gates.evaluate(CPU, K, warm, metrics, agg, boot_gates.declared_regions(quant),
                                   tp=TP, quantized_layers=layers, env=served_tp2["env"],

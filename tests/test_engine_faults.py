@@ -25,8 +25,8 @@ torch = pytest.importorskip("torch")
 rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
 sampler_mod = pytest.importorskip("vllm.v1.sample.sampler")
 
-from qpn.fork_patches import spec_logprobs  # noqa: E402
-from qpn.fork_patches.engine_quirks import wrap_one_token_conv  # noqa: E402
+from qpn.fork_patches.spec import spec_logprobs  # noqa: E402
+from qpn.fork_patches.engine.engine_quirks import wrap_one_token_conv  # noqa: E402
 
 ENGINE_FORWARD = inspect.unwrap(rs.RejectionSampler.forward)
 ENGINE_LOGPROBS = inspect.unwrap(rs.RejectionSampler._get_logprobs_tensors)

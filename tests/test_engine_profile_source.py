@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from qpn.fork_patches import engine_source
+from qpn.fork_patches.engine import engine_source
 from qpn.scripts.launcher import capture_ladder
 from qpn.scripts.launcher.engine_profiles import CPU, SM70
 from qpn.scripts.launcher.serve import Launch, server_command, server_env

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from qpn.fork_patches import engine_lock, engine_source
-from qpn.fork_patches.hooks import REGISTRY, hooks_for
+from qpn.fork_patches.engine import engine_lock, engine_source
+from qpn.fork_patches.engine.hooks import REGISTRY, hooks_for
 from tests._ci import onecat_archive
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def _engine_site_packages() -> Path:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     py = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
-    return subprocess.run([py, "-m", "qpn.fork_patches.hooks", "--engine-source", *args],
+    return subprocess.run([py, "-m", "qpn.fork_patches.engine.engine_source", *args],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -193,7 +193,7 @@ def test_plugin_registers_against_the_real_1cat_modules(version, tmp_path):
 def test_registry_per_engine_fields_name_real_engines_and_load():
     keys = set(engine_lock.engine_keys())
     profiles = {k.partition("@")[0] for k in keys}
-    from qpn.fork_patches.hooks import NEEDED_FOR
+    from qpn.fork_patches.engine.hooks import NEEDED_FOR
 
     for hook in REGISTRY:
         assert hook.needed_for in NEEDED_FOR, hook.name

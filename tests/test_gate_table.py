@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qpn.fork_patches.census_schema import (
+from qpn.fork_patches.route_census.census_schema import (
     SUMMARY_VERSION, CensusSchemaError, CensusSummary,
 )
 from qpn.scripts.launcher import boot_gates as bg

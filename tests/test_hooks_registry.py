@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from qpn.fork_patches.hooks import REGISTRY, as_markdown
+from qpn.fork_patches.engine.hooks import REGISTRY, as_markdown
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
 pytestmark = pytest.mark.fast
@@ -48,4 +48,4 @@ def test_markdown_table_reads_back_as_the_registry():
 def test_docs_hooks_md_is_the_registry_table(repo_root):
     doc = (repo_root / "docs" / "hooks.md").read_text()
     assert doc.endswith("\n\n" + as_markdown()), \
-        "docs/hooks.md is stale: rewrite its table with `python -m qpn.fork_patches.hooks`"
+        "docs/hooks.md is stale: rewrite its table with `python -m qpn.fork_patches.engine.hooks`"

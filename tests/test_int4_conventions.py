@@ -1,4 +1,4 @@
-"""INT4 W4A16 checkpoint conventions (qpn.fork_patches.conventions: AWQ, GPTQ, CT_PACK_QUANTIZED),
+"""INT4 W4A16 checkpoint conventions (qpn.fork_patches.quant.conventions: AWQ, GPTQ, CT_PACK_QUANTIZED),
 proven against the engines' own loader code (vLLM 0.32 installed beside the cpu engine and both
 1Cat-vLLM source archives, parsed by engine_source.verify_int4_conventions, and vLLM's config
 parsers run on the same dicts); the INT4 checkpoint generator (make_int4_checkpoint) byte for byte
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qpn.fork_patches import conventions as cv
-from qpn.fork_patches import engine_source
+from qpn.fork_patches.quant import conventions as cv
+from qpn.fork_patches.engine import engine_source
 from qpn.kernels import family_int4
 
 pytestmark = pytest.mark.fast
@@ -573,7 +573,7 @@ _KINDS = [(c, k) for k, m in sorted(mi.MALFORMED.items()) for c in m.conventions
 def qpn_serves_int4():
     """What the launcher refuses when QPN claims INT4 checkpoints (qpn_config.int4_ready: the family
     is served, its module imports and the loader has its method)."""
-    from qpn.fork_patches import qpn_config
+    from qpn.fork_patches.quant import qpn_config
 
     assert qpn_config.int4_ready() == (True, "")
 
@@ -583,7 +583,7 @@ def test_where_qpn_leaves_int4_to_the_engine_only_damage_is_refused(tmp_path, co
     """Where QPN does not claim INT4 checkpoints (its family not ready), the engine's own INT4
     kernels serve them: a damaged file is refused, a form QPN's family would not serve is left to
     the engine, and the launcher says so."""
-    from qpn.fork_patches import qpn_config
+    from qpn.fork_patches.quant import qpn_config
 
     assert qpn_config.int4_ready() == (True, "")   # served: the family, its module and its method
     monkeypatch.setattr(qpn_config, "int4_ready", lambda: (False, "the INT4 family is not ready"))

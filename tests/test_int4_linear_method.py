@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from qpn.fork_patches import conventions as cv  # noqa: E402
+from qpn.fork_patches.quant import conventions as cv  # noqa: E402
 from qpn.kernels import family_int4  # noqa: E402
 from qpn.scripts.checkpoints import make_int4_checkpoint as mi  # noqa: E402
 
@@ -152,7 +152,7 @@ class _Config:
 
 
 def _config(kind: str, g: int, **kw):
-    from qpn.fork_patches.linear_method import int4_method_for
+    from qpn.fork_patches.quant.linear_method import int4_method_for
 
     conv, sym, offset = KINDS[kind]
     return _Config(lambda layer, prefix: int4_method_for(conv, layer, prefix, TARGET, g, sym,
@@ -224,8 +224,8 @@ def reference(kind, tensors, plan, g):
 @pytest.mark.parametrize("which", ["qkv", "gate_up", "qkvz", "down"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_convention_loads_prepacks_frees_and_computes(engine_context, kind, which, g):
-    from qpn.fork_patches.census import CENSUS
-    from qpn.fork_patches.linear_method import QPN4LinearMethod
+    from qpn.fork_patches.route_census.census import CENSUS
+    from qpn.fork_patches.quant.linear_method import QPN4LinearMethod
 
     layer, tensors, plan = build(kind, which, g)
     method = layer.quant_method
@@ -313,7 +313,7 @@ def test_tp2_ranks_together_give_the_whole_layer(engine_context, tp_rank, kind, 
 def test_row_parallel_split_inside_a_group_is_refused(engine_context, tp_rank, kind):
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    from qpn.fork_patches.linear_method import QPNCheckpointError
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError
 
     tp_rank(0, 2)
     with pytest.raises(QPNCheckpointError) as e:
@@ -324,7 +324,7 @@ def test_row_parallel_split_inside_a_group_is_refused(engine_context, tp_rank, k
 
 
 def _fail(kind, which, g, mutate, needle, **kw):
-    from qpn.fork_patches.linear_method import QPNCheckpointError
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError
 
     _, plan, k = layer_plan(which)
     tensors = make_tensors(kind, plan, k, g)
@@ -407,8 +407,8 @@ def test_an_unpacker_bug_is_caught_before_serving(engine_context, monkeypatch, b
 
 
 def test_method_table_and_constructor(engine_context):
-    from qpn.fork_patches import linear_method as lm
-    from qpn.fork_patches.linear_method import QPNCheckpointError, int4_method_for
+    from qpn.fork_patches.quant import linear_method as lm
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, int4_method_for
     from qpn.kernels import formats
 
     assert lm.METHODS[formats.INT4.family] is lm.QPN4LinearMethod

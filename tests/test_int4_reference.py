@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="the reference decodes with vLLM's own code (
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("tokenizers")
 
-from qpn.fork_patches import conventions as cv  # noqa: E402
+from qpn.fork_patches.quant import conventions as cv  # noqa: E402
 from qpn.kernels import family_int4  # noqa: E402
 from qpn.scripts.checkpoints import int4_reference as ref  # noqa: E402
 from qpn.scripts.checkpoints import make_int4_checkpoint as mi  # noqa: E402

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 def _engine_ops():
     try:
         import vllm._custom_ops as ops
-        from qpn.fork_patches.kv_policy import cpu_lacks_fp8_kv
+        from qpn.fork_patches.engine.kv_policy import cpu_lacks_fp8_kv
     except ImportError as exc:  # the suite runs inside the cpu engine's venv (scripts/test.sh)
         pytest.fail(f"the cpu engine is not importable here ({exc}); run the suite through scripts/test.sh")
     if cpu_lacks_fp8_kv():

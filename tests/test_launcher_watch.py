@@ -117,7 +117,7 @@ def test_boot_progress_launcher_phase_is_not_overwritten_by_the_log(tmp_path):
 def test_boot_progress_counts_prepacked_modules_from_the_census(tmp_path):
     """The progress line's prepack count comes from the census files the overlay writes (read with
     the census reader, so a schema change shows up here), and only proven modules count as verified."""
-    from qpn.fork_patches.census import Census
+    from qpn.fork_patches.route_census.census import Census
 
     census_dir = tmp_path / "census"
     launch = types.SimpleNamespace(server_log=str(tmp_path / "server.log"), census_dir=str(census_dir))

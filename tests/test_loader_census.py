@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from qpn.fork_patches import census as census_mod
-from qpn.fork_patches.census import Census, aggregate, read_rank_files, write_json_atomic
-from qpn.fork_patches.census_schema import (
+from qpn.fork_patches.route_census import census as census_mod
+from qpn.fork_patches.route_census.census import Census, aggregate, read_rank_files, write_json_atomic
+from qpn.fork_patches.route_census.census_schema import (
     SCHEMA_VERSION, SUMMARY_VERSION, CensusSchemaError, CensusSummary, RankSummary, validate_rank,
 )
 from qpn.kernels import routes as route_table

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from qpn.fork_patches import kv_policy, plugin  # noqa: E402
-from qpn.fork_patches.hooks import REGISTRY, AnchorMissing, Hook  # noqa: E402
+from qpn.fork_patches.engine import kv_policy, plugin  # noqa: E402
+from qpn.fork_patches.engine.hooks import REGISTRY, AnchorMissing, Hook  # noqa: E402
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
 pytestmark = pytest.mark.fast
@@ -39,7 +39,7 @@ def test_missing_anchor_fails_naming_hook_and_engine_version():
     import vllm
 
     bogus = Hook(name="bogus", kind="runtime", anchor="vllm.config:NoSuchThing.attr", what="x" * 11,
-                 why="x" * 11, how="x" * 11, remove_when="x" * 11, apply="qpn.fork_patches.plugin:register")
+                 why="x" * 11, how="x" * 11, remove_when="x" * 11, apply="qpn.fork_patches.engine.plugin:register")
     with pytest.raises(AnchorMissing) as e:
         plugin.check_anchor(bogus)
     assert "bogus" in str(e.value) and vllm.__version__ in str(e.value)
@@ -81,7 +81,7 @@ def test_mixed_precision_in_hf_quant_config_is_accepted():
 
 
 def test_qpn_serves_the_cpu_platform_with_the_reference():
-    from qpn.fork_patches.platform_gate import serving_target
+    from qpn.fork_patches.engine.platform_gate import serving_target
 
     assert serving_target()["backend"] == "reference"
 

@@ -27,7 +27,7 @@ def engine_context(tmp_path_factory):
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from qpn.fork_patches import plugin
+    from qpn.fork_patches.engine import plugin
 
     with set_current_vllm_config(VllmConfig()):
         if not model_parallel_is_initialized():
@@ -143,8 +143,8 @@ PREFIXES = ["model.layers.3.self_attn.qkv_proj", "model.layers.3.self_attn.o_pro
 
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_module_loads_prepacks_frees_and_computes(engine_context, checkpoint, prefix):
-    from qpn.fork_patches.census import CENSUS
-    from qpn.fork_patches.linear_method import QPN2LinearMethod, QPN8LinearMethod
+    from qpn.fork_patches.route_census.census import CENSUS
+    from qpn.fork_patches.quant.linear_method import QPN2LinearMethod, QPN8LinearMethod
     from qpn.kernels.routes import route_for
 
     ckpt = checkpoint()
@@ -216,7 +216,7 @@ def test_nvfp4_shards_with_different_global_scales_become_pieces(engine_context,
 
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
 def test_malformed_checkpoint_fails_naming_module_and_problem(engine_context, checkpoint, kind):
-    from qpn.fork_patches.linear_method import QPNCheckpointError
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError
 
     bad = MALFORMED[kind]
     ckpt = checkpoint(kind)
@@ -232,7 +232,7 @@ def test_malformed_checkpoint_fails_naming_module_and_problem(engine_context, ch
 def test_apply_traces_under_torch_compile_and_still_routes_by_real_m(engine_context, checkpoint):
     """vLLM compiles the model unless --enforce-eager: the method must trace (fullgraph) and the
     route choice and census count must still see each call's real M."""
-    from qpn.fork_patches.census import CENSUS
+    from qpn.fork_patches.route_census.census import CENSUS
 
     ckpt = checkpoint()
     layer, plan = _build_and_load(ckpt, "model.layers.0.linear_attn.out_proj")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qpn.fork_patches import engine_source
+from qpn.fork_patches.engine import engine_source
 from tests.test_engine_source import VERSIONS, _archive
 
 REPO = Path(__file__).resolve().parent.parent

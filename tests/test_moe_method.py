@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from qpn.fork_patches import moe_method  # noqa: E402
-from qpn.fork_patches.linear_method import QPNCheckpointError  # noqa: E402
+from qpn.fork_patches.quant import moe_method  # noqa: E402
+from qpn.fork_patches.quant.linear_method import QPNCheckpointError  # noqa: E402
 from qpn.kernels import codecs, moe, moe_reference  # noqa: E402
 from tests._moe_cases import activations, routing  # noqa: E402
 from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group)
@@ -105,7 +105,7 @@ def test_load_prepack_apply_and_census(tmp_path, monkeypatch):
     y = method.apply(layer, x, w, ids)
     assert y.dtype == torch.bfloat16 and y.shape == (5, H)
     assert torch.equal(y, moe_reference.moe_reference(x, ids, w, packed).to(torch.bfloat16))
-    from qpn.fork_patches.census import CENSUS
+    from qpn.fork_patches.route_census.census import CENSUS
 
     for name in ("model.layers.0.mlp.experts.w13", "model.layers.0.mlp.experts.w2"):
         assert name in method.census_names or any(n.startswith(name) for n in method.census_names)

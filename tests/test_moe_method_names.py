@@ -7,7 +7,7 @@ nothing else: "ModelOpt" in the name selects the ModelOpt scale path (per-tensor
 the w1 and w3 input scales of an expert agree. So ``QPNModelOptMoEMethod`` must carry "ModelOpt",
 and ``QPNCompressedTensorsMoEMethod`` must not (its per-expert, per-shard scales take the generic
 path, by each parameter's ``quant_method`` attribute) while it carries "compressed". The hook
-docstring of ``qpn.fork_patches.moe_method`` says so. If an engine stops keying on the name (an attribute
+docstring of ``qpn.fork_patches.quant.moe_method`` says so. If an engine stops keying on the name (an attribute
 or a method instead), the second test fails, and the QPN methods should use that mechanism.
 """
 from __future__ import annotations
@@ -79,14 +79,14 @@ def _matches(class_name: str, substring: str, lowered: bool) -> bool:
 
 def test_the_qpn_moe_methods_take_the_loader_path_of_their_convention():
     pytest.importorskip("vllm")
-    from qpn.fork_patches import moe_method
+    from qpn.fork_patches.quant import moe_method
 
     modelopt = moe_method.QPNModelOptMoEMethod.__name__
     ct = moe_method.QPNCompressedTensorsMoEMethod.__name__
     assert _matches(modelopt, "ModelOpt", False) and not _matches(modelopt, "compressed", True), modelopt
     assert not _matches(ct, "ModelOpt", False), (
         f"{ct} must not contain 'ModelOpt': the engines' expert loaders would take the ModelOpt scale path "
-        "for compressed-tensors experts (see qpn.fork_patches.moe_method)")
+        "for compressed-tensors experts (see qpn.fork_patches.quant.moe_method)")
     assert _matches(ct, "compressed", True), ct
     assert issubclass(moe_method.QPNCompressedTensorsMoEMethod, moe_method.QPNModelOptMoEMethod)
 

@@ -27,7 +27,7 @@ def gate(monkeypatch, nvrtc12):
     """serving_target() on a pretended CUDA device; kernels_ready() builds with NVRTC (conftest fixture)."""
     import vllm.platforms
 
-    from qpn.fork_patches import platform_gate
+    from qpn.fork_patches.engine import platform_gate
 
     def on(major, minor):
         monkeypatch.setattr(vllm.platforms, "current_platform", _CudaPlatform(major, minor))
@@ -40,7 +40,7 @@ def gate(monkeypatch, nvrtc12):
 
 @pytest.mark.fast
 def test_cpu_platform_serves_the_reference():
-    from qpn.fork_patches import platform_gate
+    from qpn.fork_patches.engine import platform_gate
 
     platform_gate.serving_target.cache_clear()
     assert platform_gate.serving_target() == {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from qpn.fork_patches.hooks import by_name
+from qpn.fork_patches.engine.hooks import by_name
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_PY = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
@@ -67,20 +67,20 @@ def _scratch_engine(root: Path, edits: dict[str, tuple[str, str]]) -> Path:
 
 _BOOT = r'''
 import json, os, sys
-from qpn.fork_patches import hooks
+from qpn.fork_patches.engine import hooks
 if os.environ.get("QPN_TEST_MOE_PROBE_HOOK"):
     hooks.REGISTRY.append(hooks.Hook(
         name="moe-probe", kind="runtime", needed_for="moe",
         anchor="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts._get_quant_method",
-        what="probe", why="probe", how="probe", remove_when="probe", apply="qpn.fork_patches.plugin:register"))
+        what="probe", why="probe", how="probe", remove_when="probe", apply="qpn.fork_patches.engine.plugin:register"))
 from vllm.engine.arg_utils import EngineArgs
 try:
     EngineArgs(model="/nonexistent-checkpoint")  # __post_init__ loads the general plugins
 except BaseException as e:
     print("QPN_RAISED " + type(e).__name__, flush=True)
     raise
-from qpn.fork_patches import plugin
-from qpn.fork_patches.census import CENSUS
+from qpn.fork_patches.engine import plugin
+from qpn.fork_patches.route_census.census import CENSUS
 print("QPN_RESULT " + json.dumps({"skipped": plugin.skipped_hooks(),
                                   "census": CENSUS.hooks_skipped, "engine": plugin.engine_key()}))
 '''
@@ -107,7 +107,7 @@ def test_required_anchor_missing_stops_the_engine_with_one_message(tmp_path):
     assert message.count("volta-qpn cannot run on vLLM") == 1, message
     assert f"hook {hook.name}: anchor {hook.anchor} not found" in message
     assert "engine cpu@0.32.0" in message and "vLLM 0.32.0" in message
-    assert "Fix: install a locked cpu engine (0.32.0" in message and "--engine-source" in message
+    assert "Fix: install a locked cpu engine (0.32.0" in message and "qpn.fork_patches.engine.engine_source" in message
     # only the missing hook is named: the others of this engine were found
     assert "1 required hook(s)" in message and "kv-cache-fp16-on-sm70" not in message
     assert last[-1].startswith("Fix:")

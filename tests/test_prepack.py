@@ -187,7 +187,7 @@ def test_fp8_layer_whose_per_channel_scale_changed_after_packing_is_refused(monk
     with an error naming the layer and the row, before the checkpoint's tensors are freed."""
     from types import SimpleNamespace
 
-    from qpn.fork_patches.linear_method import QPN8LinearMethod, QPNCheckpointError
+    from qpn.fork_patches.quant.linear_method import QPN8LinearMethod, QPNCheckpointError
 
     w, scale = _fp8_source(96, 64, 7, per_channel=True)
     real = prepack.prepack_fp8
@@ -217,7 +217,7 @@ def test_nvfp4_verify_compares_the_global_scale(monkeypatch):
     fused layer whose shards' global scales differ, packed with the wrong one, is refused."""
     from types import SimpleNamespace
 
-    from qpn.fork_patches.linear_method import QPN2LinearMethod, QPNCheckpointError
+    from qpn.fork_patches.quant.linear_method import QPN2LinearMethod, QPNCheckpointError
     from qpn.kernels import families
 
     w, s = _nvfp4_bytes(64, 64, 12)

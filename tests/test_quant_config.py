@@ -1,4 +1,4 @@
-"""QPN as a registered quantization method (qpn.fork_patches.qpn_config), on the installed cpu
+"""QPN as a registered quantization method (qpn.fork_patches.quant.qpn_config), on the installed cpu
 engine (vLLM 0.32) and, read from source, both 1Cat archives: the plugin registers "qpn" through
 vLLM's register_quantization_config; vLLM's own _verify_quantization probes it before the
 built-ins and settles on it for each convention QPN serves (INT4 only where the family serves and
@@ -20,8 +20,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from qpn.fork_patches import engine_source, qpn_config  # noqa: E402
-from qpn.fork_patches.linear_method import (  # noqa: E402
+from qpn.fork_patches.engine import engine_source  # noqa: E402
+from qpn.fork_patches.quant import qpn_config  # noqa: E402
+from qpn.fork_patches.quant.linear_method import (  # noqa: E402
     QPN2LinearMethod, QPN4LinearMethod, QPN8LinearMethod, QPNCheckpointError)
 from tests._ci import onecat_archive  # noqa: E402
 from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group, plugin)
@@ -51,7 +52,7 @@ def test_registration_path_is_in_the_engine_source(where):
 def test_the_plugin_registers_qpn_once_and_the_engine_returns_it():
     from vllm.model_executor.layers import quantization as q
 
-    from qpn.fork_patches import plugin
+    from qpn.fork_patches.engine import plugin
 
     plugin.register()
     cls = q.get_quantization_config("qpn")
@@ -225,7 +226,7 @@ def test_user_choice_and_unserved_checkpoints_are_not_claimed():
 
 
 def test_no_claim_where_qpn_does_not_serve(monkeypatch):
-    from qpn.fork_patches import platform_gate
+    from qpn.fork_patches.engine import platform_gate
 
     monkeypatch.setattr(platform_gate, "serving_target", lambda: None)
     cls = qpn_config.config_class()
@@ -355,7 +356,7 @@ def _experts(cfg, prefix="model.layers.0.mlp.experts"):
 
 
 def test_routed_experts_get_the_qpn_moe_method_through_the_engines_own_choice():
-    from qpn.fork_patches import moe_method
+    from qpn.fork_patches.quant import moe_method
 
     experts = {f"model.layers.0.mlp.experts.{e}.{p}": {"quant_algo": "NVFP4", "group_size": 16}
                for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
@@ -369,7 +370,7 @@ def test_routed_experts_get_the_qpn_moe_method_through_the_engines_own_choice():
 
 
 def test_the_first_call_records_the_claiming_config_in_the_census(monkeypatch):
-    from qpn.fork_patches import census
+    from qpn.fork_patches.route_census import census
 
     monkeypatch.setattr(census, "CENSUS", census.Census())
     monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
@@ -387,7 +388,7 @@ def test_every_convention_but_modelopt_records_its_checkpoint_names(case, record
     """The first call on a rank records the checkpoint's module names for every convention the
     qpn_routes gate pairs by name (compressed-tensors, AWQ, GPTQ); ModelOpt pairs by position with
     the engine's quantized_layers instead."""
-    from qpn.fork_patches import census
+    from qpn.fork_patches.route_census import census
 
     monkeypatch.setattr(census, "CENSUS", census.Census())
     monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
@@ -422,7 +423,8 @@ def test_the_config_records_every_declared_module_with_the_engines_name(kind, co
     from vllm.model_executor.model_loader import utils as loader_utils
     from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
 
-    from qpn.fork_patches import census, conventions
+    from qpn.fork_patches.quant import conventions
+    from qpn.fork_patches.route_census import census
     from qpn.scripts.launcher import boot_gates
 
     ckpt = _named_checkpoint(kind, tmp_path / kind)

@@ -1,5 +1,5 @@
 """Sampled decoding under speculation (issue 29 items 1-2), below the server: the engine's own
-rejection sampler on the cpu engine, with and without our hooks (fork_patches/spec_sampling.py), and
+rejection sampler on the cpu engine, with and without our hooks (fork_patches/spec/spec_sampling.py), and
 the two 1Cat archives read for the branches that decide whether the faults reach a V100.
 
 The distribution test drives vLLM's ``apply_sampling_constraints`` and ``rejection_sample`` (the two
@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
 tts = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
 
-from qpn.fork_patches import spec_sampling  # noqa: E402
+from qpn.fork_patches.spec import spec_sampling  # noqa: E402
 
 # The engine's own functions, as shipped: another test in this process may have loaded our plugin,
 # whose hooks carry the original in __wrapped__.

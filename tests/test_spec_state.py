@@ -5,7 +5,7 @@ rounds of varying width and acceptance, as a forced tool call produces them, and
 token's output is compared with a run of full-width rounds over the same committed tokens. Without
 our hook the engine dies or drifts on exactly these rounds; with it, they match.
 
-Identity: with our hooks (fork_patches/spec_identity.py), every step a verified token passes
+Identity: with our hooks (fork_patches/spec/spec_identity.py), every step a verified token passes
 through gives it bitwise what the server without speculation computes for it alone: the GDN
 layer against the engine's plain prefill and one-token decode, the multi-slot SSM update, the CPU
 attention of a verify chunk against one-token decodes, and every per-token step (linear layers,
@@ -123,7 +123,7 @@ def _conv_path(g, lin, monkeypatch, conv):
         return layer
     _needs_cpp_conv(g)
     import vllm._custom_ops as ops
-    from qpn.fork_patches import spec_identity
+    from qpn.fork_patches.spec import spec_identity
 
     predicate = getattr(g.is_arm_bf16, "__wrapped__", g.is_arm_bf16)
     monkeypatch.setattr(g, "is_arm_bf16", spec_identity.wrap_cpp_conv_predicate(predicate))
@@ -147,7 +147,7 @@ CONV_PATHS = pytest.mark.parametrize("conv", ["torch-loop", "cpp"])
 @CONV_PATHS
 def test_cpu_spec_forward_matches_full_width_rounds(monkeypatch, conv):
     g, lin = _gdn()
-    from qpn.fork_patches import spec_state
+    from qpn.fork_patches.spec import spec_state
 
     original = getattr(g._spec_forward, "__wrapped__", g._spec_forward)
     layer = _conv_path(g, lin, monkeypatch, conv)
@@ -176,7 +176,7 @@ def test_cpu_spec_forward_matches_full_width_rounds(monkeypatch, conv):
 @CONV_PATHS
 def test_cpu_spec_forward_zero_count_resumes_from_first_token(monkeypatch, conv):
     g, lin = _gdn()
-    from qpn.fork_patches import spec_state
+    from qpn.fork_patches.spec import spec_state
 
     original = getattr(g._spec_forward, "__wrapped__", g._spec_forward)
     layer = _conv_path(g, lin, monkeypatch, conv)
@@ -295,10 +295,10 @@ def _ulps_per_token(got, ref):
 
 
 def _identity_hooks(monkeypatch, g):
-    """Our two GDN identity hooks (fork_patches/spec_identity.py) on the engine's own module and
+    """Our two GDN identity hooks (fork_patches/spec/spec_identity.py) on the engine's own module and
     op, as the plugin applies them in a server (originals taken from under any earlier wrap)."""
     import vllm._custom_ops as ops
-    from qpn.fork_patches import spec_identity
+    from qpn.fork_patches.spec import spec_identity
 
     predicate = getattr(g.is_arm_bf16, "__wrapped__", g.is_arm_bf16)
     spec_op = ops.fused_sigmoid_gating_delta_rule_update_spec_cpu
@@ -333,7 +333,7 @@ def test_cpu_spec_path_equals_plain_decode(monkeypatch):
     g, lin = _gdn()
     _needs_cpp_conv(g)
     import vllm._custom_ops as ops
-    from qpn.fork_patches import spec_state
+    from qpn.fork_patches.spec import spec_state
 
     original = getattr(g._spec_forward, "__wrapped__", g._spec_forward)
     padded = spec_state.wrap_cpu_spec_forward(original)
@@ -392,7 +392,7 @@ def test_spec_ssm_hook_keeps_the_multi_slot_contract():
     token t in slot t. Control: the engine's multi-slot op differs from the first token on."""
     _gdn()
     import vllm._custom_ops as ops
-    from qpn.fork_patches import spec_identity
+    from qpn.fork_patches.spec import spec_identity
 
     engine_op = ops.fused_sigmoid_gating_delta_rule_update_spec_cpu
     engine_op = getattr(engine_op, "__wrapped__", engine_op)
@@ -438,7 +438,7 @@ def test_spec_ssm_hook_keeps_the_multi_slot_contract():
 
 def _attention(q_rows, seq_len, key_cache, value_cache, block_table, split, hooked):
     import vllm._custom_ops as ops
-    from qpn.fork_patches import spec_identity
+    from qpn.fork_patches.spec import spec_identity
 
     heads, kv_heads, d = q_rows.shape[1], key_cache.shape[1], q_rows.shape[2]
     metadata = ops.cpu_attn_get_scheduler_metadata
@@ -572,7 +572,7 @@ def test_per_token_steps_are_row_invariant(monkeypatch):
 
 
 def test_pad_rows_layout():
-    from qpn.fork_patches.spec_state import pad_rows
+    from qpn.fork_patches.spec.spec_state import pad_rows
 
     qsl, dest = pad_rows(torch.tensor([1, 0, 4, 2]), 4)
     assert qsl.tolist() == [0, 4, 4, 8, 12]
@@ -582,7 +582,7 @@ def test_pad_rows_layout():
 _ONECAT_PROBE = r"""
 import importlib, inspect, json, os, types, torch
 os.environ["VLLM_SM70_GDN_STATE_CONTRACT_ASSERT"] = "1"
-from qpn.fork_patches.hooks import by_name
+from qpn.fork_patches.engine.hooks import by_name
 hook = by_name("gdn-spec-accepted-count-floor")
 assert "sm70" in hook.engines, hook.engines
 module_name, _, path = hook.anchor.partition(":")
@@ -630,7 +630,7 @@ def test_1cat_zero_count_meets_the_engines_contract(version, tmp_path):
     import sys
 
     archive = onecat_archive(version)
-    from qpn.fork_patches.engine_source import extract
+    from qpn.fork_patches.engine.engine_source import extract
 
     src = extract(archive, tmp_path / "src", version)
     python = os.environ.get("QPN_ENGINE_PYTHON") or sys.executable

@@ -6,7 +6,7 @@ module and stopped before the next boots. Every request runs greedy (temperature
 on its server (MAX_NUM_SEQS says why). Every answer, streamed or not, must be identical to the
 answer without speculation: the same text, and for non-streamed answers the same tokens with the
 same log-probabilities, bit for bit. That holds because every step of the cpu engine gives a
-verified token the bits the one-token decode gives it (our hooks in fork_patches/spec_identity.py
+verified token the bits the one-token decode gives it (our hooks in fork_patches/spec/spec_identity.py
 and the row-by-row QPN CPU linear; tests/test_spec_state.py proves each step below the server).
 
 The failing request: ``tool_choice="required"``, thinking off, temperature 0, on a fresh ``K=3``

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qpn.fork_patches import tp_sharding as tps
+from qpn.fork_patches.quant import tp_sharding as tps
 from qpn.kernels import codecs, prepack
 from qpn.kernels.atoms import KNOWN_ATOMS
 from qpn.scripts.launcher import serve_preflight
@@ -122,7 +122,7 @@ def test_fp8_per_shard_scales_stay_per_shard(tp, tp_rank):
     of its rows its shard's scale (no requantization, no shared scale)."""
     from vllm.model_executor.parameter import PerTensorScaleParameter
 
-    from qpn.fork_patches.linear_method import QPN8LinearMethod
+    from qpn.fork_patches.quant.linear_method import QPN8LinearMethod
 
     shard_scales = {"q": 0.011, "k": 0.023, "v": 0.037}
     sizes = (12288 // tp, 1024 // tp, 1024 // tp)  # per-rank q, k, v rows

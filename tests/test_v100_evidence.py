@@ -144,7 +144,7 @@ def _detect(pythonpath: list[str]) -> dict:
 
 @pytest.mark.parametrize("version", ["1.2.2", "1.3.0"])
 def test_engine_arm_detection_against_the_1cat_archive(version, tmp_path):
-    from qpn.fork_patches.engine_source import extract
+    from qpn.fork_patches.engine.engine_source import extract
 
     extract(onecat_archive(version), tmp_path, version)
     found = _detect([str(tmp_path)])

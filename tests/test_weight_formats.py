@@ -224,7 +224,7 @@ def test_lookup_by_key_family_and_algo():
 
 
 def test_every_modelopt_algo_maps_to_one_format():
-    from qpn.fork_patches.conventions import MODELOPT
+    from qpn.fork_patches.quant.conventions import MODELOPT
 
     seen = {}
     for f in WEIGHT_FORMATS:
@@ -242,7 +242,7 @@ def test_every_modelopt_algo_maps_to_one_format():
 def test_every_compressed_tensors_scheme_maps_to_one_format():
     """Each served format is what one compressed-tensors weights scheme declares: NVFP4 and FP8
     through ct_scheme_of, INT4 (integer weights, pack-quantized) through ct_int4_scheme_of."""
-    from qpn.fork_patches.conventions import ct_int4_scheme_of, ct_scheme_of
+    from qpn.fork_patches.quant.conventions import ct_int4_scheme_of, ct_scheme_of
 
     cases = {
         NVFP4: {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True},
@@ -362,7 +362,7 @@ def test_descriptions_need_no_torch():
             "        if n == 'torch' or n.startswith('torch.'): raise ImportError('no torch')\n"
             "sys.meta_path.insert(0, B())\n"
             "from qpn.kernels import formats\n"
-            "from qpn.fork_patches import conventions\n"
+            "from qpn.fork_patches.quant import conventions\n"
             "print(formats.weight_format('W4A16_NVFP4').route_prefix)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

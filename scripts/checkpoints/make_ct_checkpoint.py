@@ -5,7 +5,7 @@ Qwen3.5 hybrid the ModelOpt generator writes: NVFP4 MLP and lm_head, FP8 attenti
 
 Same float model, tokenizer and calibration pass as qpn.scripts.checkpoints.make_checkpoint (imported, not
 copied); only the encoding and the declaration follow compressed-tensors
-(qpn.fork_patches.conventions.COMPRESSED_TENSORS):
+(qpn.fork_patches.quant.conventions.COMPRESSED_TENSORS):
 
 * NVFP4 (``nvfp4-pack-quantized``, the library's NVFP4 preset: W4A4, group 16):
   ``mlp.gate_proj/up_proj/down_proj`` and ``lm_head``. ``weight_global_scale`` = 448 * 6 / amax
@@ -28,7 +28,7 @@ every routed expert's ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and the sh
 NVFP4 (gate and up of each expert share one global scale, as llm-compressor unifies them), the
 router and the shared-expert gate in BF16, attention and lm_head as above. vLLM fuses the
 experts into ``w13_weight_packed`` / ``w2_weight_packed`` stacks (the QPN MoE method, handed out
-by the registered QPN config: fork_patches/qpn_config.py).
+by the registered QPN config: fork_patches/quant/qpn_config.py).
 ``--fp8-experts 5,6:tensor`` puts the routed experts of those layers in FP8 instead (per channel,
 the FP8_DYNAMIC preset, unless ``:tensor``; named in the FP8 config groups' targets, the other
 layers' experts in NVFP4's): one checkpoint carries both expert formats, as a recipe that keeps
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from qpn.fork_patches.conventions import COMPRESSED_TENSORS, E2M1_MAX, E4M3_MAX, GROUP_SIZE
+from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, E2M1_MAX, E4M3_MAX, GROUP_SIZE
 from qpn.kernels import codecs
 from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
 

@@ -12,7 +12,7 @@ qpn.kernels.family_int4.quantize (min/max per group of ``--group-size`` inputs, 
 scale rounded first); ``lm_head``, the embeddings, norms, the GDN convolution and
 ``in_proj_b/in_proj_a`` and the MTP head stay BF16 (AutoAWQ never quantizes lm_head;
 llm-compressor's W4A16 recipes ignore it). The canonical source (codes, float16 scales, uint4
-zero points) is written in the convention's layout (qpn.fork_patches.conventions.AWQ / GPTQ /
+zero points) is written in the convention's layout (qpn.fork_patches.quant.conventions.AWQ / GPTQ /
 CT_PACK_QUANTIZED name the tensors and their shapes):
 
 * ``--convention awq`` (AutoAWQ GEMM, asymmetric): ``qweight`` int32 [K, N/8] and ``qzeros``
@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from qpn.fork_patches.conventions import AWQ, CT_PACK_QUANTIZED, GPTQ, INT4_CONVENTIONS
+from qpn.fork_patches.quant.conventions import AWQ, CT_PACK_QUANTIZED, GPTQ, INT4_CONVENTIONS
 from qpn.kernels import family_int4, formats
 from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
 

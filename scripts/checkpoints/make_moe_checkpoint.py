@@ -280,7 +280,7 @@ def _corrupt_one_expert(state: dict[str, torch.Tensor], ckpt_dir: str | os.PathL
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
-    from qpn.fork_patches.conventions import COMPRESSED_TENSORS, detect
+    from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, detect
 
     ct = detect(ckpt_dir)[0] is COMPRESSED_TENSORS
     hub = make_checkpoint.hub_name
@@ -325,7 +325,7 @@ def load_reference_model(ckpt_dir: str | os.PathLike, perturb: str = "none", moe
     A compressed-tensors checkpoint (make_ct_checkpoint --moe) is decoded by the library's own
     code (qpn.scripts.checkpoints.ct_reference; ``perturb`` then names ct_reference's
     perturbations)."""
-    from qpn.fork_patches.conventions import COMPRESSED_TENSORS, detect
+    from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, detect
     from qpn.scripts.checkpoints import checkpoint_reference, ct_reference
 
     if moe_perturb not in MOE_PERTURBATIONS:

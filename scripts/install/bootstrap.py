@@ -27,8 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from qpn.fork_patches import engine_lock
-from qpn.fork_patches.overlay import load_lock, sha256_file
+from qpn.fork_patches.engine import engine_lock
+from qpn.fork_patches.engine.overlay import load_lock, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 STATE_FILE = ".volta-qpn-engine.json"  # in ENV_PREFIX: which wheel (by digest) is installed
@@ -335,7 +335,7 @@ def build_kernels(py: Path, profile: dict, steps: Steps) -> None:
 
 def overlay(py: Path, action: str, engine: str) -> int:
     source = ["--source", REPO] if action == "check" else []
-    cmd = [py, "-m", "qpn.fork_patches.overlay", action, "--engine", engine, *source]
+    cmd = [py, "-m", "qpn.fork_patches.engine.overlay", action, "--engine", engine, *source]
     return run(cmd, check=False).returncode
 
 

@@ -1,14 +1,14 @@
 """The boot gates: is the server that came up the configuration that was asked for?
 
 Every gate reads a structured source only: the route census the overlay writes per rank
-(``qpn.fork_patches.census.aggregate``), the engine's Prometheus ``/metrics``, and the warm
+(``qpn.fork_patches.route_census.census.aggregate``), the engine's Prometheus ``/metrics``, and the warm
 request's API response. No gate reads log text. The engine profile says which gates apply on
 an engine and what they expect; a gate that does not apply is reported as ``n/a`` with the
 reason and, where there is one, the value observed.
 
 Every gate is one entry of ``GATES`` at the end of this module: its name, what it expects on
 each engine, and a function from the typed, versioned census summary
-(``qpn.fork_patches.census_schema.CensusSummary``, the module the census writer validates
+(``qpn.fork_patches.route_census.census_schema.CensusSummary``, the module the census writer validates
 against) and the other boot inputs (``GateInputs``) to a verdict with expected and observed. The
 table's order is the printed order; adding a gate is adding an entry. What each census gate proves:
 
@@ -27,7 +27,7 @@ table's order is the printed order; adding a gate is adding an entry. What each 
 - ``served_depth``: the engine exports K draft positions and has proposed draft tokens since
   the warm request (speculation configured but not running fails);
 - ``decode_attention_route``: XQA for decode and MTP verification wherever 1Cat's own conditions
-  send them there for the served layers (``qpn.fork_patches.attention_routes``), per rank;
+  send them there for the served layers (``qpn.fork_patches.route_census.attention_routes``), per rank;
 - ``skipped_hooks``: no hook the plugin skipped (its anchor missing) is one this checkpoint needs.
 
 A gate that reads per-rank records requires every rank's to be right and names the ranks that are
@@ -40,8 +40,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from qpn.fork_patches.auto_depth import DRAFT_PER_POS_METRIC
-from qpn.fork_patches.census_schema import CensusSchemaError, CensusSummary
+from qpn.fork_patches.spec.auto_depth import DRAFT_PER_POS_METRIC
+from qpn.fork_patches.route_census.census_schema import CensusSchemaError, CensusSummary
 from qpn.scripts.launcher.engine_profiles import EngineProfile
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
@@ -92,7 +92,7 @@ def served_depth(metrics_text: str) -> int:
 
 def rounds_per_depth(metrics_text: str) -> dict[int, int]:
     """{depth: rounds that drafted exactly that many tokens} from the per-position drafts counter
-    of K=auto (fork_patches/auto_depth.py): rounds at depth d drafted position d-1 but not d."""
+    of K=auto (fork_patches/spec/auto_depth.py): rounds at depth d drafted position d-1 but not d."""
     per_pos: dict[int, float] = {}
     for line in metrics_text.splitlines():
         if line.startswith(DRAFT_PER_POS_METRIC + "_total{"):
@@ -148,7 +148,7 @@ def declared_layers(quant_config: dict | None) -> dict:
 
 def declared_modules(ckpt: str) -> tuple[object | None, dict]:
     """(convention, {checkpoint module name: ModuleScheme}) of the modules the checkpoint's
-    convention declares quantized (qpn.fork_patches.conventions.declared_modules: ModelOpt
+    convention declares quantized (qpn.fork_patches.quant.conventions.declared_modules: ModelOpt
     ``quantized_layers``; compressed-tensors ``config_groups`` targets less ``ignore``, matched on
     the module names of the safetensors headers, a class target such as ``Linear`` expanded over
     the modules that hold its scheme's codes). Names the config lists itself come first, in its
@@ -157,7 +157,7 @@ def declared_modules(ckpt: str) -> tuple[object | None, dict]:
     INT4Convention and {module: INT4Scheme} (conventions.int4_declared_modules). (None, {}) when
     the folder carries no quantization config of a known convention; a scheme QPN does not serve
     raises ConventionError naming the config group (the preflight refuses on it)."""
-    from qpn.fork_patches import conventions
+    from qpn.fork_patches.quant import conventions
 
     try:
         if conventions.detect_int4(ckpt) is not None:
@@ -171,9 +171,9 @@ def declared_modules(ckpt: str) -> tuple[object | None, dict]:
 def declared_regions(quant_config: dict | None) -> set[str]:
     """Regions (format families: 'nvfp4', 'fp8', 'int4') the checkpoint's quantization config
     declares (ModelOpt ``quantized_layers``, compressed-tensors ``config_groups``, AWQ / GPTQ:
-    qpn.fork_patches.conventions). An INT4 config QPN does not serve declares none (the preflight
+    qpn.fork_patches.quant.conventions). An INT4 config QPN does not serve declares none (the preflight
     refuses it, or the engine's own INT4 kernels serve it)."""
-    from qpn.fork_patches import conventions
+    from qpn.fork_patches.quant import conventions
 
     int4 = conventions.int4_convention_of(quant_config)
     if int4 is not None:
@@ -234,7 +234,7 @@ class AutoDepth:
 
 def census_depth_steps(census) -> dict[int, int]:
     """{depth: scheduling steps drafted at it} from the census summary (K=auto; counted on each
-    rank where the drafter applies the policy's depth, fork_patches/auto_depth.py); {} when the
+    rank where the drafter applies the policy's depth, fork_patches/spec/auto_depth.py); {} when the
     census is absent or holds none."""
     if census is None:
         return {}
@@ -332,7 +332,7 @@ def gate_quant_config(census: Census, qpn_claim: str | None, why_not: str = "") 
     by the registered QPN config): "qpn" on every rank when QPN serves the checkpoint
     (``qpn_claim``: the convention qpn_config.claim gives it), never "qpn" when it does not
     (``why_not``: why the engine's own config serves it)."""
-    from qpn.fork_patches.qpn_config import QPN_NAME
+    from qpn.fork_patches.quant.qpn_config import QPN_NAME
 
     ranks = _summary(census).ranks
     # a list, not a dict by rank: two records of one rank must both be right
@@ -560,7 +560,7 @@ def _route_total(routes: dict, name: str, mode: str | None = None) -> int:
 def gate_decode_attention(census: Census, k: int, env: dict | None = None) -> GateResult:
     """XQA for decode and MTP verification wherever 1Cat's own conditions send them there, per
     rank; prints why where they do not (attention_routes.xqa_verdicts)."""
-    from qpn.fork_patches import attention_routes as ar
+    from qpn.fork_patches.route_census import attention_routes as ar
 
     expected = ("decode on XQA (0 scalar) where the engine's conditions hold at every context "
                 "length; MTP verification on XQA in captured graphs where max_model_len reaches "
@@ -629,7 +629,7 @@ def gate_decode_attention(census: Census, k: int, env: dict | None = None) -> Ga
     return GateResult(GATE_DECODE_ATTENTION, PASS, expected, observed)
 
 
-# ---- hooks the plugin skipped (issue 11 failure policy; fork_patches/plugin.py) ----------------
+# ---- hooks the plugin skipped (issue 11 failure policy; fork_patches/engine/plugin.py) ----------------
 _EXPERTS = re.compile(r"\.experts(\.|$)")
 
 
@@ -765,7 +765,7 @@ GATES: tuple[Gate, ...] = (
          observe_na=lambda i: kv_observed(i.census)[1]),
     # Observed through the census key "attention_routes" that the _record_route hook fills with
     # 1Cat's own route names; when XQA is required is the engine's rule
-    # (qpn.fork_patches.attention_routes.xqa_verdicts), applied to the served layers.
+    # (qpn.fork_patches.route_census.attention_routes.xqa_verdicts), applied to the served layers.
     Gate(GATE_DECODE_ATTENTION,
          {"cpu": GateExpectation(False, None,
                                  "tensor-core decode attention exists only on the sm70 engine"),

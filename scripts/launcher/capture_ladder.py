@@ -86,7 +86,7 @@ def resolve_capture(spec: str | None, max_num_seqs: int, k: int, engine_rules: b
     that verifies the drafted depth, the cpu engine): every depth of it is verified, so the
     derived list covers N*(d+1) for each depth d, and a hand-written one is refused. On 1Cat the
     launcher passes no ladder: there K=auto shortens only the drafter loop and every verify batch
-    is N*(K+1) wide for the deepest K (fork_patches/auto_depth.py), the widths of a fixed-K
+    is N*(K+1) wide for the deepest K (fork_patches/spec/auto_depth.py), the widths of a fixed-K
     server, which is also all 1Cat captures full graphs for (its dispatcher's uniform decode
     query length is 1 + num_speculative_tokens, and it rounds every capture size up to a
     multiple of it)."""

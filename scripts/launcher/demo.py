@@ -61,7 +61,7 @@ def engine_python(env: dict[str, str]) -> str:
     return python
 
 
-# CONVENTION picks the checkpoint family the demo writes and serves (qpn.fork_patches.conventions);
+# CONVENTION picks the checkpoint family the demo writes and serves (qpn.fork_patches.quant.conventions);
 # MOE=1 the MoE model family: (folder name, generator module, generator arguments).
 CHECKPOINT_MAKERS = {
     ("modelopt", False): ("qwen38-mini-mixed", "qpn.scripts.checkpoints.make_checkpoint", []),
@@ -93,7 +93,7 @@ def checkpoint(python: str, demo_dir: str, env: dict[str, str]) -> str:
 
 
 def census_summary(census_dir: str) -> str:
-    from qpn.fork_patches.census import aggregate
+    from qpn.fork_patches.route_census.census import aggregate
 
     c = aggregate(census_dir)
     lines = [f"ranks: {len(c['ranks'])} ("

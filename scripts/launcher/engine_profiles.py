@@ -32,7 +32,7 @@ class EngineProfile:
     # The derived capture ladder also holds every size the engine's own SM70 MTP rule would
     # capture (capture_ladder.engine_sm70_capture_sizes): passing a list replaces that rule.
     engine_capture_rules: bool = False
-    # K=auto: the engine drafts a depth chosen per scheduling step (fork_patches/auto_depth.py);
+    # K=auto: the engine drafts a depth chosen per scheduling step (fork_patches/spec/auto_depth.py);
     # None: it cannot, and the reason the launcher gives when it refuses K=auto.
     no_per_step_depth: str | None = None
     # How K=auto applies the depth: "schedule" (vLLM 0.32's num_spec_tokens_to_schedule path: a

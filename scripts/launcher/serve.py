@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from qpn.fork_patches import depth_policy
+from qpn.fork_patches.spec import depth_policy
 from qpn.scripts.launcher import boot_gates, request_limits, serve_preflight
 from qpn.scripts.launcher.capture_ladder import CaptureSpecError, resolve_capture
 from qpn.scripts.launcher.engine_profiles import (
@@ -265,7 +265,7 @@ def auto_depth_for_engine(depth: depth_policy.DepthPolicy, profile: EngineProfil
                           environ: dict[str, str]) -> depth_policy.DepthPolicy:
     """K=auto's policy as ``profile``'s engine applies it. Where the engine only shortens the
     drafter loop and verifies the deepest depth's width every round (``per_step_depth ==
-    "draft"``, 1Cat: fork_patches/auto_depth.py) the policy prices that (``fixed_verify``), a
+    "draft"``, 1Cat: fork_patches/spec/auto_depth.py) the policy prices that (``fixed_verify``), a
     ladder with 0 is refused, and an unset or ``auto`` DEPTH_LADDER is the profile's ladder."""
     if profile.per_step_depth != "draft":
         return depth
@@ -313,7 +313,7 @@ def server_command(launch: Launch) -> list[str]:
         spec = {"method": "mtp", "num_speculative_tokens": launch.k, **p.speculative_extra}
         if launch.depth and p.per_step_depth == "schedule":
             # vLLM's per-step depth path, on for every batch size at the deepest depth; the
-            # auto-depth-per-step hook replaces its answer each step (fork_patches/auto_depth.py).
+            # auto-depth-per-step hook replaces its answer each step (fork_patches/spec/auto_depth.py).
             # 1Cat has no such field: its hooks need nothing from the engine's config.
             spec["num_speculative_tokens_per_batch_size"] = [[1, launch.mns, launch.k]]
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -336,7 +336,7 @@ def server_env(launch: Launch) -> dict[str, str]:
         env.setdefault(key, value)
     env["QPN_CENSUS_DIR"] = launch.census_dir
     if launch.depth:
-        from qpn.fork_patches import auto_depth
+        from qpn.fork_patches.spec import auto_depth
 
         env[auto_depth.ENV_LADDER] = ",".join(map(str, launch.depth.ladder))
         env[auto_depth.ENV_PRIOR_ROUNDS] = repr(launch.depth.prior_rounds)
@@ -476,7 +476,7 @@ class BootProgress:
 
     def prepack(self) -> str | None:
         try:
-            from qpn.fork_patches.census import read_rank_files
+            from qpn.fork_patches.route_census.census import read_rank_files
 
             ranks = read_rank_files(self.launch.census_dir)
         except Exception:  # noqa: BLE001 - progress is best effort; the gates judge the census
@@ -709,9 +709,9 @@ def read_census(launch: Launch, settle_s: float = 15.0) -> dict | None:
     """The aggregated census once it shows the warm request's route calls (each rank flushes
     at most once a second), or whatever is there when ``settle_s`` runs out."""
     try:
-        from qpn.fork_patches.census import aggregate
+        from qpn.fork_patches.route_census.census import aggregate
     except ImportError as exc:
-        warn(f"cannot import the census reader qpn.fork_patches.census ({exc}): the overlay is "
+        warn(f"cannot import the census reader qpn.fork_patches.route_census.census ({exc}): the overlay is "
              "missing from this checkout, so every census gate fails")
         return None
     deadline = time.monotonic() + settle_s
@@ -747,13 +747,13 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
     quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
     quantized_layers = boot_gates.declared_layers(quant_cfg)
     convention, declared = boot_gates.declared_modules(launch.ckpt)  # any convention: what it needs
-    from qpn.fork_patches.conventions import MODELOPT
+    from qpn.fork_patches.quant.conventions import MODELOPT
 
     # ModelOpt's coverage pairs by position in quantized_layers; every other convention's by name,
     # through the census's checkpoint_modules
     by_name = convention is not None and convention is not MODELOPT
     env = server_env(launch)
-    from qpn.fork_patches.qpn_config import claim_verdict
+    from qpn.fork_patches.quant.qpn_config import claim_verdict
 
     qpn_claim, not_claimed = claim_verdict(quant_cfg, env)  # what the server's QPN config decides
     return boot_gates.evaluate(launch.profile, launch.k, warm, metrics, census, launch.regions,
@@ -935,7 +935,7 @@ def announce(launch: Launch) -> None:
     log(f"checkpoint {launch.ckpt}")
     if launch.depth:
         log(f"K=auto over depths {list(launch.depth.ladder)}: each step drafts the depth the "
-            "policy picks for the longest live context (fork_patches/depth_policy.py); "
+            "policy picks for the longest live context (fork_patches/spec/depth_policy.py); "
             f"prior worth {launch.depth.prior_rounds:g} rounds"
             + ("; the verify batch keeps the deepest depth's width every round (this engine "
                "shortens only the drafter loop)" if launch.depth.fixed_verify else ""))

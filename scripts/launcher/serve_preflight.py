@@ -231,14 +231,14 @@ def check_gpus_free(nvidia_smi: str = "nvidia-smi", visible: str | None = None) 
 
 def check_checkpoint_tensors(ckpt: str, environ=None) -> str:
     """Refuse an INT4 checkpoint (AutoAWQ, GPTQ, compressed-tensors pack-quantized:
-    qpn.fork_patches.conventions.detect_int4) that is not whole, before any engine starts: a
+    qpn.fork_patches.quant.conventions.detect_int4) that is not whole, before any engine starts: a
     truncated or corrupt safetensors file, a config QPN's INT4 family does not serve (bits,
     group size), a declared module whose codes, scales or zero points are missing or of the wrong
     dtype or shape, an activation-ordered g_idx (conventions.int4_checkpoint_problems). Every line
     names the module. Other checkpoints pass untouched (their modules are checked by the loader).
     ``environ``: where ``QPN_INT4`` is read (default os.environ); a value that is not a switch is
     refused."""
-    from qpn.fork_patches import conventions
+    from qpn.fork_patches.quant import conventions
 
     try:
         found = conventions.detect_int4(ckpt)
@@ -250,7 +250,7 @@ def check_checkpoint_tensors(ckpt: str, environ=None) -> str:
     # kernels serve these checkpoints: only damage (a truncated or corrupt file) is refused then, not
     # what QPN's INT4 family would not serve.
     try:
-        from qpn.fork_patches.qpn_config import NotServed, int4_served
+        from qpn.fork_patches.quant.qpn_config import NotServed, int4_served
     except ImportError as exc:
         ours, why = False, f"qpn_config does not import here ({exc})"
     else:
@@ -274,7 +274,7 @@ def check_checkpoint_tensors(ckpt: str, environ=None) -> str:
 
 def check_tp_split(ckpt: str, tp: int | None, environ=None) -> str:
     """Refuse a checkpoint whose quantized modules cannot be split over ``tp`` ranks with whole
-    NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.tp_sharding), naming the module.
+    NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.quant.tp_sharding), naming the module.
     The modules are those the checkpoint's convention declares (boot_gates.declared_modules:
     ModelOpt or compressed-tensors alike). First, at any TP, an INT4 checkpoint's tensors must
     be whole (``check_checkpoint_tensors``, ``environ`` its QPN_INT4): the split is planned from the
@@ -282,10 +282,10 @@ def check_tp_split(ckpt: str, tp: int | None, environ=None) -> str:
     check_checkpoint_tensors(ckpt, environ)
     if not tp or tp <= 1:
         return "single rank"
-    from qpn.fork_patches.tp_sharding import checkpoint_modules, plan
+    from qpn.fork_patches.quant.tp_sharding import checkpoint_modules, plan
     from qpn.scripts.launcher.boot_gates import declared_modules
 
-    from qpn.fork_patches.conventions import ConventionError
+    from qpn.fork_patches.quant.conventions import ConventionError
 
     try:
         convention, declared = declared_modules(ckpt)

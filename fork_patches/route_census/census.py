@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 
-from qpn.fork_patches.census_schema import RANK_SUMMARY_KEYS, SCHEMA_VERSION, SUMMARY_VERSION, validate_rank
+from qpn.fork_patches.route_census.census_schema import RANK_SUMMARY_KEYS, SCHEMA_VERSION, SUMMARY_VERSION, validate_rank
 
 SCHEMA = SCHEMA_VERSION
 FLUSH_INTERVAL_S = 1.0
@@ -282,7 +282,7 @@ class Census:
 
     def count_draft_depth(self, depth: int, steps: int = 1) -> None:
         """K=auto: one scheduling step whose drafter drafted ``depth`` tokens on this rank
-        (fork_patches/auto_depth.py, hook auto-depth-draft-depth)."""
+        (fork_patches/spec/auto_depth.py, hook auto-depth-draft-depth)."""
         key = str(int(depth))
         with self._lock:
             self.draft_depth_steps[key] = self.draft_depth_steps.get(key, 0) + steps

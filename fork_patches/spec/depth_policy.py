@@ -541,7 +541,7 @@ class DepthPolicy:
     prior: tuple[float, ...] = DEFAULT_ACCEPTANCE_PRIOR
     prior_rounds: float = DEFAULT_PRIOR_ROUNDS
     # True where the engine drafts the chosen depth but verifies the deepest one's width every
-    # round (1Cat-vLLM: fork_patches/auto_depth.py, "On 1Cat-vLLM"): a round at depth k then
+    # round (1Cat-vLLM: fork_patches/spec/auto_depth.py, "On 1Cat-vLLM"): a round at depth k then
     # pays k drafter steps but max_depth verify rows, and cannot be 0 (speculation off).
     fixed_verify: bool = False
 

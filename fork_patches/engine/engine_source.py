@@ -14,7 +14,7 @@ Python files (an installed ``site-packages``, a source checkout, or a source arc
   adds and probes a custom config before the built-ins, builds it, checks its capability, hands
   it the model folder, and asks it for the method of every linear, lm_head and experts layer.
 
-``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR`` prints both tables and exits 1
+``python -m qpn.fork_patches.engine.engine_source ARCHIVE_OR_DIR`` prints both tables and exits 1
 on any miss. ``import_check`` then goes further in a subprocess: the engine's files first on
 ``sys.path`` of the cpu engine's interpreter, our plugin registers against the real modules, every
 runtime hook must be in place at its anchor, "qpn" must be a registered method, and the engine's
@@ -33,8 +33,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from qpn.fork_patches import engine_lock
-from qpn.fork_patches.hooks import REGISTRY, AnchorMissing, Hook
+from qpn.fork_patches.engine import engine_lock
+from qpn.fork_patches.engine.hooks import REGISTRY, AnchorMissing, Hook
 
 class SourceError(RuntimeError):
     pass
@@ -398,8 +398,8 @@ def extract(archive: str | Path, dest: str | Path, version: str) -> Path:
 _IMPORT_PROBE = r'''
 import json, os, sys
 import vllm
-from qpn.fork_patches import plugin
-from qpn.fork_patches.hooks import hooks_for
+from qpn.fork_patches.engine import plugin
+from qpn.fork_patches.engine.hooks import hooks_for
 out = {"vllm_file": vllm.__file__, "version": vllm.__version__, "engine": plugin.engine_key()}
 try:
     plugin.register()
@@ -445,7 +445,7 @@ def import_check(engine_dir: str | Path, profile: str, version: str, python: str
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m qpn.fork_patches.hooks --engine-source")
+    parser = argparse.ArgumentParser(prog="python -m qpn.fork_patches.engine.engine_source")
     parser.add_argument("source", help="engine source archive (.tar.xz), source tree or site-packages")
     parser.add_argument("--engine", help="profile@version when it cannot be read from the source")
     args = parser.parse_args(argv)
@@ -585,7 +585,7 @@ def verify_profile(src: EngineSource, cmd: list[str], env: dict[str, str],
 
 
 # ------------------------------------------------------------------------------ registration
-# The extension point QPNConfig (qpn.fork_patches.qpn_config) relies on, per engine source: where it
+# The extension point QPNConfig (qpn.fork_patches.quant.qpn_config) relies on, per engine source: where it
 # lives and the text its behaviour rests on (ast.unparse of the function, so formatting is ignored).
 REGISTRATION_CHECKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("qpn-config-registration",
@@ -875,13 +875,13 @@ def _check_int4_weights(conv, found: dict[str, list[dict]], where: str) -> tuple
 
 
 def verify_int4_conventions(src: EngineSource, conventions=None) -> list[Row]:
-    """Rows proving each INT4 convention (qpn.fork_patches.conventions.INT4_CONVENTIONS) against
+    """Rows proving each INT4 convention (qpn.fork_patches.quant.conventions.INT4_CONVENTIONS) against
     the engine's own source: the tensor names its linear method registers with their dims, dtype
     and packed dim (INT4_ENGINE_SITES "weights"), the config keys its from_config reads (AWQ /
     GPTQ) or the QuantizationArgs fields and group keys its config module reads (compressed-
     tensors), and AutoAWQ's nibble order in the engine's awq_pack. A g_idx the engine does not
     register is noted, not missed (vLLM 0.32 refuses act order instead of loading one)."""
-    from qpn.fork_patches.conventions import INT4_CONVENTIONS
+    from qpn.fork_patches.quant.conventions import INT4_CONVENTIONS
 
     rows = []
     for conv in (conventions or INT4_CONVENTIONS.values()):
@@ -941,3 +941,7 @@ def verify_int4_conventions(src: EngineSource, conventions=None) -> list[Row]:
                             f"vllm/{AWQ_ORDER_SITE[0]} {AWQ_ORDER_SITE[1]} interleaves {order}; the convention "
                             f"reads {tuple(conv.layout.nibble_order)}"))
     return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -25,14 +25,14 @@ The same method serves ``lm_head`` (vLLM's LogitsProcessor calls ``lm_head.quant
 so the head runs from the checkpoint's own NVFP4 codes.
 
 Tensor names and the global-scale rule come from the checkpoint's convention
-(qpn.fork_patches.conventions; ModelOpt by default): compressed-tensors names the NVFP4 tensors
+(qpn.fork_patches.quant.conventions; ModelOpt by default): compressed-tensors names the NVFP4 tensors
 ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` (a divisor: QPN multiplies by its
 float32 reciprocal, per shard) / ``input_global_scale``, and may store FP8 scales per output
 channel ([N, 1], ``fp8_scale="channel"``).
 
 INT4 W4A16 (QPN4LinearMethod; ``int4_method_for`` builds it for the registered QPN config, which
 hands it out unless QPN_INT4=0: qpn_config.int4_served) registers the tensors of its
-checkpoint convention (qpn.fork_patches.conventions.AWQ / GPTQ / CT_PACK_QUANTIZED) as stored,
+checkpoint convention (qpn.fork_patches.quant.conventions.AWQ / GPTQ / CT_PACK_QUANTIZED) as stored,
 with vLLM's packed / group-scale parameter classes placed by the convention's layout. Before the
 prepack, the canonical source the family unpacker made is written back in the convention's layout
 and must equal the loaded words (so a misread nibble order or zero point refuses the module);
@@ -63,8 +63,8 @@ from vllm.model_executor.parameter import (
     RowvLLMParameter,
 )
 
-from qpn.fork_patches.census import CENSUS
-from qpn.fork_patches.conventions import (
+from qpn.fork_patches.route_census.census import CENSUS
+from qpn.fork_patches.quant.conventions import (
     INT4_CONVENTIONS,
     INT4_STORED_DTYPES,
     MODELOPT,
@@ -98,7 +98,7 @@ class _QPNLinearMethod(LinearMethodBase):
                  fp8_scale: str = "tensor") -> None:
         self.prefix = prefix
         # The checkpoint convention names the tensors (= our parameter names) and says how a
-        # stored global scale becomes the multiplier QPN uses (qpn.fork_patches.conventions).
+        # stored global scale becomes the multiplier QPN uses (qpn.fork_patches.quant.conventions).
         self.convention = convention or MODELOPT
         self.fp8_scale = fp8_scale  # FP8 only: "tensor" (one per shard) or "channel" ([N, 1])
         self.declared = declared  # the checkpoint's quantized_layers names this module serves
@@ -486,7 +486,7 @@ def _pack_words(values: torch.Tensor, dim: int, order) -> torch.Tensor:
 class QPN4LinearMethod(_QPNLinearMethod):
     """INT4 W4A16 region -> QPN4 family: unsigned 4-bit codes x float16 group scale, less a uint4
     zero point per group (asymmetric) or 8 (symmetric), from an AutoAWQ, GPTQ or compressed-tensors
-    pack-quantized checkpoint (qpn.fork_patches.conventions.INT4_CONVENTIONS).
+    pack-quantized checkpoint (qpn.fork_patches.quant.conventions.INT4_CONVENTIONS).
 
     The parameters are the convention's tensors as stored (names and layout from its
     ``INT4Convention``: which axis is N or K, which one is packed eight per int32, which one holds

@@ -48,7 +48,7 @@ POLICY_ENGINE = "engine's own resolution stands on this platform ({platform})"
 
 
 def _is_sm70() -> bool:
-    from qpn.fork_patches.platform_gate import is_sm70_cuda
+    from qpn.fork_patches.engine.platform_gate import is_sm70_cuda
 
     return is_sm70_cuda()
 

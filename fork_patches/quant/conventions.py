@@ -581,7 +581,7 @@ class INT4Convention:
     ``config_keys``: (role, keys) pairs read as the engine's own config parsers read them (the
     first key present wins: vLLM's get_from_keys; for compressed-tensors the QuantizationArgs
     fields of a config group's ``weights``); tests/test_int4_conventions.py proves each list
-    against vLLM 0.32 and both 1Cat-vLLM archives (qpn.fork_patches.engine_source
+    against vLLM 0.32 and both 1Cat-vLLM archives (qpn.fork_patches.engine.engine_source
     .verify_int4_conventions). ``producer_keys``: keys the convention reads that no engine reads
     (the producing library's; the engines assume their default)."""
 

@@ -109,7 +109,7 @@ def plan(modules: list[Module], tp: int) -> tuple[list[RankShape], list[str]]:
 # ------------------------------------------------------------------- from a checkpoint on disk
 def _headers(ckpt: str) -> dict[str, list[int]]:
     """tensor name -> shape, from the safetensors headers (no tensor is read)."""
-    from qpn.fork_patches.conventions import tensor_headers
+    from qpn.fork_patches.quant.conventions import tensor_headers
 
     return {name: h["shape"] for name, h in tensor_headers(ckpt).items()}
 
@@ -124,9 +124,9 @@ def checkpoint_modules(ckpt: str, quantized_layers: dict, convention=None) -> li
     the safetensors headers (NVFP4 codes hold K/2 bytes per row, FP8 K; an INT4 convention's
     layout says which axis of its int32 codes is N or K). ``quantized_layers``: {module:
     ModuleScheme or INT4Scheme} with the ``convention`` that named its codes tensor
-    (qpn.fork_patches.conventions; the launcher's boot_gates.declared_modules), or ModelOpt's
+    (qpn.fork_patches.quant.conventions; the launcher's boot_gates.declared_modules), or ModelOpt's
     own {module: {quant_algo, ...}} map (codes in ``weight``)."""
-    from qpn.fork_patches.conventions import INT4Convention
+    from qpn.fork_patches.quant.conventions import INT4Convention
 
     shapes = _headers(ckpt)
     fused: dict[str, dict] = {}

@@ -64,7 +64,7 @@ import logging
 import os
 import threading
 
-from qpn.fork_patches import depth_policy
+from qpn.fork_patches.spec import depth_policy
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def wrap_propose_draft_token_ids(original):
                 setattr(drafter, PROPOSER_DEPTH_ATTR, None)
         if depth is not None:
             drafted = getattr(drafter, PROPOSER_DRAFTED_ATTR, None) if drafter is not None else None
-            from qpn.fork_patches.census import CENSUS
+            from qpn.fork_patches.route_census.census import CENSUS
 
             CENSUS.count_draft_depth(drafted if drafted is not None else depth)
         return drafts

@@ -50,7 +50,7 @@ def _capturing_cuda_graph() -> bool:
 
 def wrap_record_route(original):
     """Wrapper of 1Cat's ``flash_attn_v100._record_route``: census first, then the engine's."""
-    from qpn.fork_patches.census import CENSUS
+    from qpn.fork_patches.route_census.census import CENSUS
 
     def _record_route(route: str) -> None:
         CENSUS.count_attention_route(str(route), graph=_capturing_cuda_graph())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from qpn.fork_patches.hooks import AnchorMissing
+from qpn.fork_patches.engine.anchors import AnchorMissing
 
 MARK = "# volta-qpn"
 

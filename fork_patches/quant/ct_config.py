@@ -1,7 +1,7 @@
 """Quant-config step of the data path for compressed-tensors checkpoints (llm-compressor's
 layout): which QPN method each linear module, and ``lm_head`` when the config quantizes it, gets
 under the engine's own ``CompressedTensorsConfig``, fed through the compressed-tensors convention
-(qpn.fork_patches.conventions.COMPRESSED_TENSORS). ``qpn_config.QPNConfig`` (the registered "qpn"
+(qpn.fork_patches.quant.conventions.COMPRESSED_TENSORS). ``qpn_config.QPNConfig`` (the registered "qpn"
 quantization method) asks ``qpn_method_for`` for every linear and ``ParallelLMHead`` layer of a
 compressed-tensors checkpoint it claims:
 
@@ -26,7 +26,7 @@ skip.
 """
 from __future__ import annotations
 
-from qpn.fork_patches.conventions import (
+from qpn.fork_patches.quant.conventions import (
     COMPRESSED_TENSORS,
     CT_PACK_QUANTIZED,
     ConventionError,
@@ -35,7 +35,7 @@ from qpn.fork_patches.conventions import (
     ct_scheme_of,
     is_int4_weights,
 )
-from qpn.fork_patches.linear_method import QPNCheckpointError, int4_method_for, method_class
+from qpn.fork_patches.quant.linear_method import QPNCheckpointError, int4_method_for, method_class
 
 
 def served_scheme(entry: dict, quant_format, prefix: str, src: str, int4: bool = False):

@@ -47,7 +47,7 @@ fifth is xgrammar's own:
   tests/test_constrained_output.py compiles through the engine's backend are listed in
   docs/serving.md "Constrained output". (Raw control characters seen before issue 40 in answers
   to unbounded strings came from the drafted rows' garbage temperatures that
-  fork_patches/spec_sampling.py fixes.)
+  fork_patches/spec/spec_sampling.py fixes.)
 """
 from __future__ import annotations
 

@@ -24,10 +24,10 @@ Version history:
      record it too, in the same form.
   5: adds ``draft_depth_steps`` ({depth as a string: scheduling steps whose drafter drafted that
      many tokens on this rank}; K=auto only, empty at a fixed depth), counted where the worker
-     applies the depth the policy decided (fork_patches/auto_depth.py).
+     applies the depth the policy decided (fork_patches/spec/auto_depth.py).
   6: adds ``quant_config`` (the name, ``get_name()``, of the quantization config that claimed the
      served checkpoint, recorded by the registered QPN config when the engine first asks it for
-     a layer's method (fork_patches/qpn_config.py); null: no QPN config reached this rank, so
+     a layer's method (fork_patches/quant/qpn_config.py); null: no QPN config reached this rank, so
      the engine's own config (or none) claimed the checkpoint).
 
 Summary version history (``CensusSummary``):

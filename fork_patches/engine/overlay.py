@@ -1,6 +1,6 @@
 """The on-disk overlay of an installed engine: apply, check, restore. Crash-safe and reversible.
 
-Runs inside the engine's virtualenv (``python -m qpn.fork_patches.overlay apply|check|restore
+Runs inside the engine's virtualenv (``python -m qpn.fork_patches.engine.overlay apply|check|restore
 --engine cpu``) and never imports vLLM for its work on disk, so it works on a broken engine too.
 
 Guarantees:
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from qpn.fork_patches import engine_lock
-from qpn.fork_patches.engine_lock import load_lock  # noqa: F401 - re-exported
-from qpn.fork_patches.hooks import AnchorMissing, hooks_for
+from qpn.fork_patches.engine import engine_lock
+from qpn.fork_patches.engine.engine_lock import load_lock  # noqa: F401 - re-exported
+from qpn.fork_patches.engine.hooks import AnchorMissing, hooks_for
 
 STATE_DIR_NAME = "volta_qpn_overlay"
 BACKUP_SUFFIX = ".pre_bootstrap"
@@ -143,7 +143,7 @@ def require_known(engine: Engine, profile_name: str, lock: dict) -> dict:
             f"{profile_name!r} is {table['distribution']} "
             f"{', '.join(engine_lock.versions(profile_name, lock))} (a local build suffix such as "
             "+cu128 is accepted). Install the pinned engine with scripts/bootstrap-sm70.sh (a fresh "
-            "ENV_PREFIX), or port the hooks in fork_patches/hooks.py to this version first"
+            "ENV_PREFIX), or port the hooks in fork_patches/engine/hooks.py to this version first"
         ) from None
 
 
@@ -463,7 +463,7 @@ def _check_our_distribution(site_packages: Path, source: Path | None = None) -> 
 
 def _check_runtime_anchors(engine_key: str) -> list[str]:
     """Every runtime hook's anchor exists in the installed engine (imports vLLM: seconds)."""
-    from qpn.fork_patches.plugin import check_anchor
+    from qpn.fork_patches.engine.plugin import check_anchor
 
     hooks = hooks_for(engine_key, kind="runtime")
     _say(f"importing the engine to check the anchors of {len(hooks)} runtime hook(s)")
@@ -479,7 +479,7 @@ def _check_runtime_anchors(engine_key: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qpn.fork_patches.overlay")
+    parser = argparse.ArgumentParser(prog="python -m qpn.fork_patches.engine.overlay")
     parser.add_argument("action", choices=["apply", "check", "restore"])
     parser.add_argument("--engine", required=True, help="engine profile from engines.lock.toml")
     parser.add_argument("--source", type=Path, help="check: the checkout volta-qpn was installed from")

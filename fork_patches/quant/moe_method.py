@@ -47,9 +47,9 @@ import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
-from qpn.fork_patches.census import CENSUS
-from qpn.fork_patches.conventions import COMPRESSED_TENSORS, MODELOPT, Convention, is_int4_weights
-from qpn.fork_patches.linear_method import QPNCheckpointError, _capturing_cuda_graph
+from qpn.fork_patches.route_census.census import CENSUS
+from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, MODELOPT, Convention, is_int4_weights
+from qpn.fork_patches.quant.linear_method import QPNCheckpointError, _capturing_cuda_graph
 from qpn.kernels import formats
 
 logger = logging.getLogger("qpn.moe_method")
@@ -410,7 +410,7 @@ def ct_declared_expert_scheme(quant_config, layer, layer_name: str):
     if any(d != dicts[0] for d in dicts):
         raise QPNCheckpointError(f"{layer_name}: the experts' gate, up and down declare different schemes "
                                  f"({', '.join(names)}); vLLM fuses them into one layer, so they must agree")
-    from qpn.fork_patches.ct_config import served_scheme
+    from qpn.fork_patches.quant.ct_config import served_scheme
 
     if dicts[0].get("weights") is not None and getattr(quant_config, "transform_config", None):
         raise QPNCheckpointError(f"{layer_name}: the compressed-tensors config carries transforms "

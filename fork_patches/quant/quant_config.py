@@ -17,7 +17,7 @@ ModelOpt writes it, and say which QPN method each quantized linear module of a m
 """
 from __future__ import annotations
 
-from qpn.fork_patches.linear_method import QPNCheckpointError, method_class
+from qpn.fork_patches.quant.linear_method import QPNCheckpointError, method_class
 from qpn.kernels import formats
 
 SERVED_ALGOS = ", ".join(sorted(formats.MODELOPT_ALGOS))

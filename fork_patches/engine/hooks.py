@@ -7,14 +7,14 @@ belongs to, named here by a dotted path, so this file stays a table a reader can
 Two kinds:
 
 - ``runtime``: applied in every vLLM process by our ``vllm.general_plugins`` entry point
-  (``qpn.fork_patches.plugin``). ``anchor`` is ``module:Attr.path`` in the engine and ``apply``
+  (``qpn.fork_patches.engine.plugin``). ``anchor`` is ``module:Attr.path`` in the engine and ``apply``
   names a function ``wrap(original) -> replacement``; the replacement is marked with the hook's
   name so that loading the plugin twice changes nothing. Before patching, the plugin checks the
   anchor exists; when it does not, the engine stops at start with one message naming hook, anchor,
   engine version and the fix, except for hooks only some checkpoints need (``needed_for``), which
   are skipped and recorded (see ``plugin``); the overlay's ``--check`` verifies every anchor too.
 - ``disk``: a text edit of one engine file, made by the bootstrap's overlay step
-  (``qpn.fork_patches.overlay``). ``anchor`` is the file path inside the ``vllm`` package;
+  (``qpn.fork_patches.engine.overlay``). ``anchor`` is the file path inside the ``vllm`` package;
   ``apply`` names a function ``str -> str`` that returns the patched text and raises
   ``AnchorMissing`` when the text it expects is absent. The pristine file is kept as
   ``<file>.pre_bootstrap`` and every change is recorded in the manifest. ``targets`` lists the
@@ -29,23 +29,22 @@ skipped with a warning (and recorded in the census) when their anchor is missing
 ``moe`` today: the QPN MoE methods come from the registered config; tests/test_plugin_policy.py
 proves the policy with a probe entry). ``params`` are
 the anchor's parameters our wrapper calls it with (default: read from the wrapper itself).
-``qpn.fork_patches.engine_source`` proves all of this against each locked engine's source:
-``python -m qpn.fork_patches.hooks --engine-source ARCHIVE_OR_DIR``.
+``qpn.fork_patches.engine.engine_source`` proves all of this against each locked engine's source:
+``python -m qpn.fork_patches.engine.engine_source ARCHIVE_OR_DIR``.
 
 Not here: where vLLM has a registry, the overlay registers instead of hooking. The QPN linear and
 MoE methods are handed out by ``QPNConfig``, registered as the quantization method "qpn" through
-vLLM's ``register_quantization_config`` (qpn.fork_patches.qpn_config, from the plugin); the same
-``--engine-source`` run proves that registration path in each engine
+vLLM's ``register_quantization_config`` (qpn.fork_patches.quant.qpn_config, from the plugin); the same
+``engine_source`` run proves that registration path in each engine
 (``engine_source.verify_registration``). What stays here is what vLLM has no extension point for.
 """
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 
-
-class AnchorMissing(RuntimeError):
-    """The engine does not have the code a hook expects (another engine version)."""
+from qpn.fork_patches.engine.anchors import AnchorMissing  # noqa: F401  (raised by the hooks; re-exported)
 
 
 NEEDED_FOR = ("always", "moe")
@@ -138,7 +137,7 @@ def _vision_guard(relpath: str) -> Hook:
         "a clear ImportError only when a vision class is used",
         remove_when="a CPU build of torchvision matching the engine's torch is installable, "
         "or vLLM stops importing the VL module from the text-only Qwen3.5 model",
-        apply="qpn.fork_patches.engine_quirks:guard_vision_imports",
+        apply="qpn.fork_patches.engine.engine_quirks:guard_vision_imports",
         engines=("cpu",),
         targets=_VISION_TARGETS[relpath],
     )
@@ -156,7 +155,7 @@ REGISTRY: list[Hook] = [
     _vision_guard("model_executor/models/qwen3_vl.py"),
     _vision_guard("model_executor/models/qwen2_vl.py"),
     _vision_guard("model_executor/models/qwen2_5_vl.py"),
-    # ---- loader hooks (runtime; applied by qpn.fork_patches.plugin: apply(original) -> replacement).
+    # ---- loader hooks (runtime; applied by qpn.fork_patches.engine.plugin: apply(original) -> replacement).
     # The quant methods themselves come from the registered QPN config (qpn_config.py), not a hook.
     Hook(
         name="modelopt-mixed-precision-file-form",
@@ -171,7 +170,7 @@ REGISTRY: list[Hook] = [
         "quant_method 'modelopt'; the registered QPN config then claims it (where the QPN path does "
         "not serve, vLLM's own override picks modelopt_mixed); all else unchanged",
         remove_when="vLLM's convertor accepts MIXED_PRECISION from hf_quant_config.json",
-        apply="qpn.fork_patches.quant_config:wrap_normalize_quantization_config",
+        apply="qpn.fork_patches.quant.quant_config:wrap_normalize_quantization_config",
     ),
     Hook(
         name="kv-cache-fp16-on-sm70",
@@ -185,7 +184,7 @@ REGISTRY: list[Hook] = [
         "(where vLLM 0.32 resolves fp8 and then refuses to allocate it) keep the model dtype; "
         "elsewhere vLLM's value; the census records requested, resolved and the policy",
         remove_when="Volta gets an FP8-KV attention path as fast as its FP16 one",
-        apply="qpn.fork_patches.kv_policy:wrap_resolve_kv_cache_dtype_string",
+        apply="qpn.fork_patches.engine.kv_policy:wrap_resolve_kv_cache_dtype_string",
     ),
     # ---- 1Cat-vLLM FlashAttention-V100 hooks (runtime; sm70 engine only)
     Hook(
@@ -203,9 +202,9 @@ REGISTRY: list[Hook] = [
         "the first decode fails",
         how="after the engine's constructor, map float16 to auto (the kernels' name for the same "
         "unquantized FP16 layout), exactly as 1.3.0's _normalize_flash_v100_kv_cache_dtype does; "
-        "every other string unchanged (qpn.fork_patches.kv_policy)",
+        "every other string unchanged (qpn.fork_patches.engine.kv_policy)",
         remove_when="1.2.2 is no longer a selectable engine (1.3.0 and later normalise it)",
-        apply="qpn.fork_patches.kv_policy:wrap_flash_v100_impl_init",
+        apply="qpn.fork_patches.engine.kv_policy:wrap_flash_v100_impl_init",
     ),
     Hook(
         name="flash-v100-attention-route-census",
@@ -219,9 +218,9 @@ REGISTRY: list[Hook] = [
         "really took; the engine counts routes only with VLLM_FLASH_V100_ROUTE_SUMMARY=1 and "
         "prints them at exit, out of the gates' reach",
         how="count every route in the census (CUDA-graph captures apart from eager calls), then "
-        "call the engine's own function (qpn.fork_patches.attention_routes)",
+        "call the engine's own function (qpn.fork_patches.route_census.attention_routes)",
         remove_when="the engine exports its route counts through a structured interface",
-        apply="qpn.fork_patches.attention_routes:wrap_record_route",
+        apply="qpn.fork_patches.route_census.attention_routes:wrap_record_route",
     ),
     # ---- speculative decoding on the hybrid (GDN) model (runtime; issue 12)
     Hook(
@@ -240,10 +239,10 @@ REGISTRY: list[Hook] = [
         how="pad every short row to K+1 tokens (zeros after the real ones), run the engine's own "
         "_spec_forward, return the real tokens' outputs; padding writes only SSM slots and conv "
         "columns past the last real token, which the next round (num_accepted <= q) never reads "
-        "(qpn.fork_patches.spec_state)",
+        "(qpn.fork_patches.spec.spec_state)",
         remove_when="vLLM's CPU GDN path handles rows shorter than K+1, or the synchronous "
         "scheduler pads invalid drafts the way the asynchronous one does",
-        apply="qpn.fork_patches.spec_state:wrap_cpu_spec_forward",
+        apply="qpn.fork_patches.spec.spec_state:wrap_cpu_spec_forward",
     ),
     Hook(
         name="gdn-spec-accepted-count-floor",
@@ -258,9 +257,9 @@ REGISTRY: list[Hook] = [
         "under VLLM_SM70_GDN_STATE_CONTRACT_ASSERT=1)",
         how="clamp the counts into [1, K+1] in place on their own device before the engine's "
         "build: the row resumes from the state of its first verified token, which every round "
-        "commits (qpn.fork_patches.spec_state)",
+        "commits (qpn.fork_patches.spec.spec_state)",
         remove_when="the engines guarantee num_accepted_tokens >= 1 for every speculating row",
-        apply="qpn.fork_patches.spec_state:wrap_gdn_build",
+        apply="qpn.fork_patches.spec.spec_state:wrap_gdn_build",
     ),
     # ---- sampled decoding under speculation (runtime, cpu engine; issue 29)
     Hook(
@@ -280,9 +279,9 @@ REGISTRY: list[Hook] = [
         "temperature 0.01 not greedy)",
         how="compute the expansion with torch (repeat_interleave, the replace_from -> replace_to "
         "substitution) for every dtype but int64, which the engine's op handles "
-        "(qpn.fork_patches.spec_sampling)",
+        "(qpn.fork_patches.spec.spec_sampling)",
         remove_when="vLLM's CPU _expand_kernel_impl writes back non-int64 outputs",
-        apply="qpn.fork_patches.spec_sampling:wrap_expand_batch_to_tokens",
+        apply="qpn.fork_patches.spec.spec_sampling:wrap_expand_batch_to_tokens",
     ),
     Hook(
         name="spec-sampling-empty-top-k",
@@ -298,9 +297,9 @@ REGISTRY: list[Hook] = [
         "with zero target rows; k.max() of an empty k raises 'max(): Expected reduction dim to be "
         "specified for input.numel() == 0' and the engine core dies on the first request with top_k",
         how="return an empty batch unchanged; any other batch goes to the engine's own function "
-        "(qpn.fork_patches.spec_sampling)",
+        "(qpn.fork_patches.spec.spec_sampling)",
         remove_when="vLLM's apply_top_k_only handles an empty batch",
-        apply="qpn.fork_patches.spec_sampling:wrap_apply_top_k_only",
+        apply="qpn.fork_patches.spec.spec_sampling:wrap_apply_top_k_only",
     ),
     # ---- requests that killed the engine core (runtime; issue 40 item 1)
     Hook(
@@ -322,9 +321,9 @@ REGISTRY: list[Hook] = [
         "none (chat and completions do: without a count the rejection sampler returns no "
         "log-probabilities and the chat endpoint fails with an IndexError); hold the ids for "
         "_get_logprobs_tensors "
-        "(qpn.fork_patches.spec_logprobs); requests without them take the engine's code unchanged",
+        "(qpn.fork_patches.spec.spec_logprobs); requests without them take the engine's code unchanged",
         remove_when="vLLM's RejectionSampler handles logprob_token_ids",
-        apply="qpn.fork_patches.spec_logprobs:wrap_rejection_forward",
+        apply="qpn.fork_patches.spec.spec_logprobs:wrap_rejection_forward",
     ),
     Hook(
         name="spec-named-token-logprobs-verified",
@@ -337,9 +336,9 @@ REGISTRY: list[Hook] = [
         how="while spec-named-token-logprobs-bonus holds ids for the step, the function's last "
         "step (sampler.gather_logprobs) gathers each row's named tokens with the sampler's own "
         "gather_specific_token_logprobs from the log-probabilities the engine computed: the "
-        "columns and ranks of a step without speculation (qpn.fork_patches.spec_logprobs)",
+        "columns and ranks of a step without speculation (qpn.fork_patches.spec.spec_logprobs)",
         remove_when="vLLM's RejectionSampler handles logprob_token_ids",
-        apply="qpn.fork_patches.spec_logprobs:wrap_accepted_logprobs",
+        apply="qpn.fork_patches.spec.spec_logprobs:wrap_accepted_logprobs",
     ),
     Hook(
         name="cpu-gdn-one-token-prefill-conv",
@@ -353,11 +352,11 @@ REGISTRY: list[Hook] = [
         "transposed' and the engine core dies, at every depth. On CUDA (1Cat 1.2.2 / 1.3.0) the "
         "Triton causal_conv1d_fn takes x's strides as arguments: no such fault",
         how="copy x into a packed block when its token stride is not the op's; any other x goes "
-        "to the op as it is (qpn.fork_patches.engine_quirks)",
+        "to the op as it is (qpn.fork_patches.engine.engine_quirks)",
         remove_when="vLLM's CPU GDN packs mixed_qkv by stride, or the C++ op takes strides",
-        apply="qpn.fork_patches.engine_quirks:wrap_one_token_conv",
+        apply="qpn.fork_patches.engine.engine_quirks:wrap_one_token_conv",
     ),
-    # ---- constrained output kept (runtime; issue 29 item 3; qpn.fork_patches.constrained_output)
+    # ---- constrained output kept (runtime; issue 29 item 3; qpn.fork_patches.api.constrained_output)
     Hook(
         name="constrained-reasoning-bans",
         kind="runtime",
@@ -373,7 +372,7 @@ REGISTRY: list[Hook] = [
         "stays allowed",
         remove_when="vLLM keeps a grammar's constraint across an implicit end of reasoning and a stop "
         "inside it",
-        apply="qpn.fork_patches.constrained_output:wrap_fill_bitmasks",
+        apply="qpn.fork_patches.api.constrained_output:wrap_fill_bitmasks",
     ),
     Hook(
         name="constrained-reasoning-stop-tokens",
@@ -387,7 +386,7 @@ REGISTRY: list[Hook] = [
         how="before the engine's build, each grammar not yet told gets its request's "
         "all_stop_token_ids as an attribute",
         remove_when="constrained-reasoning-bans goes",
-        apply="qpn.fork_patches.constrained_output:wrap_grammar_bitmask",
+        apply="qpn.fork_patches.api.constrained_output:wrap_grammar_bitmask",
     ),
     Hook(
         name="constrained-completions-from-start",
@@ -401,7 +400,7 @@ REGISTRY: list[Hook] = [
         how="a request whose front end decided nothing (reasoning_ended None) and whose prompt "
         "holds no reasoning start token (<think>) is marked as past its reasoning",
         remove_when="vLLM's completions front end resolves reasoning_ended as the chat one does",
-        apply="qpn.fork_patches.constrained_output:wrap_grammar_init",
+        apply="qpn.fork_patches.api.constrained_output:wrap_grammar_init",
     ),
     Hook(
         name="constrained-tool-args-object",
@@ -418,7 +417,7 @@ REGISTRY: list[Hook] = [
         "such as false or 10, which are not an object",
         how="True becomes {\"type\": \"object\"}: the arguments stay free, but an object",
         remove_when="vLLM constrains non-strict tools' arguments to an object",
-        apply="qpn.fork_patches.constrained_output:wrap_get_function_parameters",
+        apply="qpn.fork_patches.api.constrained_output:wrap_get_function_parameters",
     ),
     Hook(
         name="constrained-hermes-call-extent",
@@ -432,7 +431,7 @@ REGISTRY: list[Hook] = [
         "space and </tool_call> or the end); arguments json.dumps cannot write as JSON keep the "
         "model's own text; anything else goes to the engine's function",
         remove_when="vLLM's hermes parser reads calls with a JSON decoder",
-        apply="qpn.fork_patches.constrained_output:wrap_hermes_extract_tool_calls",
+        apply="qpn.fork_patches.api.constrained_output:wrap_hermes_extract_tool_calls",
     ),
     Hook(
         name="constrained-hermes-stream-extent",
@@ -444,7 +443,7 @@ REGISTRY: list[Hook] = [
         how="the engine's split, run on the text with every </tool_call> inside a call's JSON "
         "strings masked (same length), its answers unmasked",
         remove_when="vLLM's hermes parser reads calls with a JSON decoder",
-        apply="qpn.fork_patches.constrained_output:wrap_hermes_tool_call_jsons",
+        apply="qpn.fork_patches.api.constrained_output:wrap_hermes_tool_call_jsons",
     ),
     Hook(
         name="constrained-json-string-characters",
@@ -459,7 +458,7 @@ REGISTRY: list[Hook] = [
         "can be written, so 4-5 of 10 strict answers ended with finish_reason stop and invalid JSON; "
         "its json-pointer formats take raw C0 characters, quotes and backslashes",
         how="after the engine's __post_init__, the backend's compiler is wrapped "
-        "(qpn.fork_patches.constrained_output.C0SafeCompiler): compile_json_schema and "
+        "(qpn.fork_patches.api.constrained_output.C0SafeCompiler): compile_json_schema and "
         "compile_structural_tag convert the grammar as xgrammar does, replace those character "
         "classes by JSON-safe ones (in a bounded string: any character but the quote, the backslash "
         "and U+0000-U+001F, or one escape) and compile the EBNF; a grammar without them is compiled "
@@ -467,7 +466,7 @@ REGISTRY: list[Hook] = [
         "logged at start",
         remove_when="xgrammar's JSON-schema converter keeps control characters out of bounded and "
         "json-pointer strings",
-        apply="qpn.fork_patches.constrained_output:wrap_xgrammar_backend_init",
+        apply="qpn.fork_patches.api.constrained_output:wrap_xgrammar_backend_init",
     ),
     # ---- greedy output with speculation identical to without (runtime, cpu engine; issue 12)
     Hook(
@@ -486,9 +485,9 @@ REGISTRY: list[Hook] = [
         how="return the engine's own answer or torch.cpu._is_avx512_bf16_supported() (the plain "
         "path's condition); the function is used only as this predicate. The engine then takes the "
         "branch it takes on AMX, whose K+1-token conv equals the one-token conv bitwise "
-        "(qpn.fork_patches.spec_identity)",
+        "(qpn.fork_patches.spec.spec_identity)",
         remove_when="vLLM's CPU GDN speculative paths test the same condition as the plain path",
-        apply="qpn.fork_patches.spec_identity:wrap_cpp_conv_predicate",
+        apply="qpn.fork_patches.spec.spec_identity:wrap_cpp_conv_predicate",
     ),
     Hook(
         name="gdn-spec-ssm-one-token-op",
@@ -503,9 +502,9 @@ REGISTRY: list[Hook] = [
         how="keep the multi-slot contract (resume from slot num_accepted-1, the state after token t "
         "in slot t) and compute each token position, for all rows at once, with the engine's "
         "one-token op: copy the row's previous state into the token's slot and update it there "
-        "(qpn.fork_patches.spec_identity)",
+        "(qpn.fork_patches.spec.spec_identity)",
         remove_when="vLLM's CPU spec and one-token GDN ops share their arithmetic",
-        apply="qpn.fork_patches.spec_identity:wrap_spec_ssm_op",
+        apply="qpn.fork_patches.spec.spec_identity:wrap_spec_ssm_op",
     ),
     Hook(
         name="cpu-attention-unsplit-kv",
@@ -520,16 +519,16 @@ REGISTRY: list[Hook] = [
         "speculation would drift from the text without it",
         how="build the plan with enable_kv_split=False; each query row then reduces over its KV in one "
         "order, bitwise the same in a one-token decode and a verify batch "
-        "(qpn.fork_patches.spec_identity)",
+        "(qpn.fork_patches.spec.spec_identity)",
         remove_when="the cpu engine's split-KV merge is independent of the query count, or the cpu "
         "engine stops being where greedy identity is proven",
-        apply="qpn.fork_patches.spec_identity:wrap_cpu_attn_scheduler_metadata",
+        apply="qpn.fork_patches.spec.spec_identity:wrap_cpu_attn_scheduler_metadata",
     ),
     Hook(
         name="auto-depth-per-step",
         kind="runtime",
         anchor="vllm.v1.core.sched.scheduler:Scheduler._update_after_schedule",
-        apply_on={"sm70": "qpn.fork_patches.auto_depth:wrap_update_after_schedule_fixed_verify"},
+        apply_on={"sm70": "qpn.fork_patches.spec.auto_depth:wrap_update_after_schedule_fixed_verify"},
         what="the depth a scheduling step drafts, under K=auto: vLLM 0.32's "
         "SchedulerOutput.num_spec_tokens_to_schedule; on 1Cat-vLLM 1.2.2 and 1.3.0, which have no "
         "such field and book num_speculative_tokens draft placeholders every step "
@@ -539,12 +538,12 @@ REGISTRY: list[Hook] = [
         why="vLLM keys a per-step depth by batch size only and 1Cat not at all; the best depth moves "
         "with the live context (every drafter step reads the whole KV cache)",
         how="when QPN_DEPTH_LADDER is set, depth_policy's choice for the longest live context of the "
-        "step, decided before the engine books the step (qpn.fork_patches.auto_depth): on vLLM 0.32 "
+        "step, decided before the engine books the step (qpn.fork_patches.spec.auto_depth): on vLLM 0.32 "
         "it replaces the batch-size table's answer; on 1Cat it is attached for "
         "auto-depth-draft-depth and the engine's booking is left unchanged; otherwise the engine's "
         "code runs unchanged",
         remove_when="vLLM schedules depth by context (an open upstream proposal)",
-        apply="qpn.fork_patches.auto_depth:wrap_update_after_schedule",
+        apply="qpn.fork_patches.spec.auto_depth:wrap_update_after_schedule",
     ),
     Hook(
         name="auto-depth-acceptance",
@@ -556,9 +555,9 @@ REGISTRY: list[Hook] = [
         "position needs the positions really drafted",
         how="count drafted and accepted tokens per draft position for the policy (on 1Cat at most "
         "the depth auto-depth-verify-depth says the rows were drafted at), then call the engine's "
-        "code (qpn.fork_patches.auto_depth)",
+        "code (qpn.fork_patches.spec.auto_depth)",
         remove_when="the depth policy is upstream",
-        apply="qpn.fork_patches.auto_depth:wrap_make_spec_decoding_stats",
+        apply="qpn.fork_patches.spec.auto_depth:wrap_make_spec_decoding_stats",
     ),
     Hook(
         name="auto-depth-verify-depth",
@@ -572,7 +571,7 @@ REGISTRY: list[Hook] = [
         how="during the engine's call, hand auto-depth-acceptance the step's qpn_verify_depths "
         "(set by auto-depth-per-step when the drafts were scheduled); the engine's code unchanged",
         remove_when="the depth policy is upstream, or 1Cat gains a per-step depth path",
-        apply="qpn.fork_patches.auto_depth:wrap_update_from_output",
+        apply="qpn.fork_patches.spec.auto_depth:wrap_update_from_output",
     ),
     Hook(
         name="auto-depth-draft-depth",
@@ -589,7 +588,7 @@ REGISTRY: list[Hook] = [
         "count the step at the depth the drafter really drafted in this rank's census "
         "(draft_depth_steps); at a fixed K nothing changes",
         remove_when="the depth policy is upstream and the engine exports steps per drafted depth",
-        apply="qpn.fork_patches.auto_depth:wrap_propose_draft_token_ids",
+        apply="qpn.fork_patches.spec.auto_depth:wrap_propose_draft_token_ids",
     ),
     Hook(
         name="auto-depth-drafter-loop",
@@ -609,7 +608,7 @@ REGISTRY: list[Hook] = [
         "for greedy verification and, with greedy drafts, for the rejection sampler). Parallel or "
         "probabilistic drafting (draft probabilities per position) keeps the full depth, logged",
         remove_when="1Cat gains a per-step depth path",
-        apply="qpn.fork_patches.auto_depth:wrap_proposer_propose",
+        apply="qpn.fork_patches.spec.auto_depth:wrap_proposer_propose",
     ),
     Hook(
         name="draft-per-position-metric",
@@ -621,9 +620,9 @@ REGISTRY: list[Hook] = [
         why="the served_depth gate and an owner must see which depths K=auto drafted; vLLM exports "
         "accepted tokens per position but not drafted ones",
         how="also register qpn:spec_decode_num_draft_tokens_per_pos, one position label per draft "
-        "slot (qpn.fork_patches.auto_depth)",
+        "slot (qpn.fork_patches.spec.auto_depth)",
         remove_when="vLLM exports drafted tokens per position",
-        apply="qpn.fork_patches.auto_depth:wrap_spec_prom_init",
+        apply="qpn.fork_patches.spec.auto_depth:wrap_spec_prom_init",
     ),
     Hook(
         name="draft-per-position-metric-observe",
@@ -636,7 +635,7 @@ REGISTRY: list[Hook] = [
         how="add the step's drafted tokens per position (SpecDecodingStats.num_draft_tokens_per_pos) "
         "to qpn:spec_decode_num_draft_tokens_per_pos",
         remove_when="vLLM exports drafted tokens per position",
-        apply="qpn.fork_patches.auto_depth:wrap_spec_prom_observe",
+        apply="qpn.fork_patches.spec.auto_depth:wrap_spec_prom_observe",
     ),
 ]
 
@@ -655,7 +654,7 @@ def by_name(name: str) -> Hook:
 
 
 def as_markdown() -> str:
-    """The registry as a Markdown table (``python -m qpn.fork_patches.hooks``; docs/hooks.md)."""
+    """The registry as a Markdown table (``python -m qpn.fork_patches.engine.hooks``; docs/hooks.md)."""
     rows = ["| hook | kind | engines | anchor | what | why | how | remove when |",
             "|---|---|---|---|---|---|---|---|"]
     for h in REGISTRY:
@@ -667,17 +666,17 @@ def as_markdown() -> str:
 
 
 def main(argv: list[str]) -> int:
-    """No argument: the registry as Markdown. ``--engine-source ARCHIVE_OR_DIR [--engine KEY]``:
-    prove every hook against that engine's source (qpn.fork_patches.engine_source); exit 1 on a miss."""
-    if argv and argv[0] == "--engine-source":
-        from qpn.fork_patches.engine_source import main as engine_source_main
-
-        return engine_source_main(argv[1:])
+    """The registry as Markdown (no argument). The proof against an engine's source is
+    ``python -m qpn.fork_patches.engine.engine_source ARCHIVE_OR_DIR`` (that module reads this
+    registry; this one imports nothing of the overlay)."""
+    if argv:
+        print("usage: python -m qpn.fork_patches.engine.hooks (prints the registry); to prove the "
+              "hooks against an engine's source: python -m qpn.fork_patches.engine.engine_source "
+              "ARCHIVE_OR_DIR [--engine KEY]", file=sys.stderr)
+        return 2
     print(as_markdown(), end="")
     return 0
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

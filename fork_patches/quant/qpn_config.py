@@ -132,10 +132,10 @@ def family_ready(fmt) -> tuple[bool, str]:
         importlib.import_module(f"qpn.kernels.family_{fmt.family}")
     except ImportError as e:
         return False, f"qpn.kernels.family_{fmt.family} does not import ({e})"
-    from qpn.fork_patches.linear_method import METHODS
+    from qpn.fork_patches.quant.linear_method import METHODS
 
     if fmt.family not in METHODS:
-        return False, f"qpn.fork_patches.linear_method has no {fmt.title} linear method yet"
+        return False, f"qpn.fork_patches.quant.linear_method has no {fmt.title} linear method yet"
     return True, ""
 
 
@@ -183,7 +183,7 @@ def claim_verdict(hf_quant_cfg: Any, environ=None) -> tuple[str | None, str]:
             return MODELOPT_SINGLE[algo], ""
         return None, (f"ModelOpt quant_algo {algo!r}: QPN serves MIXED_PRECISION, "
                       f"{', '.join(MODELOPT_SINGLE)}")
-    from qpn.fork_patches import conventions
+    from qpn.fork_patches.quant import conventions
 
     int4 = conventions.int4_convention_of(hf_quant_cfg)
     if int4 is not None:
@@ -340,7 +340,7 @@ def make_config_class():
         def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
             if user_quant not in (None, QPN_NAME):
                 return None  # the user named a method: theirs
-            from qpn.fork_patches.platform_gate import serving_target
+            from qpn.fork_patches.engine.platform_gate import serving_target
 
             asked = user_quant == QPN_NAME
             if serving_target() is None:
@@ -362,7 +362,7 @@ def make_config_class():
             return QPN_NAME
 
         def get_quant_method(self, layer, prefix: str):
-            from qpn.fork_patches.platform_gate import serving_target
+            from qpn.fork_patches.engine.platform_gate import serving_target
 
             target = serving_target()
             if target is None:
@@ -391,7 +391,7 @@ def qpn_method(config, layer, prefix: str, target: dict):
 
     inner, convention = config._inner, config.convention
     if isinstance(layer, RoutedExperts):
-        from qpn.fork_patches import moe_method
+        from qpn.fork_patches.quant import moe_method
 
         if convention.startswith("modelopt"):
             return moe_method.qpn_moe_method_for(inner, layer.moe_config, prefix, target["backend"])
@@ -405,13 +405,13 @@ def qpn_method(config, layer, prefix: str, target: dict):
     if not isinstance(layer, (LinearBase, ParallelLMHead)):
         return None
     if convention == "modelopt_mixed":
-        from qpn.fork_patches import quant_config
+        from qpn.fork_patches.quant import quant_config
 
         if inner.is_layer_excluded(prefix):
             return None
         return quant_config.qpn_method_for(inner, layer, prefix, target)
     if convention in MODELOPT_SINGLE.values():
-        from qpn.fork_patches.linear_method import method_class
+        from qpn.fork_patches.quant.linear_method import method_class
         from qpn.kernels import formats
 
         if inner.is_layer_excluded(prefix):
@@ -422,13 +422,13 @@ def qpn_method(config, layer, prefix: str, target: dict):
             prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"], atom=target["atom"],
             shard_names=list((inner.packed_modules_mapping or {}).get(proj, [])), declared=[prefix])
     if convention == "compressed-tensors":
-        from qpn.fork_patches import ct_config
+        from qpn.fork_patches.quant import ct_config
 
         return ct_config.qpn_method_for(inner, layer, prefix, target)
     if convention in INT4_METHODS:
         return int4_linear_method(config, layer, prefix, target)
     raise NotServed(f"{prefix}: qpn claimed a checkpoint of convention {convention!r}, which it has no "
-                    "method for (qpn.fork_patches.qpn_config.qpn_method)")
+                    "method for (qpn.fork_patches.quant.qpn_config.qpn_method)")
 
 
 def int4_linear_method(config, layer, prefix: str, target: dict):
@@ -441,8 +441,8 @@ def int4_linear_method(config, layer, prefix: str, target: dict):
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from qpn.fork_patches.conventions import INT4_CONVENTIONS
-    from qpn.fork_patches.linear_method import QPNCheckpointError, int4_method_for
+    from qpn.fork_patches.quant.conventions import INT4_CONVENTIONS
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, int4_method_for
 
     inner, conv = config._inner, INT4_CONVENTIONS[config.convention]
     if isinstance(layer, ParallelLMHead) and not getattr(inner, "lm_head_quantized", False):
@@ -491,8 +491,8 @@ def _record_rank(config) -> None:
     if vllm_config is None or vllm_config.cache_config is None:
         return
     _RANK_RECORDED = True
-    from qpn.fork_patches.census import CENSUS
-    from qpn.fork_patches.kv_policy import describe
+    from qpn.fork_patches.route_census.census import CENSUS
+    from qpn.fork_patches.engine.kv_policy import describe
 
     CENSUS.set_quant_config(config.get_name())
     CENSUS.set_kv_cache(*describe(vllm_config))
@@ -534,8 +534,8 @@ def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
     quantization, and the engine loads each checkpoint tensor under the name that mapper gives it
     (a quant config's own mappers touch scale and g_idx suffixes only; tests/test_quant_config.py
     proves both from each engine's source)."""
-    from qpn.fork_patches import conventions
-    from qpn.fork_patches.census import CENSUS
+    from qpn.fork_patches.quant import conventions
+    from qpn.fork_patches.route_census.census import CENSUS
 
     model_config = getattr(vllm_config, "model_config", None)
     path = getattr(model_config, "model", None)

@@ -38,7 +38,7 @@ import inspect
 import logging
 import os
 
-from qpn.fork_patches.hooks import AnchorMissing, Hook, hooks_for
+from qpn.fork_patches.engine.hooks import AnchorMissing, Hook, hooks_for
 
 logger = logging.getLogger("vllm.qpn.plugin")
 
@@ -69,7 +69,7 @@ def engine_profile() -> str:
 
 def engine_key() -> str:
     """``profile@version`` of the running engine (see the module docstring)."""
-    from qpn.fork_patches import engine_lock
+    from qpn.fork_patches.engine import engine_lock
 
     profile = engine_profile()
     found = os.environ.get(ENGINE_VERSION_ENV) or engine_version()
@@ -161,7 +161,7 @@ class EngineMismatch(AnchorMissing):
 
 
 def _fix(engine: str) -> str:
-    from qpn.fork_patches import engine_lock
+    from qpn.fork_patches.engine import engine_lock
 
     profile = engine.partition("@")[0]
     try:
@@ -169,8 +169,8 @@ def _fix(engine: str) -> str:
     except (engine_lock.LockError, KeyError):
         locked = "?"
     return (f"Fix: install a locked {profile} engine ({locked}; scripts/bootstrap-sm70.sh with "
-            f"ENGINE={profile} [ENGINE_VERSION=...]), or port the hook in fork_patches/hooks.py and "
-            "prove it with `python -m qpn.fork_patches.hooks --engine-source <engine source>`")
+            f"ENGINE={profile} [ENGINE_VERSION=...]), or port the hook in fork_patches/engine/hooks.py and "
+            "prove it with `python -m qpn.fork_patches.engine.engine_source <engine source>`")
 
 
 def register() -> None:
@@ -191,7 +191,7 @@ def register() -> None:
                        "engine_version": engine_version(), "needed_for": hook.needed_for}
             if not any(s["hook"] == hook.name for s in _SKIPPED):
                 _SKIPPED.append({"hook": hook.name, "reason": str(exc), **details})
-            from qpn.fork_patches.census import CENSUS  # stdlib only: cheap
+            from qpn.fork_patches.route_census.census import CENSUS  # stdlib only: cheap
 
             CENSUS.skip_hook(hook.name, str(exc), **details)
             logger.warning("volta-qpn: hook %s skipped: %s. Checkpoints that need it (%s) will fail "
@@ -202,7 +202,7 @@ def register() -> None:
                   f"{len(missing)} required hook(s) have no anchor in it:"]
         lines += [f"  - {exc}" for _, exc in missing]
     try:
-        from qpn.fork_patches import qpn_config
+        from qpn.fork_patches.quant import qpn_config
 
         qpn_config.register()
     except (ImportError, AttributeError) as exc:

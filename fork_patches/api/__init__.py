@@ -1,0 +1,1 @@
+"""What the OpenAI server returns: constrained output kept valid, tool calls kept across a cut."""

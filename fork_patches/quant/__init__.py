@@ -1,0 +1,1 @@
+"""The QPN quantization method: registered config, checkpoint conventions, linear and MoE methods, TP sharding."""

@@ -1,0 +1,1 @@
+"""What the engine did, per rank: the route census, its schema, the attention routes it records."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: depth policy, K=auto, sampled decoding, GDN state, greedy identity, named-token log-probabilities."""
