@@ -17,6 +17,11 @@ file it matches, the one code reading the series takes; ``SERIES_READ_BY_CODE`` 
 code looks up without spelling the path; a ``<date>`` placeholder names no file), then, transitively, what a kept file names (its data, its inputs), the other files of
 a kept file's run (same stem; a file whose provenance command wrote a kept file) and a session's
 notes that name a kept file. Anything else is a superseded iteration: it is removed, git keeps it.
+
+The regenerate column names no machine path: ``provenance.portable_command`` renders each recorded
+command from the repository root, with $VENV/bin/python for the engine's interpreter, $OUT for the
+folder the run wrote into and a placeholder per outside input (``provenance.INPUT_PLACEHOLDERS``);
+``machine_paths`` finds what is left, and tests/test_doc_references.py fails on it.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import provenance as _provenance
 
 REPO = Path.cwd()  # run from the repository root (the installed package has no README or results)
 INDEX = "results/README.md"
@@ -180,6 +187,15 @@ def reachable(repo: Path = REPO) -> dict[str, str]:
             return {f"results/{n}": why[n] for n in sorted(why)}
 
 
+# an absolute path (or one from a home folder) as a word or a KEY= / --option= value
+_MACHINE_PATH = re.compile(r"(?:^|[\s=('\"`])((?:/|~/)[^\s'\"`)]*)")
+
+
+def machine_paths(command: str) -> list[str]:
+    """The paths of one machine a rendered command still names (absolute, or under ~)."""
+    return _MACHINE_PATH.findall(command)
+
+
 def orphans(repo: Path = REPO) -> list[str]:
     """Files under results/ the index does not reach: superseded iterations (git keeps them)."""
     kept = reachable(repo)
@@ -201,7 +217,8 @@ def render(repo: Path = REPO) -> str:
             rows.append(f"| `{path}` | {where} | (session notes) | written with the data files it names |")
             continue
         p = provenance(repo / path)
-        command = f"`{p['command']}`".replace("|", "\\|") if "command" in p else "see the file's header"
+        command = (f"`{_provenance.portable_command(p['command'])}`".replace("|", "\\|") if "command" in p
+                   else "see the file's header")
         rows.append(f"| `{path}` | {where} | {p.get('commit', 'none')[:12]} | {command} |")
     support = ["| file | kept because |", "|---|---|"]
     support += [f"| `{path}` | {why} |" for path, why in reachable(repo).items() if path not in by_file]
@@ -210,7 +227,13 @@ def render(repo: Path = REPO) -> str:
             "to regenerate it (the command its own provenance names). Written by "
             "`python -m qpn.benchmarks.results_index`, not by hand; tests/test_doc_references.py fails when "
             "it is stale, when a cited file is missing, when a data file under results/ has no provenance, "
-            "or when a file under results/ is in neither table below.\n\n" + "\n".join(rows) + "\n\n"
+            "when a file under results/ is in neither table below, or when a command names a path of one "
+            "machine.\n\n"
+            "Each command runs from the repository root of a checkout at the commit shown. `$VENV` is the "
+            "engine's virtualenv (one with torch's CUDA build for the GPU runs, `.venv-cpu` for the CPU ones), "
+            "`$OUT` the folder the run writes into (copy what it wrote to results/ under the name in the first "
+            "column); `$CHECKPOINT`, `$SEED_SOURCE`, `$ONECAT_SOURCE` and `$ENGINE_SOURCES` are the inputs the "
+            "file's header names (benchmarks/provenance.py, `portable_command`).\n\n" + "\n".join(rows) + "\n\n"
             "## The files behind them\n\n"
             "Kept because code, tests or a source cite them, or because a kept file names them (its data, "
             "its inputs), they belong to a kept file's run, or they are a session's notes on a kept file "
