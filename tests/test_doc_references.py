@@ -219,7 +219,8 @@ def test_the_reachability_check_reports_an_orphan(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     res = tmp_path / "results"
     res.mkdir()
-    (tmp_path / "README.md").write_text("Measured in results/run_h200_20990101.md.\n")
+    (tmp_path / "README.md").write_text("Measured in results/run_h200_20990101.md (the session: "
+                                        "results/run_notes_20990101.md).\n")
     (tmp_path / "benchmarks" / "reader.py").write_text('"""reads the newest results/series_*.csv"""\n')
     prov = "# commit: 1234567\n"
     files = {
@@ -228,33 +229,43 @@ def test_the_reachability_check_reports_an_orphan(tmp_path):
         "inputs_20990101.csv": prov,  # named by the cited run
         "deep_20990101.csv": prov,  # named by what the cited run names: transitive
         "writer_20990101.csv": prov + "# command: bench --out /root/out/run_h200_20990101.md\n",  # wrote it
-        "run_notes_20990101.md": "Notes on run_h200_20990101.md; ncu in ncu_20990101.txt, "
-                                 "sweeps sweep{1,2}_20990101.{csv,md}.\n",  # notes naming a kept file
-        "ncu_20990101.txt": "raw\n",
+        "fit_20990101.csv": prov + "# command: model --csv /root/out/run_h200_20990101.md\n",  # only read it
+        "run_notes_20990101.md": "Notes on run_h200_20990101.md; ncu in ncu_20990101.txt, sweeps "
+                                 "sweep{1,2}_20990101.{csv,md}, numerics in numerics_20990101_abcdef0.md.\n",
+        "ncu_20990101.txt": "raw\n",  # named by cited notes only: notes keep nothing they name
         "sweep1_20990101.csv": prov, "sweep2_20990101.md": prov,
         "series_20990101.csv": prov, "series_20990102.csv": prov,  # the reader takes the newest
         "old_iteration_20990101.md": prov + "an earlier run of run_h200_20990101.md\n",  # names a kept file
-        "old_notes_20990101.md": "notes on old_iteration_20990101.md\n",
+        "old_notes_20990101.md": "notes on run_h200_20990101.md\n",  # uncited notes on a kept file
     }
     for name, text in files.items():
         (res / name).write_text(text)
     (res / "inputs_20990101.csv").write_text(prov + "# from deep_20990101.csv\n")
     (res / "README.md").write_text(results_index.render(tmp_path))
-    assert results_index.orphans(tmp_path) == [
-        "results/old_iteration_20990101.md", "results/old_notes_20990101.md", "results/series_20990101.csv"]
+    orphans = ["results/fit_20990101.csv", "results/ncu_20990101.txt", "results/old_iteration_20990101.md",
+               "results/old_notes_20990101.md", "results/series_20990101.csv", "results/sweep1_20990101.csv",
+               "results/sweep2_20990101.md"]
+    assert results_index.orphans(tmp_path) == orphans
     kept = results_index.reachable(tmp_path)
     assert kept["results/run_h200_20990101.md"] == "cited by README.md"
+    assert kept["results/run_notes_20990101.md"] == "cited by README.md"
     assert kept["results/series_20990102.csv"].startswith("newest of results/series_*.csv")
     assert kept["results/deep_20990101.csv"] == "named by results/inputs_20990101.csv"
     assert kept["results/writer_20990101.csv"].startswith("same run as results/run_h200_20990101.md")
-    assert kept["results/run_notes_20990101.md"] == "notes on results/run_h200_20990101.md"
-    assert {"results/sweep1_20990101.csv", "results/sweep2_20990101.md", "results/ncu_20990101.txt"} <= set(kept)
     assert all(f"`{p}`" in (res / "README.md").read_text() for p in kept)
-    assert _unproven(tmp_path) == []
-    (res / "old_iteration_20990101.md").unlink()
-    (res / "old_notes_20990101.md").unlink()
-    (res / "series_20990101.csv").unlink()
+    assert results_index.gone(tmp_path) == {"results/run_notes_20990101.md": ["numerics_20990101_abcdef0.md",
+                                                                             "sweep1_20990101.md",
+                                                                             "sweep2_20990101.csv"]}
+    for path in orphans:
+        (tmp_path / path).unlink()
     assert results_index.orphans(tmp_path) == []
+    # what the kept notes name is in git history now, and the index says so
+    missing = ["ncu_20990101.txt", "numerics_20990101_abcdef0.md", "sweep1_20990101.csv", "sweep1_20990101.md",
+               "sweep2_20990101.csv", "sweep2_20990101.md"]
+    assert results_index.gone(tmp_path) == {"results/run_notes_20990101.md": missing}
+    assert f"| `results/run_notes_20990101.md` | {', '.join(missing)} |" in results_index.render(tmp_path)
+    (res / "README.md").write_text(results_index.render(tmp_path))
+    assert _unproven(tmp_path) == []
 
 
 def test_every_results_file_has_provenance(repo_root):
