@@ -212,7 +212,7 @@ def serve_command(constants: DP.CostConstants, checkpoint: str, ladder: str = ""
 
 def write_fit(path: str, fit: DepthFit, checkpoint: str, sources: dict, ladder: str = "") -> None:
     from . import provenance as P
-    doc = {"provenance": {"command": shlex.join([sys.executable, "-m", "qpn.benchmarks.depth_sweep", *sys.argv[1:]]),
+    doc = {"provenance": {"command": P.command_line("qpn.benchmarks.depth_sweep"),
                           "commit": P.git_commit(), "date": P.now_iso(), "sources": sources},
            "model": "fork_patches/spec/depth_policy.py CostConstants (round = fixed + k (a + b ctx + c) [+ wide])",
            "constants": fit.constants.as_dict(), "fitted": list(fit.fitted), "kept_default": list(fit.kept),
@@ -374,7 +374,8 @@ def _sweep(args) -> int:
     results = {arm: read_results(path)[1] for arm, path in files.items()}
     header = dict(read_results(files[arms[0]])[0])
     header["K (speculation depth)"] = ", ".join(arm_label(a) for a in arms) + " (one server per arm, in turn)"
-    header["command"] = shlex.join([sys.executable, "-m", "qpn.benchmarks.depth_sweep", *sys.argv[1:]])
+    from . import provenance as P
+    header["command"] = P.command_line("qpn.benchmarks.depth_sweep")
     header["arms"] = "; ".join(f"{arm_label(a)}: {os.path.basename(f)}" for a, f in files.items())
     if fit is not None:
         header["auto constants"] = f"fitted from the fixed arms: {os.path.basename(prefix)}_depth_constants.json"

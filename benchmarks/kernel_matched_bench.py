@@ -43,7 +43,6 @@ import csv
 import datetime as _dt
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -571,6 +570,13 @@ def sweep_winners(rows) -> dict:
 
 
 # -------------------------------------------------------------------------- provenance
+def _command(module: str) -> str:
+    """This run's command as its provenance records it: repository-relative, the interpreter as
+    $VENV/bin/python and the output folder as $OUT (benchmarks/provenance.py, portable_words)."""
+    from qpn.benchmarks import provenance as source_provenance
+    return source_provenance.command_line(module)
+
+
 def provenance(args, atom) -> list[str]:
     try:
         drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -592,7 +598,7 @@ def provenance(args, atom) -> list[str]:
         f"# driver: {drv}",
         f"# torch: {torch.__version__} (CUDA {torch.version.cuda})",
         f"# commit: {commit}",
-        f"# command: {' '.join(shlex.quote(a) for a in [os.path.basename(sys.executable), '-m', 'qpn.benchmarks.kernel_matched_bench'] + sys.argv[1:])}",
+        f"# command: {_command('qpn.benchmarks.kernel_matched_bench')}",
         f"# date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         f"# qpn atom: {atom}"
         + (f"; m8n8k4 NVFP4 form: {ops.nvfp4_form(torch.device('cuda', 0))}" if atom == "m8n8k4" else "")

@@ -35,14 +35,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 
 import torch
 
-from qpn.benchmarks.kernel_matched_bench import ceilings
+from qpn.benchmarks.kernel_matched_bench import _command, ceilings
 from qpn.kernels import codecs, moe, ops
 
 SHAPES = {
@@ -214,13 +213,12 @@ def _provenance(args) -> list[str]:
             commit = "unknown"
     cap = torch.cuda.get_device_capability(0)
     props = torch.cuda.get_device_properties(0)
-    cmd = [os.path.basename(sys.executable), "-m", "qpn.benchmarks.moe_bench"] + sys.argv[1:]
     lines = [
         f"# gpu: {torch.cuda.get_device_name(0)} (sm_{cap[0]}{cap[1]}, {props.multi_processor_count} SMs)",
         f"# driver: {drv}",
         f"# torch: {torch.__version__} (CUDA {torch.version.cuda})",
         f"# commit: {commit}",
-        f"# command: {' '.join(shlex.quote(a) for a in cmd)}",
+        f"# command: {_command('qpn.benchmarks.moe_bench')}",
         f"# date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
     ]
     if cap >= (8, 0):

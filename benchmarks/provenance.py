@@ -254,9 +254,143 @@ def git_commit() -> str:
         return "unknown (no git checkout, volta-qpn not installed)"
 
 
-def command_line() -> str:
-    return shlex.join([os.path.basename(sys.executable), "-m",
-                       _module_name(), *sys.argv[1:]])
+# ---- commands that name no machine path (issue 41 item 7)
+# A results file records the command that regenerates it, to be run from the repository root of a
+# checkout at the recorded commit, on any machine. What differs between machines is written as a
+# placeholder: the interpreter of the engine's virtualenv as $VENV/bin/python, the folder a run
+# writes into as $OUT, a path inside the checkout relative to its root, and the inputs below by
+# name. benchmarks/results_index.py renders older records through the same function, and
+# tests/test_doc_references.py fails on any absolute path that is left.
+VENV_PYTHON = "$VENV/bin/python"
+OUT_DIR = "$OUT"
+# output folders of earlier runs (the GPU host's $OUT), read as $OUT in a recorded command
+KNOWN_OUT_DIRS = ("/root/out",)
+# options (and QPN_*_REPORT settings) whose value is a file or folder the run writes; an option a
+# module reads elsewhere (perf_model's --sweep is its input) is listed for its own module only
+OUTPUT_FILE_OPTIONS = {"--out", "--targets", "--plot"}
+MODULE_OUTPUT_OPTIONS = {"qpn.benchmarks.kernel_matched_bench": {"--sweep"}}
+OUTPUT_DIR_OPTIONS = {"--out-dir", "--results-dir"}
+# inputs that live outside the checkout, by the option that names them
+INPUT_PLACEHOLDERS = {"--checkpoint": "$CHECKPOINT", "--seed-source": "$SEED_SOURCE",
+                      "--onecat-source": "$ONECAT_SOURCE", "QPN_ENGINE_SOURCES": "$ENGINE_SOURCES"}
+_PYTHON = re.compile(r"(?:^|/)python[0-9.]*$")
+_ENV = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+_IN_DIR = re.compile(r"\s+\(in ([^()]+)\)\s*$")
+
+
+def _output_options(words: list[str]) -> set[str]:
+    module = next((b for a, b in zip(words, words[1:]) if a == "-m"), "")
+    return OUTPUT_FILE_OPTIONS | MODULE_OUTPUT_OPTIONS.get(module, set())
+
+
+def _is_output_setting(name: str) -> bool:
+    return name.startswith("QPN_") and name.endswith(("_REPORT", "_OUT"))
+
+
+def _split(recorded: str) -> tuple[list[str], str | None]:
+    """A recorded command's words, and the folder it ran in (exact_command's ``  (in <cwd>)``)."""
+    cwd = None
+    if m := _IN_DIR.search(recorded):
+        cwd, recorded = m.group(1).strip(), recorded[:m.start()]
+    try:
+        return shlex.split(recorded), cwd
+    except ValueError:
+        return recorded.split(), cwd
+
+
+def command_outputs(recorded: str) -> set[str]:
+    """The names of the files a recorded command writes: the values of its output options and of its
+    QPN_*_REPORT settings (not the inputs it reads)."""
+    words, _ = _split(recorded)
+    outputs, out, option, head = _output_options(words), set(), "", True
+    for word in words:
+        if head and (m := _ENV.match(word)):
+            if _is_output_setting(m.group(1)):
+                out.add(os.path.basename(m.group(2)))
+            continue
+        head = False
+        key, value = word.split("=", 1) if word.startswith("--") and "=" in word else (option, word)
+        if key in outputs:
+            out.add(os.path.basename(value))
+        option = word if word.startswith("--") and "=" not in word else ""
+    return out
+
+
+def _portable_path(value: str, option: str, roots: list[str], outs: list[str],
+                   outputs: frozenset[str] | set[str] = frozenset()) -> str:
+    """One recorded value, with what names this machine replaced (see the block above)."""
+    if not value.startswith(("/", "~")):
+        return value
+    path = value.rstrip("/") or "/"
+    if _PYTHON.search(path) and "/bin/" in path:
+        return VENV_PYTHON
+    for root in roots:  # the checkout itself: repository-relative
+        if path == root:
+            return "."
+        if path.startswith(root + "/"):
+            return path[len(root) + 1:]
+    for out in outs:
+        if path == out:
+            return OUT_DIR
+        if path.startswith(out + "/"):
+            return f"{OUT_DIR}/{path[len(out) + 1:]}"
+    if option in OUTPUT_DIR_OPTIONS:
+        return OUT_DIR
+    if option in outputs or _is_output_setting(option):
+        return f"{OUT_DIR}/{os.path.basename(path)}"
+    if option in INPUT_PLACEHOLDERS:
+        return INPUT_PLACEHOLDERS[option]
+    return value  # unknown: left as it is, and the evidence index's test names it
+
+
+def _quote(word: str) -> str:
+    """shlex.quote, but a leading placeholder ($OUT/x.csv) stays bare so that the shell expands it."""
+    m = re.match(r"\$[A-Z_]+", word)
+    if m is None:
+        return shlex.quote(word)
+    rest = word[m.end():]
+    return m.group(0) + (shlex.quote(rest) if rest else "")
+
+
+def portable_words(words: list[str], cwd: str | None = None, out: str | None = None) -> str:
+    """``words`` (``KEY=value`` settings, the interpreter, its arguments) as a command line that names
+    no path of this machine. ``cwd``: the folder it ran in (a checkout root: paths inside it become
+    relative); ``out``: the folder it wrote into (becomes $OUT; the device host's $OUT is read from the
+    environment)."""
+    roots = [os.path.normpath(r) for r in (cwd, _REPO_ROOT) if r and os.path.isabs(r)]
+    outs = [os.path.normpath(o) for o in (out, os.environ.get("OUT"), *KNOWN_OUT_DIRS) if o and os.path.isabs(o)]
+    outputs = _output_options(words)
+    result: list[str] = []
+    head = True  # KEY=value settings, then the interpreter
+    option = ""
+    for word in words:
+        if head and (m := _ENV.match(word)):
+            result.append(f"{m.group(1)}={_quote(_portable_path(m.group(2), m.group(1), roots, outs, outputs))}")
+            continue
+        if head:
+            head = False
+            if _PYTHON.search(word):
+                result.append(VENV_PYTHON)
+                continue
+        if word.startswith("--") and "=" in word:
+            opt, value = word.split("=", 1)
+            result.append(f"{shlex.quote(opt)}={_quote(_portable_path(value, opt, roots, outs, outputs))}")
+        else:
+            result.append(_quote(_portable_path(word, option, roots, outs, outputs)))
+        option = word if word.startswith("--") and "=" not in word else ""
+    return " ".join(result)
+
+
+def portable_command(recorded: str) -> str:
+    """A command as an earlier results file recorded it (``exact_command``'s ``  (in <cwd>)`` suffix,
+    absolute interpreter and output paths included) in the form ``portable_words`` writes now."""
+    words, cwd = _split(recorded)
+    return portable_words(words, cwd=cwd)
+
+
+def command_line(module: str | None = None) -> str:
+    """This process's command, ``$VENV/bin/python -m <module> <arguments>``, naming no machine path."""
+    return portable_words([sys.executable, "-m", module or _module_name(), *sys.argv[1:]], cwd=os.getcwd())
 
 
 def _module_name() -> str:
@@ -266,14 +400,31 @@ def _module_name() -> str:
 
 
 def exact_command() -> str:
-    """The command as it ran: interpreter path, module or script, every argument, the working
-    directory, and the QPN_* / CUDA_VISIBLE_DEVICES settings that change what runs."""
+    """The command as it ran: module or script, every argument, and the QPN_* / CUDA_VISIBLE_DEVICES
+    settings that change what runs; machine paths as placeholders (``portable_words``), a working
+    directory below the checkout root as ``(in <folder>)``."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     head = [sys.executable, "-m", spec.name] if spec is not None and spec.name else [sys.executable, sys.argv[0]]
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-                   if k.startswith("QPN_") or k == "CUDA_VISIBLE_DEVICES")
-    return (env + " " if env else "") + shlex.join(head + sys.argv[1:]) + f"  (in {os.getcwd()})"
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QPN_") or k == "CUDA_VISIBLE_DEVICES"]
+    cwd = os.getcwd()
+    root = next((r for r in (_checkout_root(cwd), _REPO_ROOT) if r and (cwd == r or cwd.startswith(r + "/"))), None)
+    text = portable_words(env + head + sys.argv[1:], cwd=root or cwd)
+    if root and cwd != root:
+        text += f"  (in {os.path.relpath(cwd, root)})"
+    return text
+
+
+def _checkout_root(path: str) -> str | None:
+    """The nearest folder at or above ``path`` that holds a checkout (.git, or the exported source state)."""
+    path = os.path.abspath(path)
+    while True:
+        if os.path.exists(os.path.join(path, ".git")) or os.path.isfile(os.path.join(path, SOURCE_STATE_FILE)):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
 
 
 def gpu_environment() -> dict:

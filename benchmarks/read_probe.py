@@ -332,7 +332,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     header = [ln if not ln.startswith("# command:") else
-              "# command: python3 -m qpn.benchmarks.read_probe " + " ".join(sys.argv[1:])
+              "# command: " + kmb._command("qpn.benchmarks.read_probe")
               for ln in kmb.provenance(argparse.Namespace(commit=args.commit), "none")
               if not ln.startswith(("# qpn atom", "# *_gbps"))]
     header.append(f"# read_ceiling_gbps: {read:.1f}")

@@ -14,9 +14,17 @@ the kernel benchmarks). tests/test_doc_references.py checks all of it.
 What stays under results/ is what the index reaches (``reachable``): the files README.md, docs/ and
 our sources cite (a pattern such as ``results/perf_model_v100_estimate_*.csv`` cites the newest
 file it matches, the one code reading the series takes; ``SERIES_READ_BY_CODE`` lists the series
-code looks up without spelling the path; a ``<date>`` placeholder names no file), then, transitively, what a kept file names (its data, its inputs), the other files of
-a kept file's run (same stem; a file whose provenance command wrote a kept file) and a session's
-notes that name a kept file. Anything else is a superseded iteration: it is removed, git keeps it.
+code looks up without spelling the path; a ``<date>`` placeholder names no file), then, transitively,
+what a kept data file names (its data, its inputs) and the other files of a kept file's run (same
+stem; a file whose provenance command wrote a kept file). A session's notes are kept only where a
+doc or a source cites them, and what they name is not kept on their account: notes tell a session's
+story, and the iterations it went through are in git history (the index lists what the kept notes
+name that is no longer here). Anything else is a superseded iteration: it is removed, git keeps it.
+
+The regenerate column names no machine path: ``provenance.portable_command`` renders each recorded
+command from the repository root, with $VENV/bin/python for the engine's interpreter, $OUT for the
+folder the run wrote into and a placeholder per outside input (``provenance.INPUT_PLACEHOLDERS``);
+``machine_paths`` finds what is left, and tests/test_doc_references.py fails on it.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import provenance as _provenance
 
 REPO = Path.cwd()  # run from the repository root (the installed package has no README or results)
 INDEX = "results/README.md"
@@ -159,7 +169,7 @@ def reachable(repo: Path = REPO) -> dict[str, str]:
                         else _named_in((results / n).read_text(errors="replace"), names) - {n})
         return named[n]
 
-    commands = {n: _named_in(provenance(results / n).get("command", ""), names) - {n}
+    commands = {n: _provenance.command_outputs(provenance(results / n).get("command", "")) & names - {n}
                 for n in sorted(names) if Path(n).suffix != ".png"}
     stems: dict[str, list[str]] = {}
     for n in sorted(names):
@@ -167,17 +177,44 @@ def reachable(repo: Path = REPO) -> dict[str, str]:
     while True:
         while todo:
             name = todo.pop(0)
-            for other in sorted(names_in(name)):
-                keep(other, f"named by results/{name}")
+            if not is_notes(name):  # a session's notes keep nothing they name (module doc)
+                for other in sorted(names_in(name)):
+                    keep(other, f"named by results/{name}")
             for other in stems[Path(name).stem]:
                 keep(other, f"same run as results/{name}")
-        for n in sorted(names - set(why)):  # what names a kept file: its run's command, a session's notes
+        for n in sorted(names - set(why)):  # a file of the run that wrote a kept file
             if hit := sorted(commands.get(n, set()) & set(why)):
                 keep(n, f"same run as results/{hit[0]} (its command wrote it)")
-            elif is_notes(n) and (hit := sorted(names_in(n) & set(why))):
-                keep(n, f"notes on results/{hit[0]}")
         if not todo:
             return {f"results/{n}": why[n] for n in sorted(why)}
+
+
+def gone(repo: Path = REPO) -> dict[str, list[str]]:
+    """Kept notes -> the results files they name (by dated name) that are not under results/: the
+    superseded iterations the session went through (git history has those that were committed)."""
+    results = repo / "results"
+    names = {p.name for p in results.iterdir() if p.is_file()}
+    out = {}
+    for path in reachable(repo):
+        if not is_notes(path):
+            continue
+        text = (repo / path).read_text(errors="replace")
+        missing = sorted({one for m in _NAME.finditer(text) for one in expand_braces(m.group(0).rstrip("."))
+                          if _DATED.search(one) and "*" not in one and "<" not in one and one not in names})
+        if missing:
+            out[path] = missing
+    return out
+
+
+# a results file's name carries its date: <what>_<YYYYMMDD>[T...|_<commit>].<ext>
+_DATED = re.compile(r"_20\d{6}(?:T\d{6}Z|_[0-9a-f]{7})?(?:_\w+)?\.\w+$")
+# an absolute path (or one from a home folder) as a word or a KEY= / --option= value
+_MACHINE_PATH = re.compile(r"(?:^|[\s=('\"`])((?:/|~/)[^\s'\"`)]*)")
+
+
+def machine_paths(command: str) -> list[str]:
+    """The paths of one machine a rendered command still names (absolute, or under ~)."""
+    return _MACHINE_PATH.findall(command)
 
 
 def orphans(repo: Path = REPO) -> list[str]:
@@ -201,21 +238,35 @@ def render(repo: Path = REPO) -> str:
             rows.append(f"| `{path}` | {where} | (session notes) | written with the data files it names |")
             continue
         p = provenance(repo / path)
-        command = f"`{p['command']}`".replace("|", "\\|") if "command" in p else "see the file's header"
+        command = (f"`{_provenance.portable_command(p['command'])}`".replace("|", "\\|") if "command" in p
+                   else "see the file's header")
         rows.append(f"| `{path}` | {where} | {p.get('commit', 'none')[:12]} | {command} |")
     support = ["| file | kept because |", "|---|---|"]
     support += [f"| `{path}` | {why} |" for path, why in reachable(repo).items() if path not in by_file]
+    history = ["| notes | name these files, no longer under results/ |", "|---|---|"]
+    history += [f"| `{path}` | {', '.join(missing)} |" for path, missing in gone(repo).items()]
     return ("# Evidence index\n\n"
             "Which file under results/ backs which claim of README.md and docs/, where it is cited, and how "
             "to regenerate it (the command its own provenance names). Written by "
             "`python -m qpn.benchmarks.results_index`, not by hand; tests/test_doc_references.py fails when "
             "it is stale, when a cited file is missing, when a data file under results/ has no provenance, "
-            "or when a file under results/ is in neither table below.\n\n" + "\n".join(rows) + "\n\n"
+            "when a file under results/ is in neither table below, or when a command names a path of one "
+            "machine.\n\n"
+            "Each command runs from the repository root of a checkout at the commit shown. `$VENV` is the "
+            "engine's virtualenv (one with torch's CUDA build for the GPU runs, `.venv-cpu` for the CPU ones), "
+            "`$OUT` the folder the run writes into (copy what it wrote to results/ under the name in the first "
+            "column); `$CHECKPOINT`, `$SEED_SOURCE`, `$ONECAT_SOURCE` and `$ENGINE_SOURCES` are the inputs the "
+            "file's header names (benchmarks/provenance.py, `portable_command`).\n\n" + "\n".join(rows) + "\n\n"
             "## The files behind them\n\n"
-            "Kept because code, tests or a source cite them, or because a kept file names them (its data, "
-            "its inputs), they belong to a kept file's run, or they are a session's notes on a kept file "
-            "(benchmarks/results_index.py, `reachable`). Superseded iterations are removed; git history "
-            "keeps them.\n\n" + "\n".join(support) + "\n")
+            "Kept because code, tests or a source cite them, because a kept data file names them (its data, "
+            "its inputs), or because they belong to a kept file's run (benchmarks/results_index.py, "
+            "`reachable`). A session's notes are kept where they are cited, and keep nothing they name. "
+            "Superseded iterations are removed; git history keeps them (`git log --diff-filter=D -1 -- "
+            "results/<name>` names the commit that removed one; its parent holds it).\n\n"
+            + "\n".join(support) + "\n"
+            + ("\n## Named by kept notes, no longer here\n\n"
+               "Iterations a kept session's notes tell of, superseded since (or never committed).\n\n"
+               + "\n".join(history) + "\n" if len(history) > 2 else ""))
 
 
 def main(argv: list[str]) -> int:

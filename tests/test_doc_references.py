@@ -97,6 +97,58 @@ def test_the_evidence_index_is_current(repo_root):
         "results/README.md is stale: run python -m qpn.benchmarks.results_index from the repository root"
 
 
+# ---- the regenerate commands name no machine path (issue 41 item 7)
+
+_ROW = re.compile(r"^\| `(results/[^`]+)` \| .* \| `(.*)` \|$")
+
+
+def _machine_path_rows(index_text: str) -> list[str]:
+    """Each row of the evidence index whose regenerate command names a path of one machine."""
+    bad = []
+    for line in index_text.splitlines():
+        if m := _ROW.match(line):
+            command = m.group(2).replace("\\|", "|")
+            if paths := results_index.machine_paths(command):
+                bad.append(f"{m.group(1)}: {', '.join(paths)} in `{command}`")
+    return bad
+
+
+def test_no_regenerate_command_names_a_machine_path(repo_root):
+    """Every command in the index runs from the repository root of any checkout: the interpreter is
+    $VENV/bin/python, what the run writes goes to $OUT, outside inputs are named placeholders. A
+    results file whose provenance names another path of its machine fails here: record it
+    repository-relative (benchmarks/provenance.py) or name the input's placeholder there."""
+    text = results_index.render(repo_root)
+    assert sum(bool(_ROW.match(ln)) for ln in text.splitlines()) >= 10  # the rows are read
+    bad = _machine_path_rows(text)
+    assert not bad, "regenerate commands naming a machine path: " + "; ".join(bad)
+
+
+def test_the_path_check_catches_a_machine_path(tmp_path):
+    (tmp_path / "docs").mkdir()
+    res = tmp_path / "results"
+    res.mkdir()
+    (tmp_path / "README.md").write_text("See results/a_h200_20990101.csv and results/b_cpu_20990101.md.\n")
+    (res / "a_h200_20990101.csv").write_text(
+        "# commit: 1234567\n# command: /opt/torch/.venv/bin/python3 -m qpn.benchmarks.kernel_matched_bench "
+        "--sweep /root/out/a_h200_20990101.csv --out /tmp/x/m.csv --targets=/tmp/x/t.md\nm,n\n")
+    (res / "b_cpu_20990101.md").write_text(
+        "- commit: 89abcde\n- command: QPN_NUMERICS_REPORT=/root/out/b.md /home/u/qpn/.venv-cpu/bin/python -m "
+        "pytest /home/u/qpn/tests/test_x.py --checkpoint /data/ckpt --model /root/models/m  (in /home/u/qpn)\n")
+    text = results_index.render(tmp_path)
+    rows = {m.group(1): m.group(2) for ln in text.splitlines() if (m := _ROW.match(ln))}
+    assert rows["results/a_h200_20990101.csv"] == (
+        "$VENV/bin/python -m qpn.benchmarks.kernel_matched_bench --sweep $OUT/a_h200_20990101.csv "
+        "--out $OUT/m.csv --targets=$OUT/t.md")
+    assert rows["results/b_cpu_20990101.md"] == (
+        "QPN_NUMERICS_REPORT=$OUT/b.md $VENV/bin/python -m pytest tests/test_x.py --checkpoint $CHECKPOINT "
+        "--model /root/models/m")
+    assert _machine_path_rows(text) == [  # a path the rendering does not know stays, and fails the check
+        "results/b_cpu_20990101.md: /root/models/m in `" + rows["results/b_cpu_20990101.md"] + "`"]
+    assert results_index.machine_paths("x --a=~/cache --b '/abs dir' C=/c $OUT/d tests/e.py") == [
+        "~/cache", "/abs", "/c"]
+
+
 def test_every_test_file_is_in_the_contract_map(repo_root):
     """docs/testing.md maps each contract to its tests: a new test file must join the map."""
     doc = (repo_root / "docs" / "testing.md").read_text()
@@ -167,7 +219,8 @@ def test_the_reachability_check_reports_an_orphan(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     res = tmp_path / "results"
     res.mkdir()
-    (tmp_path / "README.md").write_text("Measured in results/run_h200_20990101.md.\n")
+    (tmp_path / "README.md").write_text("Measured in results/run_h200_20990101.md (the session: "
+                                        "results/run_notes_20990101.md).\n")
     (tmp_path / "benchmarks" / "reader.py").write_text('"""reads the newest results/series_*.csv"""\n')
     prov = "# commit: 1234567\n"
     files = {
@@ -176,33 +229,43 @@ def test_the_reachability_check_reports_an_orphan(tmp_path):
         "inputs_20990101.csv": prov,  # named by the cited run
         "deep_20990101.csv": prov,  # named by what the cited run names: transitive
         "writer_20990101.csv": prov + "# command: bench --out /root/out/run_h200_20990101.md\n",  # wrote it
-        "run_notes_20990101.md": "Notes on run_h200_20990101.md; ncu in ncu_20990101.txt, "
-                                 "sweeps sweep{1,2}_20990101.{csv,md}.\n",  # notes naming a kept file
-        "ncu_20990101.txt": "raw\n",
+        "fit_20990101.csv": prov + "# command: model --csv /root/out/run_h200_20990101.md\n",  # only read it
+        "run_notes_20990101.md": "Notes on run_h200_20990101.md; ncu in ncu_20990101.txt, sweeps "
+                                 "sweep{1,2}_20990101.{csv,md}, numerics in numerics_20990101_abcdef0.md.\n",
+        "ncu_20990101.txt": "raw\n",  # named by cited notes only: notes keep nothing they name
         "sweep1_20990101.csv": prov, "sweep2_20990101.md": prov,
         "series_20990101.csv": prov, "series_20990102.csv": prov,  # the reader takes the newest
         "old_iteration_20990101.md": prov + "an earlier run of run_h200_20990101.md\n",  # names a kept file
-        "old_notes_20990101.md": "notes on old_iteration_20990101.md\n",
+        "old_notes_20990101.md": "notes on run_h200_20990101.md\n",  # uncited notes on a kept file
     }
     for name, text in files.items():
         (res / name).write_text(text)
     (res / "inputs_20990101.csv").write_text(prov + "# from deep_20990101.csv\n")
     (res / "README.md").write_text(results_index.render(tmp_path))
-    assert results_index.orphans(tmp_path) == [
-        "results/old_iteration_20990101.md", "results/old_notes_20990101.md", "results/series_20990101.csv"]
+    orphans = ["results/fit_20990101.csv", "results/ncu_20990101.txt", "results/old_iteration_20990101.md",
+               "results/old_notes_20990101.md", "results/series_20990101.csv", "results/sweep1_20990101.csv",
+               "results/sweep2_20990101.md"]
+    assert results_index.orphans(tmp_path) == orphans
     kept = results_index.reachable(tmp_path)
     assert kept["results/run_h200_20990101.md"] == "cited by README.md"
+    assert kept["results/run_notes_20990101.md"] == "cited by README.md"
     assert kept["results/series_20990102.csv"].startswith("newest of results/series_*.csv")
     assert kept["results/deep_20990101.csv"] == "named by results/inputs_20990101.csv"
     assert kept["results/writer_20990101.csv"].startswith("same run as results/run_h200_20990101.md")
-    assert kept["results/run_notes_20990101.md"] == "notes on results/run_h200_20990101.md"
-    assert {"results/sweep1_20990101.csv", "results/sweep2_20990101.md", "results/ncu_20990101.txt"} <= set(kept)
     assert all(f"`{p}`" in (res / "README.md").read_text() for p in kept)
-    assert _unproven(tmp_path) == []
-    (res / "old_iteration_20990101.md").unlink()
-    (res / "old_notes_20990101.md").unlink()
-    (res / "series_20990101.csv").unlink()
+    assert results_index.gone(tmp_path) == {"results/run_notes_20990101.md": ["numerics_20990101_abcdef0.md",
+                                                                             "sweep1_20990101.md",
+                                                                             "sweep2_20990101.csv"]}
+    for path in orphans:
+        (tmp_path / path).unlink()
     assert results_index.orphans(tmp_path) == []
+    # what the kept notes name is in git history now, and the index says so
+    missing = ["ncu_20990101.txt", "numerics_20990101_abcdef0.md", "sweep1_20990101.csv", "sweep1_20990101.md",
+               "sweep2_20990101.csv", "sweep2_20990101.md"]
+    assert results_index.gone(tmp_path) == {"results/run_notes_20990101.md": missing}
+    assert f"| `results/run_notes_20990101.md` | {', '.join(missing)} |" in results_index.render(tmp_path)
+    (res / "README.md").write_text(results_index.render(tmp_path))
+    assert _unproven(tmp_path) == []
 
 
 def test_every_results_file_has_provenance(repo_root):

@@ -72,8 +72,10 @@ def test_run_record_states_every_field(monkeypatch):
                 "host_cpu", "date", "suite"):
         assert key in rec, key
     assert rec["commit"] and rec["date"].endswith("+00:00")
-    assert "QPN_NUMERICS_REPORT=/tmp/x.md" in rec["command"] and "--flag 'a b'" in rec["command"]
-    assert sys.executable in rec["command"]
+    # the command names no path of this machine (issue 41 item 7): the report as $OUT, the interpreter as $VENV
+    assert "QPN_NUMERICS_REPORT=$OUT/x.md" in rec["command"] and "--flag 'a b'" in rec["command"]
+    assert " $VENV/bin/python " in rec["command"]
+    assert sys.executable not in rec["command"] and "(in /" not in rec["command"]
     if rec["dirty"]:
         assert len(rec["diff_sha256"]) == 64
     else:
@@ -113,3 +115,27 @@ def test_state_exported_elsewhere_wins_over_a_copied_git(repo):
         assert P.source_state(str(repo))["commit"] == live["commit"]
     finally:
         (repo / P.SOURCE_STATE_FILE).unlink()
+
+
+def test_recorded_commands_name_no_machine_path(monkeypatch, tmp_path):
+    """Results files record repository-relative commands with placeholders (issue 41 item 7): paths in
+    the checkout relative, the interpreter $VENV/bin/python, outputs under $OUT, known outside inputs
+    by name; an unknown absolute path stays (the evidence index's test then names it)."""
+    root = P._REPO_ROOT
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["prog", "--out", str(tmp_path / "a.csv"), "--targets", "/elsewhere/t.md",
+                                      f"{root}/tests/test_provenance.py", "--checkpoint", "/data/ckpt", "--label", "x y"])
+    assert P.command_line("qpn.benchmarks.kernel_matched_bench") == (
+        "$VENV/bin/python -m qpn.benchmarks.kernel_matched_bench --out $OUT/a.csv --targets $OUT/t.md "
+        "tests/test_provenance.py --checkpoint $CHECKPOINT --label 'x y'")
+    # an earlier record, as results_index renders it
+    assert P.portable_command(
+        "QPN_ENGINE_PYTHON=/opt/torch/.venv/bin/python3 QPN_NUMERICS_REPORT=/root/out/k.md "
+        "/opt/torch/.venv/bin/python3 -m pytest.__main__ -q /tmp/head/tests/test_gpu_int4.py --seed-source /tmp/s "
+        "--out-dir /tmp/r --model /root/m  (in /tmp/head)") == (
+        "QPN_ENGINE_PYTHON=$VENV/bin/python QPN_NUMERICS_REPORT=$OUT/k.md $VENV/bin/python -m pytest.__main__ -q "
+        "tests/test_gpu_int4.py --seed-source $SEED_SOURCE --out-dir $OUT --model /root/m")
+    # perf_model reads its --sweep; kernel_matched_bench writes it
+    assert P.command_outputs("python -m qpn.benchmarks.perf_model --csv a.csv --sweep b.csv --out-dir results") == set()
+    assert P.command_outputs("QPN_NUMERICS_REPORT=/root/out/k.md python3 -m qpn.benchmarks.kernel_matched_bench "
+                             "--sweep /root/out/s.csv --targets=/x/t.md --m 1") == {"k.md", "s.csv", "t.md"}
