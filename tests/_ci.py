@@ -22,9 +22,10 @@ def unavailable(what: str, why: str, fix: str):
     pytest.skip(message)
 
 
+# The repository root (tests/conftest.py computes the same before tests/ is importable).
+REPO = Path(__file__).resolve().parent.parent
 # The 1Cat-vLLM source archives (shared/engines beside the checkout, as CI lays it out).
-ENGINE_SOURCES = Path(os.environ.get("QPN_ENGINE_SOURCES",
-                                     Path(__file__).resolve().parent.parent.parent / "shared" / "engines"))
+ENGINE_SOURCES = Path(os.environ.get("QPN_ENGINE_SOURCES", REPO.parent / "shared" / "engines"))
 
 
 def onecat_archive(version: str) -> Path:

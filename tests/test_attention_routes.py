@@ -27,7 +27,7 @@ from qpn.fork_patches.engine import engine_source
 from qpn.fork_patches.engine import kv_policy
 from qpn.scripts.launcher import boot_gates
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 VERSIONS = ("1.2.2", "1.3.0")
 ENGINE_PYTHON = os.environ.get("QPN_ENGINE_PYTHON")
 

@@ -12,7 +12,6 @@ over stand-ins, and the launcher's side, are tests/test_auto_depth.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from qpn.fork_patches.engine import engine_source
 from qpn.fork_patches.engine.hooks import hooks_for
 from tests.test_engine_source import VERSIONS, _archive
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 K = 7
 
 

@@ -10,11 +10,10 @@ import os
 import subprocess
 import sys
 import venv
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 COMMANDS = ["suite", "domain_cells", "reasoning_seeds", "context_sweep", "plot"]
 
 

@@ -28,7 +28,7 @@ from _server import VllmServer, engine_python, free_port  # noqa: E402
 
 from qpn.benchmarks.results import read_results  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._ci import REPO  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
@@ -44,7 +44,7 @@ if not _engine_has("vllm"):
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 

@@ -20,7 +20,7 @@ import pytest
 from qpn.fork_patches.engine.hooks import hooks_for
 from qpn.fork_patches.engine.overlay import BACKUP_SUFFIX, FAULT_ENV, load_lock, sha256_file
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 BOOTSTRAP = REPO / "scripts" / "bootstrap-sm70.sh"
 PY_VERSION = load_lock()["engines"]["cpu"]["python"]
 

@@ -34,7 +34,7 @@ from qpn.fork_patches.engine.overlay import sha256_file
 from tests.test_bootstrap import _fake_nvidia_smi
 from tests.test_engine_source import _archive, _engine_site_packages
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 BOOTSTRAP = REPO / "scripts" / "bootstrap-sm70.sh"
 VERSION = engine_lock.default_version("sm70")
 

@@ -46,7 +46,7 @@ from qpn.scripts.launcher.launched import LaunchedServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 K = 2
 CONTROLS = ("swap-nibbles", "zero-off-by-one")
 # name -> (convention, generator arguments, launcher settings, extra vLLM arguments)

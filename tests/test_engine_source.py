@@ -19,7 +19,7 @@ from qpn.fork_patches.engine import engine_lock, engine_source
 from qpn.fork_patches.engine.hooks import REGISTRY, hooks_for
 from tests._ci import onecat_archive
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 VERSIONS = engine_lock.versions("sm70")
 _archive = onecat_archive  # other test modules import it under this name
 

@@ -21,7 +21,7 @@ from qpn.kernels import formats
 
 pytestmark = pytest.mark.fast
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._ci import REPO  # noqa: E402
 RUNTIME = ("kernels", "fork_patches", "scripts/launcher")
 # Not runtime names: the NVFP4 kernels' operand forms and the checkpoint-side algo strings are
 # compared as what they are (ops.nvfp4_form, ModelOpt quant_algo), not as a family.

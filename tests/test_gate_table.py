@@ -6,7 +6,6 @@ tests/test_census_gates.py."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,7 @@ from qpn.scripts.launcher import boot_gates as bg
 from qpn.scripts.launcher.engine_profiles import CPU, PROFILES, SM70
 
 pytestmark = pytest.mark.fast
-REPO = Path(__file__).resolve().parents[1]
+from tests._ci import REPO  # noqa: E402
 WARM_OK = {"ok": True, "completion_tokens": 4}
 
 

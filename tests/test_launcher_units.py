@@ -20,7 +20,7 @@ from qpn.scripts.launcher.capture_ladder import (
 )
 from qpn.scripts.launcher.engine_profiles import CPU, SM70
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._ci import REPO  # noqa: E402
 SERVE_SH = os.path.join(REPO, "scripts", "serve-qwen38-native.sh")
 ENGINE_STARTED = "starting the engine"
 

@@ -17,14 +17,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from qpn.fork_patches.engine import engine_source
 from tests.test_engine_source import VERSIONS, _archive
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 
 
 @pytest.mark.engine

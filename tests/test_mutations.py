@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._ci import REPO  # noqa: E402
 KERNEL_FAST_FILES = [  # the fast-tier files a kernel edit can reach, quickest first (each run stops at its first failure)
     "tests/test_formats.py", "tests/test_prepack.py", "tests/test_kernels_reference.py",
     "tests/test_kernels_sm70_replay.py", "tests/test_kernels_per_group.py", "tests/test_kernels_sm80.py",

@@ -25,7 +25,7 @@ import pytest
 
 from qpn.fork_patches.engine.hooks import by_name
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 ENGINE_PY = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
 CONVERTOR = "transformers_utils/model_arch_config_convertor.py"
 ROUTED = "model_executor/layers/fused_moe/routed_experts.py"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import os
 import types
-from pathlib import Path
 
 from tests._ci import onecat_archive
 
@@ -30,7 +29,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 
 WIDTH, K = 4, 3
 STATE_LEN = WIDTH - 1 + K

@@ -18,7 +18,7 @@ import pytest
 
 from qpn.benchmarks import v100_evidence as ev
 
-REPO = Path(__file__).resolve().parent.parent
+from tests._ci import REPO  # noqa: E402
 ENGINE_PYTHON = os.environ.get("QPN_ENGINE_PYTHON", sys.executable)
 
 
