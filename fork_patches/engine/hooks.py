@@ -637,6 +637,67 @@ REGISTRY: list[Hook] = [
         remove_when="vLLM exports drafted tokens per position",
         apply="qpn.fork_patches.spec.auto_depth:wrap_spec_prom_observe",
     ),
+    # ---- tool calls survive a cut (runtime; issue 40 item 5; qpn.fork_patches.api.tool_call_cut)
+    Hook(
+        name="tool-call-cut-plain",
+        kind="runtime",
+        anchor="vllm.entrypoints.openai.chat_completion.serving:"
+        "OpenAIServingChat.chat_completion_full_generator",
+        what="the non-streamed chat answer the engine builds from its finished output (the same "
+        "function, the engine's results its third parameter, in vLLM 0.32 and 1Cat 1.2.2 / 1.3.0)",
+        why="the tool-call reading it calls sees only text, not that max_tokens cut it "
+        "(tool-call-cut-parse needs to know); and with tool_choice auto any parsed call makes the "
+        "finish reason tool_calls, so a cut answer whose complete calls are returned would not say "
+        "it was cut",
+        how="the engine's function, with its results recorded as they pass and readable by "
+        "tool-call-cut-parse while it runs (a context variable); then a choice the engine ended with length "
+        "and wrote tool_calls for says length again (qpn.fork_patches.api.tool_call_cut)",
+        remove_when="vLLM returns a cut answer's complete tool calls with finish_reason length",
+        apply="qpn.fork_patches.api.tool_call_cut:wrap_full_generator",
+    ),
+    Hook(
+        name="tool-call-cut-parse",
+        kind="runtime",
+        anchor="vllm.parser.abstract_parser:DelegatingParser._extract_tool_calls",
+        anchors={"sm70": "vllm.entrypoints.openai.engine.serving:"
+                 "OpenAIServing._parse_tool_calls_from_content"},
+        apply_on={"sm70": "qpn.fork_patches.api.tool_call_cut:wrap_parse_tool_calls_from_content"},
+        what="where a whole answer's content (after the reasoning) becomes tool calls and content: "
+        "vLLM 0.32's DelegatingParser._extract_tool_calls, 1Cat's static "
+        "OpenAIServing._parse_tool_calls_from_content; both hand hermes answers to the hermes parser "
+        "(on vLLM 0.32 also tool_choice required and a named tool, whose grammar is hermes' structural "
+        "tag) and read forced calls the parser takes as JSON themselves (tool_choice required as an "
+        "array of {name, parameters}, a named tool as its arguments object: 1Cat's path for hermes)",
+        why="a call cut by max_tokens loses the complete calls before it: the hermes parser json.loads "
+        "every <tool_call> block in one try, fails on the cut one and returns no call, and the caller "
+        "returns the whole answer as content (three complete calls, then the limit: 0 tool_calls, "
+        "finish_reason length); the JSON array is validated whole by pydantic (errors suppressed): "
+        "no call and no content; a cut named call comes back with its cut, invalid arguments",
+        how="for an answer tool-call-cut-plain says was cut, the engine's code reads the content up "
+        "to the end of its last complete call: for hermes without the cut call (from its "
+        "<tool_call>), a cut </tool_call> after a complete call or a cut <tool_call> at the very end; "
+        "on the JSON path the array closed after its last complete element, and a named call whose "
+        "arguments object is not closed as no call (qpn.fork_patches.api.tool_call_cut)",
+        remove_when="vLLM returns the complete calls of a cut answer and keeps the cut one out of content",
+        apply="qpn.fork_patches.api.tool_call_cut:wrap_extract_tool_calls",
+    ),
+    Hook(
+        name="tool-call-cut-stream",
+        kind="runtime",
+        anchor="vllm.entrypoints.openai.chat_completion.serving:"
+        "OpenAIServingChat.chat_completion_stream_generator",
+        not_on={"cpu": "vLLM 0.32's stream says tool_calls only for an answer that ended with stop "
+                "(chat_completion/serving.py: tools_streamed and output.finish_reason == 'stop')"},
+        what="1Cat's streamed chat answer (server-sent events)",
+        why="its final chunk says tool_calls whenever calls were streamed (auto_tools_called or "
+        "tools_streamed, every choice but a named tool), also when max_tokens cut the answer: the "
+        "client is not told its last call was cut",
+        how="the engine's events, with the engine's results recorded as they pass; a final chunk "
+        "saying tool_calls for a choice the engine ended with length says length "
+        "(qpn.fork_patches.api.tool_call_cut)",
+        remove_when="1Cat keeps finish_reason length for a cut streamed answer",
+        apply="qpn.fork_patches.api.tool_call_cut:wrap_stream_generator",
+    ),
 ]
 
 
