@@ -368,3 +368,59 @@ def test_1cat_builds_answers_where_the_hooks_wrap(version):
     assert "structural_tag_model" not in onecat_text(version, "tool_parsers/hermes_tool_parser.py")
     assert "json.loads(match[0] if match[0] else match[1])" in \
         onecat_text(version, "tool_parsers/hermes_tool_parser.py")
+
+
+# ---- the Qwen3.x XML calls (qwen3_coder / qwen3_xml: the launcher's parser for those templates) --
+
+def _xml_call(city: str) -> str:
+    return (f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+            "</function>\n</tool_call>")
+
+
+XML_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_a_cut_xml_call_is_no_call_and_the_complete_ones_stay(tokenizer):
+    """vLLM 0.32's qwen3_coder parser returns the cut call as a call with its cut parameter dropped
+    (get_weather with arguments {}): a client would run it. Through ``cut_content`` every prefix of
+    a run of XML calls gives exactly the calls whose </tool_call> is in it, and the text before
+    the first call as content."""
+    xml = pytest.importorskip("vllm.tool_parsers.qwen3_engine_tool_parser")
+    parser = xml.Qwen3EngineToolParser(tokenizer)
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                    tools=XML_TOOLS)
+    cities = ["Paris", "Rome", "Oslo"]
+    text = "Sure.\n" + "\n".join(_xml_call(c) for c in cities)
+    cut = text[: text.index("Oslo") + 2]
+    premise = parser.extract_tool_calls(cut, request)
+    assert [json.loads(c.function.arguments) for c in premise.tool_calls][-1] == {}  # the bogus call
+    ends = [text.index(_xml_call(c)) + len(_xml_call(c)) for c in cities]
+    for n in range(len(text) + 1):
+        kept = tcc.cut_content(text[:n], request, xml.Qwen3EngineToolParser, False)
+        got = parser.extract_tool_calls(kept, request)
+        want = cities[: sum(e <= n for e in ends)]
+        assert [json.loads(c.function.arguments)["city"] for c in got.tool_calls] == want, text[:n]
+        if want:
+            assert (got.content or "").strip() == "Sure.", text[:n]
+        assert "<tool_call" not in (got.content or "") and "<function" not in (got.content or "")
+
+
+@pytest.mark.parametrize("version", ["cpu", *VERSIONS])
+def test_the_xml_call_parsers_are_the_ones_named(version):
+    """qwen3_coder and qwen3_xml resolve to classes XML_CALL_PARSERS names, in vLLM 0.32 and in both
+    1Cat archives (whose parsers read calls by the same <tool_call> tags)."""
+    if version == "cpu":
+        import vllm.tool_parsers as registry_mod
+
+        text = inspect.getsource(registry_mod)
+    else:
+        text = onecat_text(version, "tool_parsers/__init__.py")
+    for name in ("qwen3_coder", "qwen3_xml"):
+        block = text[text.index(f'"{name}": ('):]
+        cls = block[: block.index(")")].split(",")[1].strip().strip('"')
+        assert cls in tcc.XML_CALL_PARSERS, (version, name, cls)
+    if version != "cpu":
+        parser = onecat_text(version, "tool_parsers/qwen3coder_tool_parser.py")
+        assert 'self.tool_call_start_token: str = "<tool_call>"' in parser
+        assert 'self.tool_call_end_token: str = "</tool_call>"' in parser

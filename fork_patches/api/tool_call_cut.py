@@ -33,7 +33,10 @@ What the overlay does, only for an answer the engine ended with ``finish_reason:
   ``OpenAIServing._parse_tool_calls_from_content``), where the answer's content becomes calls,
   hand the engine's code the content up to the end of the last complete call (``cut_content``):
   for the hermes parser the cut call (from its ``<tool_call>``), a cut ``</tool_call>`` after a
-  complete call and a cut ``<tool_call>`` at the very end are left out; on the JSON path the
+  complete call and a cut ``<tool_call>`` at the very end are left out; for the Qwen3.x XML calls
+  (qwen3_coder / qwen3_xml, the launcher's parser for the Qwen3.x templates; their parsers return a
+  cut call as a call with its cut parameters dropped) every call without its ``</tool_call>``;
+  on the JSON path the
   array is closed after its last complete element, and a cut named call is no call. The engine's
   code then builds calls and content as for any answer (the content it returns when no call is
   left is this text too, not the whole answer);
@@ -179,6 +182,39 @@ def complete_hermes_part(text: str, tag: str = "<tool_call>", end_tag: str = "</
     return text
 
 
+# The parsers of the XML calls Qwen3.x chat templates ask for (``<tool_call><function=NAME>
+# <parameter=P>...</parameter></function></tool_call>``), which the launcher picks as qwen3_coder:
+# vLLM 0.32 maps qwen3_coder and qwen3_xml to Qwen3EngineToolParser; 1Cat 1.2.2 / 1.3.0 to
+# Qwen3CoderToolParser and Qwen3XMLToolParser (tests/test_tool_call_cut.py reads both registries).
+# Each returns a cut call as a call, its cut or missing parameters dropped (vLLM 0.32 gave
+# get_weather with arguments {} for a call cut inside its first value).
+XML_CALL_PARSERS = ("Qwen3EngineToolParser", "Qwen3CoderToolParser", "Qwen3XMLToolParser")
+XML_CALL_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def complete_xml_part(text: str, tag: str = XML_CALL_TAGS[0], end_tag: str = XML_CALL_TAGS[1]) -> str:
+    """``text`` (a cut answer) up to the end of its last complete XML call: a call counts only
+    with its closing ``end_tag``; from the first call without one on (the cut call), or a cut
+    ``tag`` at the very end, nothing is kept."""
+    at = text.find(tag)
+    kept = 0 if at == -1 else at
+    while at != -1:
+        end = text.find(end_tag, at + len(tag))
+        if end == -1:
+            return text[:kept] if kept else text[:at]  # the cut call
+        kept = end + len(end_tag)
+        at = text.find(tag, kept)
+    if kept == 0:  # no call at all: only a cut tag at the very end goes
+        return text[: len(text) - _tag_prefix_at_end(text, tag)]
+    rest = text[kept:]
+    return text[: len(text) - _tag_prefix_at_end(rest, tag)]
+
+
+def _is_xml_calls(tool_parser_cls) -> bool:
+    return isinstance(tool_parser_cls, type) and any(
+        c.__name__ in XML_CALL_PARSERS for c in tool_parser_cls.__mro__)
+
+
 def complete_array_part(text: str) -> str:
     """``text`` (a cut ``tool_choice: "required"`` answer, a JSON array of calls) closed after its
     last complete element: ``[{...}, {...}, {"na`` gives ``[{...}, {...}]``, and an array with no
@@ -262,7 +298,8 @@ def _is_hermes(tool_parser_cls) -> bool:
 def cut_content(content: str | None, request, tool_parser_cls, json_forced: bool) -> str | None:
     """What the engine's tool-call reading should get of a cut answer's ``content``: on the JSON
     path of forced calls (``json_forced``: the parser takes them as JSON) ``forced_complete_part``;
-    for the hermes parser the text up to its last complete call (``complete_hermes_part``); else,
+    for the hermes parser the text up to its last complete call (``complete_hermes_part``), for the
+    Qwen3.x XML-call parsers likewise (``complete_xml_part``); else,
     and for ``tool_choice: "none"``, the content as it is."""
     if content is None or request.tool_choice == "none":
         return content
@@ -271,6 +308,8 @@ def cut_content(content: str | None, request, tool_parser_cls, json_forced: bool
     if _is_hermes(tool_parser_cls):
         return complete_hermes_part(content, tool_parser_cls.tool_call_start_token,
                                     tool_parser_cls.tool_call_end_token)
+    if _is_xml_calls(tool_parser_cls):
+        return complete_xml_part(content)
     return content
 
 

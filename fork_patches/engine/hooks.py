@@ -676,7 +676,8 @@ REGISTRY: list[Hook] = [
         how="for an answer tool-call-cut-plain says was cut, the engine's code reads the content up "
         "to the end of its last complete call: for hermes without the cut call (from its "
         "<tool_call>), a cut </tool_call> after a complete call or a cut <tool_call> at the very end; "
-        "on the JSON path the array closed after its last complete element, and a named call whose "
+        "for the Qwen3.x XML calls (qwen3_coder / qwen3_xml, whose parsers return a cut call as a "
+        "call with its cut parameters dropped) every call without its </tool_call>; on the JSON path the array closed after its last complete element, and a named call whose "
         "arguments object is not closed as no call (qpn.fork_patches.api.tool_call_cut)",
         remove_when="vLLM returns the complete calls of a cut answer and keeps the cut one out of content",
         apply="qpn.fork_patches.api.tool_call_cut:wrap_extract_tool_calls",
