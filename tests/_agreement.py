@@ -13,16 +13,18 @@ def deltas(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 def check_agreement(got: list[float], top1: list[int], refs: dict, label: str,
-                    gross: tuple[str, ...] = (), subtle: tuple[str, ...] = ()) -> str:
+                    gross: tuple[str, ...] = (), subtle: tuple[str, ...] = (),
+                    floor_factor: float = 2.0) -> str:
     """Assert the rule for one served run; returns the report line (also printed).
 
     refs: {"float32": ..., "bfloat16": ..., control: ...}, each with token_logprobs (and, for
     float32, argmax and top2_margin) as qpn.scripts.checkpoints.checkpoint_reference writes them.
     gross: controls that must land beyond 5x the mean bound and beyond the max bound.
-    subtle: controls that the bound itself must reject on both measures."""
+    subtle: controls that the bound itself must reject on both measures.
+    floor_factor: the bound in multiples of the bf16 floor (2 for QPN's paths)."""
     ref = refs["float32"]
     floor_mean, floor_max = deltas(refs["bfloat16"]["token_logprobs"], ref["token_logprobs"])
-    tol_mean, tol_max = 2 * floor_mean, 2 * floor_max
+    tol_mean, tol_max = floor_factor * floor_mean, floor_factor * floor_max
     mean, worst = deltas(got, ref["token_logprobs"])
     controls = {p: deltas(got, refs[p]["token_logprobs"]) for p in (*gross, *subtle)}
     report = (f"{label}, {len(got)} positions: served vs float32 mean {mean:.4f} max {worst:.4f}; "

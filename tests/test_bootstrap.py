@@ -374,8 +374,8 @@ def test_check_reports_an_installed_copy_older_than_the_checkout(light_engine, t
 
     same = check_against(source)
     assert same.returncode == 0, same.stdout
-    (source / "fork_patches" / "hooks.py").write_text(
-        (source / "fork_patches" / "hooks.py").read_text() + "\n# a newer checkout\n")
+    (source / "fork_patches" / "engine" / "hooks.py").write_text(
+        (source / "fork_patches" / "engine" / "hooks.py").read_text() + "\n# a newer checkout\n")
     stale = check_against(source)
     assert stale.returncode == 1
     assert "fork_patches/engine/hooks.py differs from the installed copy" in stale.stdout

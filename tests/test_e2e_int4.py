@@ -229,5 +229,9 @@ def test_qpn_int4_0_leaves_the_checkpoint_to_the_engines_own_config(tmp_path):
     _run_engine_python(["-m", "qpn.scripts.checkpoints.int4_reference", str(ckpt), "--token-ids",
                         ",".join(map(str, run["ids"])), "--variants", ",".join(["float32", "bfloat16", *CONTROLS]),
                         "--out", str(out)])
+    # The engine's own CPU AWQ kernel is not QPN's arithmetic and its distance from the float32
+    # reference depends on the host: within twice the bf16 floor on an AVX-512 host without AMX,
+    # 2.5x (mean) and 2.0x (max) on an AMX host (2026-12-06, the same checkpoint and prompt). Three
+    # times the floor holds on both; the gross controls must still land beyond five times that.
     check_agreement(run["logprobs"], run["top1"], json.loads(out.read_text()), "the engine's own AWQ path (QPN_INT4=0)",
-                    gross=CONTROLS)
+                    gross=CONTROLS, floor_factor=3.0)

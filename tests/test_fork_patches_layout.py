@@ -127,3 +127,11 @@ def test_hooks_are_declared_only_in_the_registry():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Hook":
                 builders.append(str(path.relative_to(FORK)))
     assert set(builders) == {"engine/hooks.py"}
+
+
+def test_the_overlay_checks_every_concern_folder_for_staleness():
+    """overlay check compares each source folder's modules with the installed copy; a folder
+    missing from SOURCE_FOLDERS would never be found stale."""
+    from qpn.fork_patches.engine.overlay import SOURCE_FOLDERS
+
+    assert {f"fork_patches/{c}" for c in CONCERNS} <= set(SOURCE_FOLDERS.values())

@@ -409,7 +409,10 @@ def check(profile_name: str, source: Path | None = None) -> int:
 
 
 # Installed package -> source folder (pyproject.toml's package-dir).
-SOURCE_FOLDERS = {"qpn": "qpn", "qpn/fork_patches": "fork_patches", "qpn/kernels": "kernels",
+SOURCE_FOLDERS = {"qpn": "qpn", "qpn/fork_patches": "fork_patches",
+                  **{f"qpn/fork_patches/{c}": f"fork_patches/{c}"
+                     for c in ("quant", "spec", "api", "route_census", "engine")},
+                  "qpn/kernels": "kernels",
                   "qpn/scripts": "scripts", "qpn/scripts/install": "scripts/install",
                   "qpn/scripts/launcher": "scripts/launcher", "qpn/scripts/checkpoints": "scripts/checkpoints",
                   "qpn/benchmarks": "benchmarks"}
