@@ -188,7 +188,7 @@ def wrap_get_function_parameters(original):
 _DECODER = json.JSONDecoder()
 
 
-def _skip_space(text: str, i: int) -> int:
+def skip_json_space(text: str, i: int) -> int:
     """Past the JSON whitespace at ``text[i]``, by the json module's own rule."""
     return json.decoder.WHITESPACE.match(text, i).end()
 
@@ -198,7 +198,7 @@ def read_tool_call(text: str, start: int) -> tuple[dict, str | None, int] | None
     ``(call, raw_arguments, end)``, ``end`` just past the JSON, or None when no JSON object begins
     there. ``raw_arguments`` is the model's own text of the ``arguments`` value. Read with the JSON
     decoder, so a ``</tool_call>`` inside a string does not end the call."""
-    i = _skip_space(text, start)
+    i = skip_json_space(text, start)
     if i >= len(text) or text[i] != "{":
         return None
     try:
@@ -208,17 +208,17 @@ def read_tool_call(text: str, start: int) -> tuple[dict, str | None, int] | None
     if not isinstance(call, dict):
         return None
     # the top level again, key by key, to find where the arguments' own text lies
-    raw_arguments, j = None, _skip_space(text, i + 1)
+    raw_arguments, j = None, skip_json_space(text, i + 1)
     while j < end and text[j] == '"':
         key, j = _DECODER.raw_decode(text, j)
-        j = _skip_space(text, _skip_space(text, j) + 1)  # past ':'
+        j = skip_json_space(text, skip_json_space(text, j) + 1)  # past ':'
         value_start = j
         _, j = _DECODER.raw_decode(text, j)
         if key == "arguments":
             raw_arguments = text[value_start:j]
-        j = _skip_space(text, j)
+        j = skip_json_space(text, j)
         if j < end and text[j] == ",":
-            j = _skip_space(text, j + 1)
+            j = skip_json_space(text, j + 1)
     return call, raw_arguments, end
 
 
@@ -251,7 +251,7 @@ def wrap_hermes_extract_tool_calls(original):
             read = read_tool_call(model_output, at + len(tag))
             if read is None or "name" not in read[0] or "arguments" not in read[0]:
                 return original(self, model_output, request)
-            after = _skip_space(model_output, read[2])
+            after = skip_json_space(model_output, read[2])
             if after < len(model_output):
                 if not model_output.startswith(end_tag, after):
                     return original(self, model_output, request)

@@ -64,7 +64,7 @@ import contextvars
 import functools
 import json
 
-_WHITESPACE = " \t\n\r"
+from qpn.fork_patches.api.constrained_output import skip_json_space
 
 
 class _Outputs:
@@ -111,12 +111,6 @@ async def _recording(result_generator, outputs: _Outputs):
 
 # ---- where the complete part of a cut answer ends ---------------------------------------------
 
-def _skip_space(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WHITESPACE:
-        i += 1
-    return i
-
-
 def json_end(text: str, i: int) -> int | None:
     """Just past the JSON object or array that opens at ``text[i]``, by brackets outside strings;
     None when the text ends first (the value was cut). The value is not validated."""
@@ -158,7 +152,7 @@ def complete_hermes_part(text: str, tag: str = "<tool_call>", end_tag: str = "</
     if at == -1:
         return text[: len(text) - _tag_prefix_at_end(text, tag)]
     while at != -1:
-        i = _skip_space(text, at + len(tag))
+        i = skip_json_space(text, at + len(tag))
         if i == len(text):
             return text[:at]  # the cut came right after the tag
         if text[i] != "{":
@@ -166,7 +160,7 @@ def complete_hermes_part(text: str, tag: str = "<tool_call>", end_tag: str = "</
         end = json_end(text, i)
         if end is None:
             return text[:at]  # the cut call
-        after = _skip_space(text, end)
+        after = skip_json_space(text, end)
         if after == len(text):
             return text
         if text.startswith(end_tag, after):
@@ -197,17 +191,14 @@ def complete_xml_part(text: str, tag: str = XML_CALL_TAGS[0], end_tag: str = XML
     with its closing ``end_tag``; from the first call without one on (the cut call), or a cut
     ``tag`` at the very end, nothing is kept."""
     at = text.find(tag)
-    kept = 0 if at == -1 else at
+    kept = 0 if at == -1 else at  # the end of the text to keep so far
     while at != -1:
         end = text.find(end_tag, at + len(tag))
         if end == -1:
-            return text[:kept] if kept else text[:at]  # the cut call
+            return text[:kept]  # the cut call
         kept = end + len(end_tag)
         at = text.find(tag, kept)
-    if kept == 0:  # no call at all: only a cut tag at the very end goes
-        return text[: len(text) - _tag_prefix_at_end(text, tag)]
-    rest = text[kept:]
-    return text[: len(text) - _tag_prefix_at_end(rest, tag)]
+    return text[: len(text) - _tag_prefix_at_end(text[kept:], tag)]
 
 
 def _is_xml_calls(tool_parser_cls) -> bool:
@@ -220,12 +211,12 @@ def complete_array_part(text: str) -> str:
     last complete element: ``[{...}, {...}, {"na`` gives ``[{...}, {...}]``, and an array with no
     complete element ``[]``. A closed array, or text that is not such an array, is returned
     unchanged."""
-    start = _skip_space(text, 0)
+    start = skip_json_space(text, 0)
     if start == len(text) or text[start] != "[":
         return text
     j, last = start + 1, None
     while True:
-        j = _skip_space(text, j)
+        j = skip_json_space(text, j)
         if j == len(text):
             break
         c = text[j]
@@ -259,7 +250,7 @@ def forced_complete_part(content: str | None, request) -> str | None:
     if request.tool_choice == "required":
         return complete_array_part(content)
     if _named_chat_choice(request.tool_choice):
-        i = _skip_space(content, 0)
+        i = skip_json_space(content, 0)
         if i == len(content) or (content[i] in "{[" and json_end(content, i) is None):
             return None
     return content
