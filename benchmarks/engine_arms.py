@@ -19,6 +19,7 @@ whether the installed engine provides it and why not; it needs no GPU (module an
 only), so CI checks it against the imported 1Cat archive. ``build()`` needs a CUDA device.
 """
 from __future__ import annotations
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
 
 import importlib
 import os
@@ -131,7 +132,6 @@ def bench(shapes: dict[str, tuple[str, int, int]], ms: list[int], out_rows: list
     import torch
 
     from qpn.benchmarks import kernel_matched_bench as kmb
-    from qpn.kernels import codecs
 
     status = {s.name: s for s in detect()}
     read, copy = kmb.ceilings()
@@ -140,7 +140,7 @@ def bench(shapes: dict[str, tuple[str, int, int]], ms: list[int], out_rows: list
         if fmt != "nvfp4":
             continue
         w, s, gs = kmb._weights("nvfp4", n, k, gen)
-        reference = codecs.dequantize_nvfp4(w, s, gs).float()
+        reference = nvfp4_codec.dequantize(w, s, gs).float()
         for arm in ARMS:
             if not status[arm.name].available:
                 print(f"{shape}: engine arm {arm.name} skipped: {status[arm.name].why}", flush=True)

@@ -42,7 +42,8 @@ import sys
 import torch
 
 from qpn.benchmarks.kernel_matched_bench import _command, ceilings
-from qpn.kernels import codecs, moe, ops
+from qpn.kernels import moe, ops
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
 
 SHAPES = {
     # name: (num_experts, hidden, intermediate per rank, top_k, source)
@@ -119,10 +120,10 @@ def dequant_gemm(x, ids, w, src) -> torch.Tensor:
     for e in torch.unique(flat).tolist():
         sel = torch.nonzero(flat == e).reshape(-1)
         xe = x.index_select(0, tok[sel])
-        g = (xe @ codecs.dequantize_nvfp4(gw[e], gsc[e], ggs[e]).half().t()).float()
-        u = (xe @ codecs.dequantize_nvfp4(uw[e], usc[e], ugs[e]).half().t()).float()
+        g = (xe @ nvfp4_codec.dequantize(gw[e], gsc[e], ggs[e]).half().t()).float()
+        u = (xe @ nvfp4_codec.dequantize(uw[e], usc[e], ugs[e]).half().t()).float()
         h = (torch.nn.functional.silu(g) * u).half()
-        d = (h @ codecs.dequantize_nvfp4(dw[e], dsc[e], dgs[e]).half().t()).float()
+        d = (h @ nvfp4_codec.dequantize(dw[e], dsc[e], dgs[e]).half().t()).float()
         y.index_add_(0, tok[sel], d * wf[sel].unsqueeze(1))
     return y.half()
 

@@ -19,6 +19,11 @@ Usage (the cpu engine's interpreter):
 It prints a table and writes ``spec_identity_cost_cpu_<UTC>.md`` with its provenance.
 """
 from __future__ import annotations
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.fp8 import codec as fp8_codec
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels import families
 
 import argparse
 import os
@@ -79,23 +84,23 @@ def attention_rows(repeats: int) -> list[tuple]:
 def linear_rows(repeats: int) -> list[tuple]:
     import torch
 
-    from qpn.kernels import codecs, prepack, reference
+    from qpn.kernels import reference
 
     gen = torch.Generator().manual_seed(0)
     rows = []
     for fmt, n, k in (("nvfp4", 512, 128), ("fp8", 512, 128), ("nvfp4", 4096, 1024), ("fp8", 4096, 1024)):
         w = torch.randn(n, k, generator=gen) * 0.05
-        packed = (prepack.prepack_nvfp4(*codecs.quantize_nvfp4(w)) if fmt == "nvfp4"
-                  else prepack.prepack_fp8(*codecs.quantize_fp8(w)))
+        packed = (nvfp4_layout.prepack(*nvfp4_codec.quantize(w)) if fmt == "nvfp4"
+                  else fp8_layout.prepack(*fp8_codec.quantize(w)))
         for m in (1, 4, 8):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             saved = reference.ROW_INVARIANT_MAX_M
             try:
                 reference.ROW_INVARIANT_MAX_M = 0
-                batched = _time_us(lambda: reference.linear(x, packed), repeats)
+                batched = _time_us(lambda: families.reference_linear(x, packed), repeats)
             finally:
                 reference.ROW_INVARIANT_MAX_M = saved
-            rows_apart = _time_us(lambda: reference.linear(x, packed), repeats)
+            rows_apart = _time_us(lambda: families.reference_linear(x, packed), repeats)
             rows.append(("QPN CPU linear", f"{fmt} N={n} K={k}, M={m}", batched, rows_apart))
     return rows
 

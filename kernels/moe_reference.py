@@ -37,7 +37,7 @@ MAX_EXPERTS = 2048
 def _weight_f32(stack: PackedExpertStack, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [N, K] float32, per-row result scale [N] float32) of expert e, from the packed bytes
     (WeightFormat.decode_packed: NVFP4 values carry their group and global scales, row scale 1,
-    the semantics of reference.linear_nvfp4; FP8 values are e4m3, row scale per tensor / channel)."""
+    the semantics of the NVFP4 family's reference linear; FP8 values are e4m3, row scale per tensor / channel)."""
     return families.numerics(stack.format).decode_packed(stack.expert(e))
 
 

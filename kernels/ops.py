@@ -192,7 +192,7 @@ def probe_nvfp4_s7(device) -> bool:
     the S7 and restore forms for a weight whose every group scale is an e4m3 subnormal (0x01-0x07,
     and the same with the sign bit): in the S7 form most nonzero operands are then FP16 subnormals
     (from 2^-17 up), in the restore form every one is a normal. The codes take every byte value."""
-    from .prepack import prepack_nvfp4
+    from .families.nvfp4.layout import prepack as prepack_nvfp4
     n, k = 64, 256
     codes = (torch.arange(n * k // 2, dtype=torch.int64) * 37 % 256).to(torch.uint8).reshape(n, k // 2)
     sub = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0x81, 0x82, 0x83, 0x84, 0x85, 0x86, 0x87], dtype=torch.uint8)

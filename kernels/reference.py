@@ -1,29 +1,24 @@
-"""CPU reference for the QPN routes, reading the SAME packed buffers the kernels read.
+"""CPU reference for the QPN routes, the part every family shares.
 
-The weights are decoded from fragment order (packed codes and scales), not from the checkpoint
-tensors, so a serving engine on CPU exercises the prepacked representation end to end.
+Each family's reference (``reference_linear`` / ``reference_linear_f64`` of its numerics,
+kernels/families/<family>/numerics.py) reads the SAME packed buffers the kernels read: the weights
+are decoded from fragment order, not from the checkpoint tensors, so a serving engine on CPU
+exercises the prepacked representation end to end. Two levels: float32 with the kernels'
+semantics and FP16 output, and exact float64 (not rounded) for the numerics tests.
 
-Two levels:
-* ``linear_nvfp4`` / ``linear_fp8``: float32 with the kernels' semantics, FP16 output. NVFP4: for
-  every group of 16 inputs, the partial dot product of activations and e2m1 values is summed in
-  FP32, then multiplied by the FP32 group scale fl32(e4m3 * global) and added into an FP32
-  accumulator (the per-16 FP32 flush; no FP16 accumulation anywhere). FP8: FP32 dot product of
-  activations and e4m3 values, times the FP32 per-tensor / per-channel scale.
-* ``linear_nvfp4_f64`` / ``linear_fp8_f64``: exact float64 (every weight value is exact in f64), for
-  the numerics tests; round the result to FP16 to compare with a kernel's output.
+What they share is here: the activation check, the bias-and-FP16 finish, the row-invariant CPU
+batching and the relative error the numerics tests report.
 """
 from __future__ import annotations
 
 import torch
 
-from . import codecs, formats
-from .atoms import block_maps, geometry
-from .prepack import PackedFP8, PackedNVFP4, _from_blocks
 
-_CHUNK_ELEMS = 8 * 1024 * 1024  # float32 elements of scratch per N-chunk (32 MB)
+CHUNK_ELEMS = 8 * 1024 * 1024  # float32 elements of scratch per N-chunk (32 MB)
 
 
-def _check_x(x: torch.Tensor, k: int) -> torch.Tensor:
+def check_x(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` unless it is not 2-D [M, K] fp16 / bf16 / fp32 / fp64 (ValueError naming the problem)."""
     if x.dim() != 2:
         raise ValueError(f"activations must be 2-D [M, K], got shape {tuple(x.shape)}; flatten the batch first")
     if x.shape[1] != k:
@@ -33,44 +28,8 @@ def _check_x(x: torch.Tensor, k: int) -> torch.Tensor:
     return x
 
 
-def decode_packed_nvfp4(packed: PackedNVFP4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed NVFP4 -> (e2m1 values float32 [N, K], group scales float32 [N, K/16] = fl32(e4m3*global))."""
-    g = geometry(packed.atom)
-    tile, kbk = g.tile_n, g.k_block
-    tiles, kblocks = packed.n_pad // tile, packed.k_pad // kbk
-    _, scatter_c = block_maps(packed.atom, "nvfp4")
-    raw = packed.codes.view(tiles, kblocks, tile * kbk // 2)
-    table = codecs.e2m1_table().to(raw.device)
-    nib = torch.empty((tiles, kblocks, tile * kbk), dtype=torch.float32, device=raw.device)
-    nib[..., 0::2] = table[(raw & 0x0F).long()]
-    nib[..., 1::2] = table[(raw >> 4).long()]
-    vals = _from_blocks(nib.index_select(2, scatter_c.to(raw.device)), tile, kbk)[: packed.n, : packed.k]
-    scales = codecs.decode_e4m3(_group_scale_bytes(packed)) * packed.global_scale.reshape(()).to(torch.float32)
-    return vals, scales
-
-
-def _group_scale_bytes(packed: PackedNVFP4) -> torch.Tensor:
-    """The e4m3 group-scale bytes [N, K/16] of a packed NVFP4 weight, in checkpoint order."""
-    g = geometry(packed.atom)
-    gpb = g.k_block // formats.GROUP_SIZE
-    tiles, kblocks = packed.n_pad // g.tile_n, packed.k_pad // g.k_block
-    _, scatter_s = block_maps(packed.atom, "scale")
-    sraw = packed.scales.view(tiles, kblocks, g.tile_n * gpb).index_select(2, scatter_s.to(packed.scales.device))
-    return _from_blocks(sraw, g.tile_n, gpb)[: packed.n, : packed.k // formats.GROUP_SIZE]
-
-
-def decode_packed_fp8(packed: PackedFP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed FP8 -> (e4m3 values float32 [N, K], per-row scale float32 [N])."""
-    g = geometry(packed.atom)
-    tile, kbk = g.tile_n, g.k_block
-    tiles, kblocks = packed.n_pad // tile, packed.k_pad // kbk
-    _, scatter = block_maps(packed.atom, "fp8")
-    raw = packed.codes.view(tiles, kblocks, tile * kbk).index_select(2, scatter.to(packed.codes.device))
-    src = _from_blocks(raw, tile, kbk)[: packed.n, : packed.k]
-    return codecs.decode_e4m3(src), codecs.fp8_channel_scales(packed.scale, packed.n)
-
-
-def _finish(y32: torch.Tensor, bias) -> torch.Tensor:
+def finish(y32: torch.Tensor, bias) -> torch.Tensor:
+    """float32 sums plus the bias, rounded once to FP16 (what a kernel's epilogue writes)."""
     if bias is not None:
         y32 = y32 + bias.to(torch.float32).reshape(1, -1)
     return y32.to(torch.float16)
@@ -85,82 +44,12 @@ def _finish(y32: torch.Tensor, bias) -> torch.Tensor:
 ROW_INVARIANT_MAX_M = 64
 
 
-def _row_invariant(x: torch.Tensor, rows_fn):
+def row_invariant(x: torch.Tensor, rows_fn):
     """``rows_fn(x)``, computed row by row for CPU batches of 2..ROW_INVARIANT_MAX_M rows."""
     m = x.shape[0]
     if x.device.type == "cpu" and 1 < m <= ROW_INVARIANT_MAX_M:
         return torch.cat([rows_fn(x[i:i + 1]) for i in range(m)])
     return rows_fn(x)
-
-
-def linear_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T with the per-16 FP32 flush; x [M, K] fp16/bf16/fp32 -> fp16 [M, N]."""
-    _check_x(x, packed.k)
-    vals, scales = decode_packed_nvfp4(packed)
-    k, n = packed.k, packed.n
-    groups = k // formats.GROUP_SIZE
-
-    def rows_y32(xr: torch.Tensor) -> torch.Tensor:
-        m = xr.shape[0]
-        xg = xr.to(torch.float32).reshape(m, groups, formats.GROUP_SIZE).transpose(0, 1)  # [G, M, 16]
-        out = torch.empty((m, n), dtype=torch.float32, device=xr.device)
-        nc = max(1, min(n, _CHUNK_ELEMS // max(1, groups * m)))
-        for n0 in range(0, n, nc):
-            n1 = min(n, n0 + nc)
-            wg = vals[n0:n1].reshape(n1 - n0, groups, formats.GROUP_SIZE).permute(1, 2, 0)  # [G, 16, n]
-            partial = torch.bmm(xg, wg)                                                       # [G, M, n] fp32
-            partial *= scales[n0:n1].t().unsqueeze(1)                                         # flush: * scale
-            out[:, n0:n1] = partial.sum(dim=0)
-        return out
-
-    return _finish(_row_invariant(x, rows_y32), bias)
-
-
-def linear_fp8(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = (x @ e4m3^T) * scale in FP32; x [M, K] -> fp16 [M, N]."""
-    _check_x(x, packed.k)
-    vals, scale = decode_packed_fp8(packed)
-    y32 = _row_invariant(x, lambda xr: xr.to(torch.float32) @ vals.t()) * scale.reshape(1, -1)
-    return _finish(y32, bias)
-
-
-def linear_nvfp4_f64(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact float64 y (not rounded): sum over k of x * e2m1 * e4m3 * global, in float64."""
-    _check_x(x, packed.k)
-    vals, _ = decode_packed_nvfp4(packed)
-    s64 = codecs.decode_e4m3(_group_scale_bytes(packed)).double() * packed.global_scale.double().reshape(())
-    w64 = (vals.double().view(packed.n, -1, formats.GROUP_SIZE) * s64.unsqueeze(-1)).view(packed.n, packed.k)
-    y = x.double() @ w64.t()
-    if bias is not None:
-        y = y + bias.double().reshape(1, -1)
-    return y
-
-
-def linear_fp8_f64(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
-    _check_x(x, packed.k)
-    vals, scale = decode_packed_fp8(packed)
-    y = (x.double() @ vals.double().t()) * scale.double().reshape(1, -1)
-    if bias is not None:
-        y = y + bias.double().reshape(1, -1)
-    return y
-
-
-def linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 reference of a packed dense weight of either family."""
-    return _by_type(packed, linear_nvfp4, linear_fp8)(x, packed, bias)
-
-
-def linear_f64(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The exact float64 reference of a packed dense weight of either family."""
-    return _by_type(packed, linear_nvfp4_f64, linear_fp8_f64)(x, packed, bias)
-
-
-def _by_type(packed, nvfp4, fp8):
-    if isinstance(packed, PackedNVFP4):
-        return nvfp4
-    if isinstance(packed, PackedFP8):
-        return fp8
-    raise TypeError(f"expected PackedNVFP4 or PackedFP8, got {type(packed).__name__}")
 
 
 def relative_error(y: torch.Tensor, y_ref64: torch.Tensor) -> float:

@@ -11,7 +11,7 @@ Two kinds of weight data, each for NVFP4 and FP8:
   decoders keep the scale's sign bit; ModelOpt never writes one, but a kernel must not mangle it);
 * ``gauss`` / ``heavy``: realistic weights (Gaussian; Student-t with 3 degrees of freedom, whose
   rare large entries set the group and tensor amax as real LLM weights do) quantized with the
-  checkpoint generator's own functions (codecs.quantize_nvfp4 / quantize_fp8, ModelOpt's
+  checkpoint generator's own functions (nvfp4_codec.quantize / quantize_fp8, ModelOpt's
   conventions, per tensor or per channel).
 
 Activations come with or without outlier channels (a few channels of 2000-6000, as real
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from qpn.kernels import codecs
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.fp8 import codec as fp8_codec
 
 WEIGHT_KINDS = ("all_bytes", "gauss", "heavy")
 FP8_FINITE_BYTES = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
@@ -58,7 +60,7 @@ def nvfp4_weight(n: int, k: int, kind: str, gen: torch.Generator, negative_scale
     on the generator's device."""
     dev = gen.device
     if kind != "all_bytes":
-        q, s, gs = codecs.quantize_nvfp4(_realistic(n, k, kind, gen))
+        q, s, gs = nvfp4_codec.quantize(_realistic(n, k, kind, gen))
         return q.to(dev), s.to(dev), gs
     codes = _spread(torch.arange(16, dtype=torch.uint8), (n, k), gen)
     sc = _spread(NVFP4_SCALE_BYTES, (n, k // 16), gen)
@@ -67,7 +69,7 @@ def nvfp4_weight(n: int, k: int, kind: str, gen: torch.Generator, negative_scale
         sc = torch.where(neg, sc | 0x80, sc)
     # a global scale that keeps every output inside FP16 even against 6000-sized outlier channels
     gs = torch.tensor(0.25 / (k ** 0.5) / 64, dtype=torch.float32)
-    return codecs.pack_nvfp4_codes(codes), sc.view(torch.float8_e4m3fn), gs
+    return nvfp4_codec.pack_codes(codes), sc.view(torch.float8_e4m3fn), gs
 
 
 def fp8_weight(n: int, k: int, kind: str, gen: torch.Generator, per_channel: bool):
@@ -75,7 +77,7 @@ def fp8_weight(n: int, k: int, kind: str, gen: torch.Generator, per_channel: boo
     the generator's device."""
     dev = gen.device
     if kind != "all_bytes":
-        q, s = codecs.quantize_fp8(_realistic(n, k, kind, gen), per_channel=per_channel)
+        q, s = fp8_codec.quantize(_realistic(n, k, kind, gen), per_channel=per_channel)
         return q.to(dev), s.to(dev)
     b = _spread(FP8_FINITE_BYTES, (n, k), gen)
     if per_channel:
@@ -101,7 +103,7 @@ def activations(m: int, k: int, gen: torch.Generator, outliers: bool, lo: float 
 def exact_f64(x: torch.Tensor, fmt: str, weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ W^T in float64 from the CHECKPOINT tensors, |x| @ |W|^T): the exact product and the
     magnitude sum an accumulation error is measured against."""
-    w = codecs.dequantize_nvfp4_f64(*weight) if fmt == "nvfp4" else codecs.dequantize_fp8_f64(*weight)
+    w = nvfp4_codec.dequantize_f64(*weight) if fmt == "nvfp4" else fp8_codec.dequantize_f64(*weight)
     xd = x.double()
     return xd @ w.t(), xd.abs() @ w.abs().t()
 

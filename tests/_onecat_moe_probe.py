@@ -12,7 +12,7 @@ import socket
 import torch
 
 from qpn.fork_patches.engine import plugin
-from qpn.kernels import codecs
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
 
 plugin.register()
 
@@ -64,7 +64,7 @@ with set_current_vllm_config(VllmConfig()):
     weights = {}
     for e in range(E):
         for shard, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            q, sc, s2 = codecs.quantize_nvfp4(torch.randn((n, k), generator=gen) * 0.1)
+            q, sc, s2 = nvfp4_codec.quantize(torch.randn((n, k), generator=gen) * 0.1)
             weights[(e, shard)] = (q, sc, s2)
             stem = "w2" if shard == "w2" else "w13"
             for name, t in ((f"{stem}_weight", q), (f"{stem}_weight_scale", sc), (f"{stem}_weight_scale_2", s2),
@@ -79,7 +79,7 @@ with set_current_vllm_config(VllmConfig()):
     w = torch.softmax(torch.randn((T, TOP_K), generator=gen), dim=1)
     y = method.apply(layer, x, w, ids).double()
     ref = torch.zeros((T, H), dtype=torch.float64)
-    deq = {key: codecs.dequantize_nvfp4_f64(*v) for key, v in weights.items()}
+    deq = {key: nvfp4_codec.dequantize_f64(*v) for key, v in weights.items()}
     for t in range(T):
         for j in range(TOP_K):
             e = int(ids[t, j])

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from qpn.kernels import codecs, formats
+from qpn.kernels import formats
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.fp8 import codec as fp8_codec
 
 POW2_GLOBAL = 2.0 ** -8   # 6 * 448 * 2^-8 = 10.5 and 0.5 * 2^-9 * 2^-8 = 2^-18: all exact in FP16
 
@@ -30,7 +32,7 @@ def nvfp4_probe_weight(n: int, k: int, gen: torch.Generator, scale_bytes: torch.
         (torch.randint(0, 2, (n, k // 16), dtype=torch.uint8, generator=gen) << 3)   # a nonzero code per group
     pool = scale_bytes if scale_bytes is not None else torch.arange(0x01, 0x7F, dtype=torch.uint8)
     sc = pool[torch.randint(0, pool.numel(), (n, k // 16), generator=gen)]
-    return codecs.pack_nvfp4_codes(codes), sc.view(torch.float8_e4m3fn), torch.tensor(POW2_GLOBAL)
+    return nvfp4_codec.pack_codes(codes), sc.view(torch.float8_e4m3fn), torch.tensor(POW2_GLOBAL)
 
 
 def fp8_probe_weight(n: int, k: int, gen: torch.Generator, per_channel: bool):
@@ -48,7 +50,7 @@ def fp8_probe_weight(n: int, k: int, gen: torch.Generator, per_channel: bool):
 
 def exact_weight(fmt: str, weight) -> torch.Tensor:
     """float64 [N, K] of the checkpoint tensors (formats' own tables, not the packed buffers)."""
-    return codecs.dequantize_nvfp4_f64(*weight) if fmt == "nvfp4" else codecs.dequantize_fp8_f64(*weight)
+    return nvfp4_codec.dequantize_f64(*weight) if fmt == "nvfp4" else fp8_codec.dequantize_f64(*weight)
 
 
 def probe(run, w64: torch.Tensor, tokens_per_call: int, positions=None) -> list[tuple[int, int]]:
@@ -73,4 +75,4 @@ def probe(run, w64: torch.Tensor, tokens_per_call: int, positions=None) -> list[
 
 
 def groups_of(bad: list[tuple[int, int]]) -> set[tuple[int, int]]:
-    return {(r, kk // formats.GROUP_SIZE) for r, kk in bad}
+    return {(r, kk // formats.NVFP4.group_size) for r, kk in bad}

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from qpn.kernels.families.fp8 import codec as fp8_codec
 
 CSRC = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
 M32 = 0xFFFFFFFF
@@ -683,7 +684,7 @@ class Replay:
     def linear(self, packed, x: torch.Tensor, route, ksplit: int = 1, form: str = "restore") -> torch.Tensor:
         """y (float64, before the FP16 rounding) of the QPN route (a Route or its name) on these
         packed buffers; ``form`` "s7" runs the S7 entry points of an NVFP4 route (ops.nvfp4_form)."""
-        from qpn.kernels import codecs, ops, routes
+        from qpn.kernels import ops, routes
         at = self.r.atom
         fmt = packed.fmt
         m = x.shape[0]
@@ -761,7 +762,6 @@ class Replay:
     def reconstruct(self, packed, x: torch.Tensor) -> torch.Tensor:
         """qpn_reconstruct_body (transcribed): lane's words -> Dec::half2(w, idx) (* sc2[pick]) at
         workspace row tile * TILE_N + a_row(lane), columns kb * K_BLOCK + 2 idx, + 1; then the GEMM."""
-        from qpn.kernels import codecs
         at = self.r.atom
         fmt = packed.fmt
         int4 = hasattr(packed, "symmetric")
@@ -805,7 +805,7 @@ class Replay:
             return y * packed.out_scale.double().reshape(())
         if fmt == "nvfp4":
             return y * packed.global_scale.double().reshape(())
-        return y * codecs.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
+        return y * fp8_codec.channel_scales(packed.scale, packed.n).double().reshape(1, -1)
 
     # ---------------------------------------------------------------------------- MoE GEMMs
     def moe_gemm(self, stacks: list, x: torch.Tensor, x_row_div: int, sorted_pairs: list, groups: list,

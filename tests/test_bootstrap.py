@@ -354,13 +354,13 @@ def test_sm70_preflight_counts_gpus_and_driver(tmp_path):
 
 def test_check_reports_an_installed_copy_older_than_the_checkout(light_engine, tmp_path):
     assert _overlay(light_engine, "apply").returncode == 0
-    from qpn.fork_patches.engine.overlay import SOURCE_FOLDERS
+    from qpn.fork_patches.engine.overlay import source_folders
 
     # A checkout laid out from exactly what was installed (the repository itself may move on
-    # while the tests run).
+    # while the tests run), the family packages under kernels/ included.
     source = tmp_path / "checkout"
     site = _site_packages(light_engine)
-    for package, folder in SOURCE_FOLDERS.items():
+    for package, folder in source_folders(site / "qpn").items():
         (source / folder).mkdir(parents=True)
         for module in (site / package).glob("*.py"):
             shutil.copy(module, source / folder / module.name)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qpn.fork_patches.quant import conventions as cv
-from qpn.kernels import codecs
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.fp8 import codec as fp8_codec
 
 pytestmark = pytest.mark.fast
 
@@ -83,12 +84,12 @@ def test_ct_nvfp4_inputs_decode_like_the_library():
     got = cv.COMPRESSED_TENSORS.nvfp4_inputs(t)
     assert torch.equal(got.codes, t["weight_packed"]) and torch.equal(_u8(got.group_scales), _u8(t["weight_scale"]))
     assert got.global_scale.dtype == torch.float32 and got.global_scale.shape == ()
-    ours = codecs.dequantize_nvfp4_f64(got.codes, got.group_scales, got.global_scale)
+    ours = nvfp4_codec.dequantize_f64(got.codes, got.group_scales, got.global_scale)
     lib = ct_decompress_nvfp4(t).double()
     # multiply by float32(1/g) vs divide by g: at most a float32 rounding or two per value
     assert torch.allclose(ours, lib, rtol=3e-7, atol=0)
     # the same bytes read with the other convention's scale rule are wrong by a factor g^2
-    wrong = codecs.dequantize_nvfp4_f64(got.codes, got.group_scales, t["weight_global_scale"].reshape(()))
+    wrong = nvfp4_codec.dequantize_f64(got.codes, got.group_scales, t["weight_global_scale"].reshape(()))
     nz = lib.abs() > 0
     ratio = (wrong[nz] / lib[nz]).median()
     assert float(ratio) == pytest.approx(float(t["weight_global_scale"]) ** 2, rel=1e-5)
@@ -101,7 +102,7 @@ def test_modelopt_and_ct_describe_the_same_bytes():
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
 
     w = whole_format_weight(seed=3)
-    q, s, s2 = codecs.quantize_nvfp4(w)
+    q, s, s2 = nvfp4_codec.quantize(w)
     mo = {"m.weight": q, "m.weight_scale": s, "m.weight_scale_2": s2.reshape(()), "m.input_scale": torch.tensor(0.01)}
     ctt = ModelOptNvfp4Converter(targets=["m"]).process(dict(mo))
     assert set(ctt) == {"m.weight_packed", "m.weight_scale", "m.weight_global_scale", "m.input_global_scale"}
@@ -117,7 +118,7 @@ def test_ct_fp8_inputs_decode_like_the_library(layout):
     t = ct_fp8(w, layout)
     got = cv.COMPRESSED_TENSORS.fp8_inputs(t)
     assert got.scale.shape == ((1,) if layout == "tensor" else (w.shape[0],))
-    ours = codecs.dequantize_fp8_f64(got.codes, got.scale if layout == "channel" else got.scale.reshape(()))
+    ours = fp8_codec.dequantize_f64(got.codes, got.scale if layout == "channel" else got.scale.reshape(()))
     assert torch.allclose(ours, ct_decompress_fp8(t, layout).double(), rtol=1e-6, atol=0)
 
 

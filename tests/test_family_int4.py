@@ -1,4 +1,4 @@
-"""INT4 W4A16 family (kernels/family_int4.py): every code and zero point, groups 32/64/128, the
+"""INT4 W4A16 family (kernels/families/int4/): every code and zero point, groups 32/64/128, the
 prepack inverse over every byte value, a lane-level replay of the documented fragment maps, the
 three checkpoint conventions cross-checked against the engine's and compressed-tensors' own code
 (skipped when a library is absent), act-order, and mutations of the family module that the checks
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,12 +15,29 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qpn.kernels import families, family_int4, formats, prepack
+from qpn.kernels import families, formats, prepack
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
+from qpn.kernels.families.int4 import layout as int4_layout
 from qpn.kernels.formats import INT4, INT4_SYM
 
 pytestmark = pytest.mark.fast
-FAMILY_FILE = Path(family_int4.__file__).resolve()
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+FAMILY_DIR = KERNELS / "families" / "int4"
+FAMILY_MODULES = ("codec", "checkpoint", "layout", "numerics")
+
+
+def family_namespace(package: str) -> SimpleNamespace:
+    """The public names of a family package's modules in one namespace, so that one set of checks
+    runs on the real package and on a mutated copy of it."""
+    names = {}
+    for mod in FAMILY_MODULES:
+        names.update({k: v for k, v in vars(importlib.import_module(f"{package}.{mod}")).items()
+                      if not k.startswith("__")})
+    return SimpleNamespace(**names)
+
+
+INT4_FAMILY = family_namespace("qpn.kernels.families.int4")
 
 
 def _gen(seed):
@@ -195,7 +213,7 @@ def check_replay(m):
             s = torch.randint(0, 1 << 16, (n, k // g), generator=gen, dtype=torch.int32)
             s = (s - ((s >> 15) << 16)).to(torch.int16).view(torch.float16)
             z = None if sym else torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.int32).to(torch.uint8)
-            p = m.prepack_int4(codes, s, z, atom=atom)
+            p = m.prepack(codes, s, z, atom=atom)
             rq, rs, rz = replay(m, p)
             assert torch.equal(rq, m.unpack_codes(codes).to(torch.int32)), f"{atom}: lane decode of codes"
             assert torch.equal(rs, s.view(torch.int16).to(torch.int32) & 0xFFFF), f"{atom}: lane scale records"
@@ -229,10 +247,8 @@ def test_registry_data():
 
 
 def test_no_runtime_code_branches_on_the_family_name():
-    """Only the data (formats.py), the registry (families.py) and the family module name it."""
+    """Only the family's own package names it among kernels/ modules."""
     for path in KERNELS.glob("*.py"):
-        if path.stem in ("formats", "families", "family_int4"):
-            continue
         assert not re.search(r"""["']int4(_sym)?["']""", path.read_text()), path.name
 
 
@@ -247,7 +263,7 @@ def test_every_code_and_every_zero_point(sym):
     z = torch.arange(16).view(16, 1).expand(n, k // g).to(torch.uint8).contiguous()
     s = torch.tensor([2.0 ** -e for e in range(k // g)]).repeat(n, 1) * (1 + torch.arange(n).view(-1, 1) / 16)
     s = s.half()
-    src = (family_int4.pack_codes(codes), s) if sym else (family_int4.pack_codes(codes), s, z)
+    src = (int4_codec.pack_codes(codes), s) if sym else (int4_codec.pack_codes(codes), s, z)
     zz = torch.full((n, k // g), 8) if sym else z
     want = (codes.double() - zz.double().repeat_interleave(g, 1)) * s.double().repeat_interleave(g, 1)
     num = families.numerics(INT4_SYM if sym else INT4)
@@ -273,7 +289,7 @@ def test_groups_quantize_prepack_reference(g, atom, sym):
     num = families.numerics(fmt)
     w = torch.randn(45, 384, generator=_gen(g)) * 0.05
     src = num.quantize(w, g)
-    assert family_int4.group_size_of(src[0], src[1], fmt) == g
+    assert int4_codec.group_size_of(src[0], src[1], fmt) == g
     rel = float((num.decode_f32(*src) - w).norm() / w.norm())
     assert rel < 0.15, rel
     p = num.prepack(*src, atom=atom, rows_per_chunk=32)
@@ -296,18 +312,18 @@ def test_k_not_a_multiple_of_the_group_is_refused():
         INT4.check_k(96, 48)
     gen = _gen(4)
     with pytest.raises(formats.FormatError, match="multiple of 64"):   # AWQ K=96, g=64
-        family_int4.from_awq(_ints((96, 2), gen), _ints((1, 2), gen), _scales(1, 16, gen), 64)
+        int4_checkpoint.from_awq(_ints((96, 2), gen), _ints((1, 2), gen), _scales(1, 16, gen), 64)
     with pytest.raises(formats.FormatError, match="whole number of groups"):
-        family_int4.check_source(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 5).half())
+        int4_codec.check_source(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 5).half())
     with pytest.raises(formats.FormatError, match="per channel"):
-        family_int4.from_gptq(_ints((16, 8), gen), None, _scales(1, 8, gen), None, -1, True)
+        int4_checkpoint.from_gptq(_ints((16, 8), gen), None, _scales(1, 8, gen), None, -1, True)
     with pytest.raises(formats.FormatError, match="float16"):
-        family_int4.check_source(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))
+        int4_codec.check_source(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))
     with pytest.raises(formats.FormatError, match="0..15"):
-        family_int4.check_source(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1).half(),
+        int4_codec.check_source(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1).half(),
                                  torch.full((4, 1), 16, dtype=torch.uint8))
     with pytest.raises(formats.FormatError, match="cannot represent exactly"):
-        family_int4.from_pack_quantized(_ints((2, 4), gen), torch.tensor([[1e-9], [1.0]]), None, 32)
+        int4_checkpoint.from_pack_quantized(_ints((2, 4), gen), torch.tensor([[1e-9], [1.0]]), None, 32)
 
 
 @pytest.mark.parametrize("n,k,g", [(1, 32, 32), (33, 64, 32), (45, 192, 64), (64, 256, 128), (100, 1024, 128),
@@ -324,50 +340,50 @@ def test_inverse_is_byte_identical_over_every_byte(n, k, g, sym):
     if count >= 256:
         assert set(codes.unique().tolist()) == set(range(256))
     for atom in formats.ATOMS:
-        p = family_int4.prepack_int4(codes, s, z, atom=atom, rows_per_chunk=32)
-        back = family_int4.unprepack_int4(p, rows_per_chunk=64)
+        p = int4_layout.prepack(codes, s, z, atom=atom, rows_per_chunk=32)
+        back = int4_layout.unprepack(p, rows_per_chunk=64)
         assert torch.equal(back[0], codes) and torch.equal(back[1].view(torch.int16), s.view(torch.int16))
         assert (len(back) == 2) if sym else torch.equal(back[2], z)
-        family_int4.verify_int4_roundtrip(p, codes, s, z, rows_per_chunk=32)
+        int4_layout.verify_roundtrip(p, codes, s, z, rows_per_chunk=32)
         # only addresses move: same nibbles plus zero padding
-        hist = lambda t: torch.bincount(family_int4.unpack_codes(t.reshape(1, -1)).reshape(-1).long(), minlength=16)
+        hist = lambda t: torch.bincount(int4_codec.unpack_codes(t.reshape(1, -1)).reshape(-1).long(), minlength=16)
         want = hist(codes)
         want[0] += p.n_pad * p.k_pad - n * k
         assert torch.equal(hist(p.codes), want)
         for field, idx in (("codes", 3), ("scales", 1), ("scales", 2) if not sym else ("codes", 0)):
             bad = getattr(p, field).clone()
             bad[idx] ^= 0x01
-            broken = family_int4.PackedINT4(**{**{f: getattr(p, f) for f in
+            broken = int4_layout.PackedINT4(**{**{f: getattr(p, f) for f in
                                                   ("codes", "scales", "out_scale", "n", "k", "group_size", "symmetric", "atom")},
                                                field: bad})
             with pytest.raises(prepack.PrepackMismatch):
-                family_int4.verify_int4_roundtrip(broken, codes, s, z)
+                int4_layout.verify_roundtrip(broken, codes, s, z)
 
 
 def test_lane_replay_of_the_fragment_maps():
-    check_replay(family_int4)
+    check_replay(INT4_FAMILY)
 
 
 def test_awq_against_vllm(vllm_q, monkeypatch):
     for g in (32, 64, 128):
-        check_awq(family_int4, vllm_q, monkeypatch, k=256, g=g)
+        check_awq(INT4_FAMILY, vllm_q, monkeypatch, k=256, g=g)
 
 
 def test_gptq_against_vllm(vllm_q):
     for g in (32, 64, 128):
-        check_gptq(family_int4, vllm_q, k=256, g=g)
+        check_gptq(INT4_FAMILY, vllm_q, k=256, g=g)
 
 
 def test_gptq_v1_zero_sixteen_is_refused(vllm_q):
     gen = _gen(5)
     qzeros = vllm_q.qu.pack_cols(torch.full((1, 8), 15, dtype=torch.int32), 4, 1, 8)
     with pytest.raises(formats.FormatError, match="zero point 16"):
-        family_int4.from_gptq(_ints((4, 8), gen), qzeros, _scales(1, 8, gen), None, 32, False)
+        int4_checkpoint.from_gptq(_ints((4, 8), gen), qzeros, _scales(1, 8, gen), None, 32, False)
 
 
 def test_pack_quantized_against_compressed_tensors(ct):
     for g in (32, 64, 128):
-        check_ct(family_int4, ct, k=256, g=g)
+        check_ct(INT4_FAMILY, ct, k=256, g=g)
 
 
 def test_act_order(ct):
@@ -385,32 +401,40 @@ def test_act_order(ct):
     g_idx = perm.repeat_interleave(g).to(torch.int32)          # block b holds group perm[b]
     wp = ct.pack(q, 4)
     zpp = ct.pack(zp, 4, packed_dim=0)
-    src = family_int4.from_pack_quantized(wp, s, zpp, g, g_idx=g_idx, module="model.layers.0.mlp.down_proj")
+    src = int4_checkpoint.from_pack_quantized(wp, s, zpp, g, g_idx=g_idx, module="model.layers.0.mlp.down_proj")
     gi = g_idx.long()
     want = (q.double() - zp.double()[:, gi]) * s.double()[:, gi]
-    assert torch.equal(family_int4.dequantize(*src).double(), want)
+    assert torch.equal(int4_codec.dequantize(*src).double(), want)
     theirs = ct.dequantize(q, s, zp, g_idx=g_idx)
-    assert torch.equal(family_int4.dequantize(*src).half(), theirs)
-    trivial = family_int4.from_pack_quantized(wp, s, zpp, g, g_idx=torch.arange(k) // g)
-    plain = family_int4.from_pack_quantized(wp, s, zpp, g)
+    assert torch.equal(int4_codec.dequantize(*src).half(), theirs)
+    trivial = int4_checkpoint.from_pack_quantized(wp, s, zpp, g, g_idx=torch.arange(k) // g)
+    plain = int4_checkpoint.from_pack_quantized(wp, s, zpp, g)
     assert all(torch.equal(a, b) for a, b in zip(trivial, plain))
     desc = torch.randperm(k, generator=gen) // g
-    with pytest.raises(family_int4.ActOrderError, match=r"model\.layers\.0\.mlp\.down_proj.*desc_act"):
-        family_int4.from_pack_quantized(wp, s, zpp, g, g_idx=desc, module="model.layers.0.mlp.down_proj")
-    assert issubclass(family_int4.ActOrderError, formats.FormatError)
+    with pytest.raises(int4_checkpoint.ActOrderError, match=r"model\.layers\.0\.mlp\.down_proj.*desc_act"):
+        int4_checkpoint.from_pack_quantized(wp, s, zpp, g, g_idx=desc, module="model.layers.0.mlp.down_proj")
+    assert issubclass(int4_checkpoint.ActOrderError, formats.FormatError)
 
 
 # -------------------------------------------------------------------------------- mutations
 def _mutant(tmp_path, monkeypatch, old, new):
-    text = FAMILY_FILE.read_text()
-    assert text.count(old) == 1, f"mutation anchor not found once: {old!r}"
-    path = tmp_path / "family_int4_mutant.py"
-    path.write_text(text.replace(old, new))
-    spec = importlib.util.spec_from_file_location("qpn.kernels._family_int4_mutant", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)   # dataclasses look their module up there
-    spec.loader.exec_module(mod)   # relative imports resolve in qpn.kernels
-    return mod
+    """A copy of the family's package with ``old`` replaced by ``new`` in the one module holding
+    it, imported as qpn.kernels.families._int4_mutant (its relative imports resolve inside the copy
+    and in qpn.kernels), as one namespace."""
+    holders = [p.name for p in FAMILY_DIR.glob("*.py") if old in p.read_text()]
+    assert len(holders) == 1 and (FAMILY_DIR / holders[0]).read_text().count(old) == 1, \
+        f"mutation anchor not found once: {old!r} in {holders}"
+    copy = tmp_path / "_int4_mutant"
+    shutil.copytree(FAMILY_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / holders[0]).write_text((copy / holders[0]).read_text().replace(old, new))
+    name = "qpn.kernels.families._int4_mutant"
+    for stale in [k for k in sys.modules if k.startswith(name + ".")]:   # an earlier test's mutant
+        del sys.modules[stale]
+    spec = importlib.util.spec_from_file_location(name, copy / "__init__.py", submodule_search_locations=[str(copy)])
+    pkg = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, pkg)   # dataclasses and relative imports look it up there
+    spec.loader.exec_module(pkg)
+    return family_namespace(name)
 
 
 MUTATIONS = [
@@ -435,7 +459,7 @@ def test_mutation_is_caught(name, old, new, check, tmp_path, request, monkeypatc
             "gptq": lambda m: check_gptq(m, request.getfixturevalue("vllm_q")),
             "ct": lambda m: check_ct(m, request.getfixturevalue("ct")),
             "replay": check_replay}
-    runs[check](family_int4)                       # control: the real module passes
+    runs[check](INT4_FAMILY)                       # control: the real module passes
     mutant = _mutant(tmp_path, monkeypatch, old, new)
     with pytest.raises((AssertionError, formats.FormatError, RuntimeError, IndexError)):
         runs[check](mutant)
@@ -449,7 +473,7 @@ def test_kernel_tensors_handed_out_per_call_match_the_eager_cache(sym):
     from qpn.kernels import sm80_plan
 
     w = torch.randn((16, 256), generator=torch.Generator().manual_seed(5)) * 0.02
-    packed = family_int4.prepack_int4(*family_int4.quantize(w, 128, symmetric=sym), atom="m16n8k16")
+    packed = int4_layout.prepack(*int4_codec.quantize(w, 128, symmetric=sym), atom="m16n8k16")
     num = families.numerics(packed)
     first, again = num.packed_tensors(packed), num.packed_tensors(packed)
     assert first[1] is not again[1]                       # a fresh view: identity alone would re-plan

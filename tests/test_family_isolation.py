@@ -1,5 +1,14 @@
-"""A weight family is one module (issue 26, "Done means"): runtime code outside a family's own
-module (kernels/family_<name>.py) never branches on that family's name. What differs between
+"""A weight family is one package (issue 41), and two checks keep it so.
+
+Structural: no source file outside kernels/families/<name>/ and tests/ names that family in code,
+read by a plain reader (``family_mentions``): an identifier containing the family's name (its
+members', classes' and decoders' names contain it: PackedNVFP4, FP8_TENSOR, DecINT4Sym), or a
+string literal (docstrings aside) holding the family's or a member's name as a word. The files that
+still do are the work left of issue 41 (the conventions, the linear methods, the sm_80+ tables, the
+CUDA sources, the checkpoint generators, the benchmarks): NAMED_OUTSIDE_THEIR_FAMILY holds each
+with its count today, a count may only fall (and the table with it), and no other file may start.
+
+Branches: runtime code outside a family's own package never branches on that family's name. What differs between
 families is an attribute of the family's registered data (kernels/formats.py) or a function of its
 module, so a fourth family (MXFP4: docs/architecture.md, "Adding a weight family") touches only the
 files listed there.
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -54,8 +64,9 @@ def runtime_modules() -> list[tuple[str, Path]]:
 
 
 def _own_family(path: Path) -> str | None:
-    stem = path.stem
-    return stem[len("family_"):] if path.parent.name == "kernels" and stem.startswith("family_") else None
+    """The family whose package ``path`` lies in (kernels/families/<name>/...), else None."""
+    rel = path.relative_to(REPO).parts if path.is_relative_to(REPO) else ()
+    return rel[2] if rel[:2] == ("kernels", "families") and len(rel) > 3 else None
 
 
 def _module_constants(modname: str, names: dict[str, str]) -> dict[str, str]:
@@ -124,6 +135,158 @@ def test_the_check_catches_each_way_of_naming_a_family(code, caught):
     assert bool(branches_on_family(code, path, {"FP8": "fp8"})) == caught
 
 
+# ------------------------------------------------------------------------------ structural
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".sh")
+SOURCE_TOPS = ("kernels", "fork_patches", "scripts", "benchmarks", "qpn")
+
+# File -> how many times it names a family in code today (family_mentions). The work left of
+# issue 41 items 1-3: each entry goes when its file reads the families through the contract and
+# the registry only. A count may fall, never rise, and a file not listed may name no family.
+NAMED_OUTSIDE_THEIR_FAMILY = {
+    "benchmarks/engine_arms.py": 9,
+    "benchmarks/kernel_matched_bench.py": 59,
+    "benchmarks/moe_bench.py": 8,
+    "benchmarks/perf_model.py": 6,
+    "benchmarks/read_probe.py": 3,
+    "benchmarks/spec_identity_cost.py": 17,
+    "benchmarks/v100_calibration.py": 76,
+    "benchmarks/v100_estimate.py": 47,
+    "benchmarks/v100_evidence.py": 1,
+    "fork_patches/engine/engine_source.py": 11,
+    "fork_patches/engine/hooks.py": 4,
+    "fork_patches/engine/kv_policy.py": 15,
+    "fork_patches/engine/platform_gate.py": 2,
+    "fork_patches/quant/conventions.py": 144,
+    "fork_patches/quant/ct_config.py": 22,
+    "fork_patches/quant/linear_method.py": 69,
+    "fork_patches/quant/moe_method.py": 27,
+    "fork_patches/quant/qpn_config.py": 39,
+    "fork_patches/quant/tp_sharding.py": 6,
+    "fork_patches/route_census/attention_routes.py": 8,
+    "kernels/csrc/qpn_atom_m16n8k16.cuh": 20,
+    "kernels/csrc/qpn_family.cuh": 11,
+    "kernels/csrc/qpn_kernels_sm80.cu": 79,
+    "kernels/csrc/qpn_moe.cu": 4,
+    "kernels/csrc/qpn_moe_sm80.cu": 4,
+    "kernels/ops.py": 19,
+    "kernels/sm80_tables.py": 43,
+    "scripts/checkpoints/checkpoint_reference.py": 23,
+    "scripts/checkpoints/ct_reference.py": 20,
+    "scripts/checkpoints/int4_reference.py": 11,
+    "scripts/checkpoints/make_checkpoint.py": 14,
+    "scripts/checkpoints/make_ct_checkpoint.py": 84,
+    "scripts/checkpoints/make_int4_checkpoint.py": 23,
+    "scripts/checkpoints/make_moe_checkpoint.py": 17,
+    "scripts/checkpoints/modelopt_export.py": 8,
+    "scripts/checkpoints/tiny_hybrid.py": 9,
+    "scripts/launcher/boot_gates.py": 8,
+    "scripts/launcher/demo.py": 4,
+    "scripts/launcher/serve_preflight.py": 13,
+}
+
+
+def family_words() -> dict[str, str]:
+    """Every family's name and its members' keys (lower case) -> the family."""
+    return {**{f.key: f.family for f in formats.ALL_FORMATS}, **{name: name for name in formats.ALL_FAMILIES}}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _python_names(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.append(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append(node.name)
+        elif isinstance(node, ast.arg):
+            out.append(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.append(node.arg)
+        elif isinstance(node, ast.alias):
+            out += [part for part in (node.asname or node.name).split(".")] + node.name.split(".")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out += node.module.split(".")
+    return out
+
+
+def family_mentions(text: str, suffix: str) -> list[tuple[str, str]]:
+    """(family, what) for each place a source file names a family in code: an identifier holding a
+    family's name (any case), or a string literal with a family's or member's name as a word;
+    docstrings and comments are prose and do not count. Python is read with ``ast``; CUDA and shell
+    with their comments removed, every identifier and quoted word counted."""
+    words = family_words()
+    pattern = re.compile("|".join(sorted(map(re.escape, set(words.values())), key=len, reverse=True)), re.I)
+    found = []
+    if suffix == ".py":
+        tree = ast.parse(text)
+        for name in _python_names(tree):
+            if (m := pattern.search(name)):
+                found.append((m.group(0).lower(), name))
+        skip = _docstrings(tree)
+        strings = [n.value for n in ast.walk(tree)
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip]
+    else:
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text, flags=re.S) if suffix != ".sh" else \
+            re.sub(r"(^|\s)#[^\n]*", " ", text)
+        for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code):
+            if (m := pattern.search(name)):
+                found.append((m.group(0).lower(), name))
+        strings = []
+    for value in strings:
+        for word in re.findall(r"[A-Za-z0-9_]+", value):
+            if word.lower() in words:
+                found.append((words[word.lower()], repr(value)))
+    return found
+
+
+def outside_mentions() -> dict[str, int]:
+    """Source file (repository-relative) -> how many times it names a family it is not part of."""
+    out = {}
+    for top in SOURCE_TOPS:
+        for path in sorted((REPO / top).rglob("*")):
+            if path.suffix not in SOURCE_SUFFIXES or "__pycache__" in path.parts or not path.is_file():
+                continue
+            own = _own_family(path)
+            hits = [fam for fam, _ in family_mentions(path.read_text(), path.suffix) if fam != own]
+            if hits:
+                out[str(path.relative_to(REPO))] = len(hits)
+    return out
+
+
+def test_no_file_outside_a_family_names_it():
+    """The structural isolation check (issue 41 item 3), and its ratchet."""
+    counts = outside_mentions()
+    new = {p: n for p, n in counts.items() if p not in NAMED_OUTSIDE_THEIR_FAMILY}
+    assert not new, ("these files name a weight family outside its package kernels/families/<name>/; reach "
+                     f"the family through families.numerics(fmt) and its WeightFormat instead: {new}")
+    grew = {p: (NAMED_OUTSIDE_THEIR_FAMILY[p], n) for p, n in counts.items() if n > NAMED_OUTSIDE_THEIR_FAMILY[p]}
+    assert not grew, f"more family names than before (was, now): {grew}"
+    fell = {p: (n, counts.get(p, 0)) for p, n in NAMED_OUTSIDE_THEIR_FAMILY.items() if counts.get(p, 0) < n}
+    assert not fell, f"fewer family names than the table says: lower NAMED_OUTSIDE_THEIR_FAMILY (was, now): {fell}"
+
+
+@pytest.mark.parametrize("where, code, suffix, count", [
+    ("kernels/ops.py", "x = PackedNVFP4\n", ".py", 1),                               # a family's class
+    ("kernels/ops.py", "from .families.int4 import codec\n", ".py", 1),              # its module
+    ("kernels/ops.py", 'f = formats.weight_format("fp8_channel")\n', ".py", 1),       # a member by key
+    ("kernels/ops.py", "def f(fmt):\n    return fmt.decoder\n", ".py", 0),           # through the data
+    ("kernels/ops.py", '"""NVFP4 in prose"""\n# int4 in a comment\n', ".py", 0),      # prose
+    ("kernels/csrc/qpn_kernels.cu", "// DecFP8 in a comment\nQPN_ENTRY(k, Frag16NVFP4)\n", ".cu", 1),
+    ("kernels/families/fp8/layout.py", "x = PackedFP8\n", ".py", 0),                  # its own package
+    ("kernels/families/fp8/layout.py", "x = PackedNVFP4\n", ".py", 1),                # another family's
+])
+def test_the_structural_check_catches_a_seeded_violation(where, code, suffix, count):
+    own = _own_family(REPO / where)
+    assert len([f for f, _ in family_mentions(code, suffix) if f != own]) == count
+
+
 def test_the_sm70_kernel_source_names_no_family():
     """csrc/qpn_kernels.cu (the m8n8k4 kernels) holds the kernel templates and their entry macros
     only: no entry point and no decoder of any registered format. Its entry lines are written from
@@ -142,6 +305,6 @@ def test_the_sm70_kernel_source_names_no_family():
 
 
 def test_a_family_module_may_name_its_own_family_only():
-    own = REPO / "kernels" / "family_fp8.py"
+    own = REPO / "kernels" / "families" / "fp8" / "layout.py"
     assert not branches_on_family('if fmt == "fp8_channel":\n    pass\n', own, {})
     assert branches_on_family('if fmt == "nvfp4":\n    pass\n', own, {})

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.fast
-FORK = Path(__file__).resolve().parents[1] / "fork_patches"
+REPO = Path(__file__).resolve().parents[1]
+FORK = REPO / "fork_patches"
 CONCERNS = {"quant", "spec", "api", "route_census", "engine"}
 _STRING_REF = re.compile(r"qpn\.fork_patches\.([\w.]+?)(?::[\w.]+)?")
 
@@ -135,3 +136,19 @@ def test_the_overlay_checks_every_concern_folder_for_staleness():
     from qpn.fork_patches.engine.overlay import SOURCE_FOLDERS
 
     assert {f"fork_patches/{c}" for c in CONCERNS} <= set(SOURCE_FOLDERS.values())
+
+
+def test_every_package_folder_is_installed_and_checked_for_staleness():
+    """Each package folder of the checkout (the weight families under kernels/families/ too) is a
+    package pyproject.toml installs, and one the overlay check compares with its installed copy."""
+    import tomllib
+
+    from qpn.fork_patches.engine.overlay import source_folders
+
+    packages = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    checked = set(source_folders(REPO).values())
+    for top in ("kernels", "fork_patches", "scripts", "benchmarks"):
+        for init in (REPO / top).rglob("__init__.py"):
+            folder = init.parent.relative_to(REPO).as_posix()
+            assert "qpn." + folder.replace("/", ".") in packages, f"{folder}: not in pyproject.toml's packages"
+            assert folder in checked, f"{folder}: the overlay check would not see it go stale"

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from qpn.kernels import codecs, formats
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.fp8 import codec as fp8_codec
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
 pytestmark = pytest.mark.fast
@@ -39,12 +41,12 @@ def test_decode_e4m3_matches_torch_for_every_byte():
 
 def test_pack_unpack_low_nibble_is_even_element():
     codes = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
-    packed = codecs.pack_nvfp4_codes(codes)
+    packed = nvfp4_codec.pack_codes(codes)
     assert packed.tolist() == [[0x21, 0x43]]
-    assert torch.equal(codecs.unpack_nvfp4_codes(packed), codes)
+    assert torch.equal(nvfp4_codec.unpack_codes(packed), codes)
     g = torch.Generator().manual_seed(1)
     raw = torch.randint(0, 256, (37, 24), dtype=torch.uint8, generator=g)
-    assert torch.equal(codecs.pack_nvfp4_codes(codecs.unpack_nvfp4_codes(raw)), raw)
+    assert torch.equal(nvfp4_codec.pack_codes(nvfp4_codec.unpack_codes(raw)), raw)
 
 
 def _nearest_e2m1_even(v: torch.Tensor) -> torch.Tensor:
@@ -65,7 +67,7 @@ def test_quantize_nvfp4_modelopt_convention():
     w = torch.randn(24, 96, generator=g) * 0.02
     w[3, 5] = 0.5  # an outlier sets amax
     w[7, 16:32] = 0.0  # an all-zero group: scale forced to 1 before the cast
-    q, s, gs = codecs.quantize_nvfp4(w)
+    q, s, gs = nvfp4_codec.quantize(w)
     assert q.dtype == torch.uint8 and q.shape == (24, 48)
     assert s.dtype == torch.float8_e4m3fn and s.shape == (24, 6)
     assert gs.dtype == torch.float32 and gs.numel() == 1
@@ -73,12 +75,12 @@ def test_quantize_nvfp4_modelopt_convention():
     assert float(s.float()[7, 1]) == 1.0
     # the block that holds amax gets the largest scale, 448, and code 7 (6.0) at the outlier
     assert float(s.float()[3, 0]) == 448.0
-    codes = codecs.unpack_nvfp4_codes(q)
+    codes = nvfp4_codec.unpack_codes(q)
     assert int(codes[3, 5]) == 7
     # every code is the round-half-even nearest e2m1 of w / (scale * gs)
     denom = (s.float() * gs).repeat_interleave(16, dim=1)
     assert torch.equal(codes, _nearest_e2m1_even(w / denom))
-    err = (codecs.dequantize_nvfp4(q, s, gs) - w).abs()
+    err = (nvfp4_codec.dequantize(q, s, gs) - w).abs()
     assert float(err.max()) <= float(denom.max()) * 1.0 + 1e-12  # half of the widest step (2) times scale
 
 
@@ -91,16 +93,16 @@ def test_e2m1_rounding_ties():
 def test_quantize_fp8_per_tensor_and_channel():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(16, 40, generator=g)
-    q, s = codecs.quantize_fp8(w)
+    q, s = fp8_codec.quantize(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == ()
     assert float(s) == pytest.approx(float(w.abs().max()) / 448, rel=1e-7)
     assert float(codecs.decode_e4m3(q).abs().max()) == 448.0
-    rel = (codecs.dequantize_fp8(q, s) - w).norm() / w.norm()
+    rel = (fp8_codec.dequantize(q, s) - w).norm() / w.norm()
     assert rel < 0.05
-    q2, s2 = codecs.quantize_fp8(w, per_channel=True)
+    q2, s2 = fp8_codec.quantize(w, per_channel=True)
     assert s2.shape == (16,)
     assert torch.allclose(s2, w.abs().amax(1) / 448)
-    assert torch.equal(codecs.dequantize_fp8(q2, s2.reshape(16, 1)), codecs.dequantize_fp8(q2, s2))
+    assert torch.equal(fp8_codec.dequantize(q2, s2.reshape(16, 1)), fp8_codec.dequantize(q2, s2))
 
 
 def test_dequantize_nvfp4_f64_is_exact_product():
@@ -108,8 +110,8 @@ def test_dequantize_nvfp4_f64_is_exact_product():
     q = torch.randint(0, 256, (8, 32), dtype=torch.uint8, generator=g)
     s = torch.randint(0, 0x7E, (8, 4), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     gs = torch.tensor(3.7e-4)
-    d64 = codecs.dequantize_nvfp4_f64(q, s, gs)
-    codes = codecs.unpack_nvfp4_codes(q)
+    d64 = nvfp4_codec.dequantize_f64(q, s, gs)
+    codes = nvfp4_codec.unpack_codes(q)
     for r, c in [(0, 0), (3, 17), (7, 63)]:
         want = codecs.E2M1_VALUES[int(codes[r, c])] * float(s.view(torch.uint8)[r, c // 16].view(torch.float8_e4m3fn).float()) * float(gs)
         assert float(d64[r, c]) == want
@@ -117,13 +119,13 @@ def test_dequantize_nvfp4_f64_is_exact_product():
 
 def test_bad_inputs_name_the_problem():
     with pytest.raises(formats.FormatError, match="multiple of 16"):
-        codecs.check_nvfp4(torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8))
+        nvfp4_codec.check_source(torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8))
     with pytest.raises(formats.FormatError, match=r"\[N, K/16\]"):
-        codecs.check_nvfp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
+        nvfp4_codec.check_source(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
     with pytest.raises(formats.FormatError, match="float8_e4m3fn"):
         codecs.decode_e4m3(torch.zeros(3))
     with pytest.raises(formats.FormatError, match="per channel"):
-        codecs.dequantize_fp8(torch.zeros(4, 4, dtype=torch.uint8), torch.ones(3))
+        fp8_codec.dequantize(torch.zeros(4, 4, dtype=torch.uint8), torch.ones(3))
 
 
 # ------------------------------------------------------------------ independent cross-check
@@ -139,7 +141,7 @@ def test_cross_check_against_compressed_tensors():
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (12, 64), dtype=torch.uint8, generator=g)
     codes[0, :16] = torch.arange(16, dtype=torch.uint8)
-    ours_packed = codecs.pack_nvfp4_codes(codes)
+    ours_packed = nvfp4_codec.pack_codes(codes)
     values = codecs.decode_e2m1(codes)
     # their packer from values, their unpacker to values, against our codes and bytes
     assert torch.equal(h.pack_fp4_to_uint8(values), ours_packed)

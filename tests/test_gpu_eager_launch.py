@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import family_int4, ops, prepack, routes, sm80_plan
+from qpn.kernels import ops, routes, sm80_plan
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import layout as int4_layout
 from tests import _format_cases as fc
 
 pytestmark = [
@@ -23,11 +27,11 @@ M_LIST = [1, 2, 7, 8, 9, 16, 17, 40, 96]
 def _packed(fmt, n, k, gen, per_channel=False):
     if fmt in ("int4", "int4_sym"):   # quantized Gaussian weights, group 128 (32 where K needs it)
         w = torch.randn((n, k), generator=torch.Generator().manual_seed(n * k)) * 0.02
-        src = family_int4.quantize(w, 128 if k % 128 == 0 else 32, symmetric=fmt == "int4_sym")
-        return family_int4.prepack_int4(*(t.cuda() if t is not None else None for t in src), atom="m16n8k16")
+        src = int4_codec.quantize(w, 128 if k % 128 == 0 else 32, symmetric=fmt == "int4_sym")
+        return int4_layout.prepack(*(t.cuda() if t is not None else None for t in src), atom="m16n8k16")
     if fmt == "nvfp4":
-        return prepack.prepack_nvfp4(*fc.nvfp4_weight(n, k, "gauss", gen), atom="m16n8k16")
-    return prepack.prepack_fp8(*fc.fp8_weight(n, k, "gauss", gen, per_channel), atom="m16n8k16")
+        return nvfp4_layout.prepack(*fc.nvfp4_weight(n, k, "gauss", gen), atom="m16n8k16")
+    return fp8_layout.prepack(*fc.fp8_weight(n, k, "gauss", gen, per_channel), atom="m16n8k16")
 
 
 def _general(x, packed, route, bias):

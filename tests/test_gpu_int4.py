@@ -1,6 +1,6 @@
 """GPU numerics of the INT4 W4A16 kernels (qpn4_* asymmetric, qpn4_sym_* symmetric) on both atoms:
 m8n8k4 (which an sm_80+ GPU runs emulated) and, on sm_80+, m16n8k16 (Frag16INT4Form, Frag16INT4FoldForm in
-csrc/qpn_atom_m16n8k16.cuh), against family_int4's reference. Run on the H200 through the device
+csrc/qpn_atom_m16n8k16.cuh), against the INT4 family's reference. Run on the H200 through the device
 tool; without a GPU every test skips (CI has none), and with a GPU but no NVRTC the build fixture
 fails under CI=true (tests/_ci.py) and skips elsewhere.
 
@@ -27,7 +27,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import family_int4 as fi
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import layout as int4_layout
+from qpn.kernels.families.int4 import numerics as int4_numerics
 from qpn.kernels import formats, ops, routes
 from qpn.kernels.atoms import geometry
 from tests import _format_cases as fc
@@ -96,7 +98,7 @@ def all_values_source(n: int, k: int, g: int, sym: bool, gen) -> tuple:
     cols = k // g
     s = (torch.exp2(torch.randint(-12, -6, (n, cols), generator=gen).float())
          * (1 + torch.randint(0, 8, (n, cols), generator=gen).float() / 8)).half()
-    codes = fi.pack_codes(q)
+    codes = int4_codec.pack_codes(q)
     if sym:
         return codes, s
     return codes, s, (torch.arange(n * cols) % 16).reshape(n, cols).to(torch.uint8)
@@ -105,12 +107,12 @@ def all_values_source(n: int, k: int, g: int, sym: bool, gen) -> tuple:
 def _source(kind: str, n: int, k: int, g: int, sym: bool, gen) -> tuple:
     if kind == "all_values":
         return all_values_source(n, k, g, sym, gen)
-    return fi.quantize(outlier_weight(n, k, gen), g, symmetric=sym)
+    return int4_codec.quantize(outlier_weight(n, k, gen), g, symmetric=sym)
 
 
 def _w16(src) -> torch.Tensor:
     """The FP16 operands the decoder makes (and linear_int4 multiplies), as float64."""
-    return fi.dequantize(*src).half().double()
+    return int4_codec.dequantize(*src).half().double()
 
 
 def _multiplied(src, packed, route, m: int, atom: str) -> torch.Tensor:
@@ -122,7 +124,7 @@ def _multiplied(src, packed, route, m: int, atom: str) -> torch.Tensor:
         from qpn.kernels import sm80_plan
         name = sm80_plan._sm80_kernel_for(route, m, packed.n, formats.format_of(packed))[0]
         if sm80_plan._sm80_config(name).frag.startswith("Frag16INT4Fold"):
-            return fi.dequantize_f64(*src)
+            return int4_codec.dequantize_f64(*src)
     return _w16(src)
 
 
@@ -157,15 +159,15 @@ def test_int4_routes_vs_reference(name, n, k, g, kind, member, atom):
     gen = _gen(n + k + g + sym)
     src = _source(kind, n, k, g, sym, gen)
     if kind == "all_values":
-        assert set(fi.unpack_codes(src[0]).unique().tolist()) == set(range(16))
+        assert set(int4_codec.unpack_codes(src[0]).unique().tolist()) == set(range(16))
         if not sym:
             assert set(src[2].unique().tolist()) == set(range(16)) or n * (k // g) < 16
     dev = torch.device("cuda")
-    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
+    packed = int4_layout.prepack(*(t.to(dev) for t in src), atom=atom)
     assert formats.format_of(packed) is MEMBERS[member] and packed.group_size == g
     w16 = _w16(src)
     x0 = fc.activations(3, k, gen, outliers=True)   # the formula _check uses is linear_int4's, read from the packed bytes
-    assert torch.equal(fi.linear_int4(x0, packed.to("cpu")), (x0.float() @ w16.float().t()).half())
+    assert torch.equal(int4_numerics.linear(x0, packed.to("cpu")), (x0.float() @ w16.float().t()).half())
     bias = (torch.randn(n, generator=gen) * 0.1).half()
     for m in M_LIST:
         x = fc.activations(m, k, gen, outliers=True)
@@ -194,7 +196,7 @@ def test_int4_every_position_and_record_exact_on_gpu(g, member, atom):
     n, k = 40, 2 * 128 + (g if g < 128 else 128)   # K = 288 / 320 / 384: several groups, one partial tile
     src = all_values_source(n, k, g, sym, _gen(g))
     dev = torch.device("cuda")
-    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
+    packed = int4_layout.prepack(*(t.to(dev) for t in src), atom=atom)
     w64 = _w16(src)
 
     def run(route, p):
@@ -206,9 +208,9 @@ def test_int4_every_position_and_record_exact_on_gpu(g, member, atom):
     # corrupt one record: row 33 (second tile on m8n8k4, third on m16n8k16), group 1
     row, grp = 33, 1
     rec, tile = packed.record_bytes, geometry(atom).tile_n
-    slot = int(torch.argsort(fi.record_rows(atom))[row % tile])
+    slot = int(torch.argsort(int4_layout.record_rows(atom))[row % tile])
     off = (((row // tile) * packed.groups_pad + grp) * tile + slot) * rec
-    broken = fi.PackedINT4(packed.codes, packed.scales.clone(), packed.out_scale, n, k, g, sym, atom)
+    broken = int4_layout.PackedINT4(packed.codes, packed.scales.clone(), packed.out_scale, n, k, g, sym, atom)
     broken.scales[off + (0 if sym else 2)] ^= 0x01 if sym else 0x03
     bad = pg.probe(run("qpn4", broken), w64, 8)
     assert {(r, kk // g) for r, kk in bad} == {(row, grp)}, \
@@ -226,12 +228,12 @@ def test_int4_subnormal_operands(member, atom):
     q = torch.randint(0, 16, (n, k), generator=_gen(5), dtype=torch.int64)
     q[:, :16] = torch.arange(16)
     s = torch.full((n, k // g), 2.0 ** -24, dtype=torch.float16) * torch.randint(1, 64, (n, k // g), generator=_gen(6))
-    src = (fi.pack_codes(q), s.half()) if sym else (fi.pack_codes(q), s.half(),
+    src = (int4_codec.pack_codes(q), s.half()) if sym else (int4_codec.pack_codes(q), s.half(),
                                                      (torch.arange(n * k // g) % 16).reshape(n, k // g).to(torch.uint8))
     w64 = _w16(src)
     assert bool(((w64 != 0) & (w64.abs() < 2.0 ** -14)).any()), "the case must hold subnormal operands"
     dev = torch.device("cuda")
-    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
+    packed = int4_layout.prepack(*(t.to(dev) for t in src), atom=atom)
     for route, tokens in (("qpn4", 8), ("qpn4_reconstruct", 128)):
         bad = pg.probe(lambda x, r=route: ops.qpn_linear(x.to(dev), packed, route=r).cpu(), w64, tokens)
         assert not bad, f"{member} {route} ({atom}): {len(bad)} subnormal operands changed, first {bad[:4]}"
@@ -250,8 +252,8 @@ def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
     gen = _gen(11 + sym)
     for g in formats.INT4.group_sizes:
         n, k = 48, 4 * g + 64 if g < 128 else 384
-        src = fi.quantize(outlier_weight(n, k, gen), g, symmetric=sym)
-        packed = fi.prepack_int4(*(t.cuda() for t in src), atom=atom)
+        src = int4_codec.quantize(outlier_weight(n, k, gen), g, symmetric=sym)
+        packed = int4_layout.prepack(*(t.cuda() for t in src), atom=atom)
         w = ops.operands(packed)
         assert ops.kernel_member(w) == (fmt, {32: 1, 64: 2, 128: 3}[g])
         for m, mt in ((1, 1), (8, 1), (9, 2), (16, 2), (40, 2)):
@@ -293,8 +295,8 @@ def test_int4_every_configured_m16n8k16_kernel(member, atom):
         for kind in ("all_values", "outliers"):
             gen = _gen(g + 7 * sym + (kind == "outliers"))
             src = _source(kind, n, k, g, sym, gen)
-            packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
-            w16, exact = _w16(src), fi.dequantize_f64(*src)
+            packed = int4_layout.prepack(*(t.to(dev) for t in src), atom=atom)
+            w16, exact = _w16(src), int4_codec.dequantize_f64(*src)
             for kn, c in sorted(kernels.items()):
                 folds = c.frag.startswith("Frag16INT4Fold") and g >= 64
                 for m in ((1, 8) if c.mt == 1 else (9, 16)):
@@ -322,7 +324,7 @@ def test_int4_thin_finish_and_refill_order_are_bit_for_bit_their_variants(name, 
     dev = torch.device("cuda")
     gen = _gen(n + k + g)
     src = _source("outliers", n, k, g, False, gen)
-    packed = fi.prepack_int4(*(t.to(dev) for t in src), atom=atom)
+    packed = int4_layout.prepack(*(t.to(dev) for t in src), atom=atom)
     for m in range(1, 9):
         x = fc.activations(m, k, gen, outliers=True).to(dev)
         thin = sm80_plan.run_sm80_kernel(x, packed, "qpn4_mt1_m16n8k16_t2d2p0_fold")

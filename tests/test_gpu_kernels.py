@@ -41,7 +41,13 @@ import time
 import pytest
 import torch
 
-from qpn.kernels import atoms, codecs, formats, jit, ops, prepack, reference, routes, sm80_plan, sm80_tables
+from qpn.kernels import atoms, codecs, formats, jit, ops, reference, routes, sm80_plan, sm80_tables
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.nvfp4 import numerics as nvfp4_numerics
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels.families.fp8 import numerics as fp8_numerics
+from qpn.kernels import families
 from tests import _format_cases as fc
 from tests import _per_group as pg
 
@@ -132,10 +138,10 @@ def _fp8_weight(n, k, dev, gen, per_channel, kind="all_bytes"):
 def _magnitude(x, packed):
     """S = |x| @ |W|^T with every scale folded into W (float64), for the per-element bound."""
     if packed.fmt == "nvfp4":
-        vals, scales = reference.decode_packed_nvfp4(packed)
+        vals, scales = nvfp4_numerics.decode_packed(packed)
         w = (vals.double().view(packed.n, -1, 16) * scales.double().unsqueeze(-1)).view(packed.n, packed.k)
         return x.double().abs() @ w.abs().t()
-    vals, scale = reference.decode_packed_fp8(packed)
+    vals, scale = fp8_numerics.decode_packed(packed)
     return (x.double().abs() @ vals.double().abs().t()) * scale.double().abs().reshape(1, -1)
 
 
@@ -196,7 +202,7 @@ def _run_shape(name, packed, fmt, dev, gen, bias=None, weights=""):
     for outliers in (True, False):
         acts = "outliers" if outliers else "plain"
         x = _activations(M_MAX, k, dev, gen, outliers=outliers)
-        y64 = reference.linear_f64(x, packed, bias)
+        y64 = families.reference_linear_f64(x, packed, bias)
         mag = _magnitude(x, packed)
         for m in M_LIST:
             route = str(routes.route_for(fmt, m, packed.n, k, arch=atoms.arch_for_atom(packed.atom)))
@@ -221,8 +227,8 @@ def test_nvfp4_routes_vs_float64(name, n, k, kind, atom, monkeypatch):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n * 7 + k + len(kind))
     w, s, gs = _nvfp4_weight(n, k, dev, gen, kind)
-    packed = prepack.prepack_nvfp4(w, s, gs, atom=atom)
-    prepack.verify_nvfp4_roundtrip(packed, w, s)
+    packed = nvfp4_layout.prepack(w, s, gs, atom=atom)
+    nvfp4_layout.verify_roundtrip(packed, w, s)
     bias = (torch.randn(n, generator=gen, device=dev) * 0.5).half() if n % 2 else None
     _run_shape(name, packed, "nvfp4", dev, gen, bias, weights=kind)
 
@@ -237,8 +243,8 @@ def test_fp8_routes_vs_float64(name, n, k, kind, per_channel, atom):
     w, scale = _fp8_weight(n, k, dev, gen, per_channel, kind)
     if kind == "all_bytes" and n * k >= fc.FP8_FINITE_BYTES.numel():
         assert fc.covers_every_fp8_byte(w)
-    packed = prepack.prepack_fp8(w, scale.to(dev), atom=atom)
-    prepack.verify_fp8_roundtrip(packed, w, scale.to(dev))
+    packed = fp8_layout.prepack(w, scale.to(dev), atom=atom)
+    fp8_layout.verify_roundtrip(packed, w, scale.to(dev))
     bias = (torch.randn(n, generator=gen, device=dev) * 0.5).half() if n % 2 else None
     _run_shape(f"{name}_{'pc' if per_channel else 'pt'}", packed, "fp8", dev, gen, bias, weights=kind)
 
@@ -258,7 +264,7 @@ def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom, monk
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(n + k)
     wt = pg.nvfp4_probe_weight(n, k, gen) if fmt == "nvfp4" else pg.fp8_probe_weight(n, k, gen, per_channel=True)
-    packed = (prepack.prepack_nvfp4(*wt, atom=atom) if fmt == "nvfp4" else prepack.prepack_fp8(*wt, atom=atom)).to(dev)
+    packed = (nvfp4_layout.prepack(*wt, atom=atom) if fmt == "nvfp4" else fp8_layout.prepack(*wt, atom=atom)).to(dev)
     w64 = pg.exact_weight(fmt, wt)
     prefix = routes.ROUTE_PREFIX[fmt]
     for suffix, per_call in PROBE_ROUTES:
@@ -273,7 +279,7 @@ def test_every_position_and_group_scale_exact_on_gpu(name, n, k, fmt, atom, monk
         found_any = False
         for i in torch.randint(0, packed.scales.numel(), (4,), generator=gen).tolist():
             packed.scales[i] ^= 0x08
-            want = pg.groups_of(pg.probe(lambda x: reference.linear_f64(x.to(dev), packed), w64, k))
+            want = pg.groups_of(pg.probe(lambda x: families.reference_linear_f64(x.to(dev), packed), w64, k))
             got = pg.groups_of(pg.probe(run, w64, 96))
             packed.scales[i] ^= 0x08
             assert got == want and len(want) <= 1, (i, sorted(got), sorted(want))
@@ -302,13 +308,13 @@ def test_fp16_accumulator_overflow_trap(atom, monkeypatch):
     w = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     sc = torch.full((n, k // 16), 0x38, dtype=torch.uint8, device=dev)
     sc[:, 0] = 0x7E      # 448
-    packed = prepack.prepack_nvfp4(w, sc.view(torch.float8_e4m3fn), torch.tensor(0.02), atom=atom)
+    packed = nvfp4_layout.prepack(w, sc.view(torch.float8_e4m3fn), torch.tensor(0.02), atom=atom)
     x = torch.randn((16, k), generator=gen, device=dev).half()
     x[:, 0:8] = 5000.0   # 4 x 5000 x 6 x 448 x 0.02 = 1.08e6 before cancelling
-    y64 = reference.linear_f64(x, packed)
+    y64 = families.reference_linear_f64(x, packed)
     assert torch.isfinite(y64.half()).all()
     if atom == "m16n8k16":   # cuBLAS FP16 GEMM (FP32 accumulate and out) on the same exact values
-        e2m1 = codecs.decode_e2m1(codecs.unpack_nvfp4_codes(w)).view(n, -1, 16)
+        e2m1 = codecs.decode_e2m1(nvfp4_codec.unpack_codes(w)).view(n, -1, 16)
         w16 = (e2m1 * codecs.decode_e4m3(sc).unsqueeze(-1)).view(n, k).half()   # exact in FP16
         for m in (1, 8, 16):
             y = (torch.mm(x[:m], w16.t(), out_dtype=torch.float32) * 0.02).half()
@@ -334,7 +340,7 @@ def test_cuda_graph_capture_and_stream_order(atom, monkeypatch):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(5)
     w, s, gs = _nvfp4_weight(512, 1024, dev, gen)
-    packed = prepack.prepack_nvfp4(w, s, gs, atom=atom)
+    packed = nvfp4_layout.prepack(w, s, gs, atom=atom)
     x = _activations(8, 1024, dev, gen)
     eager = ops.qpn_linear(x, packed)
     assert torch.equal(eager, ops.qpn_linear(x, packed))  # deterministic (split-K sums in fixed order)
@@ -364,8 +370,8 @@ def test_cpu_and_gpu_prepack_agree_and_build_checks_entry_points(atom):
     gen = torch.Generator().manual_seed(3)
     w = torch.randint(0, 256, (300, 80), dtype=torch.uint8, generator=gen)
     s = torch.randint(0, 0x7E, (300, 10), dtype=torch.uint8, generator=gen)
-    a = prepack.prepack_nvfp4(w, s, 1.0, atom=atom)
-    b = prepack.prepack_nvfp4(w.cuda(), s.cuda(), 1.0, atom=atom)
+    a = nvfp4_layout.prepack(w, s, 1.0, atom=atom)
+    b = nvfp4_layout.prepack(w.cuda(), s.cuda(), 1.0, atom=atom)
     assert torch.equal(a.codes, b.codes.cpu()) and torch.equal(a.scales, b.scales.cpu())
     major, minor = torch.cuda.get_device_capability()
     t0 = time.time()
@@ -394,7 +400,7 @@ def test_m8n8k4_nvfp4_forms_probe_and_entry_points(monkeypatch):
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device=dev)
     sc = torch.randint(1, 8, (n, k // 16), dtype=torch.uint8, generator=gen, device=dev)    # 2^-9 .. 7 * 2^-9
     sc |= torch.randint(0, 2, sc.shape, dtype=torch.uint8, generator=gen, device=dev) << 7  # either sign
-    packed = prepack.prepack_nvfp4(w, sc.view(torch.float8_e4m3fn), torch.tensor(64.0), atom="m8n8k4")
+    packed = nvfp4_layout.prepack(w, sc.view(torch.float8_e4m3fn), torch.tensor(64.0), atom="m8n8k4")
     x = _activations(32, k, dev, gen)
 
     # capture first, on a device not yet probed: the restore form, and still undecided afterwards
@@ -414,7 +420,7 @@ def test_m8n8k4_nvfp4_forms_probe_and_entry_points(monkeypatch):
     RESULTS.append(dict(atom="m8n8k4", shape="nvfp4_form_probe", n=64, k=256, route="probe_nvfp4_s7", m=16,
                         rel=0.0, elem=0.0, bad=0, ok=True, weights="subnormal scales",
                         acts=f"probe {'passes: s7' if probe else 'fails: restore'}"))
-    y64 = reference.linear_f64(x, packed)
+    y64 = families.reference_linear_f64(x, packed)
     outs = {}
     for f in ("restore", "s7"):
         monkeypatch.setitem(ops._nvfp4_forms, idx, f)
@@ -431,7 +437,7 @@ def test_m8n8k4_nvfp4_forms_probe_and_entry_points(monkeypatch):
 
     if probe:   # the whole format, every M of the tiled routes: bit-identical forms
         w2, s2, gs2 = _nvfp4_weight(2048, 5120, dev, gen, "all_bytes")
-        p2 = prepack.prepack_nvfp4(w2, s2, gs2, atom="m8n8k4")
+        p2 = nvfp4_layout.prepack(w2, s2, gs2, atom="m8n8k4")
         x2 = _activations(32, 5120, dev, gen)
         for m in list(range(1, 17)) + [32]:
             got = {}
@@ -454,9 +460,9 @@ def test_sm80_subnormal_operand_products_are_exact():
     n, k = 300, 1024
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device=dev)
     sc = torch.randint(1, 8, (n, k // 16), dtype=torch.uint8, generator=gen, device=dev)  # 2^-9 .. 7*2^-9
-    packed = prepack.prepack_nvfp4(w, sc.view(torch.float8_e4m3fn), torch.tensor(64.0), atom="m16n8k16")
+    packed = nvfp4_layout.prepack(w, sc.view(torch.float8_e4m3fn), torch.tensor(64.0), atom="m16n8k16")
     x = _activations(32, k, dev, gen)
-    y64 = reference.linear_f64(x, packed)
+    y64 = families.reference_linear_f64(x, packed)
     for route, m in (("qpn2", 1), ("qpn2", 8), ("qpn2_mt2", 16), ("qpn2_chunked", 32), ("qpn2_reconstruct", 16)):
         ok, rel, bad = _check("subnormal_products_300x1024", packed, x, y64, route, m)
         assert ok, (route, m, rel, bad)
@@ -466,9 +472,9 @@ def _packed_m16n8k16(fmt, n, k, dev, gen):
     """A random weight of the format (FP8: per-channel scales), prepacked for the sm_80+ atom."""
     if fmt == "nvfp4":
         w, s, gs = _nvfp4_weight(n, k, dev, gen)
-        return prepack.prepack_nvfp4(w, s, gs, atom="m16n8k16")
+        return nvfp4_layout.prepack(w, s, gs, atom="m16n8k16")
     w, scale = _fp8_weight(n, k, dev, gen, True)
-    return prepack.prepack_fp8(w, scale, atom="m16n8k16")
+    return fp8_layout.prepack(w, scale, atom="m16n8k16")
 
 
 @pytest.mark.gpu
@@ -482,7 +488,7 @@ def test_sm80_every_configuration_is_correct_and_every_variant_runs(fmt):
     n, k = 1000, 4160
     packed = _packed_m16n8k16(fmt, n, k, dev, gen)
     x = _activations(48, k, dev, gen)
-    y64 = reference.linear_f64(x, packed)
+    y64 = families.reference_linear_f64(x, packed)
     prefix = routes.ROUTE_PREFIX[fmt]
     for name, cfg in sm80_plan.sm80_kernels().items():
         if not name.startswith(prefix):
@@ -525,7 +531,7 @@ def _edge_case(fmt, n, k, seed, rows):
     gen = torch.Generator(device=dev).manual_seed(seed)
     packed = _packed_m16n8k16(fmt, n, k, dev, gen)
     x = _activations(rows, k, dev, gen)
-    return packed, x, reference.linear_f64(x, packed), routes.ROUTE_PREFIX[fmt]
+    return packed, x, families.reference_linear_f64(x, packed), routes.ROUTE_PREFIX[fmt]
 
 
 def _twice_within_bound(x, packed, name, route, y64):

@@ -25,7 +25,8 @@ import os
 import pytest
 import torch
 
-from qpn.kernels import moe, moe_reference, prepack, reference
+from qpn.kernels import moe, moe_reference, reference
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
 from tests._moe_cases import ROUTINGS, activations, random_moe, routing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -299,4 +300,4 @@ def test_results_are_deterministic_and_build_checks_entry_points():
 
     wq, s, gs = random_nvfp4_stack(2, 64, 128, gen, dev)
     st = moe.prepack_expert_stack("nvfp4", wq, s, gs)
-    assert torch.equal(st.codes[1], prepack.prepack_nvfp4(wq[1], s[1], gs[1]).codes)
+    assert torch.equal(st.codes[1], nvfp4_layout.prepack(wq[1], s[1], gs[1]).codes)

@@ -18,7 +18,8 @@ import torch
 
 from qpn.fork_patches.quant import conventions as cv
 from qpn.fork_patches.engine import engine_source
-from qpn.kernels import family_int4
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
 
 pytestmark = pytest.mark.fast
 
@@ -218,7 +219,7 @@ def test_the_nvfp4_fp8_readers_keep_int4_apart():
 # ------------------------------------------------------------------------------ the tensors
 def _canonical(n=48, k=256, g=G, sym=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return family_int4.quantize(torch.randn(n, k, generator=gen) * 0.05, g, symmetric=sym)
+    return int4_codec.quantize(torch.randn(n, k, generator=gen) * 0.05, g, symmetric=sym)
 
 
 def test_awq_inputs_are_the_canonical_source():
@@ -244,7 +245,7 @@ def test_an_off_by_one_group_is_refused_naming_the_module():
 def _gptq_tensors(src, stored_zero_offset: int):
     qu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.quant_utils")
     codes, s, z = src
-    q = family_int4.unpack_codes(codes).t().to(torch.int32)          # [K, N]
+    q = int4_codec.unpack_codes(codes).t().to(torch.int32)          # [K, N]
     k, n = q.shape
     return {"qweight": qu.pack_rows(q, 4, k, n),                          # vLLM's GPTQ packer
             "qzeros": qu.pack_cols(z.t().to(torch.int32) - stored_zero_offset, 4, k // G, n),
@@ -291,7 +292,7 @@ def test_act_order_is_refused_naming_the_module():
     scattered = (torch.arange(256) % (256 // G)).to(torch.int32)
     with pytest.raises(cv.ActOrderRefused, match="^layers.7.mlp.down_proj: activation-ordered") as err:
         cv.CT_PACK_QUANTIZED.int4_inputs({**t, "weight_g_idx": scattered}, "layers.7.mlp.down_proj", scheme)
-    assert isinstance(err.value.__cause__, family_int4.ActOrderError)
+    assert isinstance(err.value.__cause__, int4_checkpoint.ActOrderError)
     with pytest.raises(cv.ActOrderRefused, match="^x: activation-ordered"):
         cv.GPTQ.check_g_idx("x", scattered, 256, scheme)
 
@@ -335,9 +336,9 @@ def vllm_awq():
 
 def test_awq_checkpoint_is_vllms_awq_byte_for_byte(awq_ckpt, vllm_awq, monkeypatch):
     """Every INT4 module: qweight and qzeros are vLLM's own AutoAWQ packer's words (quant_utils.
-    awq_pack) for the codes and zero points family_int4.quantize makes; vLLM's torch AWQ
+    awq_pack) for the codes and zero points int4_codec.quantize makes; vLLM's torch AWQ
     dequantization (fused_moe.oracle.int_wna16._unpack_and_dequant_int4_awq, the triton-free
-    reference of its emulation path) gives family_int4's weights in float16, bit for bit; vLLM's
+    reference of its emulation path) gives the INT4 family's weights in float16, bit for bit; vLLM's
     AWQ -> standard repack (auto_awq._convert_awq_to_standard_format) gives our codes."""
     import torch.nn as nn
     import vllm.model_executor.parameter as vparam
@@ -349,15 +350,15 @@ def test_awq_checkpoint_is_vllms_awq_byte_for_byte(awq_ckpt, vllm_awq, monkeypat
     assert len(modules) == 50  # the mixed plan's 51 FP8 / NVFP4 linears less lm_head
     E = vllm_awq
     for hub, module in modules.items():
-        codes, s, z = family_int4.quantize(weights[f"{module}.weight"], G)
-        q = family_int4.unpack_codes(codes).t().to(torch.int32)   # [K, N]
+        codes, s, z = int4_codec.quantize(weights[f"{module}.weight"], G)
+        q = int4_codec.unpack_codes(codes).t().to(torch.int32)   # [K, N]
         k, n = q.shape
         qw, qz, sc = t[f"{hub}.qweight"], t[f"{hub}.qzeros"], t[f"{hub}.scales"]
         assert torch.equal(qw, E.qu.awq_pack(q, 4, k, n)), hub
         assert torch.equal(qz, E.qu.awq_pack(z.t().to(torch.int32), 4, k // G, n)), hub
         assert sc.dtype == torch.float16 and torch.equal(sc, s.t()), hub
         theirs = E.dequant(qw[None], sc[None], qz[None], transpose_output=True, output_dtype=torch.float16)[0]
-        assert torch.equal(theirs, family_int4.dequantize(codes, s, z).half()), hub
+        assert torch.equal(theirs, int4_codec.dequantize(codes, s, z).half()), hub
         mod = nn.Module()
         mod.qweight = nn.Parameter(qw.clone(), requires_grad=False)
         mod.qzeros = nn.Parameter(qz.clone(), requires_grad=False)
@@ -370,7 +371,7 @@ def test_awq_checkpoint_is_vllms_awq_byte_for_byte(awq_ckpt, vllm_awq, monkeypat
 def test_a_swapped_awq_nibble_order_would_not_be_vllms(vllm_awq, monkeypatch):
     """The byte-identity check above fails if the generator packed in the standard order."""
     src = _canonical(n=64, k=64)
-    q = family_int4.unpack_codes(src[0]).t().to(torch.int32)
+    q = int4_codec.unpack_codes(src[0]).t().to(torch.int32)
     assert torch.equal(mi.to_awq(*src)["qweight"], vllm_awq.qu.awq_pack(q, 4, 64, 64))
     monkeypatch.setattr(mi, "AWQ", dataclasses.replace(
         cv.AWQ, layout=dataclasses.replace(cv.AWQ.layout, nibble_order=tuple(range(8)))))
@@ -415,11 +416,11 @@ def _exllama_v1_zeros(vllm_awq, k: int, n: int, g: int, monkeypatch) -> torch.Te
 
 def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq, monkeypatch):
     """Every INT4 module of a GPTQ checkpoint (each member, v1 and v2): qweight is vLLM's GPTQ packer's
-    words (quant_utils.pack_rows) for family_int4.quantize's codes, qzeros its column packer's
+    words (quant_utils.pack_rows) for int4_codec.quantize's codes, qzeros its column packer's
     (pack_cols) for the stored zero points; a symmetric v1 checkpoint's qzeros are the very words
     vLLM's exllama kernel makes for uint4b8 (its v1 convention, zero - 1); the v1 words are the v2
     words less one per nibble; vLLM's GPTQ dequantization (fused_moe.oracle.int_wna16.
-    _unpack_and_dequant_int4_gptq, which reads the v2 form) gives family_int4's weights in float16,
+    _unpack_and_dequant_int4_gptq, which reads the v2 form) gives the INT4 family's weights in float16,
     bit for bit; g_idx is k // g; and QPN's reader gives the canonical source back."""
     import vllm.model_executor.parameter as vparam
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
@@ -436,8 +437,8 @@ def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq, monkey
     assert len(modules) == 50
     qu = vllm_awq.qu
     for hub, module in modules.items():
-        src = family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym)
-        q = family_int4.unpack_codes(src[0]).t().to(torch.int32)     # [K, N]
+        src = int4_codec.quantize(weights[f"{module}.weight"], G, symmetric=sym)
+        q = int4_codec.unpack_codes(src[0]).t().to(torch.int32)     # [K, N]
         k, n = q.shape
         zero = torch.full((k // G, n), 8, dtype=torch.int32) if sym else src[2].t().to(torch.int32)
         offset = 1 if fmt == "gptq" else 0
@@ -450,7 +451,7 @@ def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq, monkey
         v2_words = qu.pack_cols(zero, 4, k // G, n)
         theirs = int_wna16._unpack_and_dequant_int4_gptq(qw[None], sc[None], None if sym else v2_words[None],
                                                           transpose_output=True, output_dtype=torch.float16)[0]
-        assert torch.equal(theirs, family_int4.dequantize(*src).half()), hub
+        assert torch.equal(theirs, int4_codec.dequantize(*src).half()), hub
         got = cv.GPTQ.int4_inputs({k_: t[f"{hub}.{k_}"] for k_ in ("qweight", "qzeros", "scales", "g_idx")}, hub, scheme)
         assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
         assert f"{hub}.weight" not in t
@@ -481,7 +482,7 @@ def test_gptq_writer_over_every_code_and_zero_point(vllm_awq):
     codes = torch.stack([torch.roll(torch.arange(16).repeat(k // 16), r) for r in range(n)]).to(torch.uint8)
     zeros = ((torch.arange(n).view(n, 1) + torch.arange(k // g).view(1, -1)) % 16).to(torch.uint8)
     scales = (torch.rand(n, k // g, generator=torch.Generator().manual_seed(5)) * 0.02 + 1e-3).half()
-    src = (family_int4.pack_codes(codes), scales, zeros)
+    src = (int4_codec.pack_codes(codes), scales, zeros)
     assert set(zeros.unique().tolist()) == set(range(16))
     with pytest.raises(ValueError, match="^layers.0.mlp.down_proj: zero point 0 cannot be stored in GPTQ's v1"):
         mi.to_gptq(*src, g, "gptq", module="layers.0.mlp.down_proj")
@@ -494,7 +495,7 @@ def test_gptq_writer_over_every_code_and_zero_point(vllm_awq):
         theirs = vllm_awq.dequant_gptq(t["qweight"][None], t["scales"][None],
                                        qu.pack_cols(z.t().to(torch.int32), 4, k // g, n)[None],
                                        transpose_output=True, output_dtype=torch.float32)[0]
-        assert torch.equal(theirs, family_int4.dequantize(src[0], scales, z)), fmt
+        assert torch.equal(theirs, int4_codec.dequantize(src[0], scales, z)), fmt
         scheme = cv.GPTQ.scheme(mi.quantization_config("gptq", g, False, checkpoint_format=fmt))
         got = cv.GPTQ.int4_inputs(t, "m", scheme)
         assert torch.equal(got[0], src[0]) and torch.equal(got[1], scales) and torch.equal(got[2], z), fmt
@@ -504,7 +505,7 @@ def test_ct_checkpoint_is_the_librarys_byte_for_byte(ct_ckpt):
     """Every INT4 module: weight_packed / weight_zero_point are compressed-tensors' pack_to_int32
     of the signed codes and zero points; PackedQuantizationCompressor.compress, given the weights
     these tensors decode to and the same scale and zero point, writes exactly our tensors
-    (weight_shape included), and its decompress gives family_int4's weights."""
+    (weight_shape included), and its decompress gives the INT4 family's weights."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as PQC
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationScheme
@@ -515,12 +516,12 @@ def test_ct_checkpoint_is_the_librarys_byte_for_byte(ct_ckpt):
     qcfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     scheme = QuantizationScheme(targets=["Linear"], weights=qcfg["weights"])
     for hub, module in modules.items():
-        src = family_int4.quantize(weights[f"{module}.weight"], G, symmetric=sym)
+        src = int4_codec.quantize(weights[f"{module}.weight"], G, symmetric=sym)
         codes, s = src[0], src[1]
-        q_signed = (family_int4.unpack_codes(codes).to(torch.int16) - 8).to(torch.int8)
+        q_signed = (int4_codec.unpack_codes(codes).to(torch.int16) - 8).to(torch.int8)
         ours = {k[len(hub) + 1:]: v for k, v in t.items() if k.startswith(hub + ".")}
         assert torch.equal(ours["weight_packed"], pack_to_int32(q_signed, 4)), hub
-        sd = {"weight": family_int4.dequantize(*src), "weight_scale": s}
+        sd = {"weight": int4_codec.dequantize(*src), "weight_scale": s}
         if not sym:
             z_signed = (src[2].to(torch.int16) - 8).to(torch.int8)
             assert torch.equal(ours["weight_zero_point"], pack_to_int32(z_signed, 4, packed_dim=0)), hub
@@ -530,7 +531,7 @@ def test_ct_checkpoint_is_the_librarys_byte_for_byte(ct_ckpt):
         for key, v in lib.items():
             assert v.dtype == ours[key].dtype and torch.equal(v, ours[key]), f"{hub}.{key}"
         theirs = PQC.decompress(ours, scheme)["weight"]
-        assert torch.equal(theirs, family_int4.dequantize(*src).half()), hub
+        assert torch.equal(theirs, int4_codec.dequantize(*src).half()), hub
         got = cv.CT_PACK_QUANTIZED.int4_inputs(ours, hub, cv.ct_int4_scheme_of(qcfg["weights"], "pack-quantized", ""))
         assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
 

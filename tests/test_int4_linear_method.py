@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("vllm")
 
 from qpn.fork_patches.quant import conventions as cv  # noqa: E402
-from qpn.kernels import family_int4  # noqa: E402
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
 from qpn.scripts.checkpoints import make_int4_checkpoint as mi  # noqa: E402
 
 TARGET = {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}
@@ -68,16 +69,16 @@ def canonical(n: int, k: int, g: int, sym: bool, seed: int, zero_min: int = 0):
     q[0, :16] = torch.arange(16, dtype=torch.uint8)
     s = (torch.rand(n, k // g, generator=gen) * 0.05 + 0.002).to(torch.float16)
     if sym:
-        return family_int4.pack_codes(q), s, None
+        return int4_codec.pack_codes(q), s, None
     span = 16 - zero_min
     z = (zero_min + (torch.arange(n).view(-1, 1) * 7 + torch.arange(k // g).view(1, -1) + seed) % span)
-    return family_int4.pack_codes(q), s, z.to(torch.uint8)
+    return int4_codec.pack_codes(q), s, z.to(torch.uint8)
 
 
 def to_gptq(codes, scales, zeros, g: int, offset: int) -> dict[str, torch.Tensor]:
     """Canonical -> GPTQ {qweight [K/8, N] (eight inputs per word), qzeros [K/g, N/8], scales
     [K/g, N], g_idx [K]} (AutoGPTQ's layout; qzeros of a symmetric module hold 8 - offset)."""
-    q = family_int4.unpack_codes(codes)
+    q = int4_codec.unpack_codes(codes)
     n, k = q.shape
     z = zeros if zeros is not None else torch.full(scales.shape, 8, dtype=torch.uint8)
     names = cv.GPTQ.names
@@ -101,7 +102,7 @@ def _nib(words: torch.Tensor, j: int) -> torch.Tensor:
 
 def decode_checkpoint(kind: str, t: dict[str, torch.Tensor], g: int) -> torch.Tensor:
     """float32 [N, K] from one module's checkpoint tensors, written from the formats' descriptions
-    (not through family_int4 or conventions' unpackers)."""
+    (not through the int4 family's or conventions' unpackers)."""
     conv, sym, offset = KINDS[kind]
     if conv is cv.AWQ:
         qw, qz, s = t["qweight"], t["qzeros"], t["scales"].float()
@@ -254,7 +255,7 @@ def test_every_code_and_zero_point_is_exercised(kind):
     _, plan, k = layer_plan("gate_up")
     conv, sym, offset = KINDS[kind]
     codes, s, z = canonical(plan[0][2], k, 32, sym, 0, zero_min=offset)
-    assert set(family_int4.unpack_codes(codes).unique().tolist()) == set(range(16))
+    assert set(int4_codec.unpack_codes(codes).unique().tolist()) == set(range(16))
     assert set(z.unique().tolist()) == set(range(16))
 
 
@@ -393,15 +394,15 @@ def test_an_unpacker_bug_is_caught_before_serving(engine_context, monkeypatch, b
     the convention (AWQ's nibble order taken as the standard one; zero points read from the wrong
     shard of a word) refuses the module instead of serving wrong weights."""
     if bug == "nibble-order":
-        monkeypatch.setattr(family_int4, "AWQ_ORDER", tuple(range(8)))
+        monkeypatch.setattr(int4_checkpoint, "AWQ_ORDER", tuple(range(8)))
         kind = "awq"
     else:
-        real = family_int4.from_pack_quantized
+        real = int4_checkpoint.from_pack_quantized
 
         def swapped(*a, **kw):
             codes, s, z = real(*a, **kw)
             return codes, s, z.flip(0).contiguous()
-        monkeypatch.setattr(family_int4, "from_pack_quantized", swapped)
+        monkeypatch.setattr(int4_checkpoint, "from_pack_quantized", swapped)
         kind = "ct-asym"
     _fail(kind, "gate_up", 32, lambda t: None, needle)
 

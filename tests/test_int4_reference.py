@@ -1,6 +1,6 @@
 """The independent float32 reference for INT4 checkpoints (qpn.scripts.checkpoints.int4_reference):
 its decoders (vLLM's AWQ / GPTQ dequantization, compressed-tensors' unpacker and dequantize) and
-QPN's (the conventions' unpackers into qpn.kernels.family_int4) share no code, and agree bit for bit
+QPN's (the conventions' unpackers into qpn.kernels.families.int4) share no code, and agree bit for bit
 in float32 on every INT4 module of every convention, member and GPTQ format the generator writes;
 its negative controls change every module; what it cannot read is refused naming it. The teacher-
 forced run itself is checkpoint_reference's (tests/test_e2e_int4.py uses it end to end)."""
@@ -19,7 +19,7 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("tokenizers")
 
 from qpn.fork_patches.quant import conventions as cv  # noqa: E402
-from qpn.kernels import family_int4  # noqa: E402
+from qpn.kernels.families.int4 import codec as int4_codec
 from qpn.scripts.checkpoints import int4_reference as ref  # noqa: E402
 from qpn.scripts.checkpoints import make_int4_checkpoint as mi  # noqa: E402
 
@@ -58,7 +58,7 @@ def test_reference_decode_is_the_familys_bit_for_bit(ckpts, name):
     for module, scheme in schemes.items():
         src = conv.int4_inputs(t, module, scheme)
         got = sd[_engine_key(module)]
-        assert got.dtype == torch.float32 and torch.equal(got, family_int4.dequantize(*src)), module
+        assert got.dtype == torch.float32 and torch.equal(got, int4_codec.dequantize(*src)), module
     # everything else is the checkpoint's BF16 tensor in float32, under transformers' names; no MTP
     assert not any(k.startswith("mtp.") or k.endswith(("qweight", "qzeros", "scales", "g_idx", "weight_packed"))
                    for k in sd)

@@ -2,7 +2,8 @@
 dequantize-then-matmul arm (no GPU needed)."""
 import torch
 
-from qpn.kernels import family_int4
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import layout as int4_layout
 from qpn.benchmarks import kernel_matched_bench as kb
 
 
@@ -102,7 +103,7 @@ def test_int4_naive_dequant_matches_the_family_reference_over_every_byte_and_zer
     sc = (torch.rand((n, k // g), generator=gen) * 0.03 + 0.002).to(torch.float16)
     zr = torch.arange(n * k // g).remainder(16).to(torch.uint8).view(n, k // g)   # every zero point
     got = kb.NaiveDequant.int4(codes, sc, zr)
-    want = family_int4.dequantize(codes, sc, zr).to(torch.float16)
+    want = int4_codec.dequantize(codes, sc, zr).to(torch.float16)
     assert got.dtype == torch.float16 and torch.equal(got, want)
 
 
@@ -116,8 +117,8 @@ def test_sweep_trials_are_the_weights_own_members_kernels_and_the_routes_own_ker
     gen = torch.Generator().manual_seed(3)
     for sym, member in ((False, formats.INT4), (True, formats.INT4_SYM)):
         for n in (5120, 34816):
-            src = family_int4.quantize(torch.randn((n, 128), generator=gen), 128, symmetric=sym)
-            p = family_int4.prepack_int4(*src, atom="m16n8k16")
+            src = int4_codec.quantize(torch.randn((n, 128), generator=gen), 128, symmetric=sym)
+            p = int4_layout.prepack(*src, atom="m16n8k16")
             trials = kb.sweep_trials(kernels, p, "qpn4", 1, min_items=(24,), default_items=4)
             names = [kn for kn, _ in trials]
             want = sm80_plan._sm80_kernel_for(routes.as_route("qpn4"), 1, n, member)[0]

@@ -11,7 +11,9 @@ import torch
 
 import _per_group as pg
 import _sm70_replay as rp
-from qpn.kernels import prepack, reference
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels import families
 
 N, K = 40, 96           # partial tiles and k-blocks of both atoms; 6 groups, 3 / 2 k-blocks
 
@@ -28,14 +30,14 @@ def _weights(fmt, per_channel=True, seed=3):
 
 
 def _pack(fmt, wt, atom):
-    return prepack.prepack_nvfp4(*wt, atom=atom) if fmt == "nvfp4" else prepack.prepack_fp8(*wt, atom=atom)
+    return nvfp4_layout.prepack(*wt, atom=atom) if fmt == "nvfp4" else fp8_layout.prepack(*wt, atom=atom)
 
 
 def _runners(replay, packed, with_mt1=True):
     """name -> (run(x) -> y, tokens per call, positions (None: every input))."""
     p = "qpn2" if packed.fmt == "nvfp4" else "qpn8"
-    out = {"reference_f64": (lambda x: reference.linear_f64(x, packed), K, None),
-           "reference_f32": (lambda x: reference.linear(x, packed), K, None)}
+    out = {"reference_f64": (lambda x: families.reference_linear_f64(x, packed), K, None),
+           "reference_f32": (lambda x: families.reference_linear(x, packed), K, None)}
     if packed.atom == "m8n8k4":
         out[f"replay_{p}_chunked"] = (lambda x: replay.linear(packed, x, p + "_chunked", ksplit=1), 64, None)
         out[f"replay_{p}_reconstruct"] = (lambda x: replay.linear(packed, x, p + "_reconstruct"), K, None)
@@ -76,7 +78,7 @@ def test_one_corrupted_group_scale_is_found_and_named(replay, atom):
         packed = _pack("nvfp4", wt, atom)
         i = int(torch.randint(0, packed.scales.numel(), (1,), generator=gen))
         packed.scales[i] ^= 0x08
-        ref = pg.groups_of(pg.probe(lambda x: reference.linear_f64(x, packed), w64, K))
+        ref = pg.groups_of(pg.probe(lambda x: families.reference_linear_f64(x, packed), w64, K))
         assert len(ref) <= 1, f"{atom}: one corrupted byte changed several groups {sorted(ref)[:6]}"
         if not ref:
             continue

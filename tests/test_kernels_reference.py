@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import codecs, jit, nvrtc, ops, prepack, reference, routes
+from qpn.kernels import jit, nvrtc, ops, reference, routes
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.nvfp4 import numerics as nvfp4_numerics
+from qpn.kernels.families.fp8 import codec as fp8_codec
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels.families.fp8 import numerics as fp8_numerics
 from tests import _format_cases as fc
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
@@ -30,14 +36,14 @@ def test_reference_nvfp4_within_bound_of_float64(n, k, m, kind, outliers):
     without outlier channels."""
     g = torch.Generator().manual_seed(n + k)
     q, s, gs = fc.nvfp4_weight(n, k, kind, g)
-    p = prepack.prepack_nvfp4(q, s, gs)
+    p = nvfp4_layout.prepack(q, s, gs)
     x = fc.activations(m, k, g, outliers=outliers)
-    y = reference.linear_nvfp4(x, p)
-    y64 = reference.linear_nvfp4_f64(x, p)
+    y = nvfp4_numerics.linear(x, p)
+    y64 = nvfp4_numerics.linear_f64(x, p)
     assert y.dtype == torch.float16 and y.shape == (m, n)
     assert reference.relative_error(y, y64) <= BOUND
     # the reference decodes the PACKED buffers: the same values as the checkpoint tensors
-    direct = x.double() @ codecs.dequantize_nvfp4_f64(q, s, gs).t()
+    direct = x.double() @ nvfp4_codec.dequantize_f64(q, s, gs).t()
     assert torch.equal(y64, direct)
 
 
@@ -49,23 +55,23 @@ def test_reference_fp8_within_bound_of_float64(per_channel, kind, outliers):
     q, s = fc.fp8_weight(45, 99, kind, g, per_channel)
     if kind == "all_bytes":
         assert fc.covers_every_fp8_byte(q)
-    p = prepack.prepack_fp8(q, s)
+    p = fp8_layout.prepack(q, s)
     x = fc.activations(5, 99, g, outliers=outliers)
     bias = (torch.randn(45, generator=g) * 0.01).half()
-    y = reference.linear_fp8(x, p, bias)
-    y64 = reference.linear_fp8_f64(x, p, bias)
+    y = fp8_numerics.linear(x, p, bias)
+    y64 = fp8_numerics.linear_f64(x, p, bias)
     assert reference.relative_error(y, y64) <= BOUND
-    assert torch.allclose(y64, x.double() @ codecs.dequantize_fp8_f64(q, s).t() + bias.double(), rtol=0, atol=1e-9)
+    assert torch.allclose(y64, x.double() @ fp8_codec.dequantize_f64(q, s).t() + bias.double(), rtol=0, atol=1e-9)
 
 
 def test_reference_decode_is_independent_of_source_tensors():
     """Corrupting the packed buffer changes the reference output: it reads the packed bytes."""
     g = torch.Generator().manual_seed(1)
-    p = prepack.prepack_nvfp4(*codecs.quantize_nvfp4(torch.randn((32, 32), generator=g)))
+    p = nvfp4_layout.prepack(*nvfp4_codec.quantize(torch.randn((32, 32), generator=g)))
     x = torch.ones((1, 32), dtype=torch.float16)
-    before = reference.linear_nvfp4(x, p).clone()
+    before = nvfp4_numerics.linear(x, p).clone()
     p.codes[0] ^= 0x77
-    assert not torch.equal(before, reference.linear_nvfp4(x, p))
+    assert not torch.equal(before, nvfp4_numerics.linear(x, p))
 
 
 def test_route_table():
@@ -94,12 +100,12 @@ def test_route_table():
 
 def test_qpn_linear_on_cpu_is_the_reference_through_the_custom_op():
     g = torch.Generator().manual_seed(2)
-    p = prepack.prepack_nvfp4(*codecs.quantize_nvfp4(torch.randn((40, 64), generator=g) * 0.1))
+    p = nvfp4_layout.prepack(*nvfp4_codec.quantize(torch.randn((40, 64), generator=g) * 0.1))
     x = _outlier_x(6, 64, 9).reshape(2, 3, 64)
     bias = torch.randn(40, generator=g).half()
     y = ops.qpn_linear(x, p, bias=bias)
     assert y.shape == (2, 3, 40) and y.dtype == torch.float16
-    assert torch.equal(y.reshape(6, 40), reference.linear_nvfp4(x.reshape(6, 64), p, bias))
+    assert torch.equal(y.reshape(6, 40), nvfp4_numerics.linear(x.reshape(6, 64), p, bias))
     assert hasattr(torch.ops.qpn, "linear")
     with pytest.raises(ValueError, match="K=63"):
         ops.qpn_linear(torch.zeros((1, 63)), p)
@@ -109,8 +115,8 @@ def test_qpn_linear_on_cpu_is_the_reference_through_the_custom_op():
 
 def test_custom_op_fake_impl_traces_under_torch_compile():
     g = torch.Generator().manual_seed(3)
-    q, s = codecs.quantize_fp8(torch.randn((24, 40), generator=g))
-    p = prepack.prepack_fp8(q, s)
+    q, s = fp8_codec.quantize(torch.randn((24, 40), generator=g))
+    p = fp8_layout.prepack(q, s)
     x = torch.randn((5, 40), generator=g).half()
     compiled = torch.compile(lambda a: ops.qpn_linear(a, p), fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), ops.qpn_linear(x, p))

@@ -29,6 +29,12 @@ import _format_cases as fc
 import _moe_cases
 import _sm70_replay as rp
 from qpn.kernels import codecs, ops, prepack, routes
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.fp8 import codec as fp8_codec
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import layout as int4_layout
 
 TIGHT = 1e-12   # float64 summation-order noise, relative to the magnitude sum |x| @ |W|^T
 
@@ -47,9 +53,9 @@ def replay():
 def _packed(fmt, n, k, kind, gen, per_channel=False):
     if fmt == "nvfp4":
         wt = fc.nvfp4_weight(n, k, kind, gen)
-        return prepack.prepack_nvfp4(*wt), wt
+        return nvfp4_layout.prepack(*wt), wt
     wt = fc.fp8_weight(n, k, kind, gen, per_channel)
-    return prepack.prepack_fp8(*wt), wt
+    return fp8_layout.prepack(*wt), wt
 
 
 # (format, weight kind, route suffix, M, ksplit): each route of each format once in the fast tier,
@@ -210,24 +216,26 @@ def _expert_f64(stack, e):
     """Expert e's float64 weights from the prepack's verified inverse (not from the replay's rules)."""
     p = stack.expert(e)
     if stack.fmt == "nvfp4":
-        w, s = prepack.unprepack_nvfp4(p)
-        return codecs.dequantize_nvfp4_f64(w, s, p.global_scale)
-    w, s = prepack.unprepack_fp8(p)
-    return codecs.dequantize_fp8_f64(w, s)
+        w, s = nvfp4_layout.unprepack(p)
+        return nvfp4_codec.dequantize_f64(w, s, p.global_scale)
+    w, s = fp8_layout.unprepack(p)
+    return fp8_codec.dequantize_f64(w, s)
 
 
 # ------------------------------------------------------------ drift on either side must fail
-def _drifted_block_maps(kind_to_mutate, mutate):
-    from qpn.kernels import atoms
-    real = atoms.block_maps
+# the family layouts' fragment maps, by the name each drift names
+FRAGMENT_MAPS = {"nvfp4": (nvfp4_layout, "code_maps"), "fp8": (fp8_layout, "code_maps"),
+                 "scale": (nvfp4_layout, "scale_maps")}
 
-    def block_maps(atom, kind):
-        gather, scatter = real(atom, kind)
-        if atom != "m8n8k4" or kind != kind_to_mutate:
+
+def _drifted_maps(real, mutate):
+    def maps(atom):
+        gather, scatter = real(atom)
+        if atom != "m8n8k4":
             return gather, scatter
         g = mutate(gather.clone())
         return g, torch.argsort(g)
-    return block_maps
+    return maps
 
 
 def _swap_in_each_word(width, a, b):
@@ -260,13 +268,14 @@ ATOMS_DRIFTS = {
 
 @pytest.mark.fast
 @pytest.mark.parametrize("name", list(ATOMS_DRIFTS))
-def test_a_drift_in_atoms_py_fails_the_replay(replay, monkeypatch, name):
+def test_a_drift_in_a_fragment_map_fails_the_replay(replay, monkeypatch, name):
     kind, mutate = ATOMS_DRIFTS[name]
     fmt = "fp8" if kind == "fp8" else "nvfp4"
     gen = torch.Generator().manual_seed(5)
     packed_ok, wt = _packed(fmt, 32, 64, "all_bytes", gen)
-    monkeypatch.setattr(prepack, "block_maps", _drifted_block_maps(kind, mutate))
-    packed = prepack.prepack_nvfp4(*wt) if fmt == "nvfp4" else prepack.prepack_fp8(*wt)
+    module, name = FRAGMENT_MAPS[kind]
+    monkeypatch.setattr(module, name, _drifted_maps(getattr(module, name), mutate))
+    packed = nvfp4_layout.prepack(*wt) if fmt == "nvfp4" else fp8_layout.prepack(*wt)
     assert not torch.equal(packed.codes, packed_ok.codes) or (
         fmt == "nvfp4" and not torch.equal(packed.scales, packed_ok.scales))
     x = fc.activations(8, 64, gen, outliers=False)
@@ -339,8 +348,7 @@ def test_a_drift_in_qpn_family_cuh_fails_the_replay(where, name):
 # rules, the group-record address (groups_pad, rbase, the ring's two record loads, the
 # reconstruct pass's), which record feeds Dec::apply in which order. Their operands are
 # fp16((code - zero) * scale), rounded once, so the replay is compared with the float64 product
-# of those FP16 weights (family_int4.linear_int4's operands), to float64 noise.
-from qpn.kernels import family_int4 as fi  # noqa: E402
+# of those FP16 weights (int4_numerics.linear's operands), to float64 noise.
 
 
 def int4_weight(n: int, k: int, g: int, sym: bool, gen) -> tuple:
@@ -350,7 +358,7 @@ def int4_weight(n: int, k: int, g: int, sym: bool, gen) -> tuple:
     q[:, :16] = torch.arange(16)          # every code in every row (and so in group 0 of each row)
     cols = k // g
     s = (torch.rand(n, cols, generator=gen) * 3 - 4).exp2().mul(torch.rand(n, cols, generator=gen) + 0.5).half()
-    codes = fi.pack_codes(q)
+    codes = int4_codec.pack_codes(q)
     if sym:
         return codes, s
     z = (torch.arange(n * cols) % 16).reshape(n, cols).to(torch.uint8)
@@ -358,7 +366,7 @@ def int4_weight(n: int, k: int, g: int, sym: bool, gen) -> tuple:
 
 
 def int4_ref(x: torch.Tensor, src: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    w = fi.dequantize(*src).half().double()   # the decoder's operands: one rounding to FP16
+    w = int4_codec.dequantize(*src).half().double()   # the decoder's operands: one rounding to FP16
     return x.double() @ w.t(), x.double().abs() @ w.abs().t()
 
 
@@ -375,7 +383,7 @@ INT4_CASES = [
 def test_int4_replayed_route_equals_its_fp16_weights(replay, sym, g, k, route, m, ksplit):
     gen = torch.Generator().manual_seed(g + k + m)
     src = int4_weight(72, k, g, sym, gen)
-    packed = fi.prepack_int4(*src)
+    packed = int4_layout.prepack(*src)
     x = fc.activations(m, k, gen, outliers=True)
     y = replay.linear(packed, x, route, ksplit=ksplit)
     ref, mag = int4_ref(x, src)
@@ -387,7 +395,7 @@ def _int4_drift_error(replay_obj, sym, g=128, k=384, route="qpn4", ksplit=2):
     src = int4_weight(72, k, g, sym, gen)
     x = fc.activations(8, k, gen, outliers=False)
     ref, _ = int4_ref(x, src)
-    y = replay_obj.linear(fi.prepack_int4(*src), x, route, ksplit=ksplit)
+    y = replay_obj.linear(int4_layout.prepack(*src), x, route, ksplit=ksplit)
     return float((y - ref).norm() / ref.norm())
 
 
@@ -444,7 +452,7 @@ def _swap_nibbles_in_words(a, b):
     return mutate
 
 
-INT4_LAYOUT_DRIFTS = {   # family_int4's packed layout, mutated: the kernels' addressing must disagree
+INT4_LAYOUT_DRIFTS = {   # the INT4 family's packed layout, mutated: the kernels' addressing must disagree
     "word nibbles 0/4": ("code_gather", _swap_nibbles_in_words(0, 4)),
     "word nibbles 1/2": ("code_gather", _swap_nibbles_in_words(1, 2)),
     "code lanes 0/16": ("code_gather", _swap_lanes(32, 0, 16)),   # 32 nibbles per lane per k-block
@@ -456,12 +464,12 @@ INT4_LAYOUT_DRIFTS = {   # family_int4's packed layout, mutated: the kernels' ad
 @pytest.mark.parametrize("name", list(INT4_LAYOUT_DRIFTS))
 def test_an_int4_layout_drift_fails_the_replay(replay, monkeypatch, name):
     what, mutate = INT4_LAYOUT_DRIFTS[name]
-    real = getattr(fi, what)("m8n8k4")
-    monkeypatch.setattr(fi, what, lambda atom, _v=mutate(real.clone()): _v)
+    real = getattr(int4_layout, what)("m8n8k4")
+    monkeypatch.setattr(int4_layout, what, lambda atom, _v=mutate(real.clone()): _v)
     gen = torch.Generator().manual_seed(2)
     src = int4_weight(64, 128, 32, False, gen)
-    packed = fi.prepack_int4(*src)
+    packed = int4_layout.prepack(*src)
     x = fc.activations(8, 128, gen, outliers=False)
     ref, _ = int4_ref(x, src)
     err = float((replay.linear(packed, x, "qpn4") - ref).norm() / ref.norm())
-    assert err > 1e-3, f"family_int4 layout drift '{name}' was not seen by the replay"
+    assert err > 1e-3, f"INT4 layout drift '{name}' was not seen by the replay"

@@ -13,8 +13,17 @@ import tempfile
 import pytest
 import torch
 
-from qpn.kernels import codecs, formats, jit, nvrtc, ops, prepack, reference, routes, sm80_plan, sm80_tables
-from qpn.kernels.atoms import arch_for_atom, atom_for_arch, block_maps, geometry
+from qpn.kernels import codecs, formats, jit, nvrtc, ops, prepack, routes, sm80_plan, sm80_tables
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.nvfp4 import numerics as nvfp4_numerics
+from qpn.kernels.families.fp8 import codec as fp8_codec
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels.families.fp8 import numerics as fp8_numerics
+from qpn.kernels.families.int4 import codec as int4_codec
+from qpn.kernels.families.int4 import layout as int4_layout
+from qpn.kernels import families
+from qpn.kernels.atoms import arch_for_atom, atom_for_arch, geometry
 from tests import _format_cases as fc
 
 ATOM = "m16n8k16"
@@ -26,21 +35,25 @@ M32 = 0xFFFFFFFF
 def test_geometry_is_a_permutation_with_the_sm70_block_sizes():
     g, g70 = geometry(ATOM), geometry("m8n8k4")
     assert (g.tile_n, g.k_block) == (16, 64)
-    for kind in ("nvfp4", "fp8", "scale"):
-        gather, scatter = block_maps(ATOM, kind)
+    for maps in (nvfp4_layout.code_maps, nvfp4_layout.scale_maps, fp8_layout.code_maps):
+        gather, scatter = maps(ATOM)
         assert sorted(gather.tolist()) == list(range(gather.numel()))
         assert torch.equal(gather[scatter], torch.arange(gather.numel()))
-        assert gather.numel() == block_maps("m8n8k4", kind)[0].numel()
+        assert gather.numel() == maps("m8n8k4")[0].numel()
+    codes, _ = nvfp4_layout.code_maps(ATOM)
+    row_of, k_of = (codes // g.k_block).tolist(), (codes % g.k_block).tolist()
     # NVFP4: MMA step s (word s of every lane) is exactly group s of the k-block, so one MMA never
     # adds products of two different group scales (the overflow trap's cancellation stays exact)
     for s in range(4):
-        ks = [g.nvfp4_k_of[32 * lane + 8 * s + j] for lane in range(32) for j in range(8)]
+        ks = [k_of[32 * lane + 8 * s + j] for lane in range(32) for j in range(8)]
         assert sorted(set(ks)) == list(range(16 * s, 16 * s + 16))
+    scales, _ = nvfp4_layout.scale_maps(ATOM)
+    gpb = g.k_block // 16
     for lane in range(32):
-        assert set(g.nvfp4_row_of[32 * lane: 32 * lane + 32]) == {lane >> 2, (lane >> 2) + 8}
+        assert set(row_of[32 * lane: 32 * lane + 32]) == {lane >> 2, (lane >> 2) + 8}
         # its 8 scale bytes (8g ..): (g, grp 0), (g+8, grp 0), (g, grp 1), ... -- one e4m3 pair per step
         gq = lane >> 2
-        assert [(g.scale_row_of[8 * gq + i], g.scale_group_of[8 * gq + i]) for i in range(8)] == \
+        assert [divmod(int(scales[8 * gq + i]), gpb) for i in range(8)] == \
             [(gq + 8 * (i & 1), i >> 1) for i in range(8)]
     assert g70.tile_n == 32
 
@@ -65,16 +78,16 @@ def test_nvfp4_roundtrip_byte_identical(n, k):
     g = torch.Generator().manual_seed(n * 31 + k)
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     s = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-    p = prepack.prepack_nvfp4(w, s, torch.tensor(0.5), atom=ATOM, rows_per_chunk=32)
+    p = nvfp4_layout.prepack(w, s, torch.tensor(0.5), atom=ATOM, rows_per_chunk=32)
     assert p.atom == ATOM and p.n_pad % 16 == 0 and p.k_pad % 64 == 0
     assert p.codes.numel() == p.n_pad * p.k_pad // 2 and p.scales.numel() == p.n_pad * p.k_pad // 16
-    prepack.verify_nvfp4_roundtrip(p, w, s, rows_per_chunk=16)
-    w2, s2 = prepack.unprepack_nvfp4(p)
+    nvfp4_layout.verify_roundtrip(p, w, s, rows_per_chunk=16)
+    w2, s2 = nvfp4_layout.unprepack(p)
     assert torch.equal(w2, w) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
     # a single flipped nibble is found and named (byte 0, high nibble: row 0, input 2)
     p.codes[0] ^= 0x10
     with pytest.raises(prepack.PrepackMismatch, match="row 0"):
-        prepack.verify_nvfp4_roundtrip(p, w, s)
+        nvfp4_layout.verify_roundtrip(p, w, s)
 
 
 @pytest.mark.fast
@@ -84,9 +97,9 @@ def test_fp8_roundtrip_byte_identical(n, k, per_channel):
     g = torch.Generator().manual_seed(n + 7 * k)
     w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     scale = torch.rand(n, generator=g) + 0.5 if per_channel else torch.tensor(0.01)
-    p = prepack.prepack_fp8(w, scale, atom=ATOM, rows_per_chunk=16)
-    prepack.verify_fp8_roundtrip(p, w, scale)
-    w2, _ = prepack.unprepack_fp8(p)
+    p = fp8_layout.prepack(w, scale, atom=ATOM, rows_per_chunk=16)
+    fp8_layout.verify_roundtrip(p, w, scale)
+    w2, _ = fp8_layout.unprepack(p)
     assert torch.equal(w2.view(torch.uint8), w.view(torch.uint8))
 
 
@@ -94,17 +107,17 @@ def test_fp8_roundtrip_byte_identical(n, k, per_channel):
 def test_reference_on_m16n8k16_buffers_equals_the_sm70_atom_and_float64():
     g = torch.Generator().manual_seed(11)
     w = torch.randn((70, 320), generator=g) * 0.05
-    q, s, gs = codecs.quantize_nvfp4(w)
+    q, s, gs = nvfp4_codec.quantize(w)
     x = torch.randn((9, 320), generator=g).half()
     x[:, 5] = 3000.0
-    a, b = prepack.prepack_nvfp4(q, s, gs), prepack.prepack_nvfp4(q, s, gs, atom=ATOM)
-    assert torch.equal(reference.linear_f64(x, a), reference.linear_f64(x, b))
-    assert torch.equal(reference.linear_f64(x, b), x.double() @ codecs.dequantize_nvfp4_f64(q, s, gs).t())
+    a, b = nvfp4_layout.prepack(q, s, gs), nvfp4_layout.prepack(q, s, gs, atom=ATOM)
+    assert torch.equal(families.reference_linear_f64(x, a), families.reference_linear_f64(x, b))
+    assert torch.equal(families.reference_linear_f64(x, b), x.double() @ nvfp4_codec.dequantize_f64(q, s, gs).t())
     # qpn_linear on CPU (the custom op, atom passed through) is the reference on those buffers
-    assert torch.equal(ops.qpn_linear(x, b), reference.linear_nvfp4(x, b))
-    f, fs = codecs.quantize_fp8(w, per_channel=True)
-    c = prepack.prepack_fp8(f, fs, atom=ATOM)
-    assert torch.equal(ops.qpn_linear(x, c), reference.linear_fp8(x, c))
+    assert torch.equal(ops.qpn_linear(x, b), nvfp4_numerics.linear(x, b))
+    f, fs = fp8_codec.quantize(w, per_channel=True)
+    c = fp8_layout.prepack(f, fs, atom=ATOM)
+    assert torch.equal(ops.qpn_linear(x, c), fp8_numerics.linear(x, c))
 
 
 # ------------------------------------------------- lane-level replay of the kernel's decode
@@ -193,7 +206,7 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool, up: int = 0) -> torch.Ten
     assert m <= 8
     xp = torch.zeros((8, packed.k_pad), dtype=torch.float64)
     xp[:m, : packed.k] = x.double()
-    nv = isinstance(packed, prepack.PackedNVFP4)
+    nv = isinstance(packed, nvfp4_layout.PackedNVFP4)
     words = _words(packed.codes.view(tiles, kblocks, 32, -1))           # [tiles, kb, lane, W]
     if nv:
         sc = packed.scales.view(tiles, kblocks, 8, 4, 2).to(torch.int64)   # [.., g, step, (row g, g+8)]
@@ -236,7 +249,7 @@ def _replay(packed, x: torch.Tensor, sm80_paths: bool, up: int = 0) -> torch.Ten
     y = D.reshape(tiles * 16, 8).t()[:m, : packed.n]
     if nv:
         return y * (packed.global_scale.double() * 2.0 ** (14 - up))   # Frag16NVFP4Scaled<up>::OUT_MULT
-    return y * codecs.fp8_channel_scales(packed.scale, packed.n).double().reshape(1, -1)
+    return y * fp8_codec.channel_scales(packed.scale, packed.n).double().reshape(1, -1)
 
 
 @pytest.mark.fast
@@ -249,10 +262,10 @@ def test_replayed_nvfp4_fragments_give_the_exact_product(n, k, m, sm80_paths, up
     s = torch.randint(0x01, 0x7E, (n, k // 16), dtype=torch.uint8, generator=g)
     s[:, ::3] = torch.randint(1, 8, s[:, ::3].shape, dtype=torch.uint8, generator=g)   # e4m3 subnormals
     s[0, 0] = 0x7E                                                                      # 448
-    p = prepack.prepack_nvfp4(w, s.view(torch.float8_e4m3fn), torch.tensor(0.013), atom=ATOM)
+    p = nvfp4_layout.prepack(w, s.view(torch.float8_e4m3fn), torch.tensor(0.013), atom=ATOM)
     x = torch.randn((m, k), generator=g).half()
     y = _replay(p, x, sm80_paths, up)
-    y64 = reference.linear_f64(x, p)
+    y64 = families.reference_linear_f64(x, p)
     assert float((y - y64).norm() / y64.norm()) < 1e-12
 
 
@@ -263,10 +276,10 @@ def test_replayed_fp8_fragments_give_the_exact_product(sm80_paths):
     w, _ = fc.fp8_weight(40, 200, "all_bytes", g, per_channel=False)   # every finite e4m3 byte
     assert fc.covers_every_fp8_byte(w)
     scale = torch.rand(40, generator=g) + 0.5
-    p = prepack.prepack_fp8(w, scale, atom=ATOM)
+    p = fp8_layout.prepack(w, scale, atom=ATOM)
     x = torch.randn((7, 200), generator=g).half()
     y = _replay(p, x, sm80_paths)
-    y64 = reference.linear_f64(x, p)
+    y64 = families.reference_linear_f64(x, p)
     assert float((y - y64).norm() / y64.norm()) < 1e-12
 
 
@@ -276,11 +289,11 @@ def test_replay_detects_a_wrong_layout():
     g = torch.Generator().manual_seed(2)
     w = torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=g)
     s = torch.full((32, 8), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    wrong = prepack.prepack_nvfp4(w, s, torch.tensor(1.0), atom="m8n8k4")
-    as_sm80 = prepack.PackedNVFP4(wrong.codes, wrong.scales, wrong.global_scale, 32, 128, ATOM)
+    wrong = nvfp4_layout.prepack(w, s, torch.tensor(1.0), atom="m8n8k4")
+    as_sm80 = nvfp4_layout.PackedNVFP4(wrong.codes, wrong.scales, wrong.global_scale, 32, 128, ATOM)
     x = torch.randn((3, 128), generator=g).half()
     y = _replay(as_sm80, x, False)
-    y64 = reference.linear_f64(x, prepack.prepack_nvfp4(w, s, torch.tensor(1.0), atom=ATOM))
+    y64 = families.reference_linear_f64(x, nvfp4_layout.prepack(w, s, torch.tensor(1.0), atom=ATOM))
     assert float((y - y64).norm() / y64.norm()) > 0.1
 
 
@@ -297,7 +310,6 @@ def _replay_int4(packed, x: torch.Tensor, fold: bool = False) -> torch.Tensor:
     (v >> 8 (r >> 1)) of each half, its low nibble under 0x6400 minus (0x6400 | zero) for row g,
     its high nibble under 0x6400 minus (0x6400 | zero << 4) for row g + 8, both in FP16 -- and the
     fold's FP32 factors, scale for row g and scale * 0.0625 for row g + 8 (exact in float64)."""
-    from qpn.kernels import family_int4 as fi
     tiles, kblocks = packed.n_pad // 16, packed.k_pad // 64
     m = x.shape[0]
     assert m <= 8
@@ -322,7 +334,7 @@ def _replay_int4(packed, x: torch.Tensor, fold: bool = False) -> torch.Tensor:
             o = base + h * rec
             bits = sbytes[o] | (sbytes[o + 1] << 8)
             scale.append(torch.tensor(bits.to(torch.int16).numpy()).view(torch.float16))
-            zero.append(torch.full_like(bits, fi.SYM_ZERO) if packed.symmetric else sbytes[o + 2])
+            zero.append(torch.full_like(bits, int4_codec.SYM_ZERO) if packed.symmetric else sbytes[o + 2])
         for s in range(4):
             v = words[:, :, lane, s]
             for r, (row, col) in enumerate(((gq, 2 * t), (gq + 8, 2 * t), (gq, 2 * t + 8), (gq + 8, 2 * t + 8))):
@@ -354,29 +366,28 @@ def test_replayed_int4_fragments_give_the_exact_product(n, k, g, m, sym):
     """Every code 0..15 and zero point 0..15; K not a multiple of the 64-input k-block (224, 320)
     and, at g = 128, an odd number of k-blocks (384: 6; 640: 10), so the last group record is half
     used. The product of the FP16 operands the decoder makes, exactly."""
-    from qpn.kernels import family_int4 as fi
     gen = torch.Generator().manual_seed(n + k + g + sym)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
     q[:, :16] = torch.arange(16)
     s = (torch.rand((n, k // g), generator=gen) * 0.02 + 1e-3).half()
     z = None if sym else (torch.arange(n * (k // g)) % 16).reshape(n, k // g).to(torch.uint8)
-    p = fi.prepack_int4(fi.pack_codes(q), s, z, atom=ATOM)
+    p = int4_layout.prepack(int4_codec.pack_codes(q), s, z, atom=ATOM)
     x = torch.randn((m, k), generator=gen).half()
     y = _replay_int4(p, x)
-    w16 = fi.dequantize(fi.pack_codes(q), s, z).half().double()
+    w16 = int4_codec.dequantize(int4_codec.pack_codes(q), s, z).half().double()
     y64 = x.double() @ w16.t()
     assert float((y - y64).norm() / y64.norm()) < 1e-12
     # the folded decoder (groups of 64 and 128 on the route kernels): its operands and factors give
     # the product of the EXACT weights (code - zero) * scale, not of their FP16 roundings
     if g >= 64:
-        exact = fi.dequantize_f64(fi.pack_codes(q), s, z)
+        exact = int4_codec.dequantize_f64(int4_codec.pack_codes(q), s, z)
         y_exact = x.double() @ exact.t()
         yf = _replay_int4(p, x, fold=True)
         assert float((yf - y_exact).norm() / y_exact.norm()) < 1e-12
         assert not torch.equal(exact, w16)   # the two differ, so the check above tells them apart
     # not vacuous: the records of the neighbouring group size (the wrong group shift) give another product
     if g < 128:
-        wrong = fi.PackedINT4(p.codes, p.scales, p.out_scale, n, k, 2 * g, sym, ATOM) if k % (2 * g) == 0 else None
+        wrong = int4_layout.PackedINT4(p.codes, p.scales, p.out_scale, n, k, 2 * g, sym, ATOM) if k % (2 * g) == 0 else None
         if wrong is not None and wrong.groups_pad * 16 * wrong.record_bytes * (p.n_pad // 16) <= p.scales.numel():
             assert float((_replay_int4(wrong, x) - y64).norm() / y64.norm()) > 0.01
 

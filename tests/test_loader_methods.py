@@ -180,7 +180,7 @@ def test_module_loads_prepacks_frees_and_computes(engine_context, checkpoint, pr
 
 
 def test_fused_fp8_shards_keep_their_own_scales_and_codes(engine_context, checkpoint):
-    from qpn.kernels.prepack import unprepack_fp8
+    from qpn.kernels.families.fp8.layout import unprepack as unprepack_fp8
 
     ckpt = checkpoint()
     tensors = _tensors(ckpt)

@@ -15,7 +15,9 @@ pytest.importorskip("vllm")
 
 from qpn.fork_patches.quant import moe_method  # noqa: E402
 from qpn.fork_patches.quant.linear_method import QPNCheckpointError  # noqa: E402
-from qpn.kernels import codecs, moe, moe_reference  # noqa: E402
+from qpn.kernels import moe, moe_reference  # noqa: E402
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
 from tests._moe_cases import activations, routing  # noqa: E402
 from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group)
 
@@ -47,7 +49,7 @@ def _checkpoint(gen):
     out = []
     for e in range(E):
         for shard, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            q, s, s2 = codecs.quantize_nvfp4(torch.randn((n, k), generator=gen) * 0.1)
+            q, s, s2 = nvfp4_codec.quantize(torch.randn((n, k), generator=gen) * 0.1)
             stem = "w2" if shard == "w2" else "w13"
             out += [(f"{stem}_weight", q, shard, e), (f"{stem}_weight_scale", s, shard, e),
                     (f"{stem}_weight_scale_2", s2, shard, e),
@@ -93,11 +95,10 @@ def test_load_prepack_apply_and_census(tmp_path, monkeypatch):
     assert packed.num_experts == E and (packed.hidden, packed.intermediate) == (H, I)
     by = {(n, s, e): t for n, t, s, e in tensors}
     # expert 2's gate in the stack is the checkpoint's w1 of expert 2, byte for byte
-    from qpn.kernels import prepack
 
-    back, _ = prepack.unprepack_nvfp4(packed.gate.expert(2))
+    back, _ = nvfp4_layout.unprepack(packed.gate.expert(2))
     assert torch.equal(back, by[("w13_weight", "w1", 2)])
-    back_up, _ = prepack.unprepack_nvfp4(packed.up.expert(2))
+    back_up, _ = nvfp4_layout.unprepack(packed.up.expert(2))
     assert torch.equal(back_up, by[("w13_weight", "w3", 2)])
     assert float(packed.up.chscale[2]) == float(by[("w13_weight_scale_2", "w3", 2)])
     x = activations(5, H, gen).to(torch.bfloat16)

@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import codecs, formats, moe, moe_reference, prepack, reference, routes
+from qpn.kernels import formats, moe, moe_reference, prepack, reference, routes
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.fp8 import codec as fp8_codec
+from qpn.kernels.families.fp8 import layout as fp8_layout
 from tests._moe_cases import ROUTINGS, activations, random_moe, routing
 
 # The one-minute tier (pytest -m fast): nothing here boots an engine, builds a venv or downloads.
@@ -144,22 +148,22 @@ def test_swiglu_rounding_point_is_the_documented_one():
 def test_stack_prepack_is_per_expert_dense_prepack_with_verified_inverse():
     gen = torch.Generator().manual_seed(16)
     w = torch.randn((3, 40, 64), generator=gen) * 0.1
-    q = [codecs.quantize_nvfp4(w[e]) for e in range(3)]
+    q = [nvfp4_codec.quantize(w[e]) for e in range(3)]
     codes = torch.stack([a for a, _, _ in q])
     sc = torch.stack([b for _, b, _ in q])
     gs = torch.stack([c for _, _, c in q])
     st = moe.prepack_expert_stack("nvfp4", codes, sc, gs)
     assert st.codes.shape[0] == 3 and st.chscale.shape == (3, 1)
     for e in range(3):
-        dense = prepack.prepack_nvfp4(codes[e], sc[e], gs[e])
+        dense = nvfp4_layout.prepack(codes[e], sc[e], gs[e])
         assert torch.equal(st.codes[e], dense.codes) and torch.equal(st.scales[e], dense.scales)
-        back_w, back_s = prepack.unprepack_nvfp4(st.expert(e))
+        back_w, back_s = nvfp4_layout.unprepack(st.expert(e))
         assert torch.equal(back_w, codes[e]) and torch.equal(back_s.view(torch.uint8), sc[e].view(torch.uint8))
     # FP8, per channel and per tensor
-    q8 = [codecs.quantize_fp8(w[e], per_channel=True) for e in range(3)]
+    q8 = [fp8_codec.quantize(w[e], per_channel=True) for e in range(3)]
     st8 = moe.prepack_expert_stack("fp8", torch.stack([a for a, _ in q8]), torch.stack([b for _, b in q8]))
     assert st8.per_channel and st8.chscale.shape == (3, 40)
-    assert torch.equal(prepack.unprepack_fp8(st8.expert(1))[0].view(torch.uint8), q8[1][0].view(torch.uint8))
+    assert torch.equal(fp8_layout.unprepack(st8.expert(1))[0].view(torch.uint8), q8[1][0].view(torch.uint8))
     st8t = moe.prepack_expert_stack("fp8", torch.stack([a for a, _ in q8]), torch.tensor([0.1, 0.2, 0.3]))
     assert not st8t.per_channel and st8t.chscale.reshape(-1).tolist() == pytest.approx([0.1, 0.2, 0.3])
 
@@ -215,7 +219,7 @@ def test_prepack_mismatch_names_the_expert(monkeypatch):
     from tests._moe_cases import random_nvfp4_stack
 
     w, s, g = random_nvfp4_stack(3, 32, 64, gen)
-    real = prepack.verify_nvfp4_roundtrip
+    real = nvfp4_layout.verify_roundtrip
     calls = []
 
     def flaky(p, wt, st, *a, **k):
@@ -224,7 +228,7 @@ def test_prepack_mismatch_names_the_expert(monkeypatch):
             raise prepack.PrepackMismatch("NVFP4 weight byte differs")
         return real(p, wt, st, *a, **k)
 
-    monkeypatch.setattr(prepack, "verify_nvfp4_roundtrip", flaky)
+    monkeypatch.setattr(nvfp4_layout, "verify_roundtrip", flaky)
     with pytest.raises(prepack.PrepackMismatch, match="expert 1: NVFP4 weight byte differs"):
         moe.prepack_expert_stack("nvfp4", w, s, g)
 
@@ -282,10 +286,10 @@ def test_reference_reads_stacks_of_the_sm80_atom(fmt):
 
     def restack(st):
         if fmt == "nvfp4":
-            ws = [prepack.unprepack_nvfp4(st.expert(e)) for e in range(E)]
+            ws = [nvfp4_layout.unprepack(st.expert(e)) for e in range(E)]
             return moe.prepack_expert_stack("nvfp4", torch.stack([q for q, _ in ws]),
                                             torch.stack([sc for _, sc in ws]), st.chscale.reshape(-1))
-        ws = [prepack.unprepack_fp8(st.expert(e)) for e in range(E)]
+        ws = [fp8_layout.unprepack(st.expert(e)) for e in range(E)]
         return moe.prepack_expert_stack("fp8", torch.stack([q for q, _ in ws]), st.chscale)
 
     b = moe.PackedMoE(restack(a.gate), restack(a.up), restack(a.down))

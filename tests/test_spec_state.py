@@ -18,6 +18,11 @@ plugin registered against it, and a zero accepted count is sent through the hook
 (``build_gdn_spec_decode_state_contract`` with its assertion switched on).
 """
 from __future__ import annotations
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
+from qpn.kernels.families.fp8 import codec as fp8_codec
+from qpn.kernels.families.fp8 import layout as fp8_layout
+from qpn.kernels import families
 
 import itertools
 import os
@@ -527,18 +532,18 @@ def test_per_token_steps_are_row_invariant(monkeypatch):
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNormGated
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from qpn.kernels import codecs, prepack, reference
+    from qpn.kernels import reference
 
     bf = torch.bfloat16
     gen = torch.Generator().manual_seed(2)
-    nvfp4 = prepack.prepack_nvfp4(*codecs.quantize_nvfp4(torch.randn(512, 256, generator=gen) * 0.05))
-    fp8 = prepack.prepack_fp8(*codecs.quantize_fp8(torch.randn(512, 256, generator=gen) * 0.05))
+    nvfp4 = nvfp4_layout.prepack(*nvfp4_codec.quantize(torch.randn(512, 256, generator=gen) * 0.05))
+    fp8 = fp8_layout.prepack(*fp8_codec.quantize(torch.randn(512, 256, generator=gen) * 0.05))
     dense = (torch.randn(512, 256, generator=gen) * 0.05).to(bf)
     mm = ops.create_onednn_mm(dense.t(), 32)
     x256 = lambda m, g: [(torch.randn(m, 256, generator=g) * 2).to(bf)]  # noqa: E731
     steps = {
-        "QPN NVFP4 linear": (lambda x: reference.linear(x, nvfp4), x256),
-        "QPN FP8 linear": (lambda x: reference.linear(x, fp8), x256),
+        "QPN NVFP4 linear": (lambda x: families.reference_linear(x, nvfp4), x256),
+        "QPN FP8 linear": (lambda x: families.reference_linear(x, fp8), x256),
         "engine onednn_mm bf16": (lambda x: ops.onednn_mm(mm, x, None), x256),
     }
     with set_current_vllm_config(VllmConfig()):
@@ -565,7 +570,7 @@ def test_per_token_steps_are_row_invariant(monkeypatch):
     assert all(b == 0 for b, _ in found.values()), found
 
     monkeypatch.setattr(reference, "ROW_INVARIANT_MAX_M", 0)
-    batched = _row_differences(lambda x: reference.linear(x, fp8), x256)
+    batched = _row_differences(lambda x: families.reference_linear(x, fp8), x256)
     print("QPN FP8 reference computed batched:", f"{batched[0]}/{batched[1]} rows differ")
     assert batched[0] > 0, "batched float32 matmul no longer changes rows here: recheck the reason"
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from qpn.fork_patches.quant import tp_sharding as tps
-from qpn.kernels import codecs, prepack
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
 from qpn.kernels.atoms import KNOWN_ATOMS
 from qpn.scripts.launcher import serve_preflight
 
@@ -92,7 +93,7 @@ def test_row_parallel_nvfp4_keeps_whole_groups_and_k_blocks(tp, tp_rank):
 
     n, k = 32, I  # down_proj's real K, a few rows
     codes, scales = _nvfp4(n, k, seed=tp)
-    full = codecs.dequantize_nvfp4(codes, scales, torch.tensor(0.5))
+    full = nvfp4_codec.dequantize(codes, scales, torch.tensor(0.5))
     pieces = []
     for rank in range(tp):
         tp_rank(rank, tp)
@@ -103,12 +104,12 @@ def test_row_parallel_nvfp4_keeps_whole_groups_and_k_blocks(tp, tp_rank):
         p_codes.load_row_parallel_weight(codes)
         p_scales.load_row_parallel_weight(scales)
         # whole groups: this rank's codes and scales describe exactly its slice of the weight
-        mine = codecs.dequantize_nvfp4(p_codes.data, p_scales.data, torch.tensor(0.5))
+        mine = nvfp4_codec.dequantize(p_codes.data, p_scales.data, torch.tensor(0.5))
         assert torch.equal(mine, full[:, rank * k // tp:(rank + 1) * k // tp])
         for atom in KNOWN_ATOMS:  # whole k-blocks: no padding inside the rank's K
-            packed = prepack.prepack_nvfp4(p_codes.data, p_scales.data, torch.tensor(0.5), atom=atom)
+            packed = nvfp4_layout.prepack(p_codes.data, p_scales.data, torch.tensor(0.5), atom=atom)
             assert packed.k_pad == packed.k == k // tp
-            prepack.verify_nvfp4_roundtrip(packed, p_codes.data, p_scales.data)
+            nvfp4_layout.verify_roundtrip(packed, p_codes.data, p_scales.data)
         pieces.append(mine)
     assert torch.equal(torch.cat(pieces, dim=1), full)
     x = torch.randn(3, k, dtype=torch.float64)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpn.kernels import codecs, families, family_int4, formats, prepack
+from qpn.kernels import codecs, families, formats, prepack
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
+from qpn.kernels.families.int4 import codec as int4_codec
 from qpn.kernels.formats import FP8_CHANNEL, FP8_TENSOR, INT4, INT4_SYM, NVFP4, WEIGHT_FORMATS
 
 pytestmark = pytest.mark.fast
@@ -28,7 +30,7 @@ def _nvfp4_every_byte():
     base = [c for c in range(16) if c != 8] + [7]                            # 16 codes
     rows = [base[r % 16:] + base[:r % 16] for r in range(scale_bytes.numel())]
     codes = torch.tensor(rows, dtype=torch.uint8)                            # [126, 16]
-    return (codecs.pack_nvfp4_codes(codes), scale_bytes.view(torch.float8_e4m3fn).reshape(-1, 1),
+    return (nvfp4_codec.pack_codes(codes), scale_bytes.view(torch.float8_e4m3fn).reshape(-1, 1),
             torch.tensor(2.0 ** -4, dtype=torch.float32)), codes
 
 
@@ -108,7 +110,7 @@ def _int4_every_code_zero_and_scale(symmetric: bool):
     scales = bits.to(torch.int16).view(torch.float16).view(rows, per_row)
     gi = torch.arange(rows * per_row).view(rows, per_row, 1)
     codes = (torch.arange(g).view(1, 1, g) + gi) % 16                       # [rows, groups, 32]
-    q = family_int4.pack_codes(codes.reshape(rows, per_row * g))
+    q = int4_codec.pack_codes(codes.reshape(rows, per_row * g))
     if symmetric:
         return (q, scales), codes, torch.full((rows, per_row), 8)
     zeros = (gi.view(rows, per_row) % 16).to(torch.uint8)
@@ -210,7 +212,7 @@ def test_lookup_by_key_family_and_algo():
     assert formats.weight_format("nvfp4") is NVFP4
     assert formats.weight_format("NVFP4") is NVFP4 and formats.weight_format("w4a16_nvfp4") is NVFP4
     assert formats.weight_format("FP8") is FP8_TENSOR and formats.weight_format("fp8") is FP8_TENSOR
-    assert formats.weight_format("fp8", fp8_scale="channel") is FP8_CHANNEL
+    assert formats.weight_format("fp8", output_scale="channel") is FP8_CHANNEL
     assert formats.weight_format("fp8_channel") is FP8_CHANNEL
     assert formats.weight_format(FP8_CHANNEL) is FP8_CHANNEL
     assert formats.weight_format("int4") is INT4 and formats.weight_format("INT4_SYM") is INT4_SYM
@@ -220,7 +222,7 @@ def test_lookup_by_key_family_and_algo():
             formats.weight_format(bad)
         assert formats.find_format(bad) is None
     with pytest.raises(formats.UnknownFormat):
-        formats.weight_format("fp8", fp8_scale="block")
+        formats.weight_format("fp8", output_scale="block")
 
 
 def test_every_modelopt_algo_maps_to_one_format():

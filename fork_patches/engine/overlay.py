@@ -418,15 +418,26 @@ SOURCE_FOLDERS = {"qpn": "qpn", "qpn/fork_patches": "fork_patches",
                   "qpn/benchmarks": "benchmarks"}
 
 
+def source_folders(source: Path) -> dict[str, str]:
+    """SOURCE_FOLDERS plus every package folder of the checkout's kernels/ (the weight families,
+    kernels/families/<name>/), found by walking it: a new family needs no entry here."""
+    folders = dict(SOURCE_FOLDERS)
+    for init in sorted((source / "kernels").rglob("__init__.py")):
+        folder = init.parent.relative_to(source).as_posix()
+        folders.setdefault(f"qpn/{folder}", folder)
+    return folders
+
+
 def _stale_against_source(dist, source: Path) -> list[str]:
     """Installed modules that differ from, or are missing against, the source checkout."""
+    folders = source_folders(source)
     installed = {}
     for f in dist.files or []:
         parent, _, name = str(f).rpartition("/")
-        if parent in SOURCE_FOLDERS and name.endswith(".py"):
+        if parent in folders and name.endswith(".py"):
             installed[(parent, name)] = Path(dist.locate_file(f))
     stale = []
-    for package, folder in SOURCE_FOLDERS.items():
+    for package, folder in folders.items():
         for src in sorted((source / folder).glob("*.py")):
             path = installed.get((package, src.name))
             if path is None or not path.exists():

@@ -57,11 +57,11 @@ vLLM 0.32 resolves an FP8 KV cache from a ModelOpt directive (``get_kv_cache_qua
 reads modelopt configs only); a compressed-tensors ``kv_cache_scheme`` leaves ``--kv-cache-dtype
 auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked for explicitly.
 
-INT4 W4A16 (qpn.kernels.family_int4; kept apart: ``INT4_CONVENTIONS``, ``int4_convention_of``,
+INT4 W4A16 (qpn.kernels.families.int4; kept apart: ``INT4_CONVENTIONS``, ``int4_convention_of``,
 ``detect_int4``; the registered QPN config claims these checkpoints and hands their layers the
 QPN4 method unless QPN_INT4=0, qpn_config.int4_served). Three conventions, one
 ``INT4Convention`` each:
-names, the stored layout in symbols of (N, K, g), the family_int4 unpacker, the config keys.
+names, the stored layout in symbols of (N, K, g), the int4 family's unpacker, the config keys.
 Proven against vLLM 0.32's and both 1Cat-vLLM archives' own create_weights / from_config by
 tests/test_int4_conventions.py (engine_source.verify_int4_conventions):
   AWQ (AutoAWQ GEMM; ``quant_method: awq``, ``bits`` / ``w_bit``, ``group_size`` / ``q_group_size``,
@@ -94,7 +94,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from qpn.kernels import formats
-from qpn.kernels.formats import E2M1_MAX, E4M3_MAX, GROUP_SIZE  # noqa: F401 (re-exported)
+from qpn.kernels.formats import E2M1_MAX, E4M3_MAX  # noqa: F401 (re-exported)
+
+GROUP_SIZE = formats.NVFP4.group_size   # NVFP4's inputs per e4m3 scale (re-exported)
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: the launcher's gates read configs only
     import torch
@@ -155,7 +157,7 @@ class ModuleScheme:
     @property
     def format(self) -> formats.WeightFormat:
         """The numeric format (qpn.kernels.formats) the module's weights are stored in."""
-        return formats.weight_format(self.fmt, fp8_scale=self.fp8_scale)
+        return formats.weight_format(self.fmt, output_scale=self.fp8_scale)
 
 
 @dataclass(frozen=True)
@@ -515,12 +517,12 @@ def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
 # The INT4 conventions are not in CONVENTIONS and ``detect`` does not return them (``detect_int4``
 # does; the launcher's boot_gates.declared_modules asks it first). What they do: name each
 # convention's tensors, read its config (``scheme``, ``excluded``; the registered QPN config claims
-# and serves INT4 checkpoints through them), hand family_int4's unpackers the tensors
+# and serves INT4 checkpoints through them), hand the int4 family's unpackers (kernels/families/int4/checkpoint.py) the tensors
 # (``int4_inputs``), and let the launcher refuse before boot a checkpoint whose INT4 tensors are
 # not whole (``int4_checkpoint_problems``, called by serve_preflight.check_checkpoint_tensors).
 class ActOrderRefused(ConventionError):
     """An activation-ordered INT4 module (g_idx mixing groups inside a block of g inputs): the
-    kernels read inputs in checkpoint order. Its __cause__ is family_int4's ActOrderError."""
+    kernels read inputs in checkpoint order. Its __cause__ is the int4 family's ActOrderError."""
 
 
 @dataclass(frozen=True)
@@ -559,7 +561,7 @@ class INT4Scheme:
     """What a config declares for one INT4 module."""
 
     symmetric: bool           # zero point 8 (uint4b8): no zero-point tensor is read
-    group_size: int           # one of formats.INT4_GROUP_SIZES
+    group_size: int           # one of formats.INT4.group_sizes
     zero_offset: int = 0      # stored zero point = zero - zero_offset (GPTQ v1 format: 1)
     act_order: bool = False   # the config declares activation ordering: g_idx decides per module
     source: str = ""          # where the config says so (for error messages)
@@ -575,7 +577,7 @@ class INT4Scheme:
 
 @dataclass(frozen=True)
 class INT4Convention:
-    """One INT4 checkpoint convention: tensor names, stored layout, the family_int4 unpacker that
+    """One INT4 checkpoint convention: tensor names, stored layout, the int4 family's unpacker that
     turns its tensors into the canonical source, and the config keys it reads.
 
     ``config_keys``: (role, keys) pairs read as the engine's own config parsers read them (the
@@ -589,7 +591,7 @@ class INT4Convention:
     quant_method: str
     names: INT4Names
     layout: INT4Layout
-    unpacker: str                 # the qpn.kernels.family_int4 function
+    unpacker: str                 # the function of qpn.kernels.families.int4.checkpoint
     config_keys: tuple[tuple[str, tuple[str, ...]], ...]
     producer_keys: tuple[str, ...]
     declared_by: str              # "codes": every module holding the codes tensor (less skips);
@@ -743,16 +745,16 @@ class INT4Convention:
 
     def check_g_idx(self, module: str, g_idx, k: int, scheme: INT4Scheme) -> None:
         """ActOrderRefused (naming the module) unless ``g_idx`` only moves whole groups
-        (family_int4.apply_g_idx decides)."""
+        (int4_checkpoint.apply_g_idx decides)."""
         import torch
 
-        from qpn.kernels import family_int4
+        from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
 
         cols = k // scheme.group_size
         try:
-            family_int4.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx,
-                                    scheme.group_size, module)
-        except family_int4.ActOrderError as e:
+            int4_checkpoint.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx,
+                                        scheme.group_size, module)
+        except int4_checkpoint.ActOrderError as e:
             raise ActOrderRefused(f"{module}: {e}") from e
         except formats.FormatError as e:
             raise ConventionError(f"{module}: {self.names.g_idx}: {e}") from e
@@ -760,9 +762,9 @@ class INT4Convention:
     def int4_inputs(self, tensors: Mapping[str, torch.Tensor], module: str, scheme: INT4Scheme) -> tuple:
         """The canonical INT4 source of one module (codes uint8 [N, K/2], group_scales float16
         [N, K/g][, zero_points uint8 [N, K/g]]) from its tensors (keys local or ``module.``-prefixed),
-        by the convention's family_int4 unpacker. ConventionError names the module and the
+        by the convention's unpacker (kernels/families/int4/checkpoint.py). ConventionError names the module and the
         missing tensor; ActOrderRefused an activation-ordered g_idx."""
-        from qpn.kernels import family_int4
+        from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
 
         t = _local(tensors, module)
         n = self.names
@@ -771,7 +773,7 @@ class INT4Convention:
                 raise ConventionError(f"{module or 'module'}: {self.name} INT4 needs tensor "
                                       f"{getattr(n, role)!r} ({role}); found {sorted(t)}")
         g_idx = t.get(n.g_idx) if n.g_idx else None
-        unpack = getattr(family_int4, self.unpacker)
+        unpack = getattr(int4_checkpoint, self.unpacker)
         try:
             if self.unpacker == "from_awq":
                 return unpack(t[n.codes], t[n.zero_points], t[n.group_scales], scheme.group_size)
@@ -780,7 +782,7 @@ class INT4Convention:
                               scheme.symmetric, v2=scheme.zero_offset == 0, module=module)
             return unpack(t[n.codes], t[n.group_scales], None if scheme.symmetric else t[n.zero_points],
                           scheme.group_size, g_idx=g_idx, module=module)
-        except family_int4.ActOrderError as e:
+        except int4_checkpoint.ActOrderError as e:
             raise ActOrderRefused(f"{module}: {e}") from e
         except formats.FormatError as e:
             raise ConventionError(f"{module}: {self.name} INT4: {e}") from e
@@ -791,9 +793,9 @@ def _int4_group(value, src: str) -> int:
         g = int(value)
     except (TypeError, ValueError):
         g = None
-    if g not in formats.INT4_GROUP_SIZES:
+    if g not in formats.INT4.group_sizes:
         raise ConventionError(f"{src}: group_size {value!r}{' (per channel)' if g == -1 else ''} is not an "
-                              f"INT4 group size QPN packs ({', '.join(map(str, formats.INT4_GROUP_SIZES))})")
+                              f"INT4 group size QPN packs ({', '.join(map(str, formats.INT4.group_sizes))})")
     return g
 
 

@@ -74,10 +74,12 @@ from qpn.fork_patches.quant.conventions import (
     INT4Scheme,
 )
 from qpn.kernels import families, formats, prepack
+from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
+from qpn.kernels.families.int4 import codec as int4_codec
 
 logger = logging.getLogger("vllm.qpn.linear_method")
 
-GROUP_SIZE = formats.GROUP_SIZE
+GROUP_SIZE = formats.NVFP4.group_size
 
 
 class QPNCheckpointError(ValueError):
@@ -119,7 +121,7 @@ class _QPNLinearMethod(LinearMethodBase):
     @property
     def format(self) -> formats.WeightFormat:
         """This module's numeric format (FP8 per tensor or per channel by ``fp8_scale``)."""
-        return formats.weight_format(self.weight_format, fp8_scale=self.fp8_scale)
+        return formats.weight_format(self.weight_format, output_scale=self.fp8_scale)
 
     def _where(self) -> str:
         return f"{self.prefix} ({self.algo}, {self.format.method_family} route family)"
@@ -379,7 +381,6 @@ class QPN2LinearMethod(_QPNLinearMethod):
         self._register(layer, n.input_scale, (p,), torch.float32, PerTensorScaleParameter, loader)
 
     def _prepack(self, layer) -> None:
-        from qpn.kernels import prepack
 
         n = self.convention.nvfp4
         w = getattr(layer, n.codes).data
@@ -442,7 +443,6 @@ class QPN8LinearMethod(_QPNLinearMethod):
         self._register(layer, n.input_scale, (p,), torch.float32, PerTensorScaleParameter, loader)
 
     def _prepack(self, layer) -> None:
-        from qpn.kernels import prepack
 
         n = self.convention.fp8
         w = getattr(layer, n.codes).data
@@ -644,9 +644,7 @@ class QPN4LinearMethod(_QPNLinearMethod):
             return _pack_words(v, next(i for i, s in enumerate(syms) if s.endswith(f"/{_NIBBLES}")),
                                lay.nibble_order)
 
-        from qpn.kernels import family_int4
-
-        out = {roles["codes"]: words(family_int4.unpack_codes(codes), lay.codes),
+        out = {roles["codes"]: words(int4_codec.unpack_codes(codes), lay.codes),
                roles["group_scales"]: orient(scales, lay.group_scales).float()}
         if zeros is not None:
             out[roles["zero_points"]] = words(zeros.to(torch.int64) - self.scheme.zero_offset, lay.zero_points)
@@ -655,7 +653,6 @@ class QPN4LinearMethod(_QPNLinearMethod):
     def _prepack(self, layer) -> None:
         import dataclasses
 
-        from qpn.kernels import family_int4, prepack
 
         roles, g = self._roles(), self.scheme.group_size
         keep = ["codes", "group_scales"] + ([] if self.scheme.symmetric else ["zero_points"])
@@ -681,8 +678,8 @@ class QPN4LinearMethod(_QPNLinearMethod):
                 r0 = sum(self.partition_sizes[:idx])
                 r1 = r0 + self.partition_sizes[idx]
                 try:
-                    s, z = family_int4.apply_g_idx(scales[r0:r1], None if zeros is None else zeros[r0:r1],
-                                                   gi.to(torch.int64) - first, g, self.prefix)
+                    s, z = int4_checkpoint.apply_g_idx(scales[r0:r1], None if zeros is None else zeros[r0:r1],
+                                                       gi.to(torch.int64) - first, g, self.prefix)
                 except formats.FormatError as e:
                     self._fail(f"{self._shard_label(idx)}: {e}")
                 scales[r0:r1] = s

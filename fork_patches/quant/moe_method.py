@@ -68,7 +68,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         self.prefix = prefix
         self.algo = algo
         self.backend = backend
-        self.format = formats.weight_format(algo, fp8_scale=fp8_scale)  # raises UnknownFormat
+        self.format = formats.weight_format(algo, output_scale=fp8_scale)  # raises UnknownFormat
         self.fmt = self.format.family
         # tensor names and the global-scale rule of the checkpoint family (conventions.py)
         self.convention = convention

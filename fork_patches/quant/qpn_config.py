@@ -125,13 +125,13 @@ def int4_switch(environ=None) -> bool:
 
 def family_ready(fmt) -> tuple[bool, str]:
     """(True, '') when QPN serves ``fmt``'s family end to end: the format is registered as served,
-    its family module imports, and the linear methods have a method for it; else why not."""
+    its family package's numerics import, and the linear methods have a method for it; else why not."""
     if not fmt.served:
         return False, f"qpn.kernels.formats does not serve {fmt.title} yet (served=False)"
     try:
-        importlib.import_module(f"qpn.kernels.family_{fmt.family}")
+        importlib.import_module(f"qpn.kernels.families.{fmt.family}.numerics")
     except ImportError as e:
-        return False, f"qpn.kernels.family_{fmt.family} does not import ({e})"
+        return False, f"qpn.kernels.families.{fmt.family}.numerics does not import ({e})"
     from qpn.fork_patches.quant.linear_method import METHODS
 
     if fmt.family not in METHODS:

@@ -264,7 +264,7 @@ struct Frag16FP8 : Frag16LaneRun16 {
   }
 };
 
-// INT4 W4A16 in m16n8k16 order (family_int4.py, "Fragment map m16n8k16"): the FP8 k-slot
+// INT4 W4A16 in m16n8k16 order (kernels/families/int4/layout.py, "Fragment map m16n8k16"): the FP8 k-slot
 // permutation, so lane (g, t) covers inputs 16t .. 16t+15 of each k-block in one contiguous run.
 // Every allowed group size (32, 64, 128) is a multiple of that run, so the run lies in ONE group:
 // the lane needs one record per row (g, g+8) per k-block, loaded once and used by all four steps.
@@ -275,7 +275,7 @@ struct Frag16FP8 : Frag16LaneRun16 {
 // Word s feeds step s; pair r (nibbles r, r+4) is register a_r: row g + 8 (r & 1), inputs
 // 16t + 4s + 2 (r >> 1) + (0, 1). Decode as DecINT4Form: (1024 + code) exactly by OR-ing the
 // nibble under 0x6400, minus (1024 + zero) exactly, times the FP16 group scale: one rounding,
-// fp16((code - zero) * scale), what family_int4.linear_int4 models.
+// fp16((code - zero) * scale), what the INT4 family's reference linear models.
 // Mixing groups in one MMA (lanes t of different groups for gsize 32) is harmless here: unlike
 // NVFP4's e4m3 scales, the operands are ordinary FP16 weights, as in any FP16 GEMM.
 template <bool SYM>

@@ -180,7 +180,7 @@ struct DecFP8 {
   QPN_DEV static u32 front_half2(const u32 (&w)[WORDS], int r) { return dec(w[r >> 1] << (8 * (r & 1))); }
 };
 
-// INT4 W4A16 (kernels/family_int4.py: codes, layout, the reference linear_int4). Unsigned 4-bit
+// INT4 W4A16 (kernels/families/int4/: codes, layout, the reference linear). Unsigned 4-bit
 // codes, two per byte in the packed word order: pair r (r = 0..3) of a word is nibbles r and r + 4,
 // i.e. bits 4r..4r+3 of each 16-bit half, so (w >> 4r) & 0x000F000F | 0x64006400 (one LOP3 after
 // the shift) is the f16x2 (1024 + c_lo, 1024 + c_hi) exactly: 0x6400 is 1024, where FP16's spacing

@@ -4,7 +4,7 @@
         [--embed-without-layers]
 
 The checkpoint has the layout NVIDIA ModelOpt's ``export_hf_checkpoint`` writes for a mixed
-FP8/NVFP4 model, with true encodings (qpn.kernels.codecs.quantize_fp8 / quantize_nvfp4):
+FP8/NVFP4 model, with true encodings (qpn.kernels.fp8_codec.quantize / quantize_nvfp4):
 
 * FP8 (e4m3, per-tensor ``weight_scale``, static ``input_scale``): ``linear_attn.in_proj_qkv``,
   ``linear_attn.in_proj_z``, ``linear_attn.out_proj``, ``self_attn.q_proj/k_proj/v_proj``,
@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from qpn.kernels import codecs, families, formats
+from qpn.kernels import families, formats
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
 from qpn.scripts.checkpoints import tiny_hybrid, tiny_tokenizer
 
 MODELOPT_VERSION_FORM = "0.47.0"  # the ModelOpt release whose export layout this mirrors
@@ -94,7 +95,7 @@ def encode_nvfp4_padded(w: torch.Tensor, global_amax: float | None = None):
     codes and scales are cut back to ceil(K/2) bytes and ceil(K/16) groups (malformed case only).
     ``global_amax`` (shared by fused shards) sets weight_scale_2 = amax / (6 * 448)."""
     n, k = w.shape
-    k_pad = -(-k // formats.GROUP_SIZE) * formats.GROUP_SIZE
+    k_pad = -(-k // formats.NVFP4.group_size) * formats.NVFP4.group_size
     wp = torch.zeros(n, k_pad) if k_pad != k else w.float()
     if k_pad != k:
         wp[:, :k] = w
@@ -104,12 +105,12 @@ def encode_nvfp4_padded(w: torch.Tensor, global_amax: float | None = None):
         aug = torch.zeros(n + 1, k_pad)
         aug[:n] = wp
         aug[n, 0] = global_amax
-        q, s, s2 = codecs.quantize_nvfp4(aug)
+        q, s, s2 = nvfp4_codec.quantize(aug)
         q, s = q[:n], s[:n]
     else:
-        q, s, s2 = codecs.quantize_nvfp4(wp)
+        q, s, s2 = nvfp4_codec.quantize(wp)
     if k_pad != k:
-        q, s = q[:, : -(-k // 2)], s[:, : -(-k // formats.GROUP_SIZE)]
+        q, s = q[:, : -(-k // 2)], s[:, : -(-k // formats.NVFP4.group_size)]
     return q.contiguous(), s.contiguous(), s2
 
 

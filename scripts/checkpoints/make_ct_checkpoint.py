@@ -50,6 +50,7 @@ import torch
 
 from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, E2M1_MAX, E4M3_MAX, GROUP_SIZE
 from qpn.kernels import codecs
+from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
 from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
 
 CT_VERSION_FORM = "0.17.0"  # the compressed-tensors release whose layout this mirrors
@@ -129,7 +130,7 @@ def encode_nvfp4(w: torch.Tensor, global_amax: float | None = None) -> dict[str,
     # it (code 8), -0.0 does not (code 0), exactly as the library's cast_to_fp4 + pack does
     codes = codecs.round_to_e2m1_codes(x)
     names = COMPRESSED_TENSORS.nvfp4
-    return {names.codes: codecs.pack_nvfp4_codes(codes), names.group_scales: scale.to(torch.float8_e4m3fn),
+    return {names.codes: nvfp4_codec.pack_codes(codes), names.group_scales: scale.to(torch.float8_e4m3fn),
             names.global_scale: g}
 
 

@@ -8,7 +8,7 @@ compressed-tensors pack-quantized.
 Same float model and tokenizer as qpn.scripts.checkpoints.make_checkpoint (imported, not copied);
 W4A16 reads no activation scales, so there is no calibration pass. Every linear the mixed plan
 quantizes (the attention and GDN projections, the MLP) is quantized to INT4 by
-qpn.kernels.family_int4.quantize (min/max per group of ``--group-size`` inputs, the float16
+qpn.kernels.families.int4.codec.quantize (min/max per group of ``--group-size`` inputs, the float16
 scale rounded first); ``lm_head``, the embeddings, norms, the GDN convolution and
 ``in_proj_b/in_proj_a`` and the MTP head stay BF16 (AutoAWQ never quantizes lm_head;
 llm-compressor's W4A16 recipes ignore it). The canonical source (codes, float16 scales, uint4
@@ -57,7 +57,8 @@ from pathlib import Path
 import torch
 
 from qpn.fork_patches.quant.conventions import AWQ, CT_PACK_QUANTIZED, GPTQ, INT4_CONVENTIONS
-from qpn.kernels import family_int4, formats
+from qpn.kernels import formats
+from qpn.kernels.families.int4 import codec as int4_codec
 from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
 
 AUTOAWQ_VERSION_FORM = "0.2.9"  # the AutoAWQ release whose GEMM layout this mirrors
@@ -120,7 +121,7 @@ def pack_nibbles(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch
 def to_awq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:
     """Canonical INT4 (codes uint8 [N, K/2], float16 scales [N, K/g], zero points uint8 [N, K/g])
     -> AutoAWQ GEMM {qweight, qzeros, scales}."""
-    q = family_int4.unpack_codes(codes)
+    q = int4_codec.unpack_codes(codes)
     order = AWQ.layout.nibble_order
     n = AWQ.names
     return {n.codes: pack_nibbles(q.t(), 1, order), n.zero_points: pack_nibbles(zeros.t(), 1, order),
@@ -134,8 +135,8 @@ def to_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
     so a zero point 0 has no v1 word: ValueError naming ``module``."""
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}; choose {' or '.join(GPTQ_FORMATS)}")
-    q = family_int4.unpack_codes(codes)                             # [N, K]
-    z = zeros if zeros is not None else torch.full(scales.shape, family_int4.SYM_ZERO, dtype=torch.uint8)
+    q = int4_codec.unpack_codes(codes)                             # [N, K]
+    z = zeros if zeros is not None else torch.full(scales.shape, int4_codec.SYM_ZERO, dtype=torch.uint8)
     stored = z.to(torch.int64) - (1 if checkpoint_format == "gptq" else 0)
     if int(stored.min()) < 0:
         raise ValueError(f"{module or 'module'}: zero point 0 cannot be stored in GPTQ's v1 format (zero - 1 "
@@ -150,7 +151,7 @@ def to_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
 def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Canonical INT4 -> compressed-tensors pack-quantized {weight_packed, weight_scale,
     weight_shape[, weight_zero_point]} (the unsigned code is the library's signed value + 8)."""
-    q = family_int4.unpack_codes(codes)
+    q = int4_codec.unpack_codes(codes)
     n = CT_PACK_QUANTIZED.names
     out = {n.codes: pack_nibbles(q, 1), n.group_scales: scales.contiguous(),
            n.shape: torch.tensor(list(q.shape), dtype=torch.int64)}
@@ -162,7 +163,7 @@ def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 def encode(w: torch.Tensor, convention: str, group_size: int, symmetric: bool,
            checkpoint_format: str = "gptq", module: str = "") -> dict[str, torch.Tensor]:
     """float [N, K] -> the convention's tensors of one module (local names)."""
-    src = family_int4.quantize(w, group_size, symmetric=symmetric)
+    src = int4_codec.quantize(w, group_size, symmetric=symmetric)
     zeros = None if symmetric else src[2]
     if convention == AWQ.name:
         return to_awq(*src)
@@ -262,9 +263,9 @@ def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", se
     checkpoint_format = checkpoint_format or GPTQ_FORMATS[0]
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}; choose {' or '.join(GPTQ_FORMATS)}")
-    if group_size not in formats.INT4_GROUP_SIZES:
+    if group_size not in formats.INT4.group_sizes:
         raise ValueError(f"group size {group_size}: the INT4 family packs groups of "
-                         f"{', '.join(map(str, formats.INT4_GROUP_SIZES))}")
+                         f"{', '.join(map(str, formats.INT4.group_sizes))}")
     if symmetric and convention == AWQ.name:
         raise ValueError("AutoAWQ GEMM checkpoints carry zero points; --symmetric is for GPTQ and compressed-tensors")
     if malformed is not None and (malformed not in MALFORMED or convention not in MALFORMED[malformed].conventions):
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--convention", choices=list(INT4_CONVENTIONS), default=AWQ.name,
                    help="checkpoint layout: AutoAWQ GEMM (default), GPTQ or compressed-tensors pack-quantized")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=formats.INT4_GROUP_SIZES,
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=formats.INT4.group_sizes,
                    help=f"inputs per scale and zero point (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--symmetric", action="store_true",
                    help="GPTQ and compressed-tensors: symmetric weights (zero point 8; compressed-tensors then "

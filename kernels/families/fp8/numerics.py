@@ -1,19 +1,52 @@
-"""The FP8 family's numerics: e4m3 codes one per byte, times a float32 scale per tensor or per
-output channel (the two formats of the family differ only in that scale's shape).
+"""The FP8 family's numerics: its CPU reference, reading the packed buffers the kernels read, and
+``FP8Numerics``, the family's side of kernels/families/contract.py.
 
-What the family is lives as data in formats.py; this module is how its tensors are decoded,
-encoded, prepacked and proven, computed on the CPU, and cut out of vLLM's stacked MoE tensors.
-families.numerics(fmt) hands it out.
+value = e4m3(byte) * scale. The float32 reference: FP32 dot product of activations and e4m3
+values, times the FP32 per-tensor / per-channel scale, FP16 output; the float64 one is exact.
 """
 from __future__ import annotations
 
 import torch
 
-from . import codecs, prepack, reference
-from .formats import FP8_TENSOR, MoeShapeError, WeightFormat
-from .prepack import PackedFP8
+from ... import codecs, reference
+from ...atoms import geometry
+from ...prepack import from_blocks
+from ...weight_format import MoeShapeError, WeightFormat
+from . import codec, layout
+from .layout import PackedFP8
+from .members import FP8_TENSOR
 
 
+# ------------------------------------------------------------------------------ CPU reference
+def decode_packed(packed: PackedFP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed FP8 -> (e4m3 values float32 [N, K], per-row scale float32 [N])."""
+    g = geometry(packed.atom)
+    tile, kbk = g.tile_n, g.k_block
+    tiles, kblocks = packed.n_pad // tile, packed.k_pad // kbk
+    _, scatter = layout.code_maps(packed.atom)
+    raw = packed.codes.view(tiles, kblocks, tile * kbk).index_select(2, scatter.to(packed.codes.device))
+    src = from_blocks(raw, tile, kbk)[: packed.n, : packed.k]
+    return codecs.decode_e4m3(src), codec.channel_scales(packed.scale, packed.n)
+
+
+def linear(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = (x @ e4m3^T) * scale in FP32; x [M, K] -> fp16 [M, N]."""
+    reference.check_x(x, packed.k)
+    vals, scale = decode_packed(packed)
+    y32 = reference.row_invariant(x, lambda xr: xr.to(torch.float32) @ vals.t()) * scale.reshape(1, -1)
+    return reference.finish(y32, bias)
+
+
+def linear_f64(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
+    reference.check_x(x, packed.k)
+    vals, scale = decode_packed(packed)
+    y = (x.double() @ vals.double().t()) * scale.double().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.double().reshape(1, -1)
+    return y
+
+
+# ---------------------------------------------------------------------------------- numerics
 class FP8Numerics:
     packed_type = PackedFP8
 
@@ -22,33 +55,33 @@ class FP8Numerics:
 
     # a source is (codes float8_e4m3fn [N, K], scale float32 [1] per tensor or [N] per channel)
     def decode_f64(self, codes, scale) -> torch.Tensor:
-        return codecs.dequantize_fp8_f64(codes, scale)
+        return codec.dequantize_f64(codes, scale)
 
     def decode_f32(self, codes, scale) -> torch.Tensor:
-        return codecs.dequantize_fp8(codes, scale)
+        return codec.dequantize(codes, scale)
 
     def quantize(self, w: torch.Tensor) -> tuple:
-        return codecs.quantize_fp8(w, per_channel=self.fmt.output_scale == "channel")
+        return codec.quantize(w, per_channel=self.fmt.output_scale == "channel")
 
     def prepack(self, codes, scale, atom: str = "m8n8k4",
                 rows_per_chunk: int | None = None) -> PackedFP8:
-        return prepack.prepack_fp8(codes, scale, atom=atom, rows_per_chunk=rows_per_chunk)
+        return layout.prepack(codes, scale, atom=atom, rows_per_chunk=rows_per_chunk)
 
     def unprepack(self, packed: PackedFP8) -> tuple:
-        return prepack.unprepack_fp8(packed)
+        return layout.unprepack(packed)
 
     def verify_roundtrip(self, packed, codes, scale,
                          rows_per_chunk: int | None = None) -> None:
-        prepack.verify_fp8_roundtrip(packed, codes, scale, rows_per_chunk=rows_per_chunk)
+        layout.verify_roundtrip(packed, codes, scale, rows_per_chunk=rows_per_chunk)
 
     def reference_linear(self, x, packed, bias=None) -> torch.Tensor:
-        return reference.linear_fp8(x, packed, bias)
+        return linear(x, packed, bias)
 
     def reference_linear_f64(self, x, packed, bias=None) -> torch.Tensor:
-        return reference.linear_fp8_f64(x, packed, bias)
+        return linear_f64(x, packed, bias)
 
     def decode_packed(self, packed) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.decode_packed_fp8(packed)
+        return decode_packed(packed)
 
     def packed_tensors(self, packed):
         return packed.codes, None, packed.scale
@@ -86,6 +119,5 @@ class FP8Numerics:
         return w2, (ws.reshape(w2.shape[0], -1) if ws.dim() >= 2 and ws.shape[1] != 1 else ws.reshape(-1))
 
 
-# The family's numerics, as families.numerics hands them out (families.py finds this module by
-# the family's name, formats.ALL_FAMILIES).
+# The class implementing kernels/families/contract.py, as families.numerics hands it out.
 NUMERICS = FP8Numerics

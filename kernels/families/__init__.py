@@ -1,0 +1,75 @@
+"""The weight families: one package per family (kernels/families/<family>/), each behind the one
+contract of contract.py, and the registry through which everything outside the families reaches
+them.
+
+A family package holds everything that differs between families: its members as data
+(members.py, gathered by kernels/formats.py), its codec, packed layout with the proven inverse and
+fragment maps per atom, and its CPU reference (each package's own modules say which). Its
+``numerics`` module names the class that implements the contract (``NUMERICS``); ``numerics(fmt)``
+below hands out an instance per member. Adding a family is adding a folder: the registry finds it
+by the family names formats.py gathered, and no list here is extended.
+
+Importing this package imports no torch: formats.py (torch-free) loads the members modules of the
+packages, which imports this file first. The numerics are imported on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from typing import Any
+
+from .. import formats
+
+
+class ContractError(TypeError):
+    """A family package whose numerics class does not implement kernels/families/contract.py."""
+
+
+@lru_cache(maxsize=None)
+def numerics_class(family: str) -> type:
+    """The class implementing the contract for ``family``: ``NUMERICS`` of its numerics module,
+    refused by name when it lacks a member of the contract."""
+    from . import contract
+
+    cls = getattr(importlib.import_module(f"{__name__}.{family}.numerics"), "NUMERICS", None)
+    lacks = ["NUMERICS"] if cls is None else contract.missing(cls)
+    if lacks:
+        raise ContractError(f"kernels/families/{family}/numerics.py does not implement the family contract "
+                            f"(kernels/families/contract.py): it lacks {', '.join(lacks)}")
+    return cls
+
+
+@lru_cache(maxsize=None)
+def _numerics_of(key: str):
+    fmt = formats.weight_format(key, served_only=False)
+    return numerics_class(fmt.family)(fmt)
+
+
+def numerics(fmt: Any):
+    """The numerics (contract.FamilyNumerics) of a WeightFormat, a format key, family name or
+    ModelOpt algo, or of the format of a packed weight (anything with a ``format`` or ``fmt``)."""
+    if hasattr(fmt, "n") and hasattr(fmt, "atom"):  # a packed weight or expert stack
+        fmt = formats.format_of(fmt)
+    return _numerics_of(formats.weight_format(fmt, served_only=False).key)
+
+
+def packed_types() -> tuple[type, ...]:
+    """The packed-weight class of every family."""
+    return tuple(numerics_class(family).packed_type for family in formats.ALL_FAMILIES)
+
+
+def kernel_tensors(packed):
+    """(codes, group scales or None, float32 output scale [1] or [N]) a kernel reads."""
+    codes, scales, out_scale = numerics(packed).packed_tensors(packed)
+    return codes, scales, out_scale.float().reshape(-1)
+
+
+def reference_linear(x, packed, bias=None):
+    """The float32 CPU reference (the kernels' semantics, FP16 output) of a packed dense weight of
+    any family."""
+    return numerics(packed).reference_linear(x, packed, bias)
+
+
+def reference_linear_f64(x, packed, bias=None):
+    """The exact float64 CPU reference (not rounded) of a packed dense weight of any family."""
+    return numerics(packed).reference_linear_f64(x, packed, bias)

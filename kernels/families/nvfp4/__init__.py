@@ -1,0 +1,11 @@
+"""The NVFP4 family: e2m1 codes two per byte, one e4m3 scale per 16 inputs, one float32 global
+multiplier (value = e2m1(code) * e4m3(group scale) * global); ModelOpt's NVFP4 / W4A16_NVFP4
+checkpoints and compressed-tensors nvfp4-pack-quantized.
+
+  members.py   the WeightFormat member (data; routes qpn2*)
+  codec.py     canonical source, exact decoders, the encoder
+  layout.py    fragment maps per atom, PackedNVFP4, prepack, its inverse and the proof
+  numerics.py  CPU reference and NVFP4Numerics (kernels/families/contract.py)
+CUDA decoders: DecNVFP4 / DecNVFP4S7 (csrc/qpn_family.cuh, m8n8k4) and Frag16NVFP4* (csrc/
+qpn_atom_m16n8k16.cuh, m16n8k16). Grouped MoE kernels exist on both atoms.
+"""
