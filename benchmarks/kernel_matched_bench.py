@@ -416,9 +416,9 @@ def qpn_plain_call(fmt, m, n, k, packs, x):
     route = routes.route_for(fmt, m, n, k, arch="sm80", served_only=False)
     if route.kernel != routes.TILED:
         return None, ""
-    kname = sm80_plan._sm80_kernel_for(route, m, n)[0]
+    kname = sm80_plan.sm80_kernel_for(route, m, n)[0]
     dev = x.device
-    if sm80_plan._pdl_form(kname, dev.index if dev.index is not None else torch.cuda.current_device()) is None:
+    if sm80_plan.pdl_form(kname, dev.index if dev.index is not None else torch.cuda.current_device()) is None:
         return None, ""
     ws = [kernel_inputs.fp32_scale(ops.operands(p)) for p in packs]
     plans = {}   # (weight, stream): graph capture runs on a stream of its own
@@ -452,7 +452,7 @@ def host_time_per_call(n: int = 256, k: int = 256, calls: int = 2000) -> dict:
         route = routes.route_for(fmt, 1, n, k, arch=atoms.arch_for_atom(packed.atom))
         arms = ((f"qpn_linear_{fmt}", lambda: ops.qpn_linear(x, packed)),
                 # the same call through the general (uncached) launch path, for comparison
-                (f"qpn_general_path_{fmt}", lambda: ops._linear(x, wop, route, None)),
+                (f"qpn_general_path_{fmt}", lambda: ops.linear_operands(x, wop, route, None)),
                 (f"torch_matmul_{fmt}", lambda: x @ w.t()))
         for label, fn in arms:
             for _ in range(50):
@@ -533,7 +533,7 @@ def sweep_trials(kernels, packed, route: str, m: int, only=(), min_items=(), def
     where sm80_tables names one), and that kernel again at each of ``min_items``."""
     member = kernel_inputs.kernel_member(kernel_inputs.operands(packed))[0]
     key = _sweep_key(m)
-    default = sm80_plan._sm80_kernel_for(routes.as_route(route), m, packed.n, member)[0]
+    default = sm80_plan.sm80_kernel_for(routes.as_route(route), m, packed.n, member)[0]
     if key == BAND:
         old = sm80_tables.SM80_ROUTE_KERNELS[(member, 2)]
         fits = lambda kn, c: c.band or kn == old  # noqa: E731

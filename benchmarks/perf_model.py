@@ -166,7 +166,7 @@ def _ptxas_regs(ptx: str, arch: int) -> dict:
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(r.stderr)
-        return sm70_check._parse_ptxas(r.stdout + r.stderr)
+        return sm70_check.parse_ptxas(r.stdout + r.stderr)
 
 
 def _sass(cubin: bytes) -> str:
@@ -306,7 +306,7 @@ def predict(k: KernelStats, gpu: Gpu, n: int, kdim: int, c: Constants) -> dict:
                 lat_gbps=lat, issue_gbps=issue)
 
 
-def _read_csv(path):
+def read_csv(path):
     head, body = {}, []
     with open(path) as f:
         for line in f:
@@ -321,7 +321,7 @@ def _read_csv(path):
 
 def observations(csv_path: str, sweep_path: str | None) -> tuple[float, list[dict]]:
     """(read ceiling, rows of kernel, n, k, m, measured us) from one run's CSV files."""
-    head, rows = _read_csv(csv_path)
+    head, rows = read_csv(csv_path)
     read = float(head["read_ceiling_gbps"])
     route_k = dict(re.findall(r"(\w+/mt\d)=(\w+)", head.get("qpn atom", "")))
     obs = []
@@ -334,7 +334,7 @@ def observations(csv_path: str, sweep_path: str | None) -> tuple[float, list[dic
             obs.append(dict(kernel=kname, shape=r["shape"], n=int(r["n"]), k=int(r["k"]), m=int(r["m"]),
                             route=r["route"], us=float(r["graph_us"]), src="bench"))
     if sweep_path:
-        _, srows = _read_csv(sweep_path)
+        _, srows = read_csv(sweep_path)
         for r in srows:
             if int(r["variant"]) == 0 and int(r["min_items"]) == sm80_tables.SM80_MIN_ITEMS[formats.FAMILIES[r["fmt"]]]:
                 mt = 1 if int(r["m"]) <= 8 else 2
@@ -377,9 +377,9 @@ def calibrate(stats: dict[str, KernelStats], gpu: Gpu, obs: list[dict], t0_max: 
 TP4_SHAPES = {"tp4_mlp_gate_up": ("nvfp4", 8704, 5120), "tp4_mlp_down": ("nvfp4", 5120, 4352),
               "tp4_lm_head": ("nvfp4", 62080, 5120), "tp4_gdn_in_proj_qkvz": ("fp8", 4096, 5120),
               "tp4_gdn_out_proj": ("fp8", 5120, 1536)}
-def _kernel_for(fmt: str, m: int, form: str = "restore") -> str:
+def kernel_for(fmt: str, m: int, form: str = "restore") -> str:
     """The m8n8k4 kernel of the tiled route for M <= 16 (ops names it)."""
-    return ops._route_kernel(routes.tiled_route(formats.weight_format(fmt).family, 1 if m <= 8 else 2), m, form)[0] \
+    return ops.route_kernel(routes.tiled_route(formats.weight_format(fmt).family, 1 if m <= 8 else 2), m, form)[0] \
         + "_m8n8k4"
 
 
@@ -465,7 +465,7 @@ def v100_column_lines(results_dir: str | None = None) -> list[str]:
     if not newest:
         return ["[kernels] V100 estimate: no results/perf_model_v100_estimate_*.csv here "
                 "(run python -m qpn.benchmarks.v100_estimate)"]
-    _, rows = _read_csv(newest)
+    _, rows = read_csv(newest)
     out = [f"[kernels] V100 column ({ESTIMATE_LABEL}; {os.path.basename(newest)}):"]
     seen = set()
     for r in rows:
@@ -534,7 +534,7 @@ def m8n8k4_observations(csv_path: str) -> tuple[dict, Gpu, list[dict]]:
     """(its header, the GPU the run describes, rows of kernel, n, k, m, measured us) of a
     kernel_matched_bench CSV that ran the m8n8k4 kernels (a V100 run: scripts/v100-evidence.sh's
     kernels step)."""
-    head, rows = _read_csv(csv_path)
+    head, rows = read_csv(csv_path)
     atom = head.get("qpn atom", "")
     if not atom.startswith("m8n8k4"):
         raise ValueError(f"{csv_path}: its QPN arm ran '{atom.split(';')[0]}', not the m8n8k4 kernels this "
@@ -551,7 +551,7 @@ def m8n8k4_observations(csv_path: str) -> tuple[dict, Gpu, list[dict]]:
         route = routes.as_route(r["route"]) if r["arm"] == "qpn" else None
         if route is None or route.kernel != routes.TILED or route.chunk_rows:
             continue
-        kernel = ops._route_kernel(route, int(r["m"]), form)[0] + "_m8n8k4"
+        kernel = ops.route_kernel(route, int(r["m"]), form)[0] + "_m8n8k4"
         obs.append(dict(kernel=kernel, shape=r["shape"], n=int(r["n"]), k=int(r["k"]),
                         m=int(r["m"]), route=r["route"], us=float(r["graph_us"]), src="v100"))
     if not obs:
@@ -631,7 +631,7 @@ def main(argv=None) -> int:
         return 0
     if bool(args.csv) == bool(args.check_m8n8k4):
         ap.error("give --csv (calibrate on an sm_80+ run) or --check-m8n8k4 (check against an m8n8k4 run)")
-    head, _ = _read_csv(args.csv or args.check_m8n8k4)
+    head, _ = read_csv(args.csv or args.check_m8n8k4)
     stamp = args.stamp or head.get("date", "undated")[:10].replace("-", "")
     if args.check_m8n8k4:
         check_m8n8k4(args.check_m8n8k4, args.out_dir, stamp)

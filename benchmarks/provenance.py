@@ -21,7 +21,7 @@ import subprocess
 import sys
 from urllib.parse import urlparse
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def is_local_endpoint(base_url: str) -> bool:
@@ -157,7 +157,7 @@ def checkpoint_revision(model_entry: dict, given: str | None = None) -> str:
 SOURCE_STATE_FILE = ".qpn_source_state.json"
 
 
-def _machine_boot() -> str:
+def machine_boot() -> str:
     """This machine and boot: host name plus the kernel's boot id (host names alone can repeat:
     the GPU host's container answered the same name as ours)."""
     try:
@@ -168,21 +168,21 @@ def _machine_boot() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def export_source_state(root: str = _REPO_ROOT) -> str:
+def export_source_state(root: str = REPO_ROOT) -> str:
     """Write this checkout's source_state to <root>/.qpn_source_state.json, for a copy of the
     tree that travels without .git (the GPU host): source_state() there reads it back."""
     import json
     st = source_state(root)
     if st["commit"] is None:
         raise RuntimeError(f"cannot export the source state: {st.get('error')}")
-    st.update(exported_at=now_iso(), exported_from=_machine_boot())
+    st.update(exported_at=now_iso(), exported_from=machine_boot())
     path = os.path.join(root, SOURCE_STATE_FILE)
     with open(path, "w") as f:
         json.dump(st, f, indent=1)
     return path
 
 
-def source_state(root: str = _REPO_ROOT) -> dict:
+def source_state(root: str = REPO_ROOT) -> dict:
     """The source a result came from, read from git: {'commit', 'dirty', 'diff_sha256', 'changed'}.
 
     dirty: tracked files differ from HEAD (staged or not) or untracked, non-ignored files exist.
@@ -200,7 +200,7 @@ def source_state(root: str = _REPO_ROOT) -> dict:
         # whose HEAD is not the checkout's (seen on the device copies: the session's first
         # commit with today's tree as a diff); the state exported on the source machine is the
         # truth there. On the machine that exported it, git itself is asked.
-        if not has_git or st.get("exported_from") != _machine_boot():
+        if not has_git or st.get("exported_from") != machine_boot():
             st["changed"] = list(st.get("changed", [])) + [
                 f"(state exported by provenance.py at {st.pop('exported_at', '?')} from "
                 f"{st.pop('exported_from', '?')}; this copy's own git state is not used)"]
@@ -357,7 +357,7 @@ def portable_words(words: list[str], cwd: str | None = None, out: str | None = N
     no path of this machine. ``cwd``: the folder it ran in (a checkout root: paths inside it become
     relative); ``out``: the folder it wrote into (becomes $OUT; the device host's $OUT is read from the
     environment)."""
-    roots = [os.path.normpath(r) for r in (cwd, _REPO_ROOT) if r and os.path.isabs(r)]
+    roots = [os.path.normpath(r) for r in (cwd, REPO_ROOT) if r and os.path.isabs(r)]
     outs = [os.path.normpath(o) for o in (out, os.environ.get("OUT"), *KNOWN_OUT_DIRS) if o and os.path.isabs(o)]
     outputs = _output_options(words)
     result: list[str] = []
@@ -408,7 +408,7 @@ def exact_command() -> str:
     head = [sys.executable, "-m", spec.name] if spec is not None and spec.name else [sys.executable, sys.argv[0]]
     env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QPN_") or k == "CUDA_VISIBLE_DEVICES"]
     cwd = os.getcwd()
-    root = next((r for r in (_checkout_root(cwd), _REPO_ROOT) if r and (cwd == r or cwd.startswith(r + "/"))), None)
+    root = next((r for r in (_checkout_root(cwd), REPO_ROOT) if r and (cwd == r or cwd.startswith(r + "/"))), None)
     text = portable_words(env + head + sys.argv[1:], cwd=root or cwd)
     if root and cwd != root:
         text += f"  (in {os.path.relpath(cwd, root)})"

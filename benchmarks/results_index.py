@@ -137,7 +137,7 @@ def resolve(ref: str, names: set[str]) -> list[str]:
     return out
 
 
-def _named_in(text: str, names: set[str]) -> set[str]:
+def named_in(text: str, names: set[str]) -> set[str]:
     return {n for m in _NAME.finditer(text) for n in resolve(m.group(0), names)}
 
 
@@ -166,7 +166,7 @@ def reachable(repo: Path = REPO) -> dict[str, str]:
     def names_in(n: str) -> set[str]:
         if n not in named:
             named[n] = (set() if Path(n).suffix == ".png"
-                        else _named_in((results / n).read_text(errors="replace"), names) - {n})
+                        else named_in((results / n).read_text(errors="replace"), names) - {n})
         return named[n]
 
     commands = {n: _provenance.command_outputs(provenance(results / n).get("command", "")) & names - {n}

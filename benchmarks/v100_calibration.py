@@ -1027,7 +1027,7 @@ def whole_step_m8n8k4(form: str, stats=None, trips=None) -> dict:
 
     def estimate_us(shape, m):
         fmt, n, k = perf_model.TP4_SHAPES[shape]
-        kname = perf_model._kernel_for(fmt, m, form)
+        kname = perf_model.kernel_for(fmt, m, form)
         return perf_model.predict_v100_calibrated(stats[kname], n, k, trips[kname])["us"]
     return whole_step(estimate_us)
 

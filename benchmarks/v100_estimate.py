@@ -139,7 +139,7 @@ def kernel_for(fmt: str, m: int, form: str, n: int = 5120, k: int = 5120) -> str
     the family's first; a staged family's too, formats.py); None where there is none."""
     try:
         route = routes.route_for(fmt, m, n, k, arch="sm70", served_only=False)
-        return ops._route_kernel(route, m, form)[0] + "_m8n8k4"
+        return ops.route_kernel(route, m, form)[0] + "_m8n8k4"
     except (KeyError, ValueError, formats.FormatError):
         return None
 
@@ -193,7 +193,7 @@ COLUMNS = ["table", "shape", "checkpoint_fmt", "fmt", "form", "n", "k", "m", "ke
            "inflight_warp", "seed_pct", "seed_verdict", "turbomind_us", "speedup", "turbomind_what"]
 
 
-def _bands(rows: list[dict]) -> list[list[dict]]:
+def bands(rows: list[dict]) -> list[list[dict]]:
     """Rows of one route merged over consecutive M of equal estimate (the model's bands)."""
     out: list[list[dict]] = []
     for r in rows:
@@ -206,7 +206,7 @@ def _bands(rows: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _m_text(band: list[dict]) -> str:
+def m_text(band: list[dict]) -> str:
     return str(band[0]["m"]) if len(band) == 1 else f"{band[0]['m']}-{band[-1]['m']}"
 
 
@@ -223,13 +223,13 @@ def markdown(stamp: str, prov: list[str], rows: list[dict], notes: list[str], st
                "| shape | checkpoint format | route format | NVFP4 form | M | kernel | est. us | est. % of 879 GB/s | bound "
                "| seed 000's level (measured) | 1Cat TurboMind (measured) = TurboMind / est. |",
                "|---|---|---|---|---|---|---:|---:|---|---|---|"]
-        for band in _bands([r for r in rows if r["table"] == table]):
+        for band in bands([r for r in rows if r["table"] == table]):
             r = band[0]
             seed = ", ".join(f"M={b['m']}: {b['seed_pct']:.1f}%{' (est. below)' if b['seed_verdict'] == 'below' else ''}"
                              for b in band if b["seed_pct"] is not None)
             tmt = ", ".join(f"M={b['m']}: {b['turbomind_us']:.1f} us = {b['speedup']:.2f}x"
                             for b in band if b["turbomind_us"] is not None)
-            md.append(f"| {r['shape']} | {r['checkpoint_fmt']} | {r['fmt']} | {r['form']} | {_m_text(band)} | {r['kernel']} | "
+            md.append(f"| {r['shape']} | {r['checkpoint_fmt']} | {r['fmt']} | {r['form']} | {m_text(band)} | {r['kernel']} | "
                       f"{r['est_us']:.1f} | {r['est_pct']:.0f}% | {r['bound']} | {seed} | {tmt} |")
         md.append("")
     md += ["Where each TurboMind time comes from (1Cat-vLLM v1.3.0, "

@@ -25,7 +25,7 @@ class NvrtcCompileError(RuntimeError):
     """NVRTC rejected a source; the message carries its log."""
 
 
-def _candidate_paths(major: int | None = None) -> list[str]:
+def candidate_paths(major: int | None = None) -> list[str]:
     out: list[str] = []
     env = os.environ.get("QPN_NVRTC_LIB")
     if env:
@@ -131,16 +131,16 @@ class Nvrtc:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-_cache: dict = {}
+cache: dict = {}
 
 
 def load_nvrtc(major: int | None = None, arch: int | None = None) -> Nvrtc:
     """First NVRTC found (optionally of a given major version, or able to target sm_<arch>)."""
     key = (major, arch)
-    if key in _cache:
-        return _cache[key]
+    if key in cache:
+        return cache[key]
     errors = []
-    for p in _candidate_paths(major):
+    for p in candidate_paths(major):
         try:
             nv = Nvrtc(p)
         except (OSError, NvrtcCompileError) as e:
@@ -153,7 +153,7 @@ def load_nvrtc(major: int | None = None, arch: int | None = None) -> Nvrtc:
             if archs and arch not in archs:
                 errors.append(f"{p}: NVRTC {nv.version} cannot target sm_{arch} (supports {archs})")
                 continue
-        _cache[key] = nv
+        cache[key] = nv
         return nv
     hint = ("install NVRTC 12.x for sm_70 (pip install nvidia-cuda-nvrtc-cu12==12.9.86; CUDA 13 dropped sm_70), "
             "or point QPN_NVRTC_LIB at a libnvrtc.so")

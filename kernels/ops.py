@@ -87,7 +87,7 @@ def serving_target(capability) -> Optional[dict]:
     return None
 
 
-def _route_kernel(route: Route, m: int, form: str = "restore",
+def route_kernel(route: Route, m: int, form: str = "restore",
                   member: Optional[formats.WeightFormat] = None) -> tuple[str, int, int]:
     """(entry point prefix, tiles per weight pass MT, m_chunks) of a tiled route on the m8n8k4 atom;
     ``form`` "s7" names the S7 form of an e4m3-grouped format's kernels (nvfp4_form); ``member`` is
@@ -128,7 +128,7 @@ def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl:
     m = xh.shape[0]
     g = geometry(w.atom)
     form = form or (nvfp4_form(xh.device) if member.has_s7_form else "restore")
-    name, mt, m_chunks = _route_kernel(route, m, form, member)
+    name, mt, m_chunks = route_kernel(route, m, form, member)
     n_tiles = -(-w.n // g.tile_n)
     kblocks = w.k_pad // g.k_block
     ksplit, tpb = _split(n_tiles, kblocks, m_chunks, xh.device)
@@ -155,7 +155,7 @@ def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl:
 # the hardware, settled per device by probe_nvfp4_s7 on first use, never assumed.
 NVFP4_FORMS = ("s7", "restore")
 NVFP4_FORM_ENV = "QPN_SM70_NVFP4_FORM"
-_nvfp4_forms: dict = {}   # device index -> form
+nvfp4_forms: dict = {}   # device index -> form
 
 
 def nvfp4_form(device) -> str:
@@ -164,7 +164,7 @@ def nvfp4_form(device) -> str:
     "restore". Under CUDA-graph capture a device not yet probed runs "restore" (a probe
     synchronises, which capture forbids) and is probed on its next uncaptured call."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    form = _nvfp4_forms.get(idx)
+    form = nvfp4_forms.get(idx)
     if form is not None:
         return form
     want = os.environ.get(NVFP4_FORM_ENV, "").strip().lower()
@@ -183,7 +183,7 @@ def nvfp4_form(device) -> str:
                     "QPN NVFP4 kernels on cuda:%d (%s): the %s form (subnormal-operand probe %s; "
                     "%s=s7|restore overrides)", idx, torch.cuda.get_device_name(idx), form,
                     "passed" if passed else "failed", NVFP4_FORM_ENV)
-    _nvfp4_forms[idx] = form
+    nvfp4_forms[idx] = form
     return form
 
 
@@ -241,7 +241,7 @@ def _launch_reconstruct(route: Route, xh: torch.Tensor, w: WeightOperands, bias)
 
 
 # ---------------------------------------------------------------------------- custom op
-def _linear(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def linear_operands(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] -> fp16 [M, N] through ``route`` (CUDA) or the reference (CPU)."""
     if x.device.type != "cuda":
         return families.numerics(w.format).reference_linear(x, w.packed(), bias)
@@ -260,7 +260,7 @@ def _linear(x: torch.Tensor, w: WeightOperands, route: Route, bias: Optional[tor
 def linear_op(x: torch.Tensor, codes: torch.Tensor, scales: Optional[torch.Tensor], chscale: torch.Tensor,
               n: int, k: int, fmt: str, atom: str, route: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The traced form of qpn_linear: the weight arguments are WeightOperands' fields in order."""
-    return _linear(x, WeightOperands(codes, scales, chscale, n, k, fmt, atom), routes.as_route(route), bias)
+    return linear_operands(x, WeightOperands(codes, scales, chscale, n, k, fmt, atom), routes.as_route(route), bias)
 
 
 @linear_op.register_fake
@@ -297,5 +297,5 @@ def qpn_linear(x: torch.Tensor, packed, route: Route | str | None = None,
     if torch.compiler.is_compiling():
         y = torch.ops.qpn.linear(x2, *w, str(route), bias)
     else:
-        y = _linear(x2, w, route, bias)
+        y = linear_operands(x2, w, route, bias)
     return y.reshape(*lead, w.n)

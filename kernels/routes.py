@@ -12,7 +12,7 @@ fallback: every M has exactly one named route, and every route below is a real k
 * qpn2 / qpn8 / qpn4: one 8-row tile, four quadpairs on N sharing one activation fragment.
 * *_mt2: two 8-row tiles against a single pass over the weights.
 * *_chunked: on sm_80+ for NVFP4, ONE pass over the weights per 32 or 64 rows (the M-band kernels,
-  kernels/sm80_tables.py SM80_BAND_KERNELS; sm80_plan._sm80_kernel_for picks the kernel and the chunk count). On
+  kernels/sm80_tables.py SM80_BAND_KERNELS; sm80_plan.sm80_kernel_for picks the kernel and the chunk count). On
   sm_70, and for FP8 and INT4 on sm_80+, the M rows cut into 16-row chunks, each chunk an MT2 pass; the chunks of one weight
   tile are scheduled as adjacent blocks so that they stream the same weight bytes at the same
   time (the second and later reads come from L2). Why MT2 chunks and not a wider tile: each 8-row tile

@@ -125,7 +125,7 @@ class CheckResult:
         return "\n".join(lines)
 
 
-def _parse_ptxas(text: str) -> dict[str, KernelReport]:
+def parse_ptxas(text: str) -> dict[str, KernelReport]:
     out: dict[str, KernelReport] = {}
     cur = None
     for line in text.splitlines():
@@ -144,7 +144,7 @@ def _parse_ptxas(text: str) -> dict[str, KernelReport]:
     return out
 
 
-def _parse_sass(text: str, reports: dict[str, KernelReport]) -> None:
+def parse_sass(text: str, reports: dict[str, KernelReport]) -> None:
     cur = None
     for line in text.splitlines():
         m = re.search(r"Function : (\w+)", line)
@@ -197,11 +197,11 @@ def run_check(arch: int = 70, download: bool = True, source: str = jit.MAIN_SOUR
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"ptxas failed:\n{r.stderr}")
-        reports = _parse_ptxas(r.stdout + r.stderr)
+        reports = parse_ptxas(r.stdout + r.stderr)
         sass = subprocess.run([cuobjdump, "-sass", cubin_path], capture_output=True, text=True, env=env)
         if sass.returncode != 0:
             raise RuntimeError(f"cuobjdump -sass failed:\n{sass.stderr}")
-        _parse_sass(sass.stdout, reports)
+        parse_sass(sass.stdout, reports)
         resu = subprocess.run([cuobjdump, "--dump-resource-usage", cubin_path], capture_output=True, text=True, env=env)
         _parse_resource(resu.stdout, reports)
     expected = (tuple(expected) if expected is not None

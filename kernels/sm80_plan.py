@@ -1,7 +1,7 @@
 """sm_80+ (m16n8k16) launch planning, apart from the SM70 serving path (ops): the configured kernels
 parsed from csrc/qpn_kernels_sm80.cu, the split-K partition of a layer's work into runs, the
 shared-memory fallback, programmatic dependent launch (sm_90+), one launch with everything but x,
-y and bias resolved (``_Launch``), and the eager launch cache that reuses those launches call
+y and bias resolved (``Launch``), and the eager launch cache that reuses those launches call
 after call. Which kernel serves which route is data, in sm80_tables.
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _sm80_buffers(device, stream: int, n_floats: int, n_ints: int):
 _sm80_plans: dict = {}
 
 
-def _sm80_no_smem_kernel(name: str) -> Optional[str]:
+def sm80_no_smem_kernel(name: str) -> Optional[str]:
     """The register-ring kernel (sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM) of the route whose
     shared-memory ring kernel is ``name``; None when no route table names ``name``."""
     fallback = {v: sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM[k]
@@ -214,7 +214,7 @@ def _sm80_plan(mod, name: str, fmt: formats.WeightFormat, n: int, kblocks: int, 
         kernels = sm80_kernels()
         cfg = kernels[name]
         if cfg.smem_bytes > _smem_optin(idx):
-            fallback = _sm80_no_smem_kernel(name)
+            fallback = sm80_no_smem_kernel(name)
             if fallback is None:
                 raise ValueError(f"kernel {name} needs {cfg.smem_bytes} bytes of shared memory per block; "
                                  f"cuda:{idx} allows {_smem_optin(idx)}")
@@ -260,7 +260,7 @@ def sm80_partition(n: int, kblocks: int, tiles: int, chunks: int, resident_warps
     return -(-runs * unit_warps // WARPS) * chunks, runs, n_groups
 
 
-def _sm80_kernel_for(route: Route, m: int, n: int = 0,
+def sm80_kernel_for(route: Route, m: int, n: int = 0,
                      member: Optional[formats.WeightFormat] = None) -> tuple[str, int]:
     """(kernel name, chunks) serving a tiled route on the m16n8k16 atom for a layer of n rows. The
     *_chunked route runs an M-band kernel where sm80_tables.SM80_BAND_KERNELS lists one for the
@@ -271,18 +271,18 @@ def _sm80_kernel_for(route: Route, m: int, n: int = 0,
     key = (member or route.weight_format, route.tiles_per_pass)
     if route.chunk_rows and route.weight_format in sm80_tables.SM80_BAND_KERNELS:
         bands = sm80_tables.SM80_BAND_KERNELS[route.weight_format]
-        name = next((k for k in bands if routes.TILE_ROWS * _sm80_config(k).mt >= m), bands[-1])
+        name = next((k for k in bands if routes.TILE_ROWS * sm80_config(k).mt >= m), bands[-1])
     elif key in sm80_tables.SM80_LARGE_N_KERNELS and n >= sm80_tables.SM80_LARGE_N[key[0]]:
         name = sm80_tables.SM80_LARGE_N_KERNELS[key]
     else:
         name = sm80_tables.SM80_ROUTE_KERNELS.get(key) or sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[key]
-    return name, _sm80_chunks(route, m, _sm80_config(name))
+    return name, sm80_chunks(route, m, sm80_config(name))
 
 
 _sm80_configs: dict = {}
 
 
-def _sm80_config(name: str) -> Sm80Kernel:
+def sm80_config(name: str) -> Sm80Kernel:
     """sm80_kernels()[name], parsed once per kernel: the parse reads every csrc/ file, and a
     launch path that plans on each call (the custom op's) must not pay that per call."""
     cfg = _sm80_configs.get(name)
@@ -291,7 +291,7 @@ def _sm80_config(name: str) -> Sm80Kernel:
     return cfg
 
 
-def _sm80_chunks(route: Route, m: int, cfg: Sm80Kernel) -> int:
+def sm80_chunks(route: Route, m: int, cfg: Sm80Kernel) -> int:
     """Grid planes of a launch: a chunked route cuts M into chunks of the kernel's 8 x MT rows (the
     M-band kernel: 64; an MT = 2 kernel: 16, how the route ran before the band kernel); else 1."""
     return -(-m // (routes.TILE_ROWS * cfg.mt)) if route.chunk_rows else 1
@@ -302,8 +302,8 @@ def _sm80_chunks(route: Route, m: int, cfg: Sm80Kernel) -> int:
 # kernel before it reads x or touches y and the split-K scratch. Which route kernels take it, and
 # the measurements behind the choice: sm80_tables.SM80_PDL_KERNELS. QPN_PDL=0 turns it off.
 PDL_ENV = "QPN_PDL"
-_pdl_capable: dict = {}   # device index -> sm_90+ and a driver with cuLaunchKernelEx
-_pdl_names: dict = {}     # route kernel -> its *_pdl form where SM80_PDL_KERNELS lists it, else None
+pdl_capable: dict = {}   # device index -> sm_90+ and a driver with cuLaunchKernelEx
+pdl_names: dict = {}     # route kernel -> its *_pdl form where SM80_PDL_KERNELS lists it, else None
 
 
 def pdl_enabled() -> bool:
@@ -311,29 +311,29 @@ def pdl_enabled() -> bool:
                       "plain launches")
 
 
-def _pdl_form(name: str, idx: int) -> Optional[str]:
+def pdl_form(name: str, idx: int) -> Optional[str]:
     """The *_pdl form of route kernel ``name`` when launches on cuda:``idx`` should use it."""
     if not pdl_enabled():
         return None
-    ok = _pdl_capable.get(idx)
+    ok = pdl_capable.get(idx)
     if ok is None:
-        ok = _pdl_capable[idx] = (torch.cuda.get_device_capability(idx) >= (9, 0)
+        ok = pdl_capable[idx] = (torch.cuda.get_device_capability(idx) >= (9, 0)
                                   and jit.driver().has_launch_ex)
     if not ok:
         return None
-    if name not in _pdl_names:   # parsing the kernel source is far dearer than a launch: once per kernel
+    if name not in pdl_names:   # parsing the kernel source is far dearer than a launch: once per kernel
         cfg = sm80_kernels().get(name + "_pdl")
-        _pdl_names[name] = (cfg.name if name in sm80_tables.SM80_PDL_KERNELS and cfg is not None and cfg.variant == 7
+        pdl_names[name] = (cfg.name if name in sm80_tables.SM80_PDL_KERNELS and cfg is not None and cfg.variant == 7
                             else None)
-    return _pdl_names[name]
+    return pdl_names[name]
 
 
-class _Launch:
+class Launch:
     """One tiled-route launch with everything but the activations, the output and the bias
     resolved: kernel function, grid, shared memory, stream and the argument block (weight, scale
     and split-K scratch pointers, shape). ``run`` writes x, y and bias into the block and calls
     cuLaunchKernel (cuLaunchKernelEx for a *_pdl kernel), which copies the block: the same
-    _Launch serves call after call."""
+    Launch serves call after call."""
     __slots__ = ("func", "grid", "smem", "stream", "args", "params", "keep", "pdl")
 
     def __init__(self, func, grid: int, smem: int, stream: int, args: ctypes.Structure, keep: tuple,
@@ -353,25 +353,25 @@ class _Launch:
 
 
 def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
-                 kernel: Optional[str] = None, pdl: bool = False) -> _Launch:
-    """The _Launch of a tiled route on the m16n8k16 atom for a batch of ``m`` (>= 1) rows on
+                 kernel: Optional[str] = None, pdl: bool = False) -> Launch:
+    """The Launch of a tiled route on the m16n8k16 atom for a batch of ``m`` (>= 1) rows on
     ``stream``; ``w.chscale`` must already be the flat FP32 scale (``fp32_scale``). ``pdl``: the
     caller vouches that no kernel of this call wrote the weight's tensors (a *_pdl kernel reads
     them before it waits for the previous kernel), so the route's *_pdl form may serve it."""
     member, group_shift = kernel_member(w)
-    name, chunks = _sm80_kernel_for(route, m, w.n, member)
+    name, chunks = sm80_kernel_for(route, m, w.n, member)
     if kernel is not None:  # another kernel of the same token tiling (benchmarks only)
         cfg = sm80_kernels().get(kernel)
         # a chunked route takes any kernel of two or more token tiles (chunks follow its MT)
-        fits = cfg is not None and (cfg.mt >= 2 if route.chunk_rows else cfg.mt == _sm80_config(name).mt)
+        fits = cfg is not None and (cfg.mt >= 2 if route.chunk_rows else cfg.mt == sm80_config(name).mt)
         if not fits or cfg.weight_format != member:
             raise ValueError(f"kernel {kernel!r} cannot serve route {route} ({w.fmt}, M={m})")
-        name, chunks = kernel, _sm80_chunks(route, m, cfg)
+        name, chunks = kernel, sm80_chunks(route, m, cfg)
     mod = jit.module_for(device, "m16n8k16")
     kblocks = w.k_pad // 64
     name, grid, nwarps, n_groups, per_run, smem, planes = _sm80_plan(mod, name, w.format, w.n, kblocks, chunks,
                                                                      device)
-    pdl_name = _pdl_form(name, device.index if device.index is not None else torch.cuda.current_device()) \
+    pdl_name = pdl_form(name, device.index if device.index is not None else torch.cuda.current_device()) \
         if pdl and kernel is None else None
     if pdl_name is not None:
         name, grid, nwarps, n_groups, per_run, smem, planes = _sm80_plan(mod, pdl_name, w.format, w.n, kblocks,
@@ -380,7 +380,7 @@ def _sm80_launch(route: Route, m: int, w: WeightOperands, device, stream: int,
     a = Qpn80Args(w.codes.data_ptr(), w.scales.data_ptr() if w.scales is not None else 0, w.chscale.data_ptr(),
                   0, 0, 0, partials.data_ptr(), counters.data_ptr(),
                   m, w.n, kblocks, w.k_pad, n_groups, nwarps, chunks, int(w.chscale.numel() != 1), group_shift)
-    return _Launch(mod.function(name), grid, smem, stream, a, (w.codes, w.scales, w.chscale, partials, counters),
+    return Launch(mod.function(name), grid, smem, stream, a, (w.codes, w.scales, w.chscale, partials, counters),
                    pdl=pdl_name is not None)
 
 
@@ -413,9 +413,9 @@ def run_sm80_kernel(x: torch.Tensor, packed, kernel: str, route: Route | str | N
 # qpn_linear call against 15.6 us for torch's x @ w.t() on the H200's host). For the common case
 # -- a tiled route on the m16n8k16 atom, FP16 contiguous 16-byte-aligned activations, K already a
 # whole number of k-blocks, an FP32 result scale -- everything but x, y and bias is resolved once
-# per (weight, M, route, device, stream) into a _Launch and reused. Any other call takes the
-# general path, which is also how a _Launch is first built, so both run the same code.
-_eager_weights: dict = {}   # id(packed) -> _EagerWeight (dropped when the packed weight is freed)
+# per (weight, M, route, device, stream) into a Launch and reused. Any other call takes the
+# general path, which is also how a Launch is first built, so both run the same code.
+eager_weights: dict = {}   # id(packed) -> _EagerWeight (dropped when the packed weight is freed)
 _eager_lock = threading.Lock()
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -426,7 +426,7 @@ class _EagerWeight:
     __slots__ = ("ref", "source", "format", "device", "w", "plans")
 
     def __init__(self, packed, source: WeightOperands, w: WeightOperands, device: int):
-        self.ref = weakref.ref(packed, lambda _, key=id(packed), table=_eager_weights: table.pop(key, None))
+        self.ref = weakref.ref(packed, lambda _, key=id(packed), table=eager_weights: table.pop(key, None))
         self.source = (source.codes, source.scales, source.chscale)
         self.format = source.format
         self.device, self.w, self.plans = device, w, {}
@@ -447,7 +447,7 @@ def _eager_weight(packed) -> Optional[_EagerWeight]:
     return _EagerWeight(packed, w, fp32_scale(w), w.codes.get_device())
 
 
-def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+def same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     """The same bytes as the tensor a plan was built on. Not identity alone: a family may hand out
     its tensors as a fresh view per call (INT4's records, viewed as one integer per record), and
     an identity test would then re-plan every call. The plan's entry holds the tensor it was built
@@ -459,21 +459,21 @@ def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
 
 
 def eager_tiled(x: torch.Tensor, packed, route, bias) -> Optional[torch.Tensor]:
-    """qpn_linear for an FP16 2-D CUDA x through a cached _Launch, or None when the general path
+    """qpn_linear for an FP16 2-D CUDA x through a cached Launch, or None when the general path
     must serve the call (another atom or route kind, a weight whose tensors were replaced,
     activations that need conversion or padding, M = 0)."""
-    ent = _eager_weights.get(id(packed))
+    ent = eager_weights.get(id(packed))
     if ent is None or ent.ref() is not packed:
         ent = _eager_weight(packed)
         if ent is None:
             return None
-        _eager_weights[id(packed)] = ent
+        eager_weights[id(packed)] = ent
     w = ent.w
     codes, scales, chscale = ent.source
     now_codes, now_scales, now_chscale = families.numerics(ent.format).packed_tensors(packed)
-    if not (_same_tensor(now_codes, codes) and _same_tensor(now_scales, scales)
-            and _same_tensor(now_chscale, chscale)):
-        _eager_weights.pop(id(packed), None)   # the weight's tensors were replaced: plan again next call
+    if not (same_tensor(now_codes, codes) and same_tensor(now_scales, scales)
+            and same_tensor(now_chscale, chscale)):
+        eager_weights.pop(id(packed), None)   # the weight's tensors were replaced: plan again next call
         return None
     m, k = x.shape
     if m == 0 or k != w.k or x.get_device() != ent.device or not x.is_contiguous() or x.data_ptr() % 16:

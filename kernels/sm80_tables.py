@@ -60,7 +60,7 @@ SM80_ROUTE_KERNELS = {
 SM80_LARGE_N = {_NVFP4: 50_000}
 SM80_LARGE_N_KERNELS = {(_NVFP4, 1): "qpn2_mt1_m16n8k16_t4s4"}
 # The *_chunked route (M 17-96) on sm_80+: the M-band kernels of a format family, by token tiles (MT)
-# ascending; sm80_plan._sm80_kernel_for takes the first whose 8 x MT rows hold M, else the last: one weight
+# ascending; sm80_plan.sm80_kernel_for takes the first whose 8 x MT rows hold M, else the last: one weight
 # pass per chunk of its 8 x MT rows. A family not listed (FP8) runs its (family, 2) kernel above once
 # per 16-row chunk, as the route did before. H200 sweeps 2026-12-01
 # (results/kernel_sm80_band_sweep_h200_20261201.csv, _sweep2_): NVFP4 1.3-1.7x faster than the
@@ -70,7 +70,7 @@ SM80_BAND_KERNELS = {
     _NVFP4: ("qpn2_mt4_m16n8k16_t1d4s4_b2", "qpn2_mt8_m16n8k16_t1d2s4_b2"),
 }
 # Route kernels whose *_pdl form (VAR 7) sm80_plan launches with programmatic dependent launch on sm_90+
-# (sm80_plan._pdl_form): every mt1 kernel and the FP8 mt2 ring. Called back to back, they are 1.5-4.5 us
+# (sm80_plan.pdl_form): every mt1 kernel and the FP8 mt2 ring. Called back to back, they are 1.5-4.5 us
 # faster per call (graph replay) on every H200 shape at M 1-8 and on all four FP8 shapes at M 16,
 # against the same kernels launched plainly in the same run
 # (results/kernel_matched_sm80_pdlfp8_h200_20261201.csv, qpn vs qpn_plain; the block-cooperative

@@ -31,7 +31,7 @@ def token_ids(ckpt) -> list[int]:
     """POSITIONS + 1 tokens of the tiny tokenizer's corpus."""
     from tokenizers import Tokenizer
 
-    ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(" ".join(tiny_tokenizer._CORPUS)).ids
+    ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(" ".join(tiny_tokenizer.CORPUS)).ids
     assert len(ids) > POSITIONS
     return ids[: POSITIONS + 1]
 

@@ -692,7 +692,7 @@ class Replay:
         if route.kernel == routes.RECONSTRUCT:
             return self.reconstruct(packed, x)
         from qpn.kernels import formats
-        name, _, m_chunks = ops._route_kernel(route, m, form, formats.format_of(packed))
+        name, _, m_chunks = ops.route_kernel(route, m, form, formats.format_of(packed))
         entries = entry_points("qpn_kernels.cu", "QPN_LINEAR_ENTRY")
         atom_s, dec_s, mt = entries[f"{name}_m8n8k4"]
         allowed = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",),

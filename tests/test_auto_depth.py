@@ -470,7 +470,7 @@ class _Counter:
 
 @pytest.mark.fast
 def test_the_speculation_counters_per_position_and_per_depth(monkeypatch):
-    monkeypatch.setattr(auto_depth, "_COUNTERS", {})
+    monkeypatch.setattr(auto_depth, "COUNTERS", {})
 
     class Prom:
         _counter_cls = _Counter
@@ -490,7 +490,7 @@ def test_the_speculation_counters_per_position_and_per_depth(monkeypatch):
                                   num_accepted_tokens=2), 0)
     observe(prom, SimpleNamespace(num_draft_tokens_per_pos=[1, 1, 1, 1], num_drafts=1,
                                   num_accepted_tokens=3), 0)
-    counters = auto_depth._COUNTERS
+    counters = auto_depth.COUNTERS
     drafted = counters[auto_depth.DRAFT_PER_POS_METRIC]
     assert drafted.labelnames == ["model_name", "engine", "position"]
     assert {k[-1]: v.value for k, v in drafted.children.items()} == {"0": 4, "1": 4, "2": 1, "3": 1}

@@ -530,7 +530,7 @@ def test_int4_checkpoints_declare_the_int4_region_and_their_modules(int4_checkpo
     from qpn.scripts.launcher import serve, serve_preflight
 
     ckpt = str(int4_checkpoints / name)
-    cfg = serve._quant_config(ckpt, serve_preflight.load_checkpoint_config(ckpt))
+    cfg = serve.quant_config(ckpt, serve_preflight.load_checkpoint_config(ckpt))
     assert boot_gates.declared_regions(cfg) == {"int4"}
     conv, declared = boot_gates.declared_modules(ckpt)
     assert conv.name == convention and len(declared) == 50

@@ -124,7 +124,7 @@ def test_constrained_rows_and_later_reasoning_rows_are_the_engines(tokenizer, co
 
 def test_a_ban_on_the_sign_bit_clears_that_bit_only():
     words = torch.full((2,), -1, dtype=torch.int32)
-    co._clear_bits(words, [31, 32])
+    co.clear_bits(words, [31, 32])
     assert int(words[0]) == 0x7FFFFFFF and int(words[1]) == -2
 
 
@@ -171,7 +171,7 @@ def test_the_engines_reasoner_names_its_start_token(tokenizer):
     from vllm.reasoning import ReasoningParserManager
 
     reasoner = ReasoningParserManager.get_reasoning_parser("qwen3")(tokenizer=tokenizer)
-    assert co._reasoning_start_id(SimpleNamespace(tokenizer=tokenizer), reasoner) == _ids(tokenizer, "<think>")[0]
+    assert co.reasoning_start_id(SimpleNamespace(tokenizer=tokenizer), reasoner) == _ids(tokenizer, "<think>")[0]
 
 
 # ---- non-strict tools' arguments: an object ----------------------------------------------------

@@ -54,7 +54,7 @@ def test_every_quantized_module_is_byte_identical_to_the_library(ckpt):
     tensors = load_file(str(ckpt / "model.safetensors"))
     weights = tiny_hybrid.float_weights(tiny_hybrid.TinyHybridSpec(), 0)
     quantized = tiny_hybrid.quantized_modules(weights)
-    shared = make_checkpoint._shared_global_amax(weights)
+    shared = make_checkpoint.shared_global_amax(weights)
     counts = {"nvfp4": 0, "fp8-tensor": 0, "fp8-channel": 0}
     for module, region in quantized.items():
         m = make_checkpoint.hub_name(module)

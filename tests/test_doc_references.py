@@ -176,7 +176,7 @@ def _unproven(root: Path) -> list[str]:
     data), a plot with no data file beside it, a tool's raw output (txt) no session's notes name, or a
     file of any other kind."""
     kept = {p.name for p in _results_files(root)}
-    notes_name = set().union(*(results_index._named_in(p.read_text(errors="replace"), kept)
+    notes_name = set().union(*(results_index.named_in(p.read_text(errors="replace"), kept)
                                for p in _results_files(root) if results_index.is_notes(p.name)))
     bad = []
     for path in _results_files(root):

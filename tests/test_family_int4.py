@@ -477,6 +477,6 @@ def test_kernel_tensors_handed_out_per_call_match_the_eager_cache(sym):
     num = families.numerics(packed)
     first, again = num.packed_tensors(packed), num.packed_tensors(packed)
     assert first[1] is not again[1]                       # a fresh view: identity alone would re-plan
-    assert all(sm80_plan._same_tensor(a, b) for a, b in zip(first, again))
+    assert all(sm80_plan.same_tensor(a, b) for a, b in zip(first, again))
     packed.scales = packed.scales.clone()                 # the records replaced: a new plan is due
-    assert not sm80_plan._same_tensor(first[1], num.packed_tensors(packed)[1])
+    assert not sm80_plan.same_tensor(first[1], num.packed_tensors(packed)[1])

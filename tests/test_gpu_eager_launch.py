@@ -39,7 +39,7 @@ def _general(x, packed, route, bias):
     w = ops.operands(packed)
     r = routes.as_route(route) if route is not None else routes.route_for(
         w.fmt, x.shape[0], w.n, w.k, arch="sm80")
-    return ops._linear(x, w, r, bias)
+    return ops.linear_operands(x, w, r, bias)
 
 
 @pytest.mark.parametrize("fmt,per_channel", [("nvfp4", False), ("fp8", False), ("fp8", True),
@@ -58,10 +58,10 @@ def test_cached_path_is_bit_identical_to_the_general_path(fmt, per_channel, n, k
         for bname, bias in biases.items():
             for route in (None, str(routes.route_for(ops.operands(packed).fmt, m, n, k, arch="sm80"))):
                 y = ops.qpn_linear(x, packed, route=route, bias=bias)
-                ent = sm80_plan._eager_weights.get(id(packed))
+                ent = sm80_plan.eager_weights.get(id(packed))
                 assert ent is not None and ent.ref() is packed, "the cached path was not taken"
                 plan = ent.plans.get((m, route, torch.cuda.current_stream().cuda_stream))
-                assert isinstance(plan, sm80_plan._Launch), (m, route, plan)
+                assert isinstance(plan, sm80_plan.Launch), (m, route, plan)
                 ref = _general(x, packed, route, bias)
                 assert torch.equal(y, ref), (fmt, n, k, m, bname, route)
     # 3-D activations and FP32 activations take the general path and agree too
@@ -108,7 +108,7 @@ def test_cached_path_follows_the_current_stream():
         key = (8, None, side.cuda_stream)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert key in sm80_plan._eager_weights[id(packed)].plans
+    assert key in sm80_plan.eager_weights[id(packed)].plans
     assert torch.equal(y, ref)
 
 
@@ -137,13 +137,13 @@ def test_pdl_launches_give_the_plain_launches_bits_eager_and_in_a_graph(monkeypa
     layers = [_packed(fmt, n, k, gen) for k, n in zip(dims, dims[1:])]
     x = fc.activations(m, dims[0], gen, outliers=True)
     monkeypatch.setenv(sm80_plan.PDL_ENV, "0")
-    sm80_plan._eager_weights.clear()
+    sm80_plan.eager_weights.clear()
     plain = _chain(layers, x)
-    assert all(p.pdl is None for l in layers for p in sm80_plan._eager_weights[id(l)].plans.values())
+    assert all(p.pdl is None for l in layers for p in sm80_plan.eager_weights[id(l)].plans.values())
     monkeypatch.delenv(sm80_plan.PDL_ENV)
-    sm80_plan._eager_weights.clear()
+    sm80_plan.eager_weights.clear()
     eager = _chain(layers, x)
-    plans = [p for l in layers for p in sm80_plan._eager_weights[id(l)].plans.values()]
+    plans = [p for l in layers for p in sm80_plan.eager_weights[id(l)].plans.values()]
     want_pdl = m <= 8 or fmt == "fp8"
     assert plans and all((p.pdl is not None) is want_pdl for p in plans), (fmt, m, want_pdl)
     assert torch.equal(eager, plain)
@@ -161,4 +161,4 @@ def test_pdl_launches_give_the_plain_launches_bits_eager_and_in_a_graph(monkeypa
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, plain)
-    sm80_plan._eager_weights.clear()
+    sm80_plan.eager_weights.clear()

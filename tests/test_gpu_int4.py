@@ -122,8 +122,8 @@ def _multiplied(src, packed, route, m: int, atom: str) -> torch.Tensor:
     roundings, _w16."""
     if atom == "m16n8k16" and route.tiles_per_pass and packed.group_size >= 64:
         from qpn.kernels import sm80_plan
-        name = sm80_plan._sm80_kernel_for(route, m, packed.n, formats.format_of(packed))[0]
-        if sm80_plan._sm80_config(name).frag.startswith("Frag16INT4Fold"):
+        name = sm80_plan.sm80_kernel_for(route, m, packed.n, formats.format_of(packed))[0]
+        if sm80_plan.sm80_config(name).frag.startswith("Frag16INT4Fold"):
             return int4_codec.dequantize_f64(*src)
     return _w16(src)
 
@@ -258,7 +258,7 @@ def test_int4_m16n8k16_runs_its_own_kernels(member, atom):
         assert ops.kernel_member(w) == (fmt, {32: 1, 64: 2, 128: 3}[g])
         for m, mt in ((1, 1), (8, 1), (9, 2), (16, 2), (40, 2)):
             route = routes.route_for(formats.INT4.family, m, n, k)
-            name, chunks = sm80_plan._sm80_kernel_for(route, m, n, fmt)
+            name, chunks = sm80_plan.sm80_kernel_for(route, m, n, fmt)
             assert name == sm80_tables.SM80_ROUTE_KERNELS[(fmt, mt)]
             assert name.startswith(fmt.kernel_prefix + "_")
             assert chunks == (-(-m // 16) if route.chunk_rows else 1)

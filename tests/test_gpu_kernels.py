@@ -155,7 +155,7 @@ def _atom_and_form(atom_id: str, monkeypatch) -> str:
     """The atom of an NVFP4_ATOMS id; for m8n8k4 the device's NVFP4 form is set to the id's."""
     atom, _, form = atom_id.partition("-")
     if atom == "m8n8k4":
-        monkeypatch.setitem(ops._nvfp4_forms, torch.cuda.current_device(), form or "restore")
+        monkeypatch.setitem(ops.nvfp4_forms, torch.cuda.current_device(), form or "restore")
     return atom
 
 
@@ -391,7 +391,7 @@ def test_m8n8k4_nvfp4_forms_probe_and_entry_points(monkeypatch):
     dev = torch.device("cuda")
     idx = torch.cuda.current_device()
     monkeypatch.delenv(ops.NVFP4_FORM_ENV, raising=False)
-    monkeypatch.setitem(ops._nvfp4_forms, idx, None)
+    monkeypatch.setitem(ops.nvfp4_forms, idx, None)
     names = []
     real_launch = jit.launch
     monkeypatch.setattr(jit, "launch", lambda mod, name, *a: (names.append(name), real_launch(mod, name, *a))[1])
@@ -406,24 +406,24 @@ def test_m8n8k4_nvfp4_forms_probe_and_entry_points(monkeypatch):
     # capture first, on a device not yet probed: the restore form, and still undecided afterwards
     static_x = x[:8].clone()
     ops.qpn_linear(static_x, packed, route="qpn2")   # warm-up (module load), outside capture
-    monkeypatch.setitem(ops._nvfp4_forms, idx, None)
+    monkeypatch.setitem(ops.nvfp4_forms, idx, None)
     names.clear()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         captured = ops.qpn_linear(static_x, packed, route="qpn2")
-    assert names == ["qpn2_mt1_m8n8k4"] and ops._nvfp4_forms.get(idx) is None
+    assert names == ["qpn2_mt1_m8n8k4"] and ops.nvfp4_forms.get(idx) is None
     g.replay()
 
     probe = ops.probe_nvfp4_s7(dev)
     form = ops.nvfp4_form(dev)
-    assert form == ("s7" if probe else "restore") and ops._nvfp4_forms[idx] == form
+    assert form == ("s7" if probe else "restore") and ops.nvfp4_forms[idx] == form
     RESULTS.append(dict(atom="m8n8k4", shape="nvfp4_form_probe", n=64, k=256, route="probe_nvfp4_s7", m=16,
                         rel=0.0, elem=0.0, bad=0, ok=True, weights="subnormal scales",
                         acts=f"probe {'passes: s7' if probe else 'fails: restore'}"))
     y64 = families.reference_linear_f64(x, packed)
     outs = {}
     for f in ("restore", "s7"):
-        monkeypatch.setitem(ops._nvfp4_forms, idx, f)
+        monkeypatch.setitem(ops.nvfp4_forms, idx, f)
         for route, m in (("qpn2", 1), ("qpn2", 8), ("qpn2_mt2", 16), ("qpn2_chunked", 32)):
             names.clear()
             ok, rel, bad = _check("subnormal_scales_300x1024", packed, x, y64, route, m)
@@ -442,7 +442,7 @@ def test_m8n8k4_nvfp4_forms_probe_and_entry_points(monkeypatch):
         for m in list(range(1, 17)) + [32]:
             got = {}
             for f in ("restore", "s7"):
-                monkeypatch.setitem(ops._nvfp4_forms, idx, f)
+                monkeypatch.setitem(ops.nvfp4_forms, idx, f)
                 got[f] = ops.qpn_linear(x2[:m], p2)
             assert torch.equal(got["restore"], got["s7"]), m
 
@@ -564,5 +564,5 @@ def test_sm80_band_kernels_on_edge_partitions(fmt, n, k):
             y, rel = _twice_within_bound(x[:m], packed, name, prefix + "_chunked", y64[:m])
             RESULTS.append(dict(atom="m16n8k16", shape=f"band_{name}", n=n, k=k, route=prefix + "_chunked", m=m,
                                 rel=rel, bad=0, ok=True))
-            if name == sm80_plan._sm80_kernel_for(chunked, m, n)[0] and 17 <= m <= routes.M_CHUNKED_MAX:
+            if name == sm80_plan.sm80_kernel_for(chunked, m, n)[0] and 17 <= m <= routes.M_CHUNKED_MAX:
                 assert torch.equal(ops.qpn_linear(x[:m], packed), y), (name, n, k, m)

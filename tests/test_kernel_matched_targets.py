@@ -121,7 +121,7 @@ def test_sweep_trials_are_the_weights_own_members_kernels_and_the_routes_own_ker
             p = int4_layout.prepack(*src, atom="m16n8k16")
             trials = kb.sweep_trials(kernels, p, "qpn4", 1, min_items=(24,), default_items=4)
             names = [kn for kn, _ in trials]
-            want = sm80_plan._sm80_kernel_for(routes.as_route("qpn4"), 1, n, member)[0]
+            want = sm80_plan.sm80_kernel_for(routes.as_route("qpn4"), 1, n, member)[0]
             assert want == sm80_tables.SM80_ROUTE_KERNELS[(member, 1)]
             assert want in names and trials[-1] == (want, 24)
             assert all(kernels[kn].weight_format is member and kernels[kn].mt == 1 for kn in names), names

@@ -143,7 +143,7 @@ def test_build_caches_by_source_arch_and_checks_entry_points(tmp_path, monkeypat
 
 
 def test_missing_nvrtc_error_names_the_fix(monkeypatch):
-    monkeypatch.setattr(nvrtc, "_candidate_paths", lambda major=None: ["/nonexistent/libnvrtc.so.12"])
-    monkeypatch.setattr(nvrtc, "_cache", {})
+    monkeypatch.setattr(nvrtc, "candidate_paths", lambda major=None: ["/nonexistent/libnvrtc.so.12"])
+    monkeypatch.setattr(nvrtc, "cache", {})
     with pytest.raises(nvrtc.NvrtcUnavailable, match="nvidia-cuda-nvrtc-cu12"):
         nvrtc.load_nvrtc(12, 70)

@@ -484,7 +484,7 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     r = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    reps = sm70_check._parse_ptxas(r.stdout + r.stderr)
+    reps = sm70_check.parse_ptxas(r.stdout + r.stderr)
     configured = sm80_plan.sm80_kernels()
     reconstruct = {"qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16",
                    "qpn4_reconstruct_ws_m16n8k16", "qpn4_sym_reconstruct_ws_m16n8k16"}
@@ -560,16 +560,16 @@ def test_sm80_kernel_table_and_route_kernels():
         for m in (17, 32, 33, 48, 64, 65, 96):   # the fewest token tiles that hold M, else the widest
             fit = [c for c in cfgs if 8 * c.mt >= m]
             want = fit[0] if fit else cfgs[-1]
-            assert sm80_plan._sm80_kernel_for(chunked, m) == (want.name, -(-m // (8 * want.mt))), m
-        assert sm80_plan._sm80_kernel_for(chunked, 96)[1] == 2
-        assert sm80_plan._sm80_chunks(chunked, 40, configured[sm80_tables.SM80_ROUTE_KERNELS[(fmt, 2)]]) == 3
-        assert sm80_plan._sm80_chunks(route(fmt.route_prefix + "_mt2"), 16, cfgs[-1]) == 1
+            assert sm80_plan.sm80_kernel_for(chunked, m) == (want.name, -(-m // (8 * want.mt))), m
+        assert sm80_plan.sm80_kernel_for(chunked, 96)[1] == 2
+        assert sm80_plan.sm80_chunks(chunked, 40, configured[sm80_tables.SM80_ROUTE_KERNELS[(fmt, 2)]]) == 3
+        assert sm80_plan.sm80_chunks(route(fmt.route_prefix + "_mt2"), 16, cfgs[-1]) == 1
     # a family without band kernels (FP8: measured slower) keeps the MT = 2 kernel per 16-row chunk
     assert formats.NVFP4 in sm80_tables.SM80_BAND_KERNELS and formats.FP8_TENSOR not in sm80_tables.SM80_BAND_KERNELS
-    assert sm80_plan._sm80_kernel_for(route("qpn8_chunked"), 40) == \
+    assert sm80_plan.sm80_kernel_for(route("qpn8_chunked"), 40) == \
         (sm80_tables.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 2)], 3)
     with pytest.raises(ValueError, match="M <= 8"):
-        sm80_plan._sm80_kernel_for(route("qpn8"), 9)
+        sm80_plan.sm80_kernel_for(route("qpn8"), 9)
     assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "int4" if c.frag.startswith("Frag16INT4")
                          else "fp8") for c in configured.values())
     with pytest.raises(jit.QpnBuildError, match="sm_80"):
@@ -684,22 +684,22 @@ def test_band_partition_covers_every_tile_and_k_block_once_per_chunk(n, kblocks,
 
 
 def test_large_layers_get_the_large_n_kernel_and_ring_kernels_have_a_no_smem_fallback():
-    small = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, 5120)
+    small = sm80_plan.sm80_kernel_for(routes.as_route("qpn2"), 1, 5120)
     large_n = sm80_tables.SM80_LARGE_N[formats.NVFP4]
-    assert sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, large_n - 1) == small
-    large = sm80_plan._sm80_kernel_for(routes.as_route("qpn2"), 1, large_n)
+    assert sm80_plan.sm80_kernel_for(routes.as_route("qpn2"), 1, large_n - 1) == small
+    large = sm80_plan.sm80_kernel_for(routes.as_route("qpn2"), 1, large_n)
     assert small == (sm80_tables.SM80_ROUTE_KERNELS[(formats.NVFP4, 1)], 1)
     assert large == (sm80_tables.SM80_LARGE_N_KERNELS[(formats.NVFP4, 1)], 1)
     # INT4: no large-N kernel; its members' own route kernel at every layer size, lm_head-sized included
     for member in (formats.INT4, formats.INT4_SYM):
         assert member not in sm80_tables.SM80_LARGE_N
         for n in (5120, 17408, 34816, large_n, 248320):
-            assert sm80_plan._sm80_kernel_for(routes.as_route("qpn4"), 1, n, member) == \
+            assert sm80_plan.sm80_kernel_for(routes.as_route("qpn4"), 1, n, member) == \
                 (sm80_tables.SM80_ROUTE_KERNELS[(member, 1)], 1), n
         # M 9-16 has no large-N kernel
-        assert sm80_plan._sm80_kernel_for(routes.as_route("qpn4_mt2"), 16, 34816, member)[0] == \
+        assert sm80_plan.sm80_kernel_for(routes.as_route("qpn4_mt2"), 16, 34816, member)[0] == \
             sm80_tables.SM80_ROUTE_KERNELS[(member, 2)]
-    assert sm80_plan._sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == \
+    assert sm80_plan.sm80_kernel_for(routes.as_route("qpn8"), 1, 10 ** 6) == \
         (sm80_tables.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 1)], 1)
     kernels = sm80_plan.sm80_kernels()
     for key, name in list(sm80_tables.SM80_ROUTE_KERNELS.items()) + list(sm80_tables.SM80_LARGE_N_KERNELS.items()):

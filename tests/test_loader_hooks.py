@@ -47,7 +47,7 @@ def test_missing_anchor_fails_naming_hook_and_engine_version():
 
 def test_register_is_idempotent_and_wraps_once():
     plugin.register()
-    plugin._REGISTERED = False  # a second plugin load in the same process
+    plugin.REGISTERED = False  # a second plugin load in the same process
     plugin.register()
     for hook in plugin.hooks_for(plugin.engine_profile(), kind="runtime"):
         _, _, current = plugin.resolve_anchor(hook)
@@ -98,7 +98,7 @@ def test_kv_policy_fp16_on_sm70_and_explicit_choice_wins(monkeypatch):
 
     wrapped = kv_policy.wrap_resolve_kv_cache_dtype_string(original)
     assert original("auto", _model_config()) == "fp8_e4m3"  # what the checkpoint asks for
-    monkeypatch.setattr(kv_policy, "_is_sm70", lambda: True)
+    monkeypatch.setattr(kv_policy, "is_sm70", lambda: True)
     assert wrapped("auto", _model_config()) == "float16"
     assert wrapped("fp8_e4m3", _model_config()) == "fp8_e4m3"  # the user's explicit choice
     assert wrapped("bfloat16", _model_config()) == "bfloat16"
@@ -107,7 +107,7 @@ def test_kv_policy_fp16_on_sm70_and_explicit_choice_wins(monkeypatch):
 def test_kv_policy_on_this_cpu_follows_what_vllm_can_allocate(monkeypatch):
     from vllm.utils.torch_utils import resolve_kv_cache_dtype_string as original
 
-    monkeypatch.setattr(kv_policy, "_is_sm70", lambda: False)
+    monkeypatch.setattr(kv_policy, "is_sm70", lambda: False)
     wrapped = kv_policy.wrap_resolve_kv_cache_dtype_string(original)
     expected = "bfloat16" if kv_policy.cpu_lacks_fp8_kv() else "fp8_e4m3"
     assert wrapped("auto", _model_config("bfloat16")) == expected

@@ -147,7 +147,7 @@ def _m8n8k4_run(path, stats, trips, c, gpu_line, atom="m8n8k4", read=879.0, form
              "shape,fmt,n,k,m,arm,route,graph_us"]
     for shape, (fmt, n, k) in pm.TP4_SHAPES.items():
         for m in (1, 8, 16):
-            kname = pm._kernel_for(fmt, m, form or "restore")
+            kname = pm.kernel_for(fmt, m, form or "restore")
             route = str(routes.tiled_route(fmt, 1 if m <= 8 else 2))
             us = pm.predict_v100_calibrated(stats[kname], n, k, trips[kname], c, gpu)["us"]
             lines.append(f"{shape},{fmt},{n},{k},{m},qpn,{route},{us:.4f}")

@@ -110,7 +110,7 @@ def test_state_exported_elsewhere_wins_over_a_copied_git(repo):
         got = P.source_state(str(repo))
         assert got["commit"] == "f" * 40 and "the-source-machine" in got["changed"][-1]
         # Exported on this very machine: git itself is asked.
-        exported["exported_from"] = P._machine_boot()
+        exported["exported_from"] = P.machine_boot()
         (repo / P.SOURCE_STATE_FILE).write_text(json.dumps(exported))
         assert P.source_state(str(repo))["commit"] == live["commit"]
     finally:
@@ -121,7 +121,7 @@ def test_recorded_commands_name_no_machine_path(monkeypatch, tmp_path):
     """Results files record repository-relative commands with placeholders (issue 41 item 7): paths in
     the checkout relative, the interpreter $VENV/bin/python, outputs under $OUT, known outside inputs
     by name; an unknown absolute path stays (the evidence index's test then names it)."""
-    root = P._REPO_ROOT
+    root = P.REPO_ROOT
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(sys, "argv", ["prog", "--out", str(tmp_path / "a.csv"), "--targets", "/elsewhere/t.md",
                                       f"{root}/tests/test_provenance.py", "--checkpoint", "/data/ckpt", "--label", "x y"])

@@ -374,7 +374,7 @@ def test_the_first_call_records_the_claiming_config_in_the_census(monkeypatch):
 
     monkeypatch.setattr(census, "CENSUS", census.Census())
     monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
-    monkeypatch.setattr(qpn_config, "_RANK_RECORDED", False)
+    monkeypatch.setattr(qpn_config, "RANK_RECORDED", False)
     layers = {"model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}}
     _linear(_qpn(_mixed(layers)), "model.layers.0.mlp.down_proj")
     assert census.CENSUS.quant_config == "qpn"
@@ -392,10 +392,10 @@ def test_every_convention_but_modelopt_records_its_checkpoint_names(case, record
 
     monkeypatch.setattr(census, "CENSUS", census.Census())
     monkeypatch.setattr(census.CENSUS, "_mark_dirty", lambda: None)  # no file, no flusher thread
-    monkeypatch.setattr(qpn_config, "_RANK_RECORDED", False)
+    monkeypatch.setattr(qpn_config, "RANK_RECORDED", False)
     recorded = []
     monkeypatch.setattr(qpn_config, "record_checkpoint_modules", recorded.append)
-    qpn_config._record_rank(_qpn({**CLAIMED, **INT4_CLAIMED}[case][0]()))
+    qpn_config.record_rank(_qpn({**CLAIMED, **INT4_CLAIMED}[case][0]()))
     assert len(recorded) == int(records), case
 
 
@@ -413,7 +413,7 @@ def _named_checkpoint(kind: str, out: Path) -> Path:
 @pytest.mark.parametrize("kind, count", [("ct", 51), ("awq", 50), ("gptq", 50)])
 def test_the_config_records_every_declared_module_with_the_engines_name(kind, count, tmp_path, monkeypatch,
                                                                          int4_ready):
-    """record_checkpoint_modules (run once per rank by _record_rank) puts in the census each module
+    """record_checkpoint_modules (run once per rank by record_rank) puts in the census each module
     the served folder declares quantized (compressed-tensors: config_groups; AWQ / GPTQ: the modules
     holding codes), exactly the names the launcher pairs through it (boot_gates.declared_modules),
     renamed by the model class's own hf_to_vllm_mapper (Qwen3.5 drops model.language_model.). The
@@ -479,7 +479,7 @@ def test_the_name_record_renames_as_the_engine_does_for_every_convention(where):
     import ast
 
     src = engine_source.open_source(_installed_site() if where == "installed" else onecat_archive(where))
-    resolver = engine_source._Resolver(src)
+    resolver = engine_source.Resolver(src)
     arch = resolver.find("vllm.model_executor.model_loader.utils:get_model_architecture")
     assert [a.arg for a in arch.node.args.args] == ["model_config"], src.key
     for fn in ("get_model_architecture", "_get_model_architecture"):

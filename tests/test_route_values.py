@@ -86,8 +86,8 @@ def _kernel_member(fmt: formats.WeightFormat) -> formats.WeightFormat:
 
 
 def test_every_member_runs_its_own_kernels_on_every_band():
-    """Per served family and member, for every M: the route's m8n8k4 kernel (ops._route_kernel with
-    the member, as ops.qpn_linear passes it) and its m16n8k16 kernel (sm80_plan._sm80_kernel_for) are
+    """Per served family and member, for every M: the route's m8n8k4 kernel (ops.route_kernel with
+    the member, as ops.qpn_linear passes it) and its m16n8k16 kernel (sm80_plan.sm80_kernel_for) are
     entry points the build requires, named with the member's own prefix (INT4: qpn4_ / qpn4_sym_),
     and the reconstruct route runs the member's reconstruct pass."""
     for fam in formats.FAMILIES:
@@ -99,8 +99,8 @@ def test_every_member_runs_its_own_kernels_on_every_band():
             seen.add(str(r))
             for member in members:
                 if r.kernel == routes.TILED:
-                    names = {ops._route_kernel(r, m, form, member)[0] + "_m8n8k4" for form in ("restore", "s7")}
-                    names.add(sm80_plan._sm80_kernel_for(r, m, 64, member)[0])
+                    names = {ops.route_kernel(r, m, form, member)[0] + "_m8n8k4" for form in ("restore", "s7")}
+                    names.add(sm80_plan.sm80_kernel_for(r, m, 64, member)[0])
                 else:
                     names = {f"{member.kernel_prefix}_reconstruct_ws_{atom}" for atom in formats.ATOMS}
                 for name in names:
@@ -141,12 +141,12 @@ def test_what_a_route_asks_of_its_kernel():
     with pytest.raises(ValueError, match="serves M <= 8, got M=9"):
         r("qpn2").check_m(9)
     # the m8n8k4 launcher: entry point, token tiles, chunk planes
-    assert ops._route_kernel(r("qpn8_chunked"), 40) == ("qpn8_mt2", 2, 3)
-    assert ops._route_kernel(r("qpn2"), 5) == ("qpn2_mt1", 1, 1)
-    assert ops._route_kernel(r("qpn2_chunked"), 40, "s7") == ("qpn2_mt2_s7", 2, 3)
-    assert ops._route_kernel(r("qpn8"), 5, "s7") == ("qpn8_mt1", 1, 1)   # FP8 has one form
+    assert ops.route_kernel(r("qpn8_chunked"), 40) == ("qpn8_mt2", 2, 3)
+    assert ops.route_kernel(r("qpn2"), 5) == ("qpn2_mt1", 1, 1)
+    assert ops.route_kernel(r("qpn2_chunked"), 40, "s7") == ("qpn2_mt2_s7", 2, 3)
+    assert ops.route_kernel(r("qpn8"), 5, "s7") == ("qpn8_mt1", 1, 1)   # FP8 has one form
     with pytest.raises(ValueError, match="M <= 16"):
-        ops._route_kernel(r("qpn8_mt2"), 17)
+        ops.route_kernel(r("qpn8_mt2"), 17)
 
 
 def test_nvfp4_form_setting_is_checked_and_kept_per_device(monkeypatch):
@@ -155,17 +155,17 @@ def test_nvfp4_form_setting_is_checked_and_kept_per_device(monkeypatch):
     a device's form, once chosen, is kept and another device's is not touched."""
     import torch
 
-    monkeypatch.setattr(ops, "_nvfp4_forms", {})
+    monkeypatch.setattr(ops, "nvfp4_forms", {})
     dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
     monkeypatch.setenv(ops.NVFP4_FORM_ENV, "fast")
     with pytest.raises(ValueError, match=r"QPN_SM70_NVFP4_FORM='fast'.*s7.*restore"):
         ops.nvfp4_form(dev0)
-    assert ops._nvfp4_forms == {}
+    assert ops.nvfp4_forms == {}
     monkeypatch.setenv(ops.NVFP4_FORM_ENV, " Restore ")
     assert ops.nvfp4_form(dev0) == "restore"
     monkeypatch.setenv(ops.NVFP4_FORM_ENV, "s7")
     assert ops.nvfp4_form(dev0) == "restore" and ops.nvfp4_form(dev1) == "s7"
-    assert ops._nvfp4_forms == {0: "restore", 1: "s7"}
+    assert ops.nvfp4_forms == {0: "restore", 1: "s7"}
 
 
 def test_weight_operands_are_the_custom_ops_weight_arguments():
@@ -246,17 +246,17 @@ def test_no_route_name_parsing_outside_routes_py():
 def _kernel_symbol(route: routes.Route, m: int, n: int, atom: str, ring_fits: bool,
                    member: formats.WeightFormat) -> tuple[str, int]:
     """(kernel symbol, chunk planes) the launchers of ops.py run for one call of a weight of format
-    ``member``, from the same pieces: _launch_reconstruct, _route_kernel (m8n8k4), _sm80_kernel_for
+    ``member``, from the same pieces: _launch_reconstruct, route_kernel (m8n8k4), sm80_kernel_for
     and the shared-memory fallback of _sm80_plan (m16n8k16)."""
     if route.kernel == routes.RECONSTRUCT:
         return f"{member.kernel_prefix}_reconstruct_ws_{atom}", 1
     if atom == "m8n8k4":
-        name, _, chunks = ops._route_kernel(route, m, member=member)
+        name, _, chunks = ops.route_kernel(route, m, member=member)
         return f"{name}_{atom}", chunks
 
-    name, chunks = sm80_plan._sm80_kernel_for(route, m, n, member)
+    name, chunks = sm80_plan.sm80_kernel_for(route, m, n, member)
     if not ring_fits and sm80_plan.sm80_kernels()[name].smem_bytes and not sm80_plan.sm80_kernels()[name].band:
-        name = sm80_plan._sm80_no_smem_kernel(name)
+        name = sm80_plan.sm80_no_smem_kernel(name)
     return name, chunks
 
 
@@ -325,7 +325,7 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
     assert named <= seen, sorted(named - seen)
     # the S7 form's m8n8k4 kernels: what ops launches for each tiled NVFP4 route is an entry point the
     # build requires (jit.ENTRY_POINTS, from formats), and every S7 entry point is launched by a route
-    s7 = {ops._route_kernel(r, m, "s7")[0] + "_m8n8k4" for r in routes.ALL_ROUTES.values()
+    s7 = {ops.route_kernel(r, m, "s7")[0] + "_m8n8k4" for r in routes.ALL_ROUTES.values()
           if r.kernel == routes.TILED and r.format == "nvfp4" for m in (1, 8, 9, 16, 17, 96)
           if r.kernel_max_m is None or m <= r.kernel_max_m}
     assert s7 == {e for e in jit.ENTRY_POINTS["m8n8k4"] if "_s7_" in e} == {"qpn2_mt1_s7_m8n8k4", "qpn2_mt2_s7_m8n8k4"}

@@ -32,7 +32,7 @@ def test_parsers_flag_violations():
     text = ("ptxas info    : Compiling entry function 'qpn9_bad' for 'sm_70'\n"
             "    16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
             "ptxas info    : Used 72 registers, used 1 barriers\n")
-    rep = sm70_check._parse_ptxas(text)["qpn9_bad"]
+    rep = sm70_check.parse_ptxas(text)["qpn9_bad"]
     assert (rep.registers, rep.spill_stores, rep.stack_frame) == (72, 8, 16)
-    sm70_check._parse_sass("Function : qpn9_bad\n  LDL R1, [R2] ;\n", {"qpn9_bad": rep})
+    sm70_check.parse_sass("Function : qpn9_bad\n  LDL R1, [R2] ;\n", {"qpn9_bad": rep})
     assert rep.local_insts == 1 and rep.hmma884 == 0

@@ -229,13 +229,13 @@ def test_the_cut_falls_anywhere(tokenizer, tail, kept):
 @contextlib.contextmanager
 def _answer_cut():
     """As while the hooked answer builder runs for one answer the engine ended with length."""
-    outputs = tcc._Outputs()
+    outputs = tcc.Outputs()
     outputs.reasons, outputs.texts = {0: "length"}, {0: ""}
-    token = tcc._OUTPUTS.set(outputs)
+    token = tcc.OUTPUTS.set(outputs)
     try:
         yield
     finally:
-        tcc._OUTPUTS.reset(token)
+        tcc.OUTPUTS.reset(token)
 
 
 def test_every_prefix_of_a_run_of_calls_keeps_the_calls_complete_in_it(tokenizer):
@@ -326,7 +326,7 @@ def test_with_several_choices_each_answer_is_judged_by_its_own_finish(tokenizer)
 
 def test_keep_length_rewrites_only_a_cut_choices_tool_calls_finish():
     """tool-call-cut-stream's rewrite of 1Cat's events (1Cat's own stream: tests/test_tool_call_cut_1cat.py)."""
-    outputs = tcc._Outputs()
+    outputs = tcc.Outputs()
     outputs.reasons = {0: "length", 1: "stop"}
     line = 'data: {"id":"x","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\n'
     assert tcc.keep_length(line, outputs) == line.replace('"tool_calls"', '"length"')

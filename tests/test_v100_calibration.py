@@ -64,7 +64,7 @@ def _committed_results():
     results = os.path.join(os.path.dirname(__file__), "..", "results")
     names = sorted(n for n in os.listdir(results) if re.fullmatch(r"perf_model_v100_calibration_\d{8}\.csv", n))
     assert names, "no results/perf_model_v100_calibration_<date>.csv: run python -m qpn.benchmarks.v100_calibration"
-    head, rows = perf_model._read_csv(os.path.join(results, names[-1]))
+    head, rows = perf_model.read_csv(os.path.join(results, names[-1]))
     return head, rows, open(os.path.join(results, names[-1])).read()
 
 

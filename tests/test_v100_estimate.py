@@ -79,11 +79,11 @@ def test_turbomind_times_stand_beside_their_own_shape_and_m(estimate):
 def test_bands_merge_equal_estimates_only(estimate):
     _, _, rows, _ = estimate
     sub = [r for r in rows if r["table"] == "tp4" and r["shape"] == "mlp_down" and r["form"] == "s7"]
-    bands = ve._bands(sub)
-    assert [ve._m_text(b) for b in bands] == ["1-8", "9-16"]
+    bands = ve.bands(sub)
+    assert [ve.m_text(b) for b in bands] == ["1-8", "9-16"]
     changed = [dict(r) for r in sub]
     changed[3]["est_us"] += 1.0
-    assert [ve._m_text(b) for b in ve._bands(changed)] == ["1-3", "4", "5-8", "9-16"]
+    assert [ve.m_text(b) for b in ve.bands(changed)] == ["1-3", "4", "5-8", "9-16"]
 
 
 @fast

@@ -99,7 +99,7 @@ def _banned_in_reasoning(manager, grammar, row) -> list[int]:
     return bans
 
 
-def _clear_bits(words, tokens) -> None:
+def clear_bits(words, tokens) -> None:
     for t in tokens:
         bit = 1 << (t % 32)
         if bit >= 1 << 31:
@@ -122,7 +122,7 @@ def wrap_fill_bitmasks(original):
                 continue
             bans = _banned_in_reasoning(self, grammar, index)
             if bans:
-                _clear_bits(self._grammar_bitmask[index], bans)
+                clear_bits(self._grammar_bitmask[index], bans)
 
     return _fill_bitmasks
 
@@ -147,7 +147,7 @@ def wrap_grammar_bitmask(original):
     return grammar_bitmask
 
 
-def _reasoning_start_id(manager, reasoner) -> int | None:
+def reasoning_start_id(manager, reasoner) -> int | None:
     start = getattr(reasoner, "reasoning_start_str", None) or getattr(reasoner, "start_token", None)
     return _token_id(manager, start) if isinstance(start, str) else None
 
@@ -166,7 +166,7 @@ def wrap_grammar_init(original):
         reasoner = self._get_reasoner(request)
         if reasoner is None:
             return
-        start = _reasoning_start_id(self, reasoner)
+        start = reasoning_start_id(self, reasoner)
         if start is not None and start not in (request.prompt_token_ids or ()):
             so.reasoning_ended = True
 

@@ -67,7 +67,7 @@ import json
 from qpn.fork_patches.api.constrained_output import skip_json_space
 
 
-class _Outputs:
+class Outputs:
     """The finish reason and text of each output of one request, as the engine's results pass."""
 
     def __init__(self) -> None:
@@ -92,17 +92,17 @@ class _Outputs:
         return hits == {"length"}
 
 
-_OUTPUTS: contextvars.ContextVar[_Outputs | None] = contextvars.ContextVar("qpn_tool_call_cut", default=None)
+OUTPUTS: contextvars.ContextVar[Outputs | None] = contextvars.ContextVar("qpn_tool_call_cut", default=None)
 
 
 def answer_was_cut(text: str | None) -> bool:
     """True while the engine builds a chat answer whose output ``text`` belongs to was cut
     (``finish_reason: length``); False outside ``wrap_full_generator`` (streaming, other APIs)."""
-    outputs = _OUTPUTS.get()
+    outputs = OUTPUTS.get()
     return outputs is not None and outputs.cut(text or "")
 
 
-async def _recording(result_generator, outputs: _Outputs):
+async def _recording(result_generator, outputs: Outputs):
     """The engine's results, unchanged, each recorded in ``outputs`` before it is passed on."""
     async for res in result_generator:
         outputs.record(res)
@@ -266,12 +266,12 @@ def wrap_full_generator(original):
 
     @functools.wraps(original)
     async def chat_completion_full_generator(self, request, result_generator, *args, **kwargs):
-        outputs = _Outputs()
-        token = _OUTPUTS.set(outputs)
+        outputs = Outputs()
+        token = OUTPUTS.set(outputs)
         try:
             response = await original(self, request, _recording(result_generator, outputs), *args, **kwargs)
         finally:
-            _OUTPUTS.reset(token)
+            OUTPUTS.reset(token)
         for choice in getattr(response, "choices", None) or ():
             if choice.finish_reason == "tool_calls" and outputs.reason(choice.index) == "length":
                 choice.finish_reason = "length"
@@ -338,7 +338,7 @@ def wrap_parse_tool_calls_from_content(original):
 _TOOL_CALLS_FINISH = '"finish_reason":"tool_calls"'
 
 
-def keep_length(line: str, outputs: _Outputs) -> str:
+def keep_length(line: str, outputs: Outputs) -> str:
     """A server-sent event of the chat stream with ``finish_reason: tool_calls`` turned back into
     ``length`` for each choice whose output the engine ended with ``length``; else unchanged."""
     if _TOOL_CALLS_FINISH not in line or not line.startswith("data: "):
@@ -361,7 +361,7 @@ def wrap_stream_generator(original):
 
     @functools.wraps(original)
     async def chat_completion_stream_generator(self, request, result_generator, *args, **kwargs):
-        outputs = _Outputs()
+        outputs = Outputs()
         events = original(self, request, _recording(result_generator, outputs), *args, **kwargs)
         async with contextlib.aclosing(events):
             async for line in events:

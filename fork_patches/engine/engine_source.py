@@ -136,7 +136,7 @@ class Found:
     decorators: tuple[str, ...]
 
 
-class _Resolver:
+class Resolver:
     def __init__(self, src: EngineSource):
         self.src = src
         self._trees: dict[str, ast.Module | None] = {}
@@ -320,9 +320,9 @@ class Row:
         return self.status == "MISS"
 
 
-def verify_hook(hook: Hook, src: EngineSource, resolver: _Resolver | None = None) -> Row:
+def verify_hook(hook: Hook, src: EngineSource, resolver: Resolver | None = None) -> Row:
     engine = src.key
-    resolver = resolver or _Resolver(src)
+    resolver = resolver or Resolver(src)
     skip = hook.skip_reason(engine)
     anchor = hook.anchor_for(engine)
     if skip is not None:
@@ -359,7 +359,7 @@ def _verify_disk(hook: Hook, src: EngineSource, engine: str, relpath: str) -> st
 
 
 def verify(src: EngineSource, hooks: list[Hook] | None = None) -> list[Row]:
-    resolver = _Resolver(src)
+    resolver = Resolver(src)
     return [verify_hook(h, src, resolver) for h in (REGISTRY if hooks is None else hooks)]
 
 
@@ -641,12 +641,12 @@ CONFIG_ASKED: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
 }
 
 
-def verify_registration(src: EngineSource, resolver: _Resolver | None = None) -> list[Row]:
+def verify_registration(src: EngineSource, resolver: Resolver | None = None) -> list[Row]:
     """Rows proving, from the engine's source, the registration path QPNConfig relies on:
     register_quantization_config adds a name vLLM then probes before its built-in overrides, a
     claim makes the registered class parse the config (from_config), and its minimum capability
     is checked. A text missing is a MISS naming where and what."""
-    resolver = resolver or _Resolver(src)
+    resolver = resolver or Resolver(src)
     rows = []
     for name, anchor, needles in REGISTRATION_CHECKS:
         try:

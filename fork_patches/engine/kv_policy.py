@@ -47,7 +47,7 @@ POLICY_USER = "explicit --kv-cache-dtype from the user; served as given"
 POLICY_ENGINE = "engine's own resolution stands on this platform ({platform})"
 
 
-def _is_sm70() -> bool:
+def is_sm70() -> bool:
     from qpn.fork_patches.engine.platform_gate import is_sm70_cuda
 
     return is_sm70_cuda()
@@ -88,7 +88,7 @@ def wrap_resolve_kv_cache_dtype_string(original):
         resolved = original(kv_cache_dtype, model_config)
         if kv_cache_dtype != "auto" or not str(resolved).startswith("fp8"):
             return resolved
-        if _is_sm70():
+        if is_sm70():
             logger.warning(
                 "volta-qpn: checkpoint asks for an FP8 KV cache (%s); serving FP16 KV on SM70 "
                 "on purpose: %s. Pass --kv-cache-dtype %s explicitly to override.",
@@ -113,7 +113,7 @@ def describe(vllm_config) -> tuple[str | None, str, str]:
 
     requested = checkpoint_kv_request(vllm_config.model_config)
     resolved = str(vllm_config.cache_config.cache_dtype)
-    if _is_sm70() and requested and requested.startswith("fp8") and resolved == SM70_KV_DTYPE:
+    if is_sm70() and requested and requested.startswith("fp8") and resolved == SM70_KV_DTYPE:
         policy = POLICY_SM70
     elif requested and requested.startswith("fp8") and not resolved.startswith("fp8") and cpu_lacks_fp8_kv():
         policy = POLICY_CPU_NO_FP8

@@ -42,7 +42,7 @@ from qpn.fork_patches.engine.hooks import AnchorMissing, Hook, hooks_for
 
 logger = logging.getLogger("vllm.qpn.plugin")
 
-_REGISTERED = False
+REGISTERED = False
 MARK = "__qpn_hook__"
 ENGINE_VERSION_ENV = "QPN_ENGINE_VERSION"
 # Hooks skipped in this process: {"hook", "anchor", "engine", "needed_for", "reason"} per hook.
@@ -175,8 +175,8 @@ def _fix(engine: str) -> str:
 
 def register() -> None:
     """Entry point: apply every runtime hook of this engine, once per process (see the policy)."""
-    global _REGISTERED
-    if _REGISTERED:
+    global REGISTERED
+    if REGISTERED:
         return
     engine = engine_key()
     missing: list[tuple[Hook, AnchorMissing]] = []
@@ -211,4 +211,4 @@ def register() -> None:
     if lines:
         lines.append(_fix(engine))
         raise EngineMismatch("\n".join(lines))
-    _REGISTERED = True
+    REGISTERED = True

@@ -33,7 +33,7 @@ What the class does once it claimed a checkpoint:
   ``get_quant_method``; 1Cat: the closure in ``FusedMoE.__init__``, where ``RoutedExperts`` is
   an alias of ``FusedMoE``); the engine config's own method for everything else (unquantized
   layers, INT4 experts, which QPN has no MoE kernels for, the KV-cache method of attention).
-* Its first call on a rank records what the boot gates read (``_record_rank``): the config's
+* Its first call on a rank records what the boot gates read (``record_rank``): the config's
   name (census ``quant_config``; the ``quant_config`` gate fails a boot whose checkpoint QPN
   should serve and whose ranks did not record "qpn"), the KV cache, the engine config, the
   engine's renamed ``quantized_layers`` (ModelOpt mixed), and the checkpoint's declared modules
@@ -369,7 +369,7 @@ def make_config_class():
                 raise NotServed(f"{prefix}: the QPN config claimed this checkpoint, but the QPN path does not "
                                 "serve in this process (platform_gate.serving_target is None: see its warning); "
                                 "fix: build the QPN kernels for this GPU (scripts/bootstrap-sm70.sh)")
-            _record_rank(self)
+            record_rank(self)
             if self.convention == "modelopt_fp4" and is_mtp_fc(prefix):
                 # the engine's own workaround, keyed on the name "modelopt_fp4" (see the module)
                 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -476,21 +476,21 @@ def _flat(items) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ the census
-_RANK_RECORDED = False
+RANK_RECORDED = False
 
 
-def _record_rank(config) -> None:
+def record_rank(config) -> None:
     """Once per rank, at the first layer the engine asks the config about (the engine's config is
     current then): what the boot gates read besides the modules (see the module)."""
-    global _RANK_RECORDED
-    if _RANK_RECORDED:
+    global RANK_RECORDED
+    if RANK_RECORDED:
         return
     from vllm.config import get_current_vllm_config_or_none
 
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None or vllm_config.cache_config is None:
         return
-    _RANK_RECORDED = True
+    RANK_RECORDED = True
     from qpn.fork_patches.route_census.census import CENSUS
     from qpn.fork_patches.engine.kv_policy import describe
 

@@ -339,7 +339,7 @@ def wrap_make_spec_decoding_stats(original):
 
 
 # ---- /metrics: rounds that drafted each position, rounds and tokens per depth (frontend) -------
-_COUNTERS: dict[str, object] = {}
+COUNTERS: dict[str, object] = {}
 _COUNTER_LOCK = threading.Lock()
 _DOCS = {DRAFT_PER_POS_METRIC: ("position", "Rounds that drafted each position (volta-qpn)."),
          ROUNDS_PER_DEPTH_METRIC: ("depth", "Speculation rounds per drafted depth (volta-qpn)."),
@@ -349,11 +349,11 @@ _DOCS = {DRAFT_PER_POS_METRIC: ("position", "Rounds that drafted each position (
 def _counter(counter_cls, name: str, labelnames: list[str]):
     """One counter of each name per process: prometheus_client refuses a second registration."""
     with _COUNTER_LOCK:
-        if name not in _COUNTERS:
+        if name not in COUNTERS:
             label, doc = _DOCS[name]
-            _COUNTERS[name] = counter_cls(name=name, documentation=doc,
+            COUNTERS[name] = counter_cls(name=name, documentation=doc,
                                           labelnames=labelnames + [label])
-        return _COUNTERS[name]
+        return COUNTERS[name]
 
 
 def wrap_spec_prom_init(original):

@@ -114,7 +114,7 @@ def encode_nvfp4_padded(w: torch.Tensor, global_amax: float | None = None):
     return q.contiguous(), s.contiguous(), s2
 
 
-def _shared_global_amax(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+def shared_global_amax(weights: dict[str, torch.Tensor]) -> dict[str, float]:
     out = {}
     for group in tiny_hybrid.NVFP4_SHARED_GLOBAL:
         for key in weights:
@@ -255,7 +255,7 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
     the FP8 KV-cache scales (amax / 448) ModelOpt writes as ``k_proj.k_scale`` / ``v_proj.v_scale``.
     ``shared``: {module: NVFP4 global amax shared with its fused siblings} (default: this
     model's fused groups, tiny_hybrid.NVFP4_SHARED_GLOBAL)."""
-    shared = _shared_global_amax(weights) if shared is None else shared
+    shared = shared_global_amax(weights) if shared is None else shared
     out: dict[str, torch.Tensor] = {}
     for key, w in weights.items():
         module = key[: -len(".weight")] if key.endswith(".weight") else None
@@ -343,7 +343,7 @@ def make_checkpoint(out_dir: str | os.PathLike, seed: int = 0, malformed: str | 
         from tokenizers import Tokenizer
 
         calib_ids = Tokenizer.from_file(str(tmp / "tokenizer.json")).encode(
-            " ".join(tiny_tokenizer._CORPUS)).ids[:256]
+            " ".join(tiny_tokenizer.CORPUS)).ids[:256]
         input_amax, kv_amax = calibrate(spec, weights, sorted(quantized), calib_ids)
         tensors = export_tensors(weights, quantized, input_amax, kv_amax)
         hf_quant = hf_quant_config(quantized)

@@ -200,7 +200,7 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
                    fp8_experts: dict[int, str] | None = None) -> dict[str, torch.Tensor]:
     """``shared``: {module: the global amax it shares with its fused siblings} (default: the
     dense MLP's gate and up); ``fp8_experts``: {layer: FP8 layout} of FP8 routed experts."""
-    shared = make_checkpoint._shared_global_amax(weights) if shared is None else shared
+    shared = make_checkpoint.shared_global_amax(weights) if shared is None else shared
     out: dict[str, torch.Tensor] = {}
     for key, w in weights.items():
         module = key[: -len(".weight")] if key.endswith(".weight") else None
@@ -249,7 +249,7 @@ def make_ct_checkpoint(out_dir: str | os.PathLike, seed: int = 0,
     with make_checkpoint.checkpoint_folder(out) as tmp:
         ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
         calib_ids = Tokenizer.from_file(str(tmp / "tokenizer.json")).encode(
-            " ".join(tiny_tokenizer._CORPUS)).ids[:256]
+            " ".join(tiny_tokenizer.CORPUS)).ids[:256]
         if moe:
             weights = make_moe_checkpoint.float_weights(spec, seed)
             quantized = make_moe_checkpoint.quantized_modules(weights, "nvfp4")

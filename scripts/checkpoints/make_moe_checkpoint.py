@@ -220,7 +220,7 @@ def make_moe_checkpoint(out_dir: str | os.PathLike, seed: int = 0, expert_format
         weights = float_weights(spec, seed)
         quantized = quantized_modules(weights, expert_format)
         calib_ids = Tokenizer.from_file(str(tmp / "tokenizer.json")).encode(
-            " ".join(tiny_tokenizer._CORPUS)).ids[:256]
+            " ".join(tiny_tokenizer.CORPUS)).ids[:256]
         input_amax, kv_amax = calibrate(spec, weights, quantized, calib_ids)
         tensors = export_tensors(weights, quantized, input_amax, kv_amax)
         hf_quant = make_checkpoint.hf_quant_config(quantized)

@@ -59,7 +59,7 @@ def export(out_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=False)
     tiny_tokenizer.write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings)
-    ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(" ".join(tiny_tokenizer._CORPUS)).ids[:256]
+    ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(" ".join(tiny_tokenizer.CORPUS)).ids[:256]
 
     def forward_loop(m):
         with torch.no_grad():

@@ -24,7 +24,7 @@ MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_re
 TEMPLATE_PATH = Path(__file__).with_name("tiny_chat_template.jinja")
 
 # Our own training text: enough variety for a few hundred merges of common English and JSON.
-_CORPUS = [
+CORPUS = [
     "The weights stay packed in memory and are decoded in registers right before the multiply.",
     "A small model is enough to prove that the loader reads every code and scale unchanged.",
     "Each request asks the server for the log probability of every token in the prompt.",
@@ -58,7 +58,7 @@ def _train(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
     return tok
 
 

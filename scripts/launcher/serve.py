@@ -161,7 +161,7 @@ class Launch:
         return os.path.join(self.run_dir, "server.log")
 
 
-def _quant_config(ckpt: str, config: dict) -> dict | None:
+def quant_config(ckpt: str, config: dict) -> dict | None:
     path = os.path.join(ckpt, "hf_quant_config.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -249,7 +249,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> Launch:
         thinking=environ.get("THINKING", "true").lower() not in ("0", "false", "no", "off"),
         api_key=environ.get("VLLM_API_KEY") or None, run_dir=run_dir,
         boot_timeout=_int_setting(environ, "BOOT_TIMEOUT", 900), max_n=max_n,
-        regions=boot_gates.declared_regions(_quant_config(ckpt, config)), environ=environ,
+        regions=boot_gates.declared_regions(quant_config(ckpt, config)), environ=environ,
         depth=depth)
 
 
@@ -744,7 +744,7 @@ def run_gates(server: Server) -> list[boot_gates.GateResult]:
         warm = with_long_warm(warm, long)
     census = read_census(launch)
     metrics = read_metrics(launch)
-    quant_cfg = _quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
+    quant_cfg = quant_config(launch.ckpt, serve_preflight.load_checkpoint_config(launch.ckpt))
     quantized_layers = boot_gates.declared_layers(quant_cfg)
     convention, declared = boot_gates.declared_modules(launch.ckpt)  # any convention: what it needs
     from qpn.fork_patches.quant.conventions import MODELOPT
