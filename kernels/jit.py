@@ -1,9 +1,10 @@
 """Run-time build of the QPN kernels: NVRTC -> cubin (cached on disk), loaded and launched through
 the CUDA driver API on torch's current stream.
 
-* Sources: the files in csrc/, as ``kernel_sources()`` hands them to NVRTC: the m8n8k4 entry
-  points of qpn_kernels.cu are not listed in the file but written from the formats' registered
-  data (``sm70_entry_lines``), so a new weight format adds none by hand.
+* Sources: the files in csrc/, as ``kernel_sources()`` hands them to NVRTC: the entry points of
+  both atoms' dense sources are not listed in the files but written from data, the m8n8k4 ones
+  from the formats' registered data (``sm70_entry_lines``), the m16n8k16 ones from the families'
+  configured kernels (``sm80_entry_lines``), so a new weight family adds none by hand.
 * Cache: ``$QPN_CACHE_DIR`` or ``~/.cache/qpn``; one cubin per (hash of every source as NVRTC
   compiles it, architecture, compile flags, NVRTC version). A changed source, entry line or flag is
   a new file; nothing stale is ever loaded.
@@ -35,6 +36,9 @@ UNSERVED_ENTRY_POINTS = {atom: tuple(dict.fromkeys(e for f in formats.KERNEL_FOR
                                                    for e in f.dense_entry_points(atom)))
                          for atom in ("m8n8k4", "m16n8k16")}
 MAIN_SOURCE = "qpn_kernels.cu"
+# The grouped mixture-of-experts kernels, one source per atom (the sm_80+ file includes qpn_moe.cu
+# for the routing and combine kernels and adds its own GEMM entries).
+MOE_SOURCES = {"m8n8k4": "qpn_moe.cu", "m16n8k16": "qpn_moe_sm80.cu"}
 # The dense QPN family, one source per tensor-core atom (the m16n8k16 source needs sm_80+).
 ATOM_SOURCES = {"m8n8k4": MAIN_SOURCE, "m16n8k16": "qpn_kernels_sm80.cu"}
 ATOM_MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
@@ -82,12 +86,38 @@ def sm70_entry_lines() -> str:
         "".join(line + "\n" for line in lines)
 
 
+def sm80_entry_lines() -> str:
+    """The entry-point lines of csrc/qpn_kernels_sm80.cu: every configured kernel the families list
+    (kernels/families/<family>/kernels_sm80.py ENTRIES, gathered by sm80_tables.SM80_ENTRIES), in
+    the families' order."""
+    return ("\n// Entry points written by kernels/jit.py (sm80_entry_lines) from kernels/families/*/kernels_sm80.py:\n"
+            + "".join(e.line + "\n" for e in sm80_tables.SM80_ENTRIES))
+
+
+def moe_entry_lines(atom: str) -> str:
+    """The grouped MoE GEMM entry lines of the atom's MoE source: on m8n8k4 from each served
+    format's data (its MoE entry points, gate/up then down, and its decoder), on m16n8k16 the
+    families' MOE_ENTRIES (sm80_tables.SM80_MOE_ENTRIES)."""
+    if atom == "m8n8k4":
+        lines = [f"QPN_MOE_GEMM_ENTRY({name}, {SM70_ATOM_STRUCT}, {f.decoder}, {gate_up})"
+                 for f in formats.FAMILIES.values()
+                 for name, gate_up in zip(f.moe_entry_points(atom), ("true", "false"))]
+    else:
+        lines = [e.line for e in sm80_tables.SM80_MOE_ENTRIES]
+    return (f"\n// Entry points written by kernels/jit.py (moe_entry_lines, {atom}):\n"
+            + "".join(line + "\n" for line in lines))
+
+
 def kernel_sources() -> dict[str, str]:
-    """Every source in csrc/ as NVRTC compiles it, by name: the files as they are, qpn_kernels.cu
-    with its entry lines (sm70_entry_lines) appended. Whatever reads the kernels a source defines
+    """Every source in csrc/ as NVRTC compiles it, by name: the files as they are, each atom's
+    dense source with its entry lines appended (sm70_entry_lines, sm80_entry_lines), each MoE
+    source with its own (moe_entry_lines). Whatever reads the kernels a source defines
     (sm70_check, benchmarks/perf_model.py, the tests) reads this."""
     sources = nvrtc.read_sources()
     sources[MAIN_SOURCE] += sm70_entry_lines()
+    sources[ATOM_SOURCES["m16n8k16"]] += sm80_entry_lines()
+    for atom, source in MOE_SOURCES.items():
+        sources[source] += moe_entry_lines(atom)
     return sources
 
 

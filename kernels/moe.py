@@ -38,10 +38,11 @@ from .kernel_inputs import fp16_activations
 from .moe_reference import MAX_EXPERTS, check_routing, moe_reference
 from .prepack import split_gate_up
 
-MOE_SOURCE = "qpn_moe.cu"
-# Source per atom: the sm_80+ file includes qpn_moe.cu (routing, combine, m8n8k4 entries) and adds
-# the m16n8k16 expert GEMMs; it is built for sm_80 and later only.
-MOE_SOURCES = {"m8n8k4": MOE_SOURCE, "m16n8k16": "qpn_moe_sm80.cu"}
+MOE_SOURCE = jit.MOE_SOURCES["m8n8k4"]
+# Source per atom: the sm_80+ file includes qpn_moe.cu (routing, combine) and adds the m16n8k16
+# expert GEMMs; it is built for sm_80 and later only. Both get their entry lines from data
+# (jit.moe_entry_lines).
+MOE_SOURCES = jit.MOE_SOURCES
 MIN_ARCH = {"m8n8k4": 70, "m16n8k16": 80}
 THREADS = 256
 WARPS = THREADS // 32

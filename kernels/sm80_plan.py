@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -16,15 +15,16 @@ from typing import Optional
 
 import torch
 
-from . import families, formats, jit, nvrtc, routes, sm80_tables
+from . import families, formats, jit, routes, sm80_tables
 from .atoms import arch_for_atom
 from .kernel_inputs import THREADS, WARPS, WeightOperands, bias16, fp16_activations, fp32_scale, kernel_member, operands
 from .routes import Route
+from .weight_format import KernelEntry
 
 
 @dataclass(frozen=True)
 class Sm80Kernel:
-    """One configured kernel of csrc/qpn_kernels_sm80.cu (its entry line, SM80_ENTRY_MACROS)."""
+    """One configured kernel of csrc/qpn_kernels_sm80.cu (its family's entry, SM80_ENTRY_MACROS)."""
     name: str
     frag: str      # fragment decoder struct
     mt: int        # 8-token tiles per weight pass
@@ -81,22 +81,22 @@ SM80_ENTRY_MACROS = {
 }
 
 
+def sm80_kernel_of(entry: KernelEntry) -> Optional[Sm80Kernel]:
+    """The configured GEMM kernel an entry of the sm_80+ source defines (None for a macro not in
+    SM80_ENTRY_MACROS: the reconstruct passes); QpnBuildError for a wrong argument count."""
+    if entry.macro not in SM80_ENTRY_MACROS:
+        return None
+    fields, fixed = SM80_ENTRY_MACROS[entry.macro]
+    if len(entry.args) != len(fields):
+        raise jit.QpnBuildError(f"{entry.macro}({entry.name}, ...) has {len(entry.args)} numeric arguments; "
+                                f"sm80_plan.SM80_ENTRY_MACROS expects {len(fields)} ({', '.join(fields)})")
+    return Sm80Kernel(entry.name, entry.decoder, **{"depth": 0, "prefetch": 0, **dict(zip(fields, entry.args)), **fixed})
+
+
 def sm80_kernels() -> dict[str, Sm80Kernel]:
-    """Every kernel the sm_80+ source defines with one of SM80_ENTRY_MACROS, parsed from the source
-    itself."""
-    src = nvrtc.read_sources()[jit.ATOM_SOURCES["m16n8k16"]]
-    out = {}
-    for m in re.finditer(r"^(QPN80\w*_ENTRY)\((\w+),\s*(\w+),\s*([\d,\s]+)\)", src, re.M):
-        macro, name, frag, nums = m.groups()
-        if macro not in SM80_ENTRY_MACROS:
-            continue   # QPN80_RECONSTRUCT_ENTRY: not a configured GEMM kernel
-        fields, fixed = SM80_ENTRY_MACROS[macro]
-        values = [int(v) for v in nums.split(",")]
-        if len(values) != len(fields):
-            raise jit.QpnBuildError(f"{macro}({name}, ...) has {len(values)} numeric arguments; "
-                                    f"sm80_plan.SM80_ENTRY_MACROS expects {len(fields)} ({', '.join(fields)})")
-        out[name] = Sm80Kernel(name, frag, **{"depth": 0, "prefetch": 0, **dict(zip(fields, values)), **fixed})
-    return out
+    """Every configured GEMM kernel of the sm_80+ source: the families' entries
+    (sm80_tables.SM80_ENTRIES, the lines jit.sm80_entry_lines writes) with one of SM80_ENTRY_MACROS."""
+    return {e.name: k for e in sm80_tables.SM80_ENTRIES if (k := sm80_kernel_of(e)) is not None}
 
 
 # cuLaunchKernelEx's launch description (cuda.h CUlaunchConfig / CUlaunchAttribute; the attribute's

@@ -37,6 +37,19 @@ class M8N8K4Kernel(NamedTuple):
     tiles: int     # 8-token tiles per weight pass; 0: the workspace reconstruction pass
 
 
+class KernelEntry(NamedTuple):
+    """One entry line of a kernel source, as a family's data holds it: ``MACRO(name, decoder,
+    args...)`` (kernels/jit.py writes the line into the source as NVRTC compiles it)."""
+    macro: str                  # the entry macro of the source (QPN80_ENTRY, QPN80R_ENTRY, ...)
+    name: str                   # the entry point
+    decoder: str                # the decoder / fragment struct it is instantiated with
+    args: tuple = ()            # the macro's further arguments, in its order (numbers, or words: true)
+
+    @property
+    def line(self) -> str:
+        return f"{self.macro}({', '.join([self.name, self.decoder, *map(str, self.args)])})"
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     key: str               # unique name of this description

@@ -165,11 +165,8 @@ NAMED_OUTSIDE_THEIR_FAMILY = {
     "fork_patches/route_census/attention_routes.py": 8,
     "kernels/csrc/qpn_atom_m16n8k16.cuh": 20,
     "kernels/csrc/qpn_family.cuh": 11,
-    "kernels/csrc/qpn_kernels_sm80.cu": 79,
-    "kernels/csrc/qpn_moe.cu": 4,
-    "kernels/csrc/qpn_moe_sm80.cu": 4,
+    "kernels/csrc/qpn_kernels_sm80.cu": 3,
     "kernels/ops.py": 19,
-    "kernels/sm80_tables.py": 43,
     "scripts/checkpoints/checkpoint_reference.py": 23,
     "scripts/checkpoints/ct_reference.py": 20,
     "scripts/checkpoints/int4_reference.py": 11,
@@ -302,6 +299,26 @@ def test_the_sm70_kernel_source_names_no_family():
     assert names and all(re.search(rf"\b{n}\b", compiled) for n in names)   # the check can see them
     assert not {n for n in names if re.search(rf"\b{n}\b", on_disk)}
     assert not re.search(r"^\w+_ENTRY\(", on_disk, re.M)
+
+
+@pytest.mark.parametrize("source", ["qpn_kernels_sm80.cu", "qpn_moe.cu", "qpn_moe_sm80.cu"])
+def test_the_other_kernel_sources_list_no_kernel(source):
+    """The m16n8k16 dense source and both MoE sources hold templates and entry macros only; their
+    entry lines are written from data as NVRTC compiles them: the families' configured kernels
+    (kernels/families/<family>/kernels_sm80.py, jit.sm80_entry_lines) and MoE kernels
+    (jit.moe_entry_lines: m8n8k4 from the formats' data, m16n8k16 the families' MOE_ENTRIES)."""
+    from qpn.kernels import jit, moe, nvrtc, sm80_tables
+
+    on_disk, compiled = nvrtc.read_sources()[source], jit.kernel_sources()[source]
+    assert not re.search(r"^\w+_ENTRY\(", on_disk, re.M)
+    if source == jit.ATOM_SOURCES["m16n8k16"]:
+        names, lines = jit.ENTRY_POINTS["m16n8k16"], [e.line for e in sm80_tables.SM80_ENTRIES]
+        assert len(lines) > 40 and set(names) <= {e.name for e in sm80_tables.SM80_ENTRIES}
+    else:
+        atom = next(a for a, s in jit.MOE_SOURCES.items() if s == source)
+        names, lines = moe.MOE_ENTRY_POINTS[atom], jit.moe_entry_lines(atom).splitlines()[2:]
+    assert lines and all(f"\n{line}\n" in compiled for line in lines)
+    assert all(re.search(rf"^\w+_ENTRY\({name},", compiled, re.M) for name in names)
 
 
 def test_a_family_module_may_name_its_own_family_only():

@@ -22,7 +22,7 @@ FAMILIES = KERNELS / "families"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("weight_format",),                     # the WeightFormat type: data
     ("family.__init__", "family.members"),  # each family's members: data
-    ("formats",),                           # the members gathered, lookups (no torch)
+    ("formats", "family.kernels_sm80"),     # the members gathered, lookups (no torch); each family's sm_80+ kernels (data)
     ("codecs", "families.contract"),        # bit-level minifloat codecs; the family contract
     ("atoms",),                             # geometry per MMA atom
     ("prepack",),                           # the packed-layout base, block reshapes, proofs' helpers
@@ -152,6 +152,8 @@ def test_the_data_layers_import_no_torch():
     assert _imported(KERNELS / "weight_format.py") <= {"__future__", "dataclasses", "typing"}
     for members in FAMILIES.glob("*/members.py"):
         assert _imported(members) <= {"__future__", "...weight_format"}, members
+    for table in FAMILIES.glob("*/kernels_sm80.py"):
+        assert _imported(table) <= {"__future__", "...weight_format", ".members"}, table
     assert _imported(KERNELS / "formats.py") <= {"__future__", "importlib", "pathlib", "typing", ".weight_format"}
     assert _imported(FAMILIES / "__init__.py") <= {"__future__", "importlib", "functools", "typing", "..", "."}
 

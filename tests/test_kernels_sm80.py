@@ -476,7 +476,7 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     from qpn.kernels import sm70_check
 
     nv, ptxas, cuobjdump = nvrtc12, ptxas12, cuobjdump12
-    src = nvrtc.read_sources()[jit.ATOM_SOURCES[ATOM]]
+    src = jit.kernel_sources()[jit.ATOM_SOURCES[ATOM]]
     res = nv.compile(src, jit.ATOM_SOURCES[ATOM], arch, list(jit.COMPILE_FLAGS), want_cubin=True)
     for name in jit.ENTRY_POINTS[ATOM] + jit.UNSERVED_ENTRY_POINTS[ATOM]:   # INT4's too
         assert name.encode() + b"\0" in res.cubin, name
@@ -520,17 +520,22 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
 
 @pytest.mark.fast
 def test_sm80_entry_lines_parse_by_macro_and_a_wrong_argument_count_fails(monkeypatch):
-    src = ("QPN80C_ENTRY(k_coop, Frag16FP8, 1, 2, 2, 3, 7)\n"
-           "QPN80RX_ENTRY(k_ring, Frag16NVFP4, 2, 2, 4, 2, 0)\n"
-           "QPN80_RECONSTRUCT_ENTRY(k_recon, Frag16FP8)\n")
-    monkeypatch.setattr(jit.nvrtc, "read_sources", lambda: {jit.ATOM_SOURCES[ATOM]: src})
+    from qpn.kernels.weight_format import KernelEntry
+
+    entries = (KernelEntry("QPN80C_ENTRY", "k_coop", "Frag16FP8", (1, 2, 2, 3, 7)),
+               KernelEntry("QPN80RX_ENTRY", "k_ring", "Frag16NVFP4", (2, 2, 4, 2, 0)),
+               KernelEntry("QPN80_RECONSTRUCT_ENTRY", "k_recon", "Frag16FP8"))
+    monkeypatch.setattr(sm80_tables, "SM80_ENTRIES", entries)
     got = sm80_plan.sm80_kernels()
     assert set(got) == {"k_coop", "k_ring"}
+    # the lines jit writes into the source are these entries, macro by macro
+    assert jit.sm80_entry_lines().splitlines()[2:] == ["QPN80C_ENTRY(k_coop, Frag16FP8, 1, 2, 2, 3, 7)",
+                                                      "QPN80RX_ENTRY(k_ring, Frag16NVFP4, 2, 2, 4, 2, 0)",
+                                                      "QPN80_RECONSTRUCT_ENTRY(k_recon, Frag16FP8)"]
     c, r = got["k_coop"], got["k_ring"]
     assert (c.mt, c.tiles, c.depth, c.min_blocks, c.variant, c.coop, c.stages) == (1, 2, 2, 3, 7, True, 0)
     assert (r.mt, r.tiles, r.stages, r.min_blocks, r.x_global, r.depth, r.coop) == (2, 2, 4, 2, True, 0, False)
-    monkeypatch.setattr(jit.nvrtc, "read_sources",
-                        lambda: {jit.ATOM_SOURCES[ATOM]: "QPN80C_ENTRY(k_bad, Frag16FP8, 1, 2, 2, 0)\n"})
+    monkeypatch.setattr(sm80_tables, "SM80_ENTRIES", (KernelEntry("QPN80C_ENTRY", "k_bad", "Frag16FP8", (1, 2, 2, 0)),))
     with pytest.raises(jit.QpnBuildError, match="QPN80C_ENTRY.*k_bad.*4 numeric arguments.*expects 5"):
         sm80_plan.sm80_kernels()
 

@@ -1149,6 +1149,7 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
     Qpn80Coop<F, MT, T, D, VAR>::run(a, qpn80_red);                                          \
   }
 
+//
 // M-band kernels (Qpn80Band): dynamic shared memory of S * MT KB per block; the split-K partition
 // counts blocks, each owning a group of 8 x T weight tiles (ops passes blocks as Qpn80Args.nwarps).
 #define QPN80B_ENTRY(NAME, F, MT, T, D, S, MINB, VAR)                                       \
@@ -1170,44 +1171,22 @@ __device__ __forceinline__ void qpn80_reconstruct_body(const u8* codes, const u8
     qpn80_reconstruct_body<F>(codes, scales, ws, n_tiles, kblocks, gs);                       \
   }
 
-// Every kernel is named by its configuration: <format>_mt<MT>_m16n8k16_t<T>d<D>p<PF>[_variant],
+// Entry lines. Every kernel is named by its configuration: <format>_mt<MT>_m16n8k16_t<T>d<D>p<PF>[_variant],
 // T = weight tiles of 16 rows per warp (they share each activation load), D = ring depth in
 // k-blocks (NVFP4: D x 16 B, FP8: D x 32 B in flight per lane per tile), PF = L2 prefetch distance
-// in k-blocks beyond the ring (0: none). Which one serves each route is sm80_tables.SM80_ROUTE_KERNELS,
-// chosen on the H200 (benchmarks/kernel_matched_bench.py --sweep). Only configurations that compile
-// without spills for sm_80 and sm_90 under the 128-register cap are listed (tests check it).
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0, Frag16NVFP4, 1, 2, 4, 0, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8, Frag16NVFP4, 1, 2, 4, 8, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p16, Frag16NVFP4, 1, 2, 4, 16, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d2p8, Frag16NVFP4, 1, 2, 2, 8, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p0, Frag16NVFP4, 2, 1, 4, 0, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p8, Frag16NVFP4, 2, 1, 4, 8, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p16, Frag16NVFP4, 2, 1, 4, 16, 0)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d2p8, Frag16NVFP4, 2, 1, 2, 8, 0)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0, Frag16FP8, 1, 2, 2, 0, 0)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p8, Frag16FP8, 1, 2, 2, 8, 0)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p16, Frag16FP8, 1, 2, 2, 16, 0)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t1d4p8, Frag16FP8, 1, 1, 4, 8, 0)
-QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4p0, Frag16FP8, 2, 1, 4, 0, 0)
-QPN80_ENTRY(qpn8_mt2_m16n8k16_t1d4p8, Frag16FP8, 2, 1, 4, 8, 0)
-QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1p8, Frag16FP8, 2, 2, 1, 8, 0)
-QPN80_ENTRY(qpn8_mt2_m16n8k16_t2d1p16, Frag16FP8, 2, 2, 1, 16, 0)
+// in k-blocks beyond the ring (0: none). The lines are not in this file: each weight family lists its
+// configured kernels as data (kernels/families/<family>/kernels_sm80.py, ENTRIES, with the
+// measurements behind them) and kernels/jit.py (sm80_entry_lines) appends their lines below as NVRTC
+// compiles the file. Which one serves each route is the same files' ROUTE_KERNELS, gathered by
+// kernels/sm80_tables.py and chosen on the H200 (benchmarks/kernel_matched_bench.py --sweep). Only
+// configurations that compile without spills for sm_80 and sm_90 under the 128-register cap are listed
+// (tests check it).
+//
 // Shared-memory ring kernels (Qpn80Ring): <format>_mt<MT>_m16n8k16_t<T>s<S>[_variant], S = ring
 // slots per warp (S - 1 k-blocks in flight while one is consumed); MINB = blocks per SM the
 // register cap is sized for (the shared memory per block is 8 x S x STAGE bytes).
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4, Frag16NVFP4, 1, 2, 4, 3, 0)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4, Frag16NVFP4S7, 1, 4, 4, 2, 0)
-QPN80R_ENTRY(qpn2_mt2_m16n8k16_t2s4, Frag16NVFP4, 2, 2, 4, 2, 0)
-QPN80R_ENTRY(qpn8_mt1_m16n8k16_t2s4, Frag16FP8, 1, 2, 4, 2, 0)
-QPN80R_ENTRY(qpn8_mt2_m16n8k16_t1s4, Frag16FP8, 2, 1, 4, 2, 0)
 // ..x: activations from global memory (XG = 1).
-QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t2s6x, Frag16NVFP4, 1, 2, 6, 3, 0)
-QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s4x, Frag16NVFP4, 1, 4, 4, 2, 0)
-QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s6x, Frag16NVFP4, 1, 4, 6, 2, 0)
-QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x, Frag16NVFP4, 2, 2, 4, 2, 0)
-QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x, Frag16FP8, 1, 2, 4, 3, 0)
-QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t4s3x, Frag16FP8, 1, 4, 3, 2, 0)
-QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
+//
 // Issue 14, 2026-12-01 (session 3), measured and dropped (commit fb81b8a holds the code): the same
 // per-warp ring filled by the bulk-copy engine (cp.async.bulk, one mbarrier per slot, sm_90; one lane
 // copies a slot's tiles), 4-8 slots at 2-4 blocks per SM. Slower than the route kernels on every
@@ -1215,109 +1194,14 @@ QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x, Frag16FP8, 2, 2, 3, 2, 0)
 // vs 27.2 us, NVFP4 gate_up M = 1 48.9-57.7 vs 42.8 us. Its loads alone read lm_head at 85% of the
 // ceiling (t2d4p0 in the same sweep: 62%); not profiled further: each k-block adds an mbarrier wait,
 // shared-memory reads and the copy issue to the already issue-bound decode.
-QPN80_RECONSTRUCT_ENTRY(qpn2_reconstruct_ws_m16n8k16, Frag16NVFP4Exact)
-QPN80_RECONSTRUCT_ENTRY(qpn8_reconstruct_ws_m16n8k16, Frag16FP8)
-// INT4 W4A16 (issue 26; the route kernels sm80_tables.SM80_ROUTE_KERNELS names for both members).
-// The register ring with the folded decoder (Frag16INT4FoldForm: group scales applied to FP32 sums;
-// groups of 32 run its plain form in the same kernel), the same 16 code bytes per lane per (tile,
-// k-block) as NVFP4 and an 8-byte (asymmetric) or 4-byte (symmetric) record load where NVFP4 has an
-// 8-byte scale load. Chosen by H200 sweeps of 2026-12-04 (results/kernel_int4_sweep_h200_20261204.csv,
-// _sweep2_, _sweep3_): the fold alone 3-8% faster than the same configuration decoding scaled FP16
-// operands; a shallower ring (t2d2) faster than the NVFP4 routes' t2d4; M 9-16 two tiles one k-block
-// deep (t2d1: 47.7 against 61.2 us on gate_up TP1 for the t1d4 form). Configurations with three
-// tiles, a ring of 3+ with two or an L2 prefetch were slower; with four tiles and a ring of 2, or
-// MT = 2 with t2d2 / t1d2, they spill. On the down layers one tile per warp (t1d2, t1d3) and more
-// items per warp were slower too. No ring kernel (their cp.async layout copies per-k-block scale
-// blocks, not group records) and no M-band kernel (the chunked route runs the MT = 2 kernel once per
-// 16-row chunk).
-// Qpn80::segment issues the ring's refill loads before the group fold, which waits for the
-// k-block's MMAs; issued after it, they waited with it. Same run, plain launches, M = 1: TP1 MLP
-// down 19.6 against 21.8 us for the old order (*_foldfirst), gate_up 33.6 against 39.3
-// (results/kernel_int4_refill_sweep_h200_20261204.csv). It also made two tiles per warp faster
-// than four on every gate_up shape (t4d1, kept below as a measured variant, had served layers of
-// 16,384 rows or more: TP1 32.6 against 34.6 us at M = 1;
-// results/kernel_int4_refill_gateup_sweep_h200_20261204.csv).
-// The split-K finish of the t2d2 kernels is the thin one at M = 1-4 (Qpn80::thin_finish): on the TP1
-// MLP down at M = 1 it cut 2.0 us (21.7 against 23.7 us for the whole-partial finish, *_wide), within
-// 0.5 us of the kernel with no finish at all (results/kernel_int4_thin_sweep_h200_20261204.csv).
-// Measured and dropped the same day (code not kept unless named):
-// - one register ring over a warp's whole run, across group boundaries, with a run's partial groups
-//   counted after its loop: slower on every shape (TP1 down at M = 1 26.5 against 22.8 us, NVFP4
-//   t2d4p0 32.7 against 27.9; results/kernel_int4_stream_sweep_h200_20261204.csv, where *_segring is
-//   the per-segment ring these kernels keep);
-// - a bulk L2 prefetch (cp.async.bulk.prefetch.L2, sm_90, one instruction per tile) of a segment's
-//   codes at its start: slower on every shape, INT4 and NVFP4 (TP1 INT4 down at M = 1 26.8 against
-//   22.5 us; results/kernel_int4_bpf_sweep_h200_20261204.csv; commit c27ccb4 holds the code);
-// - the block-cooperative ring (Qpn80Coop with the group records and a fold per item; t2d2c, t2d3c,
-//   t1d4c, t1d6c, t1d2c at 3 blocks per SM): slower on every shape and M, its loads alone too (TP1
-//   down at M = 1 24.7 against 22.0 us, loads only 20.0 against 17.7; gate_up 44.0 against 33.8;
-//   results/kernel_int4_coop_sweep_h200_20261204.csv, before the refill order above). Its numerics
-//   were not established: the every-kernel GPU test failed on one of them and was not pursued.
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldAsym, 1, 2, 2, 0, 0)
-QPN80_ENTRY(qpn4_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldAsym, 2, 2, 1, 0, 0)
-QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d2p0_fold, Frag16INT4FoldSym, 1, 2, 2, 0, 0)
-QPN80_ENTRY(qpn4_sym_mt2_m16n8k16_t2d1p0_fold, Frag16INT4FoldSym, 2, 2, 1, 0, 0)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldAsym, 1, 2, 2, 0, 7)
-QPN80_ENTRY(qpn4_sym_mt1_m16n8k16_t2d2p0_fold_pdl, Frag16INT4FoldSym, 1, 2, 2, 0, 7)
-// Measured variants: loads only (the split-K finish kept), the kernel without that finish, with its
-// finish reading whole partials at every M (_wide: no thin finish), with the refill loads after the
-// group fold (_foldfirst: the order before), and four tiles per warp.
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_loadonly, Frag16INT4FoldAsym, 1, 2, 2, 0, 3)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_nofinish, Frag16INT4FoldAsym, 1, 2, 2, 0, 6)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_wide, Frag16INT4FoldAsym, 1, 2, 2, 0, 8)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t2d2p0_fold_foldfirst, Frag16INT4FoldAsym, 1, 2, 2, 0, 9)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold, Frag16INT4FoldAsym, 1, 4, 1, 0, 0)
-QPN80_ENTRY(qpn4_mt1_m16n8k16_t4d1p0_fold_loadonly, Frag16INT4FoldAsym, 1, 4, 1, 0, 3)
-QPN80_RECONSTRUCT_GS_ENTRY(qpn4_reconstruct_ws_m16n8k16, Frag16INT4Asym)
-QPN80_RECONSTRUCT_GS_ENTRY(qpn4_sym_reconstruct_ws_m16n8k16, Frag16INT4Sym)
-
+//
 // Measured variants (same arguments; never routes): *_exact: NVFP4 with normal FP16 operands (one
 // more multiply per register); *_nodecode, *_nomma, *_loadonly: one stage dropped, to see where
 // the time goes (their outputs are not the product).
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_exact, Frag16NVFP4Exact, 1, 2, 4, 8, 0)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_nodecode, Frag16NVFP4, 1, 2, 4, 8, 1)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_nomma, Frag16NVFP4, 1, 2, 4, 8, 2)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p8_loadonly, Frag16NVFP4, 1, 2, 4, 8, 3)
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_loadonly, Frag16NVFP4, 1, 2, 4, 0, 3)
-QPN80_ENTRY(qpn2_mt2_m16n8k16_t1d4p8_nomma, Frag16NVFP4, 2, 1, 4, 8, 2)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p8_loadonly, Frag16FP8, 1, 2, 2, 8, 3)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_loadonly, Frag16FP8, 1, 2, 2, 0, 3)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4_nodecode, Frag16NVFP4, 1, 2, 4, 3, 1)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t2s4_loadonly, Frag16NVFP4, 1, 2, 4, 3, 3)
-QPN80RX_ENTRY(qpn2_mt1_m16n8k16_t4s4x_loadonly, Frag16NVFP4, 1, 4, 4, 2, 3)
-QPN80R_ENTRY(qpn8_mt1_m16n8k16_t2s4_loadonly, Frag16FP8, 1, 2, 4, 2, 3)
-QPN80RX_ENTRY(qpn8_mt1_m16n8k16_t2s4x_loadonly, Frag16FP8, 1, 2, 4, 3, 3)
+//
 // Issue 14, 2026-12-01: the route kernels with the PDL hooks (VAR 7; bit for bit the same
 // results; the mt1 forms are what ops launches on sm_90+, the mt2 forms are measured only).
-QPN80_ENTRY(qpn2_mt1_m16n8k16_t2d4p0_pdl, Frag16NVFP4, 1, 2, 4, 0, 7)
-QPN80RX_ENTRY(qpn2_mt2_m16n8k16_t2s4x_pdl, Frag16NVFP4, 2, 2, 4, 2, 7)
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_pdl, Frag16NVFP4S7, 1, 4, 4, 2, 7)
-QPN80_ENTRY(qpn8_mt1_m16n8k16_t2d2p0_pdl, Frag16FP8, 1, 2, 2, 0, 7)
-QPN80RX_ENTRY(qpn8_mt2_m16n8k16_t2s3x_pdl, Frag16FP8, 2, 2, 3, 2, 7)
-// Issue 14, 2026-12-01: more warps per SM for the register ring. A pure-read kernel of the register
-// ring's access pattern reads gate_up at 80% of the ceiling with 16 warps per SM and 93% with 32
-// (results/read_probe_h200_20261201.csv). With one tile per warp the ring fits 80 registers without
-// spills (24 warps per SM): its loads alone, without the split-K finish, reach 72% on gate_up at
-// M = 1 (the two-tile route kernel's loads with their finish: 67%), but the kernel is slower (47.1
-// vs 43.2 us; down 27.7 vs 27.2;
-// results/kernel_sm80_occupancy_sweep_h200_20261201.csv): the decode and MMA, which the second
-// tile's shared activation loads made cheaper, take back what the loads gain. Measured only; the
-// two-tile D = 2 and 64-register forms spill.
-QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3, Frag16NVFP4, 1, 1, 4, 0, 3, 0)
-QPN80M_ENTRY(qpn2_mt1_m16n8k16_t1d4p0_b3_loadonly, Frag16NVFP4, 1, 1, 4, 0, 3, 4)
-// Block-cooperative register ring (Qpn80Coop): <format>_mt<MT>_m16n8k16_t<T>d<D>c. FP8 M <= 8 only:
-// there it beats the per-warp ring t2d2p0 on every TP1 FP8 shape, by 3 points of the read ceiling
-// on average (in_proj M = 1 27.5 vs 28.7 us, out_proj 15.2 vs 16.3 us;
-// results/kernel_sm80_coop2_sweep_h200_20261201.csv). Measured and dropped: the NVFP4 forms
-// (t2d4c: lm_head 49.5% vs 62.3%, gate_up and down slower too: with the NVFP4 decode the kernel is
-// issue-bound and the block's meeting points cost more than the loads gain) and the M 9-16 forms
-// (t1d4c / t1d2c, slower than the shared-memory rings on the large layers) -- commit 221380d and
-// the same CSV; and one tile per warp (FP8 t1d4c / t1d2c, also at 3 blocks per SM; NVFP4 t1d4c),
-// none faster on the TP1 shapes (results/kernel_sm80_coop3_sweep_h200_20261201.csv, the commit
-// before the one that dropped them).
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c, Frag16FP8, 1, 2, 2, 2, 0)
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_loadonly, Frag16FP8, 1, 2, 2, 2, 3)
-QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
+//
 // M-band kernels (Qpn80Band): <format>_mt<MT>_m16n8k16_t<T>d<D>s<S>_b<MINB> (D = 0: the weights
 // through the shared ring too). H200 sweeps, 2026-12-01, against the MT = 2 route kernels once per
 // 16-row chunk (results/kernel_sm80_band_sweep_h200_20261201.csv; _sweep2_ adds the D = 0 forms,
@@ -1333,17 +1217,3 @@ QPN80C_ENTRY(qpn8_mt1_m16n8k16_t2d2c_pdl, Frag16FP8, 1, 2, 2, 2, 7)
 // after the sweeps (commit history): one-block register rings at MT = 8 (t1d4s4_b1, t2d4s4_b1; FP8
 // t1d2s4_b1, t1d4s4_b1, t1d1s4_b2), the D = 0 forms at MT = 8 (t1d0s8_b2, t1d0s16_b1; FP8 t1d0s6_b2)
 // and the T = 2 forms (t2d2s4_b2, t2d0s6_b1; FP8 t2d1s4_b2, t2d0s5_b2).
-QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d8s4_b1, Frag16NVFP4, 8, 1, 8, 4, 1, 0)
-QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d4s4_b2, Frag16NVFP4, 4, 1, 4, 4, 2, 0)
-QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d4s4_b1_loadonly, Frag16NVFP4, 8, 1, 4, 4, 1, 3)
-QPN80B_ENTRY(qpn8_mt8_m16n8k16_t2d2s4_b1, Frag16FP8, 8, 2, 2, 4, 1, 0)
-QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d1s4_b2, Frag16FP8, 4, 1, 1, 4, 2, 0)
-QPN80B_ENTRY(qpn2_mt8_m16n8k16_t1d2s4_b2, Frag16NVFP4, 8, 1, 2, 4, 2, 0)
-QPN80B_ENTRY(qpn2_mt4_m16n8k16_t1d0s12_b2, Frag16NVFP4, 4, 1, 0, 12, 2, 0)
-QPN80B_ENTRY(qpn8_mt4_m16n8k16_t1d0s8_b2, Frag16FP8, 4, 1, 0, 8, 2, 0)
-// The large-N kernel with the unit-scale NVFP4 form of the other routes (measured variant; the route
-// form t4s4 keeps the scales * 2^7, Frag16NVFP4S7, 2% faster there).
-QPN80R_ENTRY(qpn2_mt1_m16n8k16_t4s4_u, Frag16NVFP4, 1, 4, 4, 2, 0)
-// Session 3, measured and dropped (commit 23f9732 holds them): ring depths around the large-N kernel in
-// the x 2^7 form (t4s3, t4s4x, t4s6x) and the NVFP4 M 9-16 ring (t2s3x, t2s6x, t2s8x); none beats
-// t4s4 / t2s4x beyond the run-to-run spread (results/kernel_sm80_depth{1,2}_sweep_h200_20261201.csv).

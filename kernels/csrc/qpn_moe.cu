@@ -270,9 +270,6 @@ extern "C" __global__ void __launch_bounds__(QPN_MOE_THREADS) qpn_moe_combine(Mo
     qpn_moe_gemm_body<ATOM, DEC, GATE_UP>(a);                                                   \
   }
 
-// Entry points, one per (format, projection, atom). Another atom (the sm_80 m16n8k16 one) adds
-// its four lines here and its names to kernels/moe.py:MOE_ENTRY_POINTS.
-QPN_MOE_GEMM_ENTRY(qpn2_moe_gate_up_m8n8k4, AtomM8N8K4, DecNVFP4, true)
-QPN_MOE_GEMM_ENTRY(qpn2_moe_down_m8n8k4, AtomM8N8K4, DecNVFP4, false)
-QPN_MOE_GEMM_ENTRY(qpn8_moe_gate_up_m8n8k4, AtomM8N8K4, DecFP8, true)
-QPN_MOE_GEMM_ENTRY(qpn8_moe_down_m8n8k4, AtomM8N8K4, DecFP8, false)
+// Entry points, one per (format, projection), written below by kernels/jit.py (moe_entry_lines) from
+// each format's registered data (its MoE entry points and m8n8k4 decoder) as NVRTC compiles the file.
+// qpn_moe_sm80.cu includes this file for the routing and combine kernels and adds its own entries.

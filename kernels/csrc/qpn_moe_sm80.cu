@@ -104,7 +104,6 @@ __device__ __forceinline__ void qpn_moe80_gemm_body(const MoeGemmArgs& a) {
     qpn_moe80_gemm_body<F, GATE_UP>(a);                                                         \
   }
 
-QPN_MOE80_GEMM_ENTRY(qpn2_moe_gate_up_m16n8k16, Frag16NVFP4, true)
-QPN_MOE80_GEMM_ENTRY(qpn2_moe_down_m16n8k16, Frag16NVFP4, false)
-QPN_MOE80_GEMM_ENTRY(qpn8_moe_gate_up_m16n8k16, Frag16FP8, true)
-QPN_MOE80_GEMM_ENTRY(qpn8_moe_down_m16n8k16, Frag16FP8, false)
+// Entry lines: one per (format, projection), the families' MOE_ENTRIES
+// (kernels/families/<family>/kernels_sm80.py), written below by kernels/jit.py (moe_entry_lines) as
+// NVRTC compiles the file.
