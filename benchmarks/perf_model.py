@@ -198,7 +198,7 @@ def _ptx_mma_counts(ptx: str) -> dict[str, int]:
 def sm70_kblocks_in_flight(family_src: str, decoder: str, mt: int) -> int:
     """k-blocks of weights a warp of the SM70 kernels (csrc/qpn_kernels.cu) has in flight: the one
     it decodes and the decoder's KBLOCKS_AHEAD (KBLOCKS_AHEAD_MT2 at two token tiles) loaded after
-    it, read from qpn_family.cuh. ``decoder`` is a struct (DecFP8) or a ``using NAME = Template<b>;``
+    it, read from the family's decoder header (jit.decoder_source). ``decoder`` is a struct (DecFP8) or a ``using NAME = Template<b>;``
     of a decoder template with one bool parameter (DecNVFP4 / DecNVFP4S7), whose constant may be
     ``PARAM ? a : b``."""
     name = "KBLOCKS_AHEAD" if mt == 1 else "KBLOCKS_AHEAD_MT2"
@@ -211,7 +211,7 @@ def sm70_kblocks_in_flight(family_src: str, decoder: str, mt: int) -> int:
     body = re.search(r"struct " + struct + r" \{(.*?)\n\};", family_src, re.S)
     m = body and re.search(r"static constexpr int " + name + r" = ([^;]+);", body.group(1))
     if not m:
-        raise ValueError(f"{decoder}::{name} not found in qpn_family.cuh")
+        raise ValueError(f"{decoder}::{name} not found in the m8n8k4 decoders (jit.decoder_source)")
     expr = m.group(1).strip()
     pick = re.fullmatch(r"(\w+) \? (\d+) : (\d+)", expr)
     if pick and pick.group(1) in env:
@@ -251,7 +251,7 @@ def kernel_stats(atom: str, arch: int) -> dict[str, KernelStats]:
             out[name] = KernelStats(name, atom, fmt, c.mt, c.tiles, regs[name].registers, c.smem_bytes,
                                     depth * c.tiles * tile_kb, c.tiles * 16 * 64 * bytes_per_weight(fmt), instr, kind)
     else:
-        family = sources["qpn_family.cuh"]
+        family = jit.decoder_source("m8n8k4")
         entries = sm70_linear_entries(sources[source])
         # served kernels and those of a staged family (kernels, no served route yet: formats.py)
         for name in jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"]:

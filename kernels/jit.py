@@ -108,16 +108,48 @@ def moe_entry_lines(atom: str) -> str:
             + "".join(line + "\n" for line in lines))
 
 
+# Each family's decoders for an atom: kernels/families/<family>/<atom>.cuh (the m8n8k4 Dec* structs,
+# the m16n8k16 Frag16* ones), over the atom's shared header.
+ATOM_HEADERS = {"m8n8k4": "qpn_family.cuh", "m16n8k16": "qpn_atom_m16n8k16.cuh"}
+
+
+def family_headers(atom: str) -> list[str]:
+    """The families' decoder headers for ``atom``, as include paths relative to kernels/
+    ("families/nvfp4/m8n8k4.cuh"), in the families' order; a family without kernels on the atom has
+    none."""
+    return [f"families/{family}/{atom}.cuh" for family in formats.ALL_FAMILIES
+            if os.path.isfile(os.path.join(nvrtc.KERNELS_DIR, "families", family, f"{atom}.cuh"))]
+
+
+def decoder_includes(atom: str) -> str:
+    """The include lines of the families' decoders for ``atom``, ahead of a source's entry lines."""
+    return (f"\n// The families' decoders, included by kernels/jit.py (decoder_includes, {atom}):\n"
+            + "".join(f'#include "{header}"\n' for header in family_headers(atom)))
+
+
+def decoder_source(atom: str) -> str:
+    """The atom's shared header and every family's decoders for it, as one text: what the readers of
+    the decoders (the replay, the performance model) parse."""
+    sources = kernel_sources()
+    return sources[ATOM_HEADERS[atom]] + "".join(sources[h] for h in family_headers(atom))
+
+
 def kernel_sources() -> dict[str, str]:
-    """Every source in csrc/ as NVRTC compiles it, by name: the files as they are, each atom's
-    dense source with its entry lines appended (sm70_entry_lines, sm80_entry_lines), each MoE
-    source with its own (moe_entry_lines). Whatever reads the kernels a source defines
-    (sm70_check, benchmarks/perf_model.py, the tests) reads this."""
+    """Every source as NVRTC compiles it, by name: the files of csrc/ as they are, each atom's dense
+    source with the families' decoder includes and its entry lines appended (decoder_includes,
+    sm70_entry_lines, sm80_entry_lines), each MoE source with its own (moe_entry_lines), and the
+    families' decoder headers by their include paths (their text is part of the cubin cache key).
+    Whatever reads the kernels a source defines (sm70_check, benchmarks/perf_model.py, the tests)
+    reads this."""
     sources = nvrtc.read_sources()
-    sources[MAIN_SOURCE] += sm70_entry_lines()
-    sources[ATOM_SOURCES["m16n8k16"]] += sm80_entry_lines()
+    for atom in ATOM_HEADERS:
+        for header in family_headers(atom):
+            with open(os.path.join(nvrtc.KERNELS_DIR, header), encoding="utf-8") as f:
+                sources[header] = f.read()
+    sources[MAIN_SOURCE] += decoder_includes("m8n8k4") + sm70_entry_lines()
+    sources[ATOM_SOURCES["m16n8k16"]] += decoder_includes("m16n8k16") + sm80_entry_lines()
     for atom, source in MOE_SOURCES.items():
-        sources[source] += moe_entry_lines(atom)
+        sources[source] += decoder_includes(atom) + moe_entry_lines(atom)
     return sources
 
 

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# kernels/: the weight families' decoder headers are included as families/<family>/<atom>.cuh
+KERNELS_DIR = os.path.dirname(CSRC_DIR)
 
 
 class NvrtcUnavailable(RuntimeError):
@@ -108,7 +110,7 @@ class Nvrtc:
                                            0, None, None), "nvrtcCreateProgram")
         try:
             opts = [f"--gpu-architecture={'sm' if want_cubin else 'compute'}_{arch}",
-                    f"--include-path={CSRC_DIR}", "--std=c++17"] + list(options or [])
+                    f"--include-path={CSRC_DIR}", f"--include-path={KERNELS_DIR}", "--std=c++17"] + list(options or [])
             copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
             rc = lib.nvrtcCompileProgram(prog, len(opts), copts)
             size = ctypes.c_size_t()

@@ -147,7 +147,7 @@ def _launch_packed(route: Route, xh: torch.Tensor, w: WeightOperands, bias, pdl:
 
 
 # ------------------------------------------------------------ NVFP4 operand form (m8n8k4)
-# The two forms of the NVFP4 tiled kernels (csrc/qpn_family.cuh, DecNVFP4Form): "s7" folds the
+# The two forms of the NVFP4 tiled kernels (kernels/families/nvfp4/m8n8k4.cuh, DecNVFP4Form): "s7" folds the
 # decoder's 2^14 into the group scale (one FP16 multiply per operand register instead of two, 16
 # issue slots fewer per k-block) and hands the tensor cores FP16-subnormal operands wherever a
 # group scale is an e4m3 subnormal; "restore" keeps every operand a normal. Both give identical

@@ -33,7 +33,7 @@ class M8N8K4Kernel(NamedTuple):
     """One dense m8n8k4 kernel of a format and what instantiates it in csrc/qpn_kernels.cu
     (kernels/jit.py writes its entry line from this before NVRTC compiles the file)."""
     name: str      # the entry point
-    decoder: str   # the decoder struct of csrc/qpn_family.cuh it is instantiated with
+    decoder: str   # the decoder struct (its family's m8n8k4.cuh) it is instantiated with
     tiles: int     # 8-token tiles per weight pass; 0: the workspace reconstruction pass
 
 
@@ -74,7 +74,7 @@ class WeightFormat:
     # members of one family whose kernels differ (INT4: with / without zero points) tell their kernel
     # names apart by this tag after the route prefix ("qpn4_sym_mt1_m8n8k4"); "" = the family's names
     kernel_tag: str = ""
-    # the decoder struct of csrc/qpn_family.cuh the member's m8n8k4 kernels are instantiated with
+    # the decoder struct (kernels/families/<family>/m8n8k4.cuh) the member's m8n8k4 kernels are instantiated with
     # (required with the m8n8k4 atom), and that of the S7 form of its tiled kernels, where its group
     # scale can carry 2^7 ("": no S7 form; ops.nvfp4_form)
     decoder: str = ""

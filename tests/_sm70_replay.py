@@ -2,7 +2,8 @@
 
 The replay does not read kernels/atoms.py. It takes its rules from two places only:
 
-* the CUDA sources (kernels/csrc/qpn_family.cuh, qpn_kernels.cu, qpn_moe.cu): the small rule
+* the CUDA sources (kernels/csrc/qpn_family.cuh, the families' m8n8k4.cuh, qpn_kernels.cu,
+  qpn_moe.cu): the small rule
   functions (AtomM8N8K4::b_token / a_row / acc_row / acc_token / scale_pair_offset / b_frag, the
   decoders DecNVFP4 / DecFP8 and the bit helpers they call) and the constants of those structs are
   PARSED out of the source text and evaluated in Python on the real packed bytes, and the main
@@ -34,6 +35,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from qpn.kernels import jit
 from qpn.kernels.families.fp8 import codec as fp8_codec
 
 CSRC = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
@@ -303,10 +306,10 @@ def _compile_or_stub(fn: CFunc, ns: dict) -> None:
 
 
 def load_rules(family_src: str | None = None) -> SimpleNamespace:
-    """The m8n8k4 atom and the decoders of qpn_family.cuh, as Python callables and ints. The NVFP4
+    """The m8n8k4 atom (qpn_family.cuh) and the families' decoders (jit.decoder_source), as Python callables and ints. The NVFP4
     decoder is a template (DecNVFP4Form<bool S7>); each ``using NAME = DecNVFP4Form<...>;`` line
     gives one decoder, its body evaluated with that S7."""
-    src = _strip_comments(family_src if family_src is not None else (CSRC / "qpn_family.cuh").read_text())
+    src = _strip_comments(family_src if family_src is not None else jit.decoder_source("m8n8k4"))
     glob = {**_PTX_FUNCS, "True": True, "False": False}
     top = src
     for s in ("AtomM8N8K4", "DecNVFP4Form", "DecFP8", "DecINT4Form"):
@@ -400,8 +403,6 @@ def kernel_body(file: str, name: str) -> str:
 def entry_points(file: str, macro: str) -> dict:
     """NAME -> (atom struct, decoder struct, template argument) from the entry-point macro lines of
     the source as NVRTC compiles it (qpn_kernels.cu: with the lines jit writes from the formats)."""
-    from qpn.kernels import jit
-
     src = _strip_comments(jit.kernel_sources()[file])
     return {m.group(1): (m.group(2), m.group(3), m.group(4))
             for m in re.finditer(macro + r"\((\w+),\s*(\w+),\s*(\w+),\s*(\w+)\)", src)}

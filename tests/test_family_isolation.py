@@ -163,8 +163,6 @@ NAMED_OUTSIDE_THEIR_FAMILY = {
     "fork_patches/quant/qpn_config.py": 39,
     "fork_patches/quant/tp_sharding.py": 6,
     "fork_patches/route_census/attention_routes.py": 8,
-    "kernels/csrc/qpn_atom_m16n8k16.cuh": 20,
-    "kernels/csrc/qpn_family.cuh": 11,
     "kernels/csrc/qpn_kernels_sm80.cu": 3,
     "kernels/ops.py": 19,
     "scripts/checkpoints/checkpoint_reference.py": 23,

@@ -145,7 +145,10 @@ def test_every_package_folder_is_installed_and_checked_for_staleness():
 
     from qpn.fork_patches.engine.overlay import source_folders
 
-    packages = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(setuptools["packages"])
+    # the families' CUDA decoders ship with their packages (kernels/families/<family>/<atom>.cuh)
+    assert list(REPO.glob("kernels/families/*/*.cuh")) and "*.cuh" in setuptools["package-data"].get("*", [])
     checked = set(source_folders(REPO).values())
     for top in ("kernels", "fork_patches", "scripts", "benchmarks"):
         for init in (REPO / top).rglob("__init__.py"):

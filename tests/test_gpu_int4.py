@@ -1,6 +1,6 @@
 """GPU numerics of the INT4 W4A16 kernels (qpn4_* asymmetric, qpn4_sym_* symmetric) on both atoms:
 m8n8k4 (which an sm_80+ GPU runs emulated) and, on sm_80+, m16n8k16 (Frag16INT4Form, Frag16INT4FoldForm in
-csrc/qpn_atom_m16n8k16.cuh), against the INT4 family's reference. Run on the H200 through the device
+kernels/families/int4/m16n8k16.cuh), against the INT4 family's reference. Run on the H200 through the device
 tool; without a GPU every test skips (CI has none), and with a GPU but no NVRTC the build fixture
 fails under CI=true (tests/_ci.py) and skips elsewhere.
 

@@ -28,7 +28,7 @@ import torch
 import _format_cases as fc
 import _moe_cases
 import _sm70_replay as rp
-from qpn.kernels import codecs, ops, prepack, routes
+from qpn.kernels import codecs, jit, ops, routes
 from qpn.kernels.families.nvfp4 import codec as nvfp4_codec
 from qpn.kernels.families.nvfp4 import layout as nvfp4_layout
 from qpn.kernels.families.fp8 import codec as fp8_codec
@@ -284,7 +284,7 @@ def test_a_drift_in_a_fragment_map_fails_the_replay(replay, monkeypatch, name):
     assert float((y - ref).norm() / ref.norm()) > 1e-3, f"atoms.py drift '{name}' was not seen by the replay"
 
 
-FAMILY = (rp.CSRC / "qpn_family.cuh").read_text()
+FAMILY = jit.decoder_source("m8n8k4")   # qpn_family.cuh and the families' m8n8k4 decoders
 KERNEL_BODY = rp.kernel_body("qpn_kernels.cu", "qpn_linear_body")
 FAMILY_DRIFTS = {   # (old text, new text) in qpn_family.cuh
     "a_row (reconstruct route)": ("8 * ((lane >> 2) & 3) + (lane & 3) + ((lane >> 4) << 2); }",

@@ -1,6 +1,6 @@
 """The sm_80+ atom (m16n8k16) on the CPU: its prepack and verified inverse, the reference on its
 packed buffers, a lane-by-lane replay of the kernel's decode through the PTX fragment layout of
-mma.m16n8k16 (proves atoms.py and csrc/qpn_atom_m16n8k16.cuh agree before any GPU time), the
+mma.m16n8k16 (proves the fragment maps and the m16n8k16 decoders agree before any GPU time), the
 split-K work partition, the NVRTC build for sm_80 / sm_90 (no spill, no local memory, HMMA.16816
 in every GEMM kernel), and the opt-in switch for sm_80+ serving."""
 from __future__ import annotations

@@ -56,7 +56,7 @@ MUTATIONS = [
     Mutation("dropped global scale (kernel epilogue)", "kernels/csrc/qpn_kernels.cu",
              "v *= ldgf(a.chscale + (a.chscale_per_channel ? n : 0)) * Dec::OUT_MULT;", "",
              first="tests/test_kernels_sm70_replay.py"),
-    Mutation("S7 form's scale times 2^14, not 2^15 (m8n8k4)", "kernels/csrc/qpn_family.cuh",
+    Mutation("S7 form's scale times 2^14, not 2^15 (m8n8k4)", "kernels/families/nvfp4/m8n8k4.cuh",
              "S7 ? 0x78007800u : 0x5C005C00u", "S7 ? 0x74007400u : 0x5C005C00u", first="tests/test_kernels_sm70_replay.py"),
     Mutation("dropped global scale (CPU reference)", "kernels/families/nvfp4/numerics.py",
              "scales = codecs.decode_e4m3(group_scale_bytes(packed)) * packed.global_scale.reshape(()).to(torch.float32)",

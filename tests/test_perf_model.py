@@ -102,8 +102,8 @@ def test_sm70_split_keeps_the_grid_in_one_resident_wave(sms):
 
 
 def test_sm70_in_flight_is_read_from_the_decoders():
-    from qpn.kernels import nvrtc
-    fam = nvrtc.read_sources()["qpn_family.cuh"]
+    from qpn.kernels import jit
+    fam = jit.decoder_source("m8n8k4")
     decs = ("DecNVFP4", "DecNVFP4S7", "DecFP8")
     got = {(d, mt): pm.sm70_kblocks_in_flight(fam, d, mt) for d in decs for mt in (1, 2)}
     assert got == {("DecNVFP4", 1): 3, ("DecNVFP4", 2): 3, ("DecNVFP4S7", 1): 4, ("DecNVFP4S7", 2): 3,

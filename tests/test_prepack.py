@@ -68,7 +68,7 @@ def test_chunking_does_not_change_the_packed_bytes():
 
 @pytest.mark.fast
 def test_fragment_positions_pin_the_kernel_contract():
-    """Where single codes land: the CUDA decoders (csrc/qpn_family.cuh) read exactly these places."""
+    """Where single codes land: the CUDA decoders (kernels/families/<family>/m8n8k4.cuh) read exactly these places."""
     n, k = 32, 32
     codes = torch.zeros((n, k), dtype=torch.uint8)
     codes[0, 0], codes[0, 1], codes[0, 2], codes[0, 7] = 1, 2, 3, 5  # row 0 -> lane 0

@@ -323,13 +323,13 @@ def test_entry_points_are_the_kernels_the_sources_define():
 
 def test_every_registered_decoder_is_a_cuda_decoder():
     """The decoder structs the formats name (the m8n8k4 entry lines are written with them) are
-    defined in qpn_family.cuh, as a struct or an alias of a decoder template; a misspelt one fails
+    defined in its family's m8n8k4.cuh (jit.decoder_source), as a struct or an alias of a decoder template; a misspelt one fails
     here rather than in NVRTC at run time."""
     import re
 
-    from qpn.kernels import nvrtc
+    from qpn.kernels import jit
 
-    family = nvrtc.read_sources()["qpn_family.cuh"]
+    family = jit.decoder_source("m8n8k4")
     named = {k.decoder for f in formats.KERNEL_FORMATS for k in f.m8n8k4_kernels()}
     assert named >= {"DecNVFP4", "DecNVFP4S7", "DecFP8", "DecINT4", "DecINT4Sym"}
     for decoder in sorted(named):

@@ -5,6 +5,6 @@
   codec.py     canonical source, exact decoders, the encoder
   layout.py    fragment maps per atom, PackedFP8, prepack, its inverse and the proof
   numerics.py  CPU reference and FP8Numerics (kernels/families/contract.py)
-CUDA decoders: DecFP8 (csrc/qpn_family.cuh, m8n8k4) and Frag16FP8 (csrc/qpn_atom_m16n8k16.cuh,
-m16n8k16). Grouped MoE kernels exist on both atoms.
+CUDA decoders: DecFP8 (m8n8k4.cuh) and Frag16FP8 (m16n8k16.cuh); its sm_80+ kernels and route
+tables: kernels_sm80.py. Grouped MoE kernels exist on both atoms.
 """

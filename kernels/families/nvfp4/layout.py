@@ -61,7 +61,7 @@ def code_maps(atom: str) -> tuple[torch.Tensor, torch.Tensor]:
 def scale_maps(atom: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(gather, scatter) over a flattened [tile_n, k_block / 16] tile-block of e4m3 group scales.
 
-    m8n8k4: the group scale is folded into the lane's A operand (csrc/qpn_family.cuh), so lane l
+    m8n8k4: the group scale is folded into the lane's A operand (m8n8k4.cuh), so lane l
     needs, per k-block, the two group scales of ITS row: bytes 2l (group 0), 2l+1 (group 1).
     m16n8k16: lane (g, t) needs the scales of rows g, g+8 for all four groups of the k-block:
     bytes 8g .. 8g+7 = (g, grp 0), (g+8, grp 0), (g, grp 1), ...
