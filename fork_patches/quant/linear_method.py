@@ -354,16 +354,16 @@ class QPN2LinearMethod(_QPNLinearMethod):
     fmt = weight_format.family
 
     def _expected_dtype(self, name):
-        n = self.convention.nvfp4
+        n = self.convention.names(self.format)
         return {n.codes: (torch.uint8,), n.group_scales: (torch.float8_e4m3fn,)}.get(
             name, (torch.float32, torch.bfloat16, torch.float16))
 
     def _expected_cols(self, name, k_full):
-        n = self.convention.nvfp4
+        n = self.convention.names(self.format)
         return {n.codes: k_full // 2, n.group_scales: k_full // GROUP_SIZE}.get(name)
 
     def _required(self):
-        n = self.convention.nvfp4
+        n = self.convention.names(self.format)
         return (n.codes, n.group_scales, n.global_scale)
 
     def _create(self, layer, loader) -> None:
@@ -372,7 +372,7 @@ class QPN2LinearMethod(_QPNLinearMethod):
                        f"group size: one e4m3 scale per {GROUP_SIZE} inputs); this checkpoint cannot "
                        "be NVFP4 as declared")
         p = len(self.partition_sizes)
-        n = self.convention.nvfp4
+        n = self.convention.names(self.format)
         self._register(layer, n.codes, (self.n, self.k // 2), torch.uint8, ModelWeightParameter, loader,
                        input_dim=1, output_dim=0)
         self._register(layer, n.group_scales, (self.n, self.k // GROUP_SIZE), torch.float8_e4m3fn,
@@ -382,7 +382,7 @@ class QPN2LinearMethod(_QPNLinearMethod):
 
     def _prepack(self, layer) -> None:
 
-        n = self.convention.nvfp4
+        n = self.convention.names(self.format)
         w = getattr(layer, n.codes).data
         s = getattr(layer, n.group_scales).data
         stored = getattr(layer, n.global_scale).data
@@ -417,22 +417,22 @@ class QPN8LinearMethod(_QPNLinearMethod):
     fmt = weight_format.family
 
     def _expected_dtype(self, name):
-        return {self.convention.fp8.codes: (torch.float8_e4m3fn,)}.get(
+        return {self.convention.names(self.format).codes: (torch.float8_e4m3fn,)}.get(
             name, (torch.float32, torch.bfloat16, torch.float16))
 
     def _expected_cols(self, name, k_full):
-        n = self.convention.fp8
+        n = self.convention.names(self.format)
         if name == n.scale and self.fp8_scale == "channel":
             return 1  # one scale per output row, stored [N, 1]
         return {n.codes: k_full}.get(name)
 
     def _required(self):
-        n = self.convention.fp8
+        n = self.convention.names(self.format)
         return (n.codes, n.scale)
 
     def _create(self, layer, loader) -> None:
         p = len(self.partition_sizes)
-        n = self.convention.fp8
+        n = self.convention.names(self.format)
         self._register(layer, n.codes, (self.n, self.k), torch.float8_e4m3fn, ModelWeightParameter, loader,
                        input_dim=1, output_dim=0)
         if self.fp8_scale == "channel":
@@ -444,7 +444,7 @@ class QPN8LinearMethod(_QPNLinearMethod):
 
     def _prepack(self, layer) -> None:
 
-        n = self.convention.fp8
+        n = self.convention.names(self.format)
         w = getattr(layer, n.codes).data
         ws = getattr(layer, n.scale).data.float()
         if self.fp8_scale == "channel":
@@ -522,7 +522,7 @@ class QPN4LinearMethod(_QPNLinearMethod):
         GPTQ checkpoint still carries qzeros (unread), and GPTQ a trivial g_idx: both are registered
         so that the engine's loader finds a parameter for every tensor of the module."""
         n = self.int4.names
-        return {role: getattr(n, role) for role in n.__dataclass_fields__ if getattr(n, role) is not None}
+        return n.roles()
 
     def _param_names(self) -> tuple[str, ...]:
         return tuple(self._roles().values())

@@ -110,8 +110,7 @@ class QPNModelOptMoEMethod(FusedMoEMethodBase):
         """{role: parameter suffix} of this format in this convention (codes, group_scales,
         global_scale, input_scale for NVFP4; codes, scale, input_scale for FP8); vLLM's expert
         mapping turns checkpoint ``experts.{e}.gate_proj.<suffix>`` into ``w13_<suffix>``."""
-        n = self.convention.names(self.format)
-        return {role: getattr(n, role) for role in n.__dataclass_fields__}
+        return self.convention.names(self.format).roles()
 
     def _optional(self) -> set[str]:
         """Parameters a checkpoint may leave out: compressed-tensors writes no input scale for

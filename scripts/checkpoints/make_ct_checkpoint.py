@@ -129,7 +129,7 @@ def encode_nvfp4(w: torch.Tensor, global_amax: float | None = None) -> dict[str,
     # round half to even with the sign bit set for x < 0: a negative value that rounds to 0 keeps
     # it (code 8), -0.0 does not (code 0), exactly as the library's cast_to_fp4 + pack does
     codes = codecs.round_to_e2m1_codes(x)
-    names = COMPRESSED_TENSORS.nvfp4
+    names = COMPRESSED_TENSORS.names("nvfp4")
     return {names.codes: nvfp4_codec.pack_codes(codes), names.group_scales: scale.to(torch.float8_e4m3fn),
             names.global_scale: g}
 
@@ -145,7 +145,7 @@ def encode_fp8(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     # the library's epsilon for a float32 scale replaces a zero scale
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(torch.float32).eps), scale)
     q = (wf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return {COMPRESSED_TENSORS.fp8.codes: q, COMPRESSED_TENSORS.fp8.scale: scale}
+    return {COMPRESSED_TENSORS.names("fp8").codes: q, COMPRESSED_TENSORS.names("fp8").scale: scale}
 
 
 # ------------------------------------------------------------------------------ declaration
@@ -214,12 +214,12 @@ def export_tensors(weights: dict[str, torch.Tensor], quantized: dict[str, str],
             for name, t in encode_fp8(w, layout).items():
                 out[f"{m}.{name}"] = t.contiguous()
             if layout == "tensor":  # static activations; per-channel FP8 runs dynamic ones
-                out[f"{m}.{COMPRESSED_TENSORS.fp8.input_scale}"] = torch.tensor(
+                out[f"{m}.{COMPRESSED_TENSORS.names('fp8').input_scale}"] = torch.tensor(
                     [input_amax[module] / E4M3_MAX], dtype=torch.float32)
         else:
             for name, t in encode_nvfp4(w, shared.get(module)).items():
                 out[f"{m}.{name}"] = t.contiguous()
-            out[f"{m}.{COMPRESSED_TENSORS.nvfp4.input_scale}"] = nvfp4_global_scale(input_amax[module])
+            out[f"{m}.{COMPRESSED_TENSORS.names('nvfp4').input_scale}"] = nvfp4_global_scale(input_amax[module])
     for key, a in kv_amax.items():  # 'model.layers.N.self_attn.k' -> ...self_attn.k_scale
         attn, which = key.rsplit(".", 1)
         out[make_checkpoint.hub_name(f"{attn}.{which}_scale")] = torch.tensor([a / E4M3_MAX], dtype=torch.float32)
