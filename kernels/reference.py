@@ -6,8 +6,8 @@ are decoded from fragment order, not from the checkpoint tensors, so a serving e
 exercises the prepacked representation end to end. Two levels: float32 with the kernels'
 semantics and FP16 output, and exact float64 (not rounded) for the numerics tests.
 
-What they share is here: the activation check, the bias-and-FP16 finish, the row-invariant CPU
-batching and the relative error the numerics tests report.
+What they share is here: the activation check, the bias-and-FP16 finish (and its float64 twin),
+the row-invariant CPU batching and the relative error the numerics tests report.
 """
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def finish(y32: torch.Tensor, bias) -> torch.Tensor:
     if bias is not None:
         y32 = y32 + bias.to(torch.float32).reshape(1, -1)
     return y32.to(torch.float16)
+
+
+def finish_f64(y64: torch.Tensor, bias) -> torch.Tensor:
+    """float64 sums plus the bias, not rounded (the exact references)."""
+    return y64 if bias is None else y64 + bias.double().reshape(1, -1)
 
 
 # On CPU, batches of up to this many rows (decode and speculative verification: sequences x

@@ -41,9 +41,7 @@ def linear_f64(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = N
     reference.check_x(x, packed.k)
     vals, scale = decode_packed(packed)
     y = (x.double() @ vals.double().t()) * scale.double().reshape(1, -1)
-    if bias is not None:
-        y = y + bias.double().reshape(1, -1)
-    return y
+    return reference.finish_f64(y, bias)
 
 
 # ---------------------------------------------------------------------------------- numerics

@@ -27,19 +27,14 @@ def linear(x: torch.Tensor, packed: PackedINT4, bias: torch.Tensor | None = None
     (The row-by-row CPU batching rule of reference.py does not apply: this is not a serving path.)"""
     reference.check_x(x, packed.k)
     w = decode_packed(packed).to(torch.float16).to(torch.float32)
-    y = x.to(torch.float32) @ w.t()
-    if bias is not None:
-        y = y + bias.to(torch.float32).reshape(1, -1)
-    return y.to(torch.float16)
+    return reference.finish(x.to(torch.float32) @ w.t(), bias)
 
 
 def linear_f64(x: torch.Tensor, packed: PackedINT4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Exact float64 y (not rounded) from the exact weights (code - zero) * scale."""
     reference.check_x(x, packed.k)
     y = x.double() @ decode_packed(packed).double().t()
-    if bias is not None:
-        y = y + bias.double().reshape(1, -1)
-    return y
+    return reference.finish_f64(y, bias)
 
 
 class INT4Numerics:

@@ -77,9 +77,7 @@ def linear_f64(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None =
     s64 = codecs.decode_e4m3(group_scale_bytes(packed)).double() * packed.global_scale.double().reshape(())
     w64 = (vals.double().view(packed.n, -1, GROUP_SIZE) * s64.unsqueeze(-1)).view(packed.n, packed.k)
     y = x.double() @ w64.t()
-    if bias is not None:
-        y = y + bias.double().reshape(1, -1)
-    return y
+    return reference.finish_f64(y, bias)
 
 
 # ---------------------------------------------------------------------------------- numerics
