@@ -57,11 +57,11 @@ _GEOMETRY = {
 }
 
 
-def permutation(flat: list[int], what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def permutation(flat: list[int], what: str, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gather, scatter) index tensors of a fragment map over a flattened tile-block:
     packed = src_flat[gather]; src_flat = packed[scatter]. AssertionError unless ``flat`` is a
-    permutation of 0..len-1 (``what`` names the map in the message)."""
-    if sorted(flat) != list(range(len(flat))):
+    permutation of 0..size-1 (default: of its own length; ``what`` names the map in the message)."""
+    if sorted(flat) != list(range(len(flat) if size is None else size)):
         raise AssertionError(f"{what}: block map is not a permutation")
     gather = torch.tensor(flat, dtype=torch.long)
     return gather, torch.argsort(gather)

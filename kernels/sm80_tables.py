@@ -12,24 +12,10 @@ it. A family without sm_80+ kernels has no kernels_sm80.py.
 """
 from __future__ import annotations
 
-import importlib
-
-from . import formats
+from . import families
 from .weight_format import KernelEntry
 
-
-def _family_tables() -> list:
-    out = []
-    for family in formats.ALL_FAMILIES:
-        try:
-            out.append(importlib.import_module(f"{__package__}.families.{family}.kernels_sm80"))
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.families.{family}.kernels_sm80":
-                raise
-    return out
-
-
-_TABLES = _family_tables()
+_TABLES = families.family_modules("kernels_sm80")
 
 
 def _merged(name: str) -> dict:

@@ -53,6 +53,20 @@ def numerics(fmt: Any):
     return _numerics_of(formats.weight_format(fmt, served_only=False).key)
 
 
+def family_modules(module: str) -> list:
+    """kernels/families/<family>/<module>.py of every family that has one, in the families' order
+    (sm80_tables gathers the ``kernels_sm80`` tables this way)."""
+    out = []
+    for family in formats.ALL_FAMILIES:
+        name = f"{__name__}.{family}.{module}"
+        try:
+            out.append(importlib.import_module(name))
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+    return out
+
+
 def packed_types() -> tuple[type, ...]:
     """The packed-weight class of every family."""
     return tuple(numerics_class(family).packed_type for family in formats.ALL_FAMILIES)

@@ -38,7 +38,7 @@ from functools import lru_cache
 
 import torch
 
-from ...atoms import LANE_ROW_M8N8K4, geometry
+from ...atoms import LANE_ROW_M8N8K4, geometry, permutation
 from ...prepack import (DEFAULT_ROWS_PER_CHUNK, PackedLayout, PrepackMismatch, chunk_rows, first_diff, from_blocks,
                         pad2d, to_blocks)
 from .codec import check_source, pack_codes, unpack_codes
@@ -69,9 +69,7 @@ def code_gather(atom: str) -> torch.Tensor:
                     flat.append((g + 8 * (r & 1)) * geo.k_block + 16 * t + 4 * s + 2 * (r >> 1) + hi)
     else:
         raise ValueError(f"no INT4 fragment map for atom {atom!r}")
-    if sorted(flat) != list(range(geo.tile_n * geo.k_block)):
-        raise AssertionError(f"{atom}: INT4 code map is not a permutation")
-    return torch.tensor(flat, dtype=torch.long)
+    return permutation(flat, f"{atom}/INT4 codes", size=geo.tile_n * geo.k_block)[0]
 
 
 @lru_cache(maxsize=None)
@@ -83,9 +81,7 @@ def record_rows(atom: str) -> torch.Tensor:
         rows = [g + 8 * h for g in range(8) for h in range(2)]
     else:
         raise ValueError(f"no INT4 scale map for atom {atom!r}")
-    if sorted(rows) != list(range(geometry(atom).tile_n)):
-        raise AssertionError(f"{atom}: INT4 record map is not a permutation")
-    return torch.tensor(rows, dtype=torch.long)
+    return permutation(rows, f"{atom}/INT4 records", size=geometry(atom).tile_n)[0]
 
 
 # ---------------------------------------------------------------------------- packed weight

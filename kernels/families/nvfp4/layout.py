@@ -68,7 +68,7 @@ def scale_maps(atom: str) -> tuple[torch.Tensor, torch.Tensor]:
     """
     gpb = geometry(atom).k_block // GROUP_SIZE
     if atom == "m8n8k4":
-        flat = [row * gpb + j for row in LANE_ROW_M8N8K4 for j in range(2)]
+        flat = [row * gpb + j for row in LANE_ROW_M8N8K4 for j in range(gpb)]
     elif atom == "m16n8k16":
         flat = [(g + 8 * h) * gpb + grp for g in range(8) for grp in range(4) for h in range(2)]
     else:
