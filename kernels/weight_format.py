@@ -105,11 +105,13 @@ class WeightFormat:
     @property
     def bytes_per_weight(self) -> float:
         """Bytes of checkpoint data per weight element at the default group size: codes plus
-        group scales (plus zero points, half a byte each stored as nibbles)."""
+        group scales (plus zero points, each as wide as a code: a nibble beside 4-bit codes, a
+        byte beside 8-bit ones)."""
         if not self.group_size:
             return 1 / self.codes_per_byte
         scale_bytes = 2 if self.scale_dtype in ("float16", "bfloat16") else 1
-        return 1 / self.codes_per_byte + (scale_bytes + 0.5 * self.has_zero_points) / self.group_size
+        zero_bytes = self.has_zero_points / self.codes_per_byte
+        return 1 / self.codes_per_byte + (scale_bytes + zero_bytes) / self.group_size
 
     @property
     def moe_route(self) -> str:
