@@ -56,8 +56,12 @@ with set_current_vllm_config(VllmConfig()):
     out["method"] = type(method).__name__
     out["algo"] = getattr(method, "algo", None)
     out["config"] = layer.quant_config.get_name()
-    out["linear"] = {p: type(RowParallelLinear(H, H, bias=False, quant_config=mixed_config(False),
-                                                prefix=p).quant_method).__name__
+
+    def served(m):  # the method's class, and the family it serves where it is QPN's
+        return type(m).__name__ + (f" {m.fmt}" if hasattr(m, "fmt") else "")
+
+    out["linear"] = {p: served(RowParallelLinear(H, H, bias=False, quant_config=mixed_config(False),
+                                                 prefix=p).quant_method)
                      for p in ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj",
                                "model.layers.2.self_attn.o_proj")}
     gen = torch.Generator().manual_seed(7)

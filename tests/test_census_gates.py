@@ -256,9 +256,9 @@ def test_served_depth_wants_drafts_proposed():
 def test_lm_head_source_comes_from_the_loader():
     """weight_source reads what the checked loader received and what the prepack proved."""
     pytest.importorskip("vllm")
-    from qpn.fork_patches.quant.linear_method import QPN2LinearMethod
+    from qpn.fork_patches.quant.linear_method import qpn_linear_method
 
-    m = QPN2LinearMethod(prefix="lm_head", algo="NVFP4", backend="reference")
+    m = qpn_linear_method("lm_head", "NVFP4", {"backend": "reference"})
     m.partition_sizes, m.n = [64], 64
     assert m.weight_source() == "not_from_checkpoint"
     m.loaded = {"weight": {0}, "weight_scale": {0}, "weight_scale_2": {0}}

@@ -56,7 +56,7 @@ def test_int4_tensor_names_are_the_librarys_names():
     assert names(symmetric=True) == {n.codes, n.group_scales, n.shape}
     assert names(symmetric=False) == {n.codes, n.group_scales, n.shape, n.zero_points}
     assert names(symmetric=False, actorder="group") == set(cv.COMPRESSED_TENSORS.param_names(cv.formats.INT4))
-    assert cv.CT_PACK_QUANTIZED.names is n
+    assert cv.CT_PACK_QUANTIZED.names() is n
     with pytest.raises(cv.ConventionError, match="modelopt convention stores no INT4"):
         cv.MODELOPT.names(cv.formats.INT4)
 

@@ -16,7 +16,7 @@ pytest.importorskip("compressed_tensors")
 from qpn.fork_patches.quant import conventions as cv  # noqa: E402
 from qpn.fork_patches.quant.ct_config import qpn_method_for  # noqa: E402
 from qpn.fork_patches.quant.linear_method import (  # noqa: E402
-    QPN2LinearMethod, QPN4LinearMethod, QPN8LinearMethod, QPNCheckpointError)
+    QPNCheckpointError, QPNLinearMethod)
 from qpn.scripts.checkpoints.make_ct_checkpoint import quantization_config  # noqa: E402
 
 TARGET = {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}
@@ -36,24 +36,24 @@ def _config(qcfg=None):
     return cfg
 
 
-@pytest.mark.parametrize("prefix, cls, fp8_scale, names", [
-    ("model.layers.0.mlp.gate_up_proj", QPN2LinearMethod, None, ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]),
-    ("model.layers.3.mlp.down_proj", QPN2LinearMethod, None, ["model.layers.3.mlp.down_proj"]),
-    ("lm_head", QPN2LinearMethod, None, ["lm_head"]),
-    ("model.layers.3.self_attn.qkv_proj", QPN8LinearMethod, "tensor", None),
-    ("model.layers.3.self_attn.o_proj", QPN8LinearMethod, "tensor", None),
-    ("model.layers.0.linear_attn.in_proj_qkvz", QPN8LinearMethod, "channel", None),
-    ("model.layers.0.linear_attn.out_proj", QPN8LinearMethod, "channel", None),
+@pytest.mark.parametrize("prefix, family, fp8_scale, names", [
+    ("model.layers.0.mlp.gate_up_proj", "nvfp4", None, ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]),
+    ("model.layers.3.mlp.down_proj", "nvfp4", None, ["model.layers.3.mlp.down_proj"]),
+    ("lm_head", "nvfp4", None, ["lm_head"]),
+    ("model.layers.3.self_attn.qkv_proj", "fp8", "tensor", None),
+    ("model.layers.3.self_attn.o_proj", "fp8", "tensor", None),
+    ("model.layers.0.linear_attn.in_proj_qkvz", "fp8", "channel", None),
+    ("model.layers.0.linear_attn.out_proj", "fp8", "channel", None),
 ])
-def test_every_quantized_module_gets_its_qpn_method(prefix, cls, fp8_scale, names):
+def test_every_quantized_module_gets_its_qpn_method(prefix, family, fp8_scale, names):
     m = qpn_method_for(_config(), ColumnParallelLinearStub(), prefix, TARGET)
-    assert type(m) is cls and m.convention is cv.COMPRESSED_TENSORS
-    if cls is QPN8LinearMethod:
-        assert m.fp8_scale == fp8_scale
-        assert m._required() == ("weight", "weight_scale")
-        assert m._expected_cols("weight_scale", 128) == (1 if fp8_scale == "channel" else None)
+    assert type(m) is QPNLinearMethod and m.convention is cv.COMPRESSED_TENSORS and m.fmt == family
+    if family == "fp8":
+        assert m.scheme.fp8_scale == fp8_scale
+        assert m.required() == ("weight", "weight_scale")
+        assert m.stored["weight_scale"].symbols == (("N", "1") if fp8_scale == "channel" else ("P",))
     else:
-        assert m._required() == ("weight_packed", "weight_scale", "weight_global_scale")
+        assert m.required() == ("weight_packed", "weight_scale", "weight_global_scale")
     if names is not None:
         assert m.declared == names
 
@@ -104,12 +104,12 @@ def test_a_pack_quantized_int4_group_gets_the_qpn4_method(symmetric, act_order):
         weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "symmetric": symmetric,
                  "actorder": act_order}, format="pack-quantized", input_activations=None)
     m = qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.0.mlp.gate_up_proj", TARGET)
-    assert type(m) is QPN4LinearMethod and m.int4 is cv.CT_PACK_QUANTIZED
+    assert type(m) is QPNLinearMethod and m.convention is cv.CT_PACK_QUANTIZED
     assert m.format is (formats.INT4_SYM if symmetric else formats.INT4)
     assert (m.scheme.group_size, m.scheme.act_order) == (64, act_order == "group")
     assert m.declared == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
-    assert type(qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.3.self_attn.o_proj",
-                               TARGET)) is QPN8LinearMethod  # the other groups keep theirs
+    assert qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.3.self_attn.o_proj",
+                          TARGET).fmt == "fp8"  # the other groups keep theirs
 
 
 def test_output_activation_quantization_is_refused():

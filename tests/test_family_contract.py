@@ -116,3 +116,30 @@ def test_the_registry_refuses_a_family_that_breaks_the_contract(tmp_path, monkey
         families.numerics_class.cache_clear()
         for key in [k for k in sys.modules if k.startswith(name + ".")]:
             del sys.modules[key]
+
+
+def test_every_served_family_has_a_loader_schema_the_linear_method_reads():
+    """The one QPN linear method reads a family only through its loader schema: every served family
+    has one implementing contract.FamilyLoader, each stored tensor's symbols give shapes, and a
+    schema that lost a member is refused naming the package and the member."""
+    for family in formats.FAMILIES:
+        obj = families.loader_of(family)
+        assert isinstance(obj, contract.FamilyLoader), family
+    spec = contract.StoredTensor("codes", "qweight", ("K/8", "N"), torch.int32, (torch.int32,), packed_factor=8)
+    assert spec.shape(n=24, k=256) == (32, 24)
+    assert contract.StoredTensor("z", "qzeros", ("K/g", "N/8"), torch.int32, ()).shape(n=20, k=256, g=64) == (4, 3)
+    assert contract.StoredTensor("s", "s", ("P",), torch.float32, ()).shape(n=8, k=8, parts=3) == (3,)
+
+
+def test_the_registry_refuses_a_loader_schema_that_breaks_the_contract(monkeypatch):
+    import types
+
+    broken = types.ModuleType("qpn.kernels.families.fp8.loader")
+    broken.LOADER = types.SimpleNamespace(stored=None, geometry_problem=None, value_problem=None)  # no sources
+    monkeypatch.setitem(sys.modules, "qpn.kernels.families.fp8.loader", broken)
+    families.loader_of.cache_clear()
+    try:
+        with pytest.raises(families.ContractError, match=r"kernels/families/fp8/loader\.py .*lacks sources"):
+            families.loader_of("fp8")
+    finally:
+        families.loader_of.cache_clear()

@@ -80,7 +80,7 @@ def test_every_int4_convention_is_the_engines(where):
     (lambda c: dataclasses.replace(c, layout=dataclasses.replace(c.layout, codes=("K/8", "N"))),
      "int4-awq-tensors", "has dims"),
     # a tensor name the engine does not register
-    (lambda c: dataclasses.replace(c, names=dataclasses.replace(c.names, zero_points="qzero")),
+    (lambda c: dataclasses.replace(c, names_by_family={"int4": dataclasses.replace(c.names(), zero_points="qzero")}),
      "int4-awq-tensors", "registers no 'qzero'"),
     # a config key the engine does not read
     (lambda c: dataclasses.replace(c, config_keys=(("bits", ("bits",)),) + c.config_keys[1:]),
@@ -211,7 +211,7 @@ def test_the_nvfp4_fp8_readers_keep_int4_apart():
     with pytest.raises(cv.ConventionError, match="neither NVFP4 nor FP8"):
         cv.ct_scheme_of(w, "pack-quantized", "group_0")
     assert "awq" not in cv.CONVENTIONS and "gptq" not in cv.CONVENTIONS
-    assert cv.COMPRESSED_TENSORS.names(cv.formats.INT4) is cv.CT_PACK_QUANTIZED.names
+    assert cv.COMPRESSED_TENSORS.names(cv.formats.INT4) is cv.CT_PACK_QUANTIZED.names()
     assert cv.COMPRESSED_TENSORS.param_names(cv.formats.INT4) == (
         "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 
@@ -275,7 +275,7 @@ def test_a_missing_tensor_is_named(conv, role):
     src = _canonical()
     t = mi.to_awq(*src) if conv is cv.AWQ else mi.to_pack_quantized(*src) if conv is cv.CT_PACK_QUANTIZED \
         else {"scales": src[1].t()}
-    name = getattr(conv.names, role)
+    name = getattr(conv.names(), role)
     t.pop(name, None)
     with pytest.raises(cv.ConventionError, match=f"^layers.0.mlp: {conv.name} INT4 needs tensor '{name}' \\({role}\\)"):
         conv.int4_inputs(t, "layers.0.mlp", cv.INT4Scheme(False, G))

@@ -81,7 +81,7 @@ def to_gptq(codes, scales, zeros, g: int, offset: int) -> dict[str, torch.Tensor
     q = int4_codec.unpack_codes(codes)
     n, k = q.shape
     z = zeros if zeros is not None else torch.full(scales.shape, 8, dtype=torch.uint8)
-    names = cv.GPTQ.names
+    names = cv.GPTQ.names()
     return {names.codes: mi.pack_nibbles(q.t(), 0),
             names.zero_points: mi.pack_nibbles((z.to(torch.int64) - offset).t(), 1),
             names.group_scales: scales.t().contiguous(), names.g_idx: (torch.arange(k, dtype=torch.int32) // g)}
@@ -153,11 +153,11 @@ class _Config:
 
 
 def _config(kind: str, g: int, **kw):
-    from qpn.fork_patches.quant.linear_method import int4_method_for
+    from qpn.fork_patches.quant.linear_method import qpn_linear_method
 
     conv, sym, offset = KINDS[kind]
-    return _Config(lambda layer, prefix: int4_method_for(conv, layer, prefix, TARGET, g, sym,
-                                                          zero_offset=0 if sym else offset, **kw))
+    scheme = cv.INT4Scheme(sym, g, zero_offset=0 if sym else offset, **kw)
+    return _Config(lambda layer, prefix: qpn_linear_method(prefix, scheme, TARGET, conv))
 
 
 def layer_plan(which: str):
@@ -226,11 +226,11 @@ def reference(kind, tensors, plan, g):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_convention_loads_prepacks_frees_and_computes(engine_context, kind, which, g):
     from qpn.fork_patches.route_census.census import CENSUS
-    from qpn.fork_patches.quant.linear_method import QPN4LinearMethod
+    from qpn.fork_patches.quant.linear_method import QPNLinearMethod
 
     layer, tensors, plan = build(kind, which, g)
     method = layer.quant_method
-    assert isinstance(method, QPN4LinearMethod)
+    assert isinstance(method, QPNLinearMethod) and method.fmt == "int4"
     assert not list(layer.parameters()), "the checkpoint tensors must be freed after the proven prepack"
     entry = CENSUS.modules[method.census_name]
     assert entry["region"] == "int4" and entry["prepack_verified"]
@@ -407,16 +407,17 @@ def test_an_unpacker_bug_is_caught_before_serving(engine_context, monkeypatch, b
     _fail(kind, "gate_up", 32, lambda t: None, needle)
 
 
-def test_method_table_and_constructor(engine_context):
-    from qpn.fork_patches.quant import linear_method as lm
-    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, int4_method_for
+def test_one_method_for_every_member_and_its_constructor(engine_context):
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, QPNLinearMethod, qpn_linear_method
     from qpn.kernels import formats
 
-    assert lm.METHODS[formats.INT4.family] is lm.QPN4LinearMethod
-    m = int4_method_for("gptq", None, "x.down_proj", TARGET, 64, False, zero_offset=1)
-    assert m.format is formats.INT4 and m.scheme.zero_offset == 1 and m.int4 is cv.GPTQ
-    assert int4_method_for(cv.CT_PACK_QUANTIZED, None, "x", TARGET, 32, True).format is formats.INT4_SYM
+    m = qpn_linear_method("x.down_proj", cv.INT4Scheme(False, 64, zero_offset=1), TARGET, cv.GPTQ)
+    assert type(m) is QPNLinearMethod
+    assert m.format is formats.INT4 and m.scheme.zero_offset == 1 and m.convention is cv.GPTQ
+    assert qpn_linear_method("x", cv.INT4Scheme(True, 32), TARGET, cv.CT_PACK_QUANTIZED).format is formats.INT4_SYM
+    assert [s.name for s in m.stored.values()] == ["qweight", "scales", "qzeros", "g_idx"]
+    assert m.required() == ("qweight", "scales", "qzeros")  # g_idx only where act order is declared
     with pytest.raises(QPNCheckpointError, match="x.o_proj.*group size 16"):
-        int4_method_for("awq", None, "x.o_proj", TARGET, 16, False)
-    with pytest.raises(QPNCheckpointError, match="unknown INT4 convention"):
-        int4_method_for("marlin", None, "x", TARGET, 32, False)
+        qpn_linear_method("x.o_proj", cv.INT4Scheme(False, 16), TARGET, cv.AWQ)
+    # the same class serves the other families, by their scheme
+    assert type(qpn_linear_method("x", "NVFP4", TARGET)) is QPNLinearMethod

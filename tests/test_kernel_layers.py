@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("reference", "routes"),                # shared CPU reference helpers, route table
     ("family.codec",),                      # each family's source codec
     ("family.checkpoint", "family.layout"),  # checkpoint unpackers; fragment maps, packed layout
-    ("family.numerics",),                   # each family's CPU reference and numerics class
+    ("family.numerics", "family.loader"),   # each family's CPU reference and numerics class; its loader schema
     ("families",),                          # the registry: format -> numerics
     ("nvrtc", "sm80_tables"),               # NVRTC; the sm_80+ route -> kernel tables (data)
     ("jit", "kernel_inputs"),               # JIT build, entry points, driver; what a dense launch reads

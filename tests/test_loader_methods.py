@@ -144,15 +144,15 @@ PREFIXES = ["model.layers.3.self_attn.qkv_proj", "model.layers.3.self_attn.o_pro
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_module_loads_prepacks_frees_and_computes(engine_context, checkpoint, prefix):
     from qpn.fork_patches.route_census.census import CENSUS
-    from qpn.fork_patches.quant.linear_method import QPN2LinearMethod, QPN8LinearMethod
+    from qpn.fork_patches.quant.linear_method import QPNLinearMethod
     from qpn.kernels.routes import route_for
 
     ckpt = checkpoint()
     tensors = _tensors(ckpt)
     layer, plan = _build_and_load(ckpt, prefix)
     method = layer.quant_method
-    region = "nvfp4" if isinstance(method, QPN2LinearMethod) else "fp8"
-    assert isinstance(method, (QPN2LinearMethod, QPN8LinearMethod))
+    assert isinstance(method, QPNLinearMethod)
+    region = method.fmt
     assert region == ("nvfp4" if prefix == "lm_head" or ".mlp." in prefix else "fp8")
     # The source tensors are gone and no floating-point copy of the weight exists anywhere.
     assert not list(layer.parameters()) and not list(layer.buffers())

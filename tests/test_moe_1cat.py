@@ -41,8 +41,8 @@ def test_1cat_fused_moe_gets_the_qpn_method_and_serves_the_checkpoint(version, t
     out = json.loads(line[0][len("QPN_MOE_1CAT "):])
     assert out["method"] == "QPNModelOptMoEMethod" and out["algo"] == "NVFP4" and out["config"] == "qpn"
     assert out["dense_method"] == "UnquantizedFusedMoEMethod"  # experts not listed: 1Cat's own choice
-    assert out["linear"] == {"model.layers.0.self_attn.o_proj": "QPN8LinearMethod",
-                             "model.layers.1.self_attn.o_proj": "QPN2LinearMethod",
+    assert out["linear"] == {"model.layers.0.self_attn.o_proj": "QPNLinearMethod fp8",
+                             "model.layers.1.self_attn.o_proj": "QPNLinearMethod nvfp4",
                              "model.layers.2.self_attn.o_proj": "UnquantizedLinearMethod"}
     tolerance = 0.01 * out["ref_max"]
     assert out["max_abs_err"] <= tolerance, out

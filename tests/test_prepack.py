@@ -192,7 +192,8 @@ def test_fp8_layer_whose_per_channel_scale_changed_after_packing_is_refused(monk
     with an error naming the layer and the row, before the checkpoint's tensors are freed."""
     from types import SimpleNamespace
 
-    from qpn.fork_patches.quant.linear_method import QPN8LinearMethod, QPNCheckpointError
+    from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, ModuleScheme
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, qpn_linear_method
 
     w, scale = _fp8_source(96, 64, 7, per_channel=True)
     real = fp8_layout.prepack
@@ -202,18 +203,18 @@ def test_fp8_layer_whose_per_channel_scale_changed_after_packing_is_refused(monk
         packed.scale[41] = packed.scale[41] * 1.5
         return packed
 
-    method = QPN8LinearMethod(prefix="model.layers.0.linear_attn.out_proj", algo="FP8",
-                              backend="reference", fp8_scale="channel")
+    method = qpn_linear_method("model.layers.0.linear_attn.out_proj", ModuleScheme("fp8", "channel"),
+                               {"backend": "reference"}, COMPRESSED_TENSORS)
     method.partition_sizes, method.n, method.k = [96], 96, 64
     layer = SimpleNamespace(weight=SimpleNamespace(data=w),
                             weight_scale=SimpleNamespace(data=scale.reshape(96, 1).clone()))
-    method._prepack(layer)  # the untouched prepack is proven
+    method.prepack(layer)  # the untouched prepack is proven
     assert method.pieces[0][2].per_channel
     monkeypatch.setattr(fp8_layout, "prepack", changes_row_41)
     with pytest.raises(QPNCheckpointError,
                        match=r"model\.layers\.0\.linear_attn\.out_proj .*prepack inverse is not "
                              r"byte-identical.*per-channel scale of row 41"):
-        method._prepack(layer)
+        method.prepack(layer)
 
 
 @pytest.mark.fast
@@ -222,7 +223,7 @@ def test_nvfp4_verify_compares_the_global_scale(monkeypatch):
     fused layer whose shards' global scales differ, packed with the wrong one, is refused."""
     from types import SimpleNamespace
 
-    from qpn.fork_patches.quant.linear_method import QPN2LinearMethod, QPNCheckpointError
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, qpn_linear_method
     from qpn.kernels import families
 
     w, s = _nvfp4_bytes(64, 64, 12)
@@ -243,16 +244,16 @@ def test_nvfp4_verify_compares_the_global_scale(monkeypatch):
     def first_shards_global(wt, st, gs, *a, **k):
         return real(wt, st, torch.tensor(0.125), *a, **k)
 
-    method = QPN2LinearMethod(prefix="model.layers.0.mlp.gate_up_proj", algo="NVFP4", backend="reference")
+    method = qpn_linear_method("model.layers.0.mlp.gate_up_proj", "NVFP4", {"backend": "reference"})
     method.partition_sizes, method.n, method.k = [32, 32], 64, 64
     layer = SimpleNamespace(weight=SimpleNamespace(data=w), weight_scale=SimpleNamespace(data=s),
                             weight_scale_2=SimpleNamespace(data=torch.tensor([0.125, 0.375])))
-    method._prepack(layer)
+    method.prepack(layer)
     assert len(method.pieces) == 2
     monkeypatch.setattr(nvfp4_layout, "prepack", first_shards_global)
     with pytest.raises(QPNCheckpointError, match=r"model\.layers\.0\.mlp\.gate_up_proj .*rows 32-63.*"
                                                  r"global scale\) differs"):
-        method._prepack(layer)
+        method.prepack(layer)
 
 
 @pytest.mark.fast

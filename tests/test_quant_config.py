@@ -23,11 +23,16 @@ pytest.importorskip("vllm")
 from qpn.fork_patches.engine import engine_source  # noqa: E402
 from qpn.fork_patches.quant import qpn_config  # noqa: E402
 from qpn.fork_patches.quant.linear_method import (  # noqa: E402
-    QPN2LinearMethod, QPN4LinearMethod, QPN8LinearMethod, QPNCheckpointError)
+    QPNCheckpointError, QPNLinearMethod)
 from tests._ci import onecat_archive  # noqa: E402
 from tests.test_loader_methods import engine_context  # noqa: E402,F401  (single-process TP group, plugin)
 
 pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("engine_context")]
+
+
+def _served_as(method, family: str) -> bool:
+    """Whether a layer got the QPN linear method, serving ``family``."""
+    return type(method) is QPNLinearMethod and method.fmt == family
 
 TARGET = {"backend": "reference", "arch": "sm70", "atom": "m8n8k4"}
 
@@ -323,13 +328,13 @@ def test_modelopt_layers_get_the_qpn_methods_and_the_rest_the_engines():
     cfg = _qpn(_mixed({"model.layers.0.mlp.gate_proj": {"quant_algo": "NVFP4", "group_size": 16},
                        "model.layers.0.mlp.up_proj": {"quant_algo": "NVFP4", "group_size": 16},
                        "model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}}))
-    assert type(_linear(cfg, "model.layers.0.mlp.gate_up_proj").quant_method) is QPN2LinearMethod
-    assert type(_linear(cfg, "model.layers.0.mlp.down_proj").quant_method) is QPN8LinearMethod
+    assert _served_as(_linear(cfg, "model.layers.0.mlp.gate_up_proj").quant_method, "nvfp4")
+    assert _served_as(_linear(cfg, "model.layers.0.mlp.down_proj").quant_method, "fp8")
     assert type(_linear(cfg, "model.layers.1.mlp.down_proj").quant_method) is UnquantizedLinearMethod
     single = _qpn(_modelopt("NVFP4"))
-    assert type(_linear(single, "model.layers.1.mlp.down_proj").quant_method) is QPN2LinearMethod
+    assert _served_as(_linear(single, "model.layers.1.mlp.down_proj").quant_method, "nvfp4")
     fp8 = _qpn(_modelopt("FP8"))
-    assert type(_linear(fp8, "model.layers.1.mlp.down_proj").quant_method) is QPN8LinearMethod
+    assert _served_as(_linear(fp8, "model.layers.1.mlp.down_proj").quant_method, "fp8")
 
 
 def test_mtp_fc_stays_unquantized_under_modelopt_nvfp4():
@@ -342,7 +347,7 @@ def test_mtp_fc_stays_unquantized_under_modelopt_nvfp4():
     assert not qpn_config.is_mtp_fc("model.layers.0.mlp.fc")
     assert isinstance(cfg.get_quant_method(object(), "mtp.fc"), UnquantizedLinearMethod)
     assert type(_linear(cfg, "model.mtp.fc").quant_method) is UnquantizedLinearMethod
-    assert type(_linear(cfg, "model.mtp.down_proj").quant_method) is QPN2LinearMethod  # only fc
+    assert _served_as(_linear(cfg, "model.mtp.down_proj").quant_method, "nvfp4")  # only fc
 
 
 def _experts(cfg, prefix="model.layers.0.mlp.experts"):
@@ -525,7 +530,7 @@ def test_int4_layers_get_qpn4_from_the_config_and_compute_the_checkpoint(kind, w
     factory, plan, k = t4.layer_plan(which)
     layer = factory(cfg)
     method = layer.quant_method
-    assert type(method) is QPN4LinearMethod and method.int4.name == t4.KINDS[kind][0].name
+    assert type(method) is QPNLinearMethod and method.convention.name == t4.KINDS[kind][0].name
     assert method.scheme.group_size == 64 and method.scheme.zero_offset == t4.KINDS[kind][2]
     tensors = t4.make_tensors(kind, plan, k, 64, seed=9)
     t4.load(layer, tensors, plan)
@@ -539,10 +544,10 @@ def test_int4_modules_the_config_leaves_unquantized_get_the_engines_unquantized_
 
     awq = _qpn(_awq(modules_to_not_convert=["layers.1.mlp"]))
     assert type(_linear(awq, "model.layers.1.mlp.gate_up_proj").quant_method) is UnquantizedLinearMethod
-    assert type(_linear(awq, "model.layers.0.mlp.gate_up_proj").quant_method) is QPN4LinearMethod
+    assert _served_as(_linear(awq, "model.layers.0.mlp.gate_up_proj").quant_method, "int4")
     gptq = _qpn(_gptq(dynamic={r"-:.*layers\.2\..*": {}}))
     assert type(_linear(gptq, "model.layers.2.mlp.down_proj").quant_method) is UnquantizedLinearMethod
-    assert type(_linear(gptq, "model.layers.3.mlp.down_proj").quant_method) is QPN4LinearMethod
+    assert _served_as(_linear(gptq, "model.layers.3.mlp.down_proj").quant_method, "int4")
     split = _qpn(_awq(modules_to_not_convert=["mlp.up_proj"]))
     with pytest.raises(QPNCheckpointError, match=r"model.layers.0.mlp.gate_up_proj: .*up_proj.*must agree"):
         _linear(split, "model.layers.0.mlp.gate_up_proj")

@@ -123,7 +123,7 @@ def test_fp8_per_shard_scales_stay_per_shard(tp, tp_rank):
     of its rows its shard's scale (no requantization, no shared scale)."""
     from vllm.model_executor.parameter import PerTensorScaleParameter
 
-    from qpn.fork_patches.quant.linear_method import QPN8LinearMethod
+    from qpn.fork_patches.quant.linear_method import qpn_linear_method
 
     shard_scales = {"q": 0.011, "k": 0.023, "v": 0.037}
     sizes = (12288 // tp, 1024 // tp, 1024 // tp)  # per-rank q, k, v rows
@@ -134,10 +134,10 @@ def test_fp8_per_shard_scales_stay_per_shard(tp, tp_rank):
         for shard, value in shard_scales.items():
             p.load_qkv_weight(torch.tensor(value), shard_id=shard)
         assert p.data.tolist() == pytest.approx(list(shard_scales.values()))
-        method = QPN8LinearMethod(prefix="layers.3.self_attn.qkv_proj", algo="FP8", backend="reference")
+        method = qpn_linear_method("layers.3.self_attn.qkv_proj", "FP8", {"backend": "reference"})
         method.partition_sizes, method.n, method.k = list(sizes), sum(sizes), kk
         w = torch.randn(sum(sizes), kk).to(torch.float8_e4m3fn)
-        method._prepack(SimpleNamespace(weight=SimpleNamespace(data=w), weight_scale=SimpleNamespace(data=p.data)))
+        method.prepack(SimpleNamespace(weight=SimpleNamespace(data=w), weight_scale=SimpleNamespace(data=p.data)))
         (_, _, packed) = method.pieces[0]
         assert packed.per_channel
         bounds = [0, sizes[0], sizes[0] + sizes[1], sum(sizes)]

@@ -850,7 +850,7 @@ def _check_int4_weights(conv, found: dict[str, list[dict]], where: str) -> tuple
     problems, notes = [], []
     required = ("codes", "group_scales", "zero_points")
     for role in ("codes", "group_scales", "zero_points", "g_idx", "shape"):
-        name, dims = getattr(conv.names, role), getattr(conv.layout, role)
+        name, dims = getattr(conv.names(), role), getattr(conv.layout, role)
         if name is None or dims is None:
             continue
         entries = found.get(name)

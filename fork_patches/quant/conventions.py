@@ -95,6 +95,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from qpn.kernels import formats
+from qpn.kernels.families.int4.members import STORED_DTYPES as INT4_STORED_DTYPES  # header_problems; the loader's too
 from qpn.kernels.formats import E2M1_MAX, E4M3_MAX  # noqa: F401 (re-exported)
 
 GROUP_SIZE = formats.NVFP4.group_size   # NVFP4's inputs per e4m3 scale (re-exported)
@@ -155,6 +156,11 @@ class ModuleScheme:
     def format(self) -> formats.WeightFormat:
         """The numeric format (qpn.kernels.formats) the module's weights are stored in."""
         return formats.weight_format(self.fmt, output_scale=self.fp8_scale)
+
+    @property
+    def group_size(self) -> int:
+        """Inputs per group scale (0: none); fixed by the format."""
+        return self.format.group_size or 0
 
 
 @dataclass(frozen=True)
@@ -364,10 +370,6 @@ def target_matches(name: str, target: str) -> bool:
 # BF16 router) does not.
 CLASS_TARGETS = ("Linear",)
 _SAFETENSORS_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3"}  # torch dtype name -> header dtype
-# The safetensors dtypes an INT4 convention stores each role in (header_problems before boot; the
-# loader's QPN4LinearMethod checks the loaded tensors against the same table).
-INT4_STORED_DTYPES = {"codes": ("I32",), "zero_points": ("I32",), "g_idx": ("I32",), "shape": ("I64",),
-                      "group_scales": ("F16", "BF16", "F32")}
 _STORED_CODES_DTYPE = {"int4": "I32"}  # a family whose checkpoint codes are not its canonical dtype
 
 
@@ -590,7 +592,7 @@ class INT4Convention:
 
     name: str
     quant_method: str
-    names: RoleNames
+    names_by_family: Mapping[str, RoleNames]
     layout: INT4Layout
     unpacker: str                 # the function of qpn.kernels.families.int4.checkpoint
     config_keys: tuple[tuple[str, tuple[str, ...]], ...]
@@ -600,6 +602,14 @@ class INT4Convention:
     scheme_source: str
 
     # ----------------------------------------------------------------------- names
+    def names(self, fmt=INT4) -> RoleNames:
+        """The tensor names of the family's roles (as Convention.names)."""
+        family = formats.weight_format(fmt, served_only=False).family
+        if family not in self.names_by_family:
+            raise ConventionError(f"the {self.name} convention stores no {formats.weight_format(fmt).title} "
+                                  f"tensors (it names {', '.join(self.names_by_family)})")
+        return self.names_by_family[family]
+
     def keys(self, role: str) -> tuple[str, ...]:
         return dict(self.config_keys)[role]
 
@@ -608,9 +618,9 @@ class INT4Convention:
         out = {"codes": True, "group_scales": True}
         if not scheme.symmetric:
             out["zero_points"] = True
-        if self.names.g_idx is not None:  # an act-ordered module needs its map; others may carry i // g
+        if self.names().g_idx is not None:  # an act-ordered module needs its map; others may carry i // g
             out["g_idx"] = scheme.act_order
-        if self.names.shape is not None:
+        if self.names().shape is not None:
             out["shape"] = False
         return out
 
@@ -622,7 +632,7 @@ class INT4Convention:
 
     def tensor_names(self, module: str, scheme: INT4Scheme) -> dict[str, str]:
         """{role: full checkpoint tensor name} of the tensors a module of ``scheme`` may store."""
-        return {role: f"{module}.{getattr(self.names, role)}" for role in self.roles(scheme)}
+        return {role: f"{module}.{getattr(self.names(), role)}" for role in self.roles(scheme)}
 
     # ------------------------------------------------------------------ config reading
     def _get(self, cfg: Mapping, role: str, src: str, default=ConventionError):
@@ -682,14 +692,14 @@ class INT4Convention:
             ct_int4_group_schemes(quant_cfg)  # W4A16 only, INT4 in every group: or ConventionError
             # every codes tensor of an INT4 checkpoint is INT4's (a config mixing formats is refused):
             # a class target covers it in any dtype, which header_problems then checks
-            codes = {name: "I32" if name.endswith("." + self.names.codes) else d for name, d in tensors.items()}
+            codes = {name: "I32" if name.endswith("." + self.names().codes) else d for name, d in tensors.items()}
             return _ct_schemes(quant_cfg, modules, codes, classify=ct_int4_scheme_of)
         scheme = self.scheme(quant_cfg)
         skip = list(self._get(quant_cfg, "modules_to_not_convert", "", default=None) or []) \
             if self.name == "awq" else []
         out: dict[str, INT4Scheme | None] = {}
         for m in modules:
-            holds = f"{m}.{self.names.codes}" in tensors  # in any dtype: header_problems checks it
+            holds = f"{m}.{self.names().codes}" in tensors  # in any dtype: header_problems checks it
             excluded = self.excluded(m, not_convert=skip, dynamic=quant_cfg.get("dynamic"))
             out[m] = scheme if holds and not excluded else None
         return out
@@ -746,29 +756,29 @@ class INT4Convention:
 
     def check_g_idx(self, module: str, g_idx, k: int, scheme: INT4Scheme) -> None:
         """ActOrderRefused (naming the module) unless ``g_idx`` only moves whole groups
-        (int4_checkpoint.apply_g_idx decides)."""
+        (unpackers.apply_g_idx decides)."""
         import torch
 
-        from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
+        from qpn.kernels.families.int4 import checkpoint as unpackers
 
         cols = k // scheme.group_size
         try:
-            int4_checkpoint.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx,
+            unpackers.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx,
                                         scheme.group_size, module)
-        except int4_checkpoint.ActOrderError as e:
+        except unpackers.ActOrderError as e:
             raise ActOrderRefused(f"{module}: {e}") from e
         except formats.FormatError as e:
-            raise ConventionError(f"{module}: {self.names.g_idx}: {e}") from e
+            raise ConventionError(f"{module}: {self.names().g_idx}: {e}") from e
 
     def int4_inputs(self, tensors: Mapping[str, torch.Tensor], module: str, scheme: INT4Scheme) -> tuple:
         """The canonical INT4 source of one module (codes uint8 [N, K/2], group_scales float16
         [N, K/g][, zero_points uint8 [N, K/g]]) from its tensors (keys local or ``module.``-prefixed),
         by the convention's unpacker (kernels/families/int4/checkpoint.py). ConventionError names the module and the
         missing tensor; ActOrderRefused an activation-ordered g_idx."""
-        from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
+        from qpn.kernels.families.int4 import checkpoint as unpackers
 
         t = _local(tensors, module)
-        n = self.names
+        n = self.names()
         for role, required in self.roles(scheme).items():
             if required and getattr(n, role) not in t:
                 raise ConventionError(f"{module or 'module'}: {self.name} INT4 needs tensor "
@@ -783,7 +793,7 @@ class INT4Convention:
                               scheme.symmetric, v2=scheme.zero_offset == 0, module=module)
             return unpack(t[n.codes], t[n.group_scales], None if scheme.symmetric else t[n.zero_points],
                           scheme.group_size, g_idx=g_idx, module=module)
-        except int4_checkpoint.ActOrderError as e:
+        except unpackers.ActOrderError as e:
             raise ActOrderRefused(f"{module}: {e}") from e
         except formats.FormatError as e:
             raise ConventionError(f"{module}: {self.name} INT4: {e}") from e
@@ -803,7 +813,7 @@ def _int4_group(value, src: str) -> int:
 AWQ = INT4Convention(
     name="awq",
     quant_method="awq",
-    names=RoleNames("qweight", group_scales="scales", zero_points="qzeros"),
+    names_by_family={INT4: RoleNames("qweight", group_scales="scales", zero_points="qzeros")},
     layout=INT4Layout(codes=("K", "N/8"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
                       nibble_order=(0, 2, 4, 6, 1, 3, 5, 7)),
     unpacker="from_awq",
@@ -818,7 +828,7 @@ AWQ = INT4Convention(
 GPTQ = INT4Convention(
     name="gptq",
     quant_method="gptq",
-    names=RoleNames("qweight", group_scales="scales", zero_points="qzeros", g_idx="g_idx"),
+    names_by_family={INT4: RoleNames("qweight", group_scales="scales", zero_points="qzeros", g_idx="g_idx")},
     layout=INT4Layout(codes=("K/8", "N"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
                       g_idx=("K",)),
     unpacker="from_gptq",
@@ -833,7 +843,7 @@ GPTQ = INT4Convention(
 CT_PACK_QUANTIZED = INT4Convention(
     name="compressed-tensors",
     quant_method="compressed-tensors",
-    names=COMPRESSED_TENSORS.names_by_family[INT4],
+    names_by_family={INT4: COMPRESSED_TENSORS.names_by_family[INT4]},
     layout=INT4Layout(codes=("N", "K/8"), group_scales=("N", "K/g"), zero_points=("N/8", "K/g"),
                       g_idx=("K",), shape=("2",)),
     unpacker="from_pack_quantized",
@@ -1020,15 +1030,15 @@ def int4_checkpoint_problems(ckpt_dir: str | Path) -> list[str]:
         return out + [str(e)]
     if not schemes:
         return out + [f"config.json declares {convention.name} INT4 weights, but no module holds its codes "
-                      f"tensor ({convention.names.codes}, int32)"]
+                      f"tensor ({convention.names().codes}, int32)"]
     headers = tensor_headers(ckpt_dir)
     gidx: list[tuple[str, str, int, INT4Scheme]] = []
     for module, scheme in schemes.items():
         problems = convention.header_problems(module, headers, scheme)
         out += problems
-        name = f"{module}.{convention.names.g_idx}" if convention.names.g_idx else None
+        name = f"{module}.{convention.names().g_idx}" if convention.names().g_idx else None
         if not problems and name in headers:
-            n, k = convention.layout.n_k(headers[f"{module}.{convention.names.codes}"]["shape"])
+            n, k = convention.layout.n_k(headers[f"{module}.{convention.names().codes}"]["shape"])
             gidx.append((module, name, k, scheme))
     if gidx and not out:  # the files are whole: read each module's g_idx (K int32)
         from safetensors import safe_open

@@ -9,7 +9,7 @@ compressed-tensors checkpoint it claims:
   16, symmetric) gives a QPN2 method, FP8 (``float-quantized``: float, 8 bits, static symmetric,
   tensor or channel) a QPN8 method, INT4 W4A16 (``pack-quantized``: int, 4 bits, group 32 / 64 /
   128; claimed only where the INT4 family serves, ``qpn_config.int4_served``) a QPN4 method
-  (``linear_method.int4_method_for``);
+  (``linear_method.qpn_linear_method``);
 * each shard of a fused module is matched on its own and must declare the same scheme; a scheme
   the QPN path does not serve (MXFP4, block FP8, output-activation quantization, transforms)
   fails the load naming the module and the config group;
@@ -35,7 +35,7 @@ from qpn.fork_patches.quant.conventions import (
     ct_scheme_of,
     is_int4_weights,
 )
-from qpn.fork_patches.quant.linear_method import QPNCheckpointError, int4_method_for, method_class
+from qpn.fork_patches.quant.linear_method import QPNCheckpointError, qpn_linear_method
 
 
 def served_scheme(entry: dict, quant_format, prefix: str, src: str, int4: bool = False):
@@ -104,14 +104,8 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
         raise QPNCheckpointError(f"{prefix}: the shards of this fused module declare different schemes "
                                  f"({detail}); vLLM fuses them into one layer, so they must agree")
     scheme = next(iter(found.values()))[0]
-    if isinstance(scheme, INT4Scheme):
-        return int4_method_for(CT_PACK_QUANTIZED, layer, prefix, target, scheme.group_size, scheme.symmetric,
-                               act_order=scheme.act_order, shard_names=shard_names, declared=names,
-                               source=scheme.source)
-    return method_class(scheme.format)(
-        prefix=prefix, algo=scheme.format.title,
-        backend=target["backend"], arch=target["arch"], atom=target["atom"], shard_names=shard_names,
-        declared=names, convention=COMPRESSED_TENSORS, fp8_scale=scheme.fp8_scale)
+    convention = CT_PACK_QUANTIZED if isinstance(scheme, INT4Scheme) else COMPRESSED_TENSORS
+    return qpn_linear_method(prefix, scheme, target, convention, shard_names=shard_names, declared=names)
 
 
 def _group(scheme) -> str:

@@ -27,7 +27,7 @@ What the class does once it claimed a checkpoint:
   and KV-scale mappers, any other attribute).
 * ``get_quant_method(layer, prefix)``: the QPN linear method for each quantized linear and
   lm_head layer (``quant_config.qpn_method_for``, ``ct_config.qpn_method_for``,
-  ``linear_method.int4_method_for``); the QPN MoE method for routed experts
+  ``linear_method.qpn_linear_method``); the QPN MoE method for routed experts
   (``moe_method.qpn_moe_method_for`` / ``qpn_ct_moe_method_for``), which both engines ask the
   config for (vLLM 0.32: ``RoutedExperts._get_quant_method`` -> ``resolve_quant_method`` ->
   ``get_quant_method``; 1Cat: the closure in ``FusedMoE.__init__``, where ``RoutedExperts`` is
@@ -125,17 +125,20 @@ def int4_switch(environ=None) -> bool:
 
 def family_ready(fmt) -> tuple[bool, str]:
     """(True, '') when QPN serves ``fmt``'s family end to end: the format is registered as served,
-    its family package's numerics import, and the linear methods have a method for it; else why not."""
+    its family package's numerics import, and it has the loader schema the linear method reads
+    (kernels/families/<family>/loader.py); else why not."""
     if not fmt.served:
         return False, f"qpn.kernels.formats does not serve {fmt.title} yet (served=False)"
     try:
         importlib.import_module(f"qpn.kernels.families.{fmt.family}.numerics")
     except ImportError as e:
         return False, f"qpn.kernels.families.{fmt.family}.numerics does not import ({e})"
-    from qpn.fork_patches.quant.linear_method import METHODS
+    from qpn.kernels import families
 
-    if fmt.family not in METHODS:
-        return False, f"qpn.fork_patches.quant.linear_method has no {fmt.title} linear method yet"
+    try:
+        families.loader_of(fmt.family)
+    except (ImportError, families.ContractError) as e:
+        return False, f"qpn.kernels.families.{fmt.family} has no loader schema for the linear method yet ({e})"
     return True, ""
 
 
@@ -411,16 +414,14 @@ def qpn_method(config, layer, prefix: str, target: dict):
             return None
         return quant_config.qpn_method_for(inner, layer, prefix, target)
     if convention in MODELOPT_SINGLE.values():
-        from qpn.fork_patches.quant.linear_method import method_class
-        from qpn.kernels import formats
+        from qpn.fork_patches.quant.linear_method import qpn_linear_method
 
         if inner.is_layer_excluded(prefix):
             return None
         algo = next(a for a, c in MODELOPT_SINGLE.items() if c == convention)
         proj = prefix.rsplit(".", 1)[-1]
-        return method_class(formats.MODELOPT_ALGOS[algo])(
-            prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"], atom=target["atom"],
-            shard_names=list((inner.packed_modules_mapping or {}).get(proj, [])), declared=[prefix])
+        return qpn_linear_method(prefix, algo, target, shard_names=list((inner.packed_modules_mapping or {}).get(proj, [])),
+                                 declared=[prefix])
     if convention == "compressed-tensors":
         from qpn.fork_patches.quant import ct_config
 
@@ -442,7 +443,7 @@ def int4_linear_method(config, layer, prefix: str, target: dict):
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     from qpn.fork_patches.quant.conventions import INT4_CONVENTIONS
-    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, int4_method_for
+    from qpn.fork_patches.quant.linear_method import QPNCheckpointError, qpn_linear_method
 
     inner, conv = config._inner, INT4_CONVENTIONS[config.convention]
     if isinstance(layer, ParallelLMHead) and not getattr(inner, "lm_head_quantized", False):
@@ -462,9 +463,7 @@ def int4_linear_method(config, layer, prefix: str, target: dict):
     if all(excluded.values()):
         return UnquantizedLinearMethod()
     scheme = conv.scheme(config.raw)
-    return int4_method_for(conv, layer, prefix, target, scheme.group_size, scheme.symmetric,
-                           zero_offset=scheme.zero_offset, act_order=scheme.act_order,
-                           shard_names=shard_names, declared=names, source=scheme.source)
+    return qpn_linear_method(prefix, scheme, target, conv, shard_names=shard_names, declared=names)
 
 
 def _flat(items) -> list[str]:

@@ -17,7 +17,8 @@ ModelOpt writes it, and say which QPN method each quantized linear module of a m
 """
 from __future__ import annotations
 
-from qpn.fork_patches.quant.linear_method import QPNCheckpointError, method_class
+from qpn.fork_patches.quant.conventions import ModuleScheme
+from qpn.fork_patches.quant.linear_method import QPNCheckpointError, qpn_linear_method
 from qpn.kernels import formats
 
 SERVED_ALGOS = ", ".join(sorted(formats.MODELOPT_ALGOS))
@@ -95,6 +96,5 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
         raise QPNCheckpointError(
             f"{prefix}: quant_algo {algo!r} is not served by the QPN path "
             f"(serves {SERVED_ALGOS})")
-    return method_class(fmt)(prefix=prefix, algo=algo, backend=target["backend"], arch=target["arch"],
-                             atom=target["atom"], shard_names=shard_names,
-                             declared=[name for name, _ in entries])
+    return qpn_linear_method(prefix, ModuleScheme(fmt.family, source=f"quant_algo {algo}"), target,
+                             shard_names=shard_names, declared=[name for name, _ in entries])

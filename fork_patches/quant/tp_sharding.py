@@ -134,7 +134,7 @@ def checkpoint_modules(ckpt: str, quantized_layers: dict, convention=None) -> li
     for name, entry in sorted(quantized_layers.items()):
         group, per_word = None, 1
         if int4:  # a conventions.INT4Scheme: the group size is the checkpoint's
-            fmt, codes = entry.format, convention.names.codes
+            fmt, codes = entry.format, convention.names(entry.format).codes
             group, per_word = entry.group_size, 8 if convention.packs_outputs(entry) else 1
         elif hasattr(entry, "format"):  # a conventions.ModuleScheme
             fmt = entry.format

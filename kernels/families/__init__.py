@@ -53,6 +53,25 @@ def numerics(fmt: Any):
     return _numerics_of(formats.weight_format(fmt, served_only=False).key)
 
 
+@lru_cache(maxsize=None)
+def loader_of(family: str):
+    """``LOADER`` of kernels/families/<family>/loader.py, refused by name when it lacks a member of
+    contract.FamilyLoader."""
+    from . import contract
+
+    obj = getattr(importlib.import_module(f"{__name__}.{family}.loader"), "LOADER", None)
+    lacks = ["LOADER"] if obj is None else [n for n in contract.LOADER_REQUIRED if not hasattr(obj, n)]
+    if lacks:
+        raise ContractError(f"kernels/families/{family}/loader.py does not implement the loader schema "
+                            f"(kernels/families/contract.py FamilyLoader): it lacks {', '.join(lacks)}")
+    return obj
+
+
+def loader(fmt: Any):
+    """The loader schema (contract.FamilyLoader) of a WeightFormat, key or family name."""
+    return loader_of(formats.weight_format(fmt, served_only=False).family)
+
+
 def family_modules(module: str) -> list:
     """kernels/families/<family>/<module>.py of every family that has one, in the families' order
     (sm80_tables gathers the ``kernels_sm80`` tables this way)."""

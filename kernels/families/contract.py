@@ -15,14 +15,20 @@ its tensors as fields, and ``fmt`` (the family's name) or ``format_key`` (the me
 
 The registry (kernels/families/__init__.py) hands out ``numerics(fmt)``; that object is the only
 way code outside the family decodes, packs, proves or computes a weight of the family.
+
+A family that checkpoints store has a ``loader.py`` too: ``LOADER``, implementing ``FamilyLoader``
+below, the loader schema the one QPN linear method (fork_patches/quant/linear_method.py) registers
+and checks a module's tensors by, and through which it turns them into sources (shard fusion
+included). ``loader(fmt)`` of the registry hands it out.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..weight_format import WeightFormat
+from ..weight_format import FormatError, WeightFormat
 
 
 @runtime_checkable
@@ -87,3 +93,73 @@ REQUIRED = tuple(name for name, v in vars(FamilyNumerics).items()
 def missing(cls: type) -> list[str]:
     """The members of the contract ``cls`` lacks (the registry refuses such a class by name)."""
     return [name for name in REQUIRED if not hasattr(cls, name)]
+
+
+# ============================================================================ the loader schema
+class LoadError(FormatError):
+    """A checkpoint module's tensors that are not what its convention and scheme declare; the
+    message names the problem (the linear method prefixes the module)."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor a checkpoint module stores, as the loader registers it.
+
+    ``symbols``: the stored shape in symbols of the module's N outputs, K inputs, group size g and
+    P fused output shards: "N", "K", "K/2" (two values per element), "K/g" (one per group), "N/8"
+    (eight values per int32 word, rounded up), "P" (one per shard), or a number. The linear method
+    derives vLLM's parameter class from them (which axis is the input, the output, the packed one),
+    so the engine's fused and tensor-parallel loaders narrow each tensor as they do their own."""
+
+    role: str                          # the family's role (the source's, or a stored extra)
+    name: str                          # the checkpoint tensor name = the parameter name
+    symbols: tuple[str, ...]
+    dtype: torch.dtype                 # the dtype the parameter is registered in
+    accepted: tuple[torch.dtype, ...]  # the dtypes a checkpoint may store it in
+    required: bool = True              # False: read when the checkpoint has it
+    scale: bool = False                # checked finite and >= 0 as it is loaded
+    packed_factor: int = 0             # values per int32 word along the axis written "/<factor>"
+
+    def shape(self, n: int, k: int, g: int = 0, parts: int = 1) -> tuple[int, ...]:
+        """The shape the symbols give for N = ``n``, K = ``k``, group ``g`` and ``parts`` shards."""
+        out = []
+        for sym in self.symbols:
+            if sym == "P":
+                out.append(parts)
+            elif sym.isdigit():
+                out.append(int(sym))
+            else:
+                axis, _, div = sym.partition("/")
+                size = {"N": n, "K": k}[axis]
+                d = g if div == "g" else int(div or 1)
+                out.append(-(-size // d))
+        return tuple(out)
+
+
+@runtime_checkable
+class FamilyLoader(Protocol):
+    """How a family's checkpoint modules load. ``names`` is the convention's RoleNames for the
+    family, ``convention`` the convention object, ``scheme`` what the config declares for the
+    module (``scheme.format`` is the member)."""
+
+    def stored(self, names, convention, scheme) -> tuple[StoredTensor, ...]:
+        """Every tensor a module may store, in registration order."""
+
+    def geometry_problem(self, parts: list[int], k: int, k_full: int, convention, scheme) -> str | None:
+        """Why a module of these output partitions (this rank's rows per fused shard) and K inputs
+        (``k`` on this rank, ``k_full`` in the checkpoint) cannot be served; None if it can."""
+
+    def value_problem(self, spec: StoredTensor, t: torch.Tensor, rows: int, k_full: int, convention,
+                      scheme, module: str) -> str | None:
+        """What is wrong with the values of a loaded tensor beyond dtype and shape (a scale float16
+        cannot hold, a stored shape that disagrees, an act-ordered map); None if nothing."""
+
+    def sources(self, tensors: dict[str, torch.Tensor], parts: list[int], names, convention, scheme,
+                module: str, extra: dict[str, Any]) -> list[tuple[int, int, tuple]]:
+        """(row0, row1, source) pieces covering the module's rows, from its loaded tensors by role;
+        ``extra`` carries what the loader kept per shard (``g_idx``: {part: map}, ``first_group``:
+        this rank's first group). Raises LoadError naming the problem."""
+
+
+LOADER_REQUIRED = tuple(name for name, v in vars(FamilyLoader).items()
+                        if not name.startswith("_") and callable(v))

@@ -123,7 +123,7 @@ def to_awq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> di
     -> AutoAWQ GEMM {qweight, qzeros, scales}."""
     q = int4_codec.unpack_codes(codes)
     order = AWQ.layout.nibble_order
-    n = AWQ.names
+    n = AWQ.names()
     return {n.codes: pack_nibbles(q.t(), 1, order), n.zero_points: pack_nibbles(zeros.t(), 1, order),
             n.group_scales: scales.t().contiguous()}
 
@@ -141,7 +141,7 @@ def to_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
     if int(stored.min()) < 0:
         raise ValueError(f"{module or 'module'}: zero point 0 cannot be stored in GPTQ's v1 format (zero - 1 "
                          "= -1); write --checkpoint-format gptq_v2")
-    n = GPTQ.names
+    n = GPTQ.names()
     k = q.shape[1]
     return {n.codes: pack_nibbles(q.t(), 0), n.zero_points: pack_nibbles(stored.t(), 1),
             n.group_scales: scales.t().contiguous(),
@@ -152,7 +152,7 @@ def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     """Canonical INT4 -> compressed-tensors pack-quantized {weight_packed, weight_scale,
     weight_shape[, weight_zero_point]} (the unsigned code is the library's signed value + 8)."""
     q = int4_codec.unpack_codes(codes)
-    n = CT_PACK_QUANTIZED.names
+    n = CT_PACK_QUANTIZED.names()
     out = {n.codes: pack_nibbles(q, 1), n.group_scales: scales.contiguous(),
            n.shape: torch.tensor(list(q.shape), dtype=torch.int64)}
     if zeros is not None:
@@ -222,7 +222,7 @@ def _break(kind: str, convention: str, tensors: dict[str, torch.Tensor], group_s
     """Apply a malformed variant to the tensors (all but 'truncated', which cuts the file after it
     is written); returns the tensor broken."""
     bad = MALFORMED[kind]
-    names = INT4_CONVENTIONS[convention].names
+    names = INT4_CONVENTIONS[convention].names()
     if kind == "truncated":
         return None
     name = f"{bad.module}.{getattr(names, bad.tensor)}"

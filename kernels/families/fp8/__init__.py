@@ -5,6 +5,7 @@
   codec.py     canonical source, exact decoders, the encoder
   layout.py    fragment maps per atom, PackedFP8, prepack, its inverse and the proof
   numerics.py  CPU reference and FP8Numerics (kernels/families/contract.py)
+  loader.py    the loader schema: the tensors a module stores, the sources (shard fusion)
 CUDA decoders: DecFP8 (m8n8k4.cuh) and Frag16FP8 (m16n8k16.cuh); its sm_80+ kernels and route
 tables: kernels_sm80.py. Grouped MoE kernels exist on both atoms.
 """

@@ -27,3 +27,8 @@ INT4_SYM = WeightFormat(
 
 MEMBERS = (INT4, INT4_SYM)
 RANK = 2
+
+# The safetensors dtypes a checkpoint stores each role in (the conventions' header checks before
+# boot; the loader registers and checks the loaded tensors by the same table).
+STORED_DTYPES = {"codes": ("I32",), "zero_points": ("I32",), "g_idx": ("I32",), "shape": ("I64",),
+                 "group_scales": ("F16", "BF16", "F32")}
