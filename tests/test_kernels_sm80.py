@@ -487,7 +487,8 @@ def test_sm80_source_builds_without_spills_and_uses_hmma16816(arch, tmp_path, ca
     reps = sm70_check.parse_ptxas(r.stdout + r.stderr)
     configured = sm80_plan.sm80_kernels()
     reconstruct = {"qpn2_reconstruct_ws_m16n8k16", "qpn8_reconstruct_ws_m16n8k16",
-                   "qpn4_reconstruct_ws_m16n8k16", "qpn4_sym_reconstruct_ws_m16n8k16"}
+                   "qpn4_reconstruct_ws_m16n8k16", "qpn4_sym_reconstruct_ws_m16n8k16",
+                   "qpn8i_reconstruct_ws_m16n8k16", "qpn8i_sym_reconstruct_ws_m16n8k16"}   # INT8: staged
     assert set(configured) | reconstruct == set(reps)
     assert len(configured) >= 20
     lines = []
@@ -575,8 +576,20 @@ def test_sm80_kernel_table_and_route_kernels():
         (sm80_tables.SM80_ROUTE_KERNELS[(formats.FP8_TENSOR, 2)], 3)
     with pytest.raises(ValueError, match="M <= 8"):
         sm80_plan.sm80_kernel_for(route("qpn8"), 9)
-    assert all(c.fmt == ("nvfp4" if c.frag.startswith("Frag16NVFP4") else "int4" if c.frag.startswith("Frag16INT4")
-                         else "fp8") for c in configured.values())
+    family_of_frag = {"Frag16NVFP4": "nvfp4", "Frag16FP8": "fp8", "Frag16INT4": "int4", "Frag16INT8": "int8"}
+    assert all(c.fmt == next(f for p, f in family_of_frag.items() if c.frag.startswith(p)) for c in configured.values())
+    # the staged family (INT8): its route kernels, keyed by member as INT4's, decode with the member's
+    # folded decoder (its plain form on groups of 32) and are named for the member
+    staged = {formats.INT8: "Frag16INT8FoldAsym", formats.INT8_SYM: "Frag16INT8FoldSym"}
+    assert {fmt for fmt, _ in sm80_tables.SM80_UNSERVED_ROUTE_KERNELS} == set(staged)
+    for (fmt, mt), name in sm80_tables.SM80_UNSERVED_ROUTE_KERNELS.items():
+        cfg = configured[name]
+        assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.kernel_prefix + "_mt")
+        assert cfg.frag == staged[fmt] and cfg.weight_format is fmt and cfg.smem_bytes == 0
+        assert sm80_plan.sm80_kernel_for(routes.as_route("qpn8i" if mt == 1 else "qpn8i_mt2"), 8 * mt, 5120, fmt) == \
+            (name, 1)
+    assert sm80_plan.sm80_kernel_for(routes.as_route("qpn8i_chunked"), 40, 5120, formats.INT8_SYM) == \
+        (sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[(formats.INT8_SYM, 2)], 3)
     with pytest.raises(jit.QpnBuildError, match="sm_80"):
         jit.compile_cubin(75, source=jit.ATOM_SOURCES[ATOM])
     assert jit.atoms_for_arch("sm70") == ("m8n8k4",) and jit.atoms_for_arch(90) == ("m8n8k4", ATOM)

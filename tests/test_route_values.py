@@ -29,21 +29,44 @@ EXPECTED = {
     "qpn4_chunked": ("int4", routes.TILED, 2, 16, 17, 96),
     "qpn4_reconstruct": ("int4", routes.RECONSTRUCT, 0, 0, 97, None),
     # no qpn4_moe: INT4 has no grouped MoE kernels (formats.INT4.moe_atoms is empty)
+    # INT8 W8A16, staged (kernels, no loader yet): routes.UNSERVED_ROUTES, the same dense bands; no MoE
+    "qpn8i": ("int8", routes.TILED, 1, 0, 1, 8),
+    "qpn8i_mt2": ("int8", routes.TILED, 2, 0, 9, 16),
+    "qpn8i_chunked": ("int8", routes.TILED, 2, 16, 17, 96),
+    "qpn8i_reconstruct": ("int8", routes.RECONSTRUCT, 0, 0, 97, None),
 }
+# The families registered before a loader serves them (formats.py, "Staging").
+STAGED = {"int8"}
 
 
 def test_every_route_name_parses_to_its_meaning_and_back():
-    assert set(routes.ALL_ROUTES) == set(EXPECTED)
-    assert routes.QPN_ROUTES | routes.QPN_MOE_ROUTES == set(EXPECTED)
+    served = {n for n, e in EXPECTED.items() if e[0] not in STAGED}
+    assert set(routes.ALL_ROUTES) == served
+    assert routes.QPN_ROUTES | routes.QPN_MOE_ROUTES == served
+    assert set(routes.UNSERVED_ROUTES) == set(EXPECTED) - served
     for name, (fmt, kernel, tiles, chunk_rows, lo, hi) in EXPECTED.items():
-        r = routes.parse_route(name)
+        if fmt in STAGED:   # known to as_route (ops runs it), never parsed as a served route
+            r = routes.as_route(name)
+            assert r is routes.UNSERVED_ROUTES[name] and name not in routes.QPN_ROUTES
+            with pytest.raises(ValueError, match="unknown QPN route"):
+                routes.parse_route(name)
+        else:
+            r = routes.parse_route(name)
+            assert r == routes.ALL_ROUTES[name] and hash(r) == hash(routes.ALL_ROUTES[name])
+            assert routes.as_route(name) is routes.ALL_ROUTES[name]
         assert (r.format, r.kernel, r.tiles_per_pass, r.chunk_rows, r.m_min, r.m_max) == (
             fmt, kernel, tiles, chunk_rows, lo, hi), name
         assert str(r) == name and f"{r}" == name and r.name == name
-        assert r == routes.ALL_ROUTES[name] and hash(r) == hash(routes.ALL_ROUTES[name])
-        assert routes.as_route(name) is routes.ALL_ROUTES[name] and routes.as_route(r) is r
-        assert r.weight_format is formats.FAMILIES[fmt] and r.prefix == formats.FAMILIES[fmt].route_prefix
+        assert routes.as_route(r) is r
+        family = formats.KERNEL_FAMILIES[fmt]
+        assert r.weight_format is family and r.prefix == family.route_prefix
+        assert formats.format_for_route(name, served_only=False) is family
         assert r.band() == {"m_min": lo, "m_max": hi}
+    # INT8's prefix (qpn8i) extends FP8's (qpn8) as a string, never as a route: each name has one owner
+    for name in EXPECTED:
+        owners = [f.family for f in formats.KERNEL_FAMILIES.values()
+                  if name == f.route_prefix or name.startswith(f.route_prefix + "_")]
+        assert owners == [EXPECTED[name][0]], (name, owners)
     # composed from the fields, not stored: a value built by hand names itself
     assert str(routes.Route("fp8", routes.TILED, 2, routes.CHUNK_ROWS, 17, 96)) == "qpn8_chunked"
     with pytest.raises(ValueError, match="no QPN route"):
@@ -59,15 +82,31 @@ def test_unknown_names_are_refused_naming_the_known_routes(bad):
         routes.as_route(bad)
 
 
-def test_every_family_with_kernels_is_served_and_none_is_staged():
-    """Every registered family with kernels is served (formats.py, "Staging": none waits for a
-    loader today): its dense routes are in the served lists, its kernels in the build's served
-    entry points, and the staging tables are empty. A MoE route exists exactly for the families
-    with MoE kernels. The shared formats, families, members: INT4's two members are both served."""
-    assert set(formats.KERNEL_FAMILIES) == set(formats.FAMILIES) == set(routes.FORMATS) == {"nvfp4", "fp8", "int4"}
+def test_every_family_with_kernels_is_served_but_the_staged_one():
+    """Every registered family with kernels is served but INT8 (formats.py, "Staging": it waits for
+    a loader method and a checkpoint convention): a served family's dense routes are in the served
+    lists and its kernels in the build's served entry points; the staged family's routes, route
+    kernels and entry points are in the staging tables, and only there. A MoE route exists exactly
+    for the families with MoE kernels. INT4's and INT8's two members each have their own kernels."""
+    assert set(formats.FAMILIES) == set(routes.FORMATS) == {"nvfp4", "fp8", "int4"}
+    assert set(formats.KERNEL_FAMILIES) == set(formats.FAMILIES) | STAGED
     assert {formats.INT4, formats.INT4_SYM} <= set(formats.WEIGHT_FORMATS)
-    assert routes.UNSERVED_ROUTES == {} and sm80_tables.SM80_UNSERVED_ROUTE_KERNELS == {}
-    assert jit.UNSERVED_ENTRY_POINTS == {"m8n8k4": (), "m16n8k16": ()}
+    staged = {formats.INT8, formats.INT8_SYM}
+    assert staged <= set(formats.KERNEL_FORMATS) and not staged & set(formats.WEIGHT_FORMATS)
+    assert {r.format for r in routes.UNSERVED_ROUTES.values()} == STAGED
+    assert set(sm80_tables.SM80_UNSERVED_ROUTE_KERNELS) == {(f, mt) for f in staged for mt in (1, 2)}
+    assert not {f for f, _ in sm80_tables.SM80_ROUTE_KERNELS} & staged
+    for atom in formats.ATOMS:
+        want = {e for f in staged for e in f.dense_entry_points(atom)}
+        if atom == "m16n8k16":
+            want |= set(sm80_tables.SM80_UNSERVED_ROUTE_KERNELS.values())
+        assert set(jit.UNSERVED_ENTRY_POINTS[atom]) == want, atom
+        assert not want & set(jit.ENTRY_POINTS[atom]), atom
+    with pytest.raises(ValueError, match="unknown weight format 'int8'"):
+        routes.route_for("int8", 1, 64, 128)
+    assert str(routes.route_for("int8", 1, 64, 128, served_only=False)) == "qpn8i"
+    with pytest.raises(ValueError, match="unknown weight format 'int8'"):
+        routes.moe_route_for("int8")
     assert set(formats.MOE_FAMILIES) == {"nvfp4", "fp8"}
     assert {r.format for r in routes.ALL_ROUTES.values() if r.kernel == routes.MOE} == set(formats.MOE_FAMILIES)
     with pytest.raises(ValueError, match="INT4 W4A16 has no QPN MoE kernels"):
@@ -111,6 +150,32 @@ def test_every_member_runs_its_own_kernels_on_every_band():
                               and o.kernel_prefix.startswith(member.kernel_prefix)]
                     assert not any(name.startswith(o.kernel_prefix + "_") for o in others), (member.key, m, name)
         assert seen == {n for n, r in routes.ALL_ROUTES.items() if r.format == fam and r.kernel != routes.MOE}
+
+
+def test_the_staged_members_run_their_own_kernels_on_every_band():
+    """The same for the staged family (INT8): per member and M, the route routes.route_for gives
+    with served_only=False (as ops asks it) runs a kernel of the build's staged entry points
+    (jit.UNSERVED_ENTRY_POINTS), named with the member's own prefix (qpn8i_ / qpn8i_sym_) and never
+    with another format's -- FP8's qpn8_ included, whose prefix INT8's extends as a string."""
+    for fam in STAGED:
+        members = {_kernel_member(f) for f in formats.KERNEL_FORMATS if f.family == fam}
+        assert members == {f for f in formats.KERNEL_FORMATS if f.family == fam} and len(members) == 2
+        seen = set()
+        for m in range(1, 200):
+            r = routes.route_for(fam, m, 64, 128, served_only=False)
+            seen.add(str(r))
+            for member in members:
+                if r.kernel == routes.TILED:
+                    names = {ops.route_kernel(r, m, form, member)[0] + "_m8n8k4" for form in ("restore", "s7")}
+                    names.add(sm80_plan.sm80_kernel_for(r, m, 64, member)[0])
+                else:
+                    names = {f"{member.kernel_prefix}_reconstruct_ws_{atom}" for atom in formats.ATOMS}
+                for name in names:
+                    atom = "m8n8k4" if name.endswith("_m8n8k4") else "m16n8k16"
+                    assert name in jit.UNSERVED_ENTRY_POINTS[atom], (member.key, m, name)
+                    owners = [f.kernel_prefix for f in formats.KERNEL_FORMATS if name.startswith(f.kernel_prefix + "_")]
+                    assert max(owners, key=len) == member.kernel_prefix, (member.key, m, name, owners)
+        assert seen == {n for n, r in routes.UNSERVED_ROUTES.items() if r.format == fam}
 
 
 def test_route_for_returns_the_route_whose_band_holds_m():
@@ -189,9 +254,9 @@ def test_weight_operands_are_the_custom_ops_weight_arguments():
                 assert a == b
         x = torch.randn((3, 64), generator=g)
         assert torch.equal(ops.qpn_linear(x, back), ops.qpn_linear(x, packed))
-    # INT4: both members travel as the family "int4"; the records' dtype says which member, the
+    # INT4 and INT8: both members travel as the family; the records' dtype says which member, the
     # buffer size which group size, and kernel_member reads both back
-    for f4 in (formats.INT4, formats.INT4_SYM):
+    for f4 in (formats.INT4, formats.INT4_SYM, formats.INT8, formats.INT8_SYM):
         for gs in f4.group_sizes:
             num = families.numerics(f4)
             p4 = num.prepack(*num.quantize(torch.randn((40, 256), generator=g), gs))
@@ -205,7 +270,8 @@ def test_weight_operands_are_the_custom_ops_weight_arguments():
             # m16n8k16: the group shift counts the lane's 16-input runs (AtomGeometry.lane_run)
             wide = ops.operands(num.prepack(*num.quantize(torch.randn((40, 256), generator=g), gs), atom="m16n8k16"))
             assert ops.kernel_member(wide) == (f4, {32: 1, 64: 2, 128: 3}[gs])
-    with pytest.raises(TypeError, match=r"packed dense weight \(PackedNVFP4 or PackedFP8 or PackedINT4\), got object"):
+    with pytest.raises(TypeError, match=r"packed dense weight \(PackedNVFP4 or PackedFP8 or PackedINT4 or PackedINT8\), "
+                                        r"got object"):
         ops.operands(object())
     # an expert stack names a format family too, but is no dense weight
     from qpn.kernels import moe

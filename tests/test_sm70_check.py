@@ -17,6 +17,10 @@ def test_sm70_kernels_are_v100_ready(capsys, sm70_toolchain):
     names = [k.name for k in res.kernels]
     for entry in jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"]:   # INT4's too
         assert entry in names
+    # the staged INT8 family's kernels are checked like the served ones (both members, both tilings)
+    from qpn.kernels import formats
+    int8 = [e for f in (formats.INT8, formats.INT8_SYM) for e in f.dense_entry_points("m8n8k4")]
+    assert len(int8) == 6 and set(int8) <= set(names)
     for k in res.kernels:
         assert not k.problems, f"{k.name}: {k.problems}"
         assert k.spill_stores == 0 and k.spill_loads == 0 and k.stack_frame == 0

@@ -124,8 +124,9 @@ def _random_source(fmt, n=45, k=96, seed=0):
     return families.numerics(fmt).quantize(torch.randn(n, k, generator=g) * 0.05, **size)
 
 
+# Every format with numerics, served or staged (formats.ALL_FORMATS: INT8 waits for a loader).
 @pytest.mark.parametrize("atom", formats.ATOMS)
-@pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
+@pytest.mark.parametrize("fmt", formats.ALL_FORMATS, ids=lambda f: f.key)
 def test_prepack_inverse_per_format(fmt, atom):
     src = _random_source(fmt)
     packed = families.numerics(fmt).prepack(*src, atom=atom)
@@ -147,7 +148,7 @@ def test_prepack_inverse_per_format(fmt, atom):
         families.numerics(fmt).verify_roundtrip(broken, *src)
 
 
-@pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
+@pytest.mark.parametrize("fmt", formats.ALL_FORMATS, ids=lambda f: f.key)
 def test_kernel_tensors_and_reference_agree_with_decode(fmt):
     src = _random_source(fmt, n=40, k=64, seed=1)
     packed = families.numerics(fmt).prepack(*src)
@@ -165,10 +166,10 @@ def test_kernel_tensors_and_reference_agree_with_decode(fmt):
 
 # Each family's packed buffers by field name: codes, group scales (or per-row records), output scale.
 PACKED_BUFFERS = {"nvfp4": ("codes", "scales", "global_scale"), "fp8": ("codes", None, "scale"),
-                  "int4": ("codes", "scales", "out_scale")}
+                  "int4": ("codes", "scales", "out_scale"), "int8": ("codes", "scales", "out_scale")}
 
 
-@pytest.mark.parametrize("fmt", WEIGHT_FORMATS, ids=lambda f: f.key)
+@pytest.mark.parametrize("fmt", formats.ALL_FORMATS, ids=lambda f: f.key)
 def test_packed_tensors_buffers_size_and_copy(fmt):
     """A packed weight's own buffers in kernel order (the same memory: a family may hand its
     records out as a view of another dtype, INT4 does, so the eager launch cache compares bytes),
@@ -299,7 +300,8 @@ def test_entry_points_are_the_kernels_the_sources_define():
     out, and each is instantiated with its family's decoder and its tile count."""
     from qpn.kernels import jit, moe
 
-    decoders = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",), "int4": ("DecINT4", "DecINT4Sym")}
+    decoders = {"nvfp4": ("DecNVFP4", "DecNVFP4S7"), "fp8": ("DecFP8",), "int4": ("DecINT4", "DecINT4Sym"),
+                "int8": ("DecINT8", "DecINT8Sym")}
     dense = _instantiated("qpn_kernels.cu")
     assert set(dense) == set(jit.ENTRY_POINTS["m8n8k4"]) | set(jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
     assert not set(jit.ENTRY_POINTS["m8n8k4"]) & set(jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
@@ -307,7 +309,7 @@ def test_entry_points_are_the_kernels_the_sources_define():
         family = formats.format_for_route(name.split("_", 1)[0], served_only=False).family
         assert args[0] == "AtomM8N8K4" and args[1] in decoders[family], (name, args)
         assert (args[1] == "DecNVFP4S7") == ("_s7_" in name), name
-        assert (args[1] == "DecINT4Sym") == ("_sym_" in name), name
+        assert args[1].endswith("Sym") == ("_sym_" in name), name   # INT4's and INT8's symmetric members
         if "_mt" in name:
             assert args[2] == name.split("_mt", 1)[1][0], (name, args)  # qpn2_mt2_... -> MT 2
     sparse = _instantiated("qpn_moe.cu")
@@ -331,7 +333,7 @@ def test_every_registered_decoder_is_a_cuda_decoder():
 
     family = jit.decoder_source("m8n8k4")
     named = {k.decoder for f in formats.KERNEL_FORMATS for k in f.m8n8k4_kernels()}
-    assert named >= {"DecNVFP4", "DecNVFP4S7", "DecFP8", "DecINT4", "DecINT4Sym"}
+    assert named >= {"DecNVFP4", "DecNVFP4S7", "DecFP8", "DecINT4", "DecINT4Sym", "DecINT8", "DecINT8Sym"}
     for decoder in sorted(named):
         assert re.search(rf"^(struct {decoder} \{{|using {decoder} = )", family, re.M), decoder
     with pytest.raises(ValueError, match="decoder"):
@@ -352,7 +354,7 @@ def test_the_compiled_m8n8k4_kernels_are_the_registered_entry_points(nvrtc12):
                           want_cubin=False).ptx
     built = re.findall(r"^\.visible \.entry (\w+)\(", ptx, re.M)
     assert sorted(built) == sorted(jit.ENTRY_POINTS["m8n8k4"] + jit.UNSERVED_ENTRY_POINTS["m8n8k4"])
-    assert len(built) == len(set(built)) == 14
+    assert len(built) == len(set(built)) == 20   # 14 served, INT8's 6 staged
 
 def test_descriptions_need_no_torch():
     import subprocess
