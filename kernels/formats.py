@@ -41,7 +41,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from .weight_format import (ATOMS, E2M1_MAX, E4M3_MAX, FormatError, M8N8K4Kernel, MoeShapeError,  # noqa: F401
+from .weight_format import (ATOMS, E2M1_MAX, E4M3_MAX, ActOrderError, FormatError,  # noqa: F401
+                            M8N8K4Kernel, MoeShapeError,
                             UnknownFormat, WeightFormat)
 
 FAMILIES_DIR = Path(__file__).resolve().parent / "families"
@@ -113,6 +114,17 @@ def weight_format(name_or_algo: Any, output_scale: str | None = None, served_onl
             raise UnknownFormat(f"unknown {name_or_algo!s} scale layout {output_scale!r}; expected "
                                 + " or ".join(repr(k) for k in members))
     return f
+
+
+def members_of(family: str) -> tuple[WeightFormat, ...]:
+    """Every member of a family (served or not), in its package's order."""
+    return tuple(m for m in ALL_FORMATS if m.family == family)
+
+
+def integer_family(bits: int) -> str | None:
+    """The family of unsigned ``bits``-bit integer codes (``code_type`` "int"), served or not; None
+    if no family has such codes."""
+    return next((m.family for m in ALL_FORMATS if m.code_type == "int" and m.code_bits == bits), None)
 
 
 def format_of(packed) -> WeightFormat:

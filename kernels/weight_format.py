@@ -21,6 +21,12 @@ def require(cond: bool, msg: str) -> None:
         raise FormatError(msg)
 
 
+class ActOrderError(FormatError):
+    """A GPTQ / compressed-tensors g_idx that reorders inputs within groups (desc_act): the kernels
+    read inputs in checkpoint order, so such a weight cannot be served as stored. Every integer
+    family's apply_g_idx raises it."""
+
+
 class UnknownFormat(FormatError):
     """A format name, quant algo or route that names no QPN weight format."""
 
@@ -79,6 +85,11 @@ class WeightFormat:
     # scale can carry 2^7 ("": no S7 form; ops.nvfp4_form)
     decoder: str = ""
     s7_decoder: str = ""
+    # "int": unsigned integer codes less a zero point, times a group scale (the integer conventions,
+    # GPTQ / AWQ / compressed-tensors pack-quantized, store them packed in int32 words); "float": minifloat codes
+    code_type: str = "float"
+    # a checkpoint may store one group per output row (group_size -1, strategy "channel") besides group_sizes
+    channel_groups: bool = False
 
     def __post_init__(self):
         if "m8n8k4" in self.kernel_atoms and not self.decoder:
@@ -92,6 +103,11 @@ class WeightFormat:
     @property
     def has_zero_points(self) -> bool:
         return "zero_points" in self.roles
+
+    @property
+    def code_bits(self) -> int:
+        """Bits per code (8 // codes_per_byte)."""
+        return 8 // self.codes_per_byte
 
     @property
     def allowed_group_sizes(self) -> tuple[int, ...]:

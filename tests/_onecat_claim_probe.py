@@ -2,7 +2,7 @@
 # first on sys.path, QPN_ENGINE=sm70): the registered QPN config in 1Cat's real quantization
 # registry, and 1Cat's own ModelConfig._verify_quantization settling each convention's checkpoint
 # with and without it. INT4 is claimed only where the family serves; the probe stands in for the
-# day formats.INT4 is served (int4_ready) and checks QPN_INT4=0 still leaves INT4 to the engine.
+# day formats.INT4 is served (family_ready) and checks QPN_INT4=0 still leaves INT4 to the engine.
 # Prints one JSON line QPN_CLAIM_1CAT (tests/test_engine_source.py).
 import json
 import os
@@ -39,7 +39,7 @@ def settle(cfg):
 claim = {"registered": q.get_quantization_config("qpn") is qpn_config.config_class(),
          "count": q.QUANTIZATION_METHODS.count("qpn"), "with_qpn": {}, "engine_only": {}, "inner": {},
          "int4_off": {}}
-qpn_config.int4_ready = lambda: (True, "")
+qpn_config.family_ready = lambda fmt: (True, "")
 for name, cfg in CASES.items():
     claim["with_qpn"][name] = settle(cfg)
     claim["inner"][name] = type(qpn_config.config_class().from_config(json.loads(json.dumps(cfg)))._inner).__name__

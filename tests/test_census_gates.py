@@ -538,7 +538,9 @@ def test_int4_checkpoints_declare_the_int4_region_and_their_modules(int4_checkpo
     assert not any(n == "lm_head" or n.startswith("mtp.") for n in declared)
     assert not boot_gates.head_declared(declared) and boot_gates.checkpoint_needs(declared) == set()
     # an INT4 config QPN does not serve declares no region (the preflight names why, or the engine serves it)
-    assert boot_gates.declared_regions({**cfg, "bits": 8} if convention != "compressed-tensors" else
+    if convention == "gptq":  # GPTQ's 8-bit form is the INT8 family's region
+        assert boot_gates.declared_regions({**cfg, "bits": 8}) == {"int8"}
+    assert boot_gates.declared_regions({**cfg, "bits": 3} if convention != "compressed-tensors" else
                                        {**cfg, "config_groups": {"g": {**cfg["config_groups"]["group_0"], "weights": {
                                            **cfg["config_groups"]["group_0"]["weights"], "group_size": 16}}}}) == set()
 

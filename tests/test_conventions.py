@@ -56,7 +56,7 @@ def test_int4_tensor_names_are_the_librarys_names():
     assert names(symmetric=True) == {n.codes, n.group_scales, n.shape}
     assert names(symmetric=False) == {n.codes, n.group_scales, n.shape, n.zero_points}
     assert names(symmetric=False, actorder="group") == set(cv.COMPRESSED_TENSORS.param_names(cv.formats.INT4))
-    assert cv.CT_PACK_QUANTIZED.names() is n
+    assert cv.COMPRESSED_TENSORS.names(cv.formats.INT4) is n
     with pytest.raises(cv.ConventionError, match="modelopt convention stores no INT4"):
         cv.MODELOPT.names(cv.formats.INT4)
 
@@ -207,7 +207,8 @@ def test_vllm_matches_the_ct_targets_on_its_own_module_names():
 
 
 @pytest.mark.parametrize("weights, fmt, match", [
-    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, "pack-quantized", "neither NVFP4 nor FP8"),
+    ({"num_bits": 2, "type": "int", "strategy": "group", "group_size": 128}, "pack-quantized",
+     "num_bits 2; QPN's integer families are 4-bit and 8-bit"),
     ({"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}, "mxfp4-pack-quantized", "not NVFP4"),
     ({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}, "float-quantized",
      "per-tensor or per-channel"),

@@ -95,7 +95,7 @@ def test_a_scheme_qpn_does_not_serve_fails_naming_module_and_group(weights, fmt,
 
 @pytest.mark.parametrize("symmetric, act_order", [(True, None), (False, "static")])
 def test_a_pack_quantized_int4_group_gets_the_qpn4_method(symmetric, act_order):
-    """QPNConfig claims such a config only where the INT4 family serves (qpn_config.int4_served);
+    """QPNConfig claims such a config only where the INT4 family serves (qpn_config.family_served);
     asked, every module of the group gets QPN4 with the group's scheme, fused shards together."""
     from qpn.kernels import formats
 
@@ -104,7 +104,7 @@ def test_a_pack_quantized_int4_group_gets_the_qpn4_method(symmetric, act_order):
         weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "symmetric": symmetric,
                  "actorder": act_order}, format="pack-quantized", input_activations=None)
     m = qpn_method_for(_config(q), ColumnParallelLinearStub(), "model.layers.0.mlp.gate_up_proj", TARGET)
-    assert type(m) is QPNLinearMethod and m.convention is cv.CT_PACK_QUANTIZED
+    assert type(m) is QPNLinearMethod and m.convention is cv.COMPRESSED_TENSORS
     assert m.format is (formats.INT4_SYM if symmetric else formats.INT4)
     assert (m.scheme.group_size, m.scheme.act_order) == (64, act_order == "group")
     assert m.declared == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]

@@ -1,4 +1,4 @@
-"""INT4 W4A16 checkpoint conventions (qpn.fork_patches.quant.conventions: AWQ, GPTQ, CT_PACK_QUANTIZED),
+"""INT4 W4A16 checkpoint conventions (qpn.fork_patches.quant.conventions: AWQ, GPTQ, COMPRESSED_TENSORS),
 proven against the engines' own loader code (vLLM 0.32 installed beside the cpu engine and both
 1Cat-vLLM source archives, parsed by engine_source.verify_int4_conventions, and vLLM's config
 parsers run on the same dicts); the INT4 checkpoint generator (make_int4_checkpoint) byte for byte
@@ -74,13 +74,14 @@ def test_every_int4_convention_is_the_engines(where):
 
 @pytest.mark.parametrize("mutate, hook, words", [
     # AutoAWQ's nibble order swapped for the standard one
-    (lambda c: dataclasses.replace(c, layout=dataclasses.replace(c.layout, nibble_order=tuple(range(8)))),
+    (lambda c: dataclasses.replace(c, layout=dataclasses.replace(c.layout, word_order=tuple(range(8)))),
      "int4-awq-nibble-order", "interleaves"),
     # qweight read as packed along K (the GPTQ layout)
-    (lambda c: dataclasses.replace(c, layout=dataclasses.replace(c.layout, codes=("K/8", "N"))),
+    (lambda c: dataclasses.replace(c, layout=dataclasses.replace(c.layout, codes=("K/p", "N"))),
      "int4-awq-tensors", "has dims"),
     # a tensor name the engine does not register
-    (lambda c: dataclasses.replace(c, names_by_family={"int4": dataclasses.replace(c.names(), zero_points="qzero")}),
+    (lambda c: dataclasses.replace(c, names_by_family={cv.INTEGER: dataclasses.replace(c.names(cv.formats.INT4),
+                                                                                    zero_points="qzero")}),
      "int4-awq-tensors", "registers no 'qzero'"),
     # a config key the engine does not read
     (lambda c: dataclasses.replace(c, config_keys=(("bits", ("bits",)),) + c.config_keys[1:]),
@@ -97,8 +98,8 @@ def test_the_engine_check_catches_a_wrong_convention(mutate, hook, words):
 
 def test_gptq_and_ct_mutations_are_caught_too():
     src = _installed_source()
-    gptq = dataclasses.replace(cv.GPTQ, layout=dataclasses.replace(cv.GPTQ.layout, zero_points=("N/8", "K/g")))
-    ct = dataclasses.replace(cv.CT_PACK_QUANTIZED, config_keys=cv.CT_PACK_QUANTIZED.config_keys + (("x", ("zp_bits",)),))
+    gptq = dataclasses.replace(cv.GPTQ, layout=dataclasses.replace(cv.GPTQ.layout, zero_points=("N/p", "K/g")))
+    ct = dataclasses.replace(cv.COMPRESSED_TENSORS, config_keys=cv.COMPRESSED_TENSORS.config_keys + (("x", ("zp_bits",)),))
     rows = {r.hook: r for r in engine_source.verify_int4_conventions(src, [gptq, ct])}
     assert rows["int4-gptq-tensors"].miss and "'qzeros' has dims" in rows["int4-gptq-tensors"].detail
     assert rows["int4-compressed-tensors-config"].miss and "zp_bits" in rows["int4-compressed-tensors-config"].detail
@@ -121,9 +122,9 @@ def test_awq_config_reads_like_vllms():
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"bits": 8}, "the QPN INT4 family is 4-bit"),
-    ({"group_size": -1}, "(per channel) is not an INT4 group size"),
-    ({"group_size": 256}, "is not an INT4 group size"),
+    ({"bits": 8}, "AutoAWQ's GEMM packing is 4-bit"),
+    ({"group_size": -1}, "(per channel) is not a group size QPN packs for INT4"),
+    ({"group_size": 256}, "is not a group size QPN packs for INT4"),
     ({"zero_point": False}, "zero_point = False"),
     ({"version": "gemv"}, "version 'gemv'"),
     ({"bits": None}, "none of w_bit, bits"),
@@ -170,7 +171,7 @@ def test_gptq_config_reads_like_vllms():
 @pytest.mark.parametrize("sym", [False, True])
 def test_ct_int4_config_reads_like_vllms(sym):
     """The generator's compressed-tensors config: vLLM's own CompressedTensorsConfig parses it
-    into the QuantizationArgs ct_int4_scheme_of reads to the same scheme; the library's W4A16
+    into the QuantizationArgs ct_scheme_of reads to the same scheme; the library's W4A16
     presets declare the same weights."""
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.quant_scheme import W4A16, W4A16_ASYM
@@ -180,38 +181,41 @@ def test_ct_int4_config_reads_like_vllms(sym):
     preset = (W4A16 if sym else W4A16_ASYM)["weights"].model_dump()
     assert {k: QuantizationArgs.model_validate(w).model_dump()[k] for k in ("num_bits", "type", "strategy", "symmetric")} \
         == {k: preset[k] for k in ("num_bits", "type", "strategy", "symmetric")}
-    ours = cv.ct_int4_scheme_of(w, "pack-quantized", "group_0")
+    ours = cv.ct_scheme_of(w, "pack-quantized", "group_0")
     assert (ours.symmetric, ours.group_size, ours.act_order) == (sym, 64, False)
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     entry = CompressedTensorsConfig.from_config(cfg).target_scheme_map["Linear"]
-    assert cv.ct_int4_scheme_of(entry["weights"], entry["format"], "Linear") == \
+    assert cv.ct_scheme_of(entry["weights"], entry["format"], "Linear") == \
         dataclasses.replace(ours, source="Linear")
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"num_bits": 8}, "num_bits 8"),
-    ({"strategy": "channel", "group_size": None}, "strategy 'channel'"),
+    ({"num_bits": 2}, "num_bits 2"),
+    ({"strategy": "channel", "group_size": None}, "strategy 'channel'"),  # INT4 stores no per-channel groups
     ({"group_size": 16}, "group_size 16"),
     ({"actorder": "dynamic"}, "actorder 'dynamic'"),
-    ({"type": "float"}, "mixing INT4 with other formats"),
+    ({"type": "float"}, "are not NVFP4"),  # the float reader's refusal, named
 ])
 def test_ct_int4_schemes_qpn_does_not_serve_are_named(change, words):
     w = {**mi.quantization_config("compressed-tensors", 128, False)["config_groups"]["group_0"]["weights"], **change}
     with pytest.raises(cv.ConventionError, match=words):
-        cv.ct_int4_scheme_of(w, "pack-quantized", "config_groups['group_0'] target 'Linear'")
+        cv.ct_scheme_of(w, "pack-quantized", "config_groups['group_0'] target 'Linear'")
 
 
-def test_the_nvfp4_fp8_readers_keep_int4_apart():
-    """INT4 has readers of its own (detect_int4, ct_int4_scheme_of, INT4_CONVENTIONS): the NVFP4 / FP8
-    readers refuse an INT4 compressed-tensors scheme, naming what they read, and ``detect`` returns
-    no AWQ / GPTQ convention; compressed-tensors names its INT4 tensors through the same convention."""
+def test_one_reader_for_every_family():
+    """One convention type and one reader per question: ct_scheme_of reads integer and float
+    schemes alike, a width no family has is refused naming the widths there are, ``detect`` returns
+    AWQ and GPTQ as it does ModelOpt and compressed-tensors, and compressed-tensors names every
+    integer family's tensors alike."""
     w = mi.quantization_config("compressed-tensors", 128, True)["config_groups"]["group_0"]["weights"]
-    with pytest.raises(cv.ConventionError, match="neither NVFP4 nor FP8"):
-        cv.ct_scheme_of(w, "pack-quantized", "group_0")
-    assert "awq" not in cv.CONVENTIONS and "gptq" not in cv.CONVENTIONS
-    assert cv.COMPRESSED_TENSORS.names(cv.formats.INT4) is cv.CT_PACK_QUANTIZED.names()
+    assert cv.ct_scheme_of(w, "pack-quantized", "group_0").format is cv.formats.INT4_SYM
+    with pytest.raises(cv.ConventionError, match="num_bits 2; QPN's integer families are 4-bit and 8-bit"):
+        cv.ct_scheme_of({**w, "num_bits": 2}, "pack-quantized", "group_0")
+    assert {"awq", "gptq", "modelopt", "compressed-tensors"} == set(cv.CONVENTIONS)
+    assert all(type(c) is cv.Convention for c in cv.CONVENTIONS.values())
+    assert cv.COMPRESSED_TENSORS.names(cv.formats.INT4) is cv.COMPRESSED_TENSORS.names(cv.formats.INT8)
     assert cv.COMPRESSED_TENSORS.param_names(cv.formats.INT4) == (
         "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 
@@ -225,7 +229,7 @@ def _canonical(n=48, k=256, g=G, sym=False, seed=0):
 def test_awq_inputs_are_the_canonical_source():
     src = _canonical()
     t = {f"m.{k}": v for k, v in mi.to_awq(*src).items()}
-    got = cv.AWQ.int4_inputs(t, "m", cv.AWQ.scheme(mi.quantization_config("awq", G, False)))
+    got = cv.AWQ.inputs(t, "m", cv.AWQ.scheme(mi.quantization_config("awq", G, False)))
     assert all(torch.equal(a, b) for a, b in zip(got, src)) and len(got) == 3
 
 
@@ -234,12 +238,12 @@ def test_an_off_by_one_group_is_refused_naming_the_module():
     t = mi.to_awq(*src)
     headers = {f"m.{k}": {"dtype": "I32" if v.dtype == torch.int32 else "F16", "shape": list(v.shape)}
                for k, v in t.items()}
-    assert cv.AWQ.header_problems("m", headers, cv.INT4Scheme(False, 32)) == []
-    problems = cv.AWQ.header_problems("m", headers, cv.INT4Scheme(False, 64))
+    assert cv.AWQ.header_problems("m", headers, cv.int_scheme(4, False, 32)) == []
+    problems = cv.AWQ.header_problems("m", headers, cv.int_scheme(4, False, 64))
     assert problems and all(p.startswith("m: tensor 'm.") for p in problems)
     assert any("'m.scales' (group_scales) has shape [8, 48]" in p and "[4, 48]" in p for p in problems)
-    with pytest.raises(cv.ConventionError, match="^m: awq INT4: AWQ scales must be"):
-        cv.AWQ.int4_inputs(t, "m", cv.INT4Scheme(False, 64))
+    with pytest.raises(cv.ConventionError, match="^m: awq INT4 W4A16: AWQ scales must be"):
+        cv.AWQ.inputs(t, "m", cv.int_scheme(4, False, 64))
 
 
 def _gptq_tensors(src, stored_zero_offset: int):
@@ -258,40 +262,40 @@ def test_gptq_v1_and_v2_zero_points():
     v1, v2 = (cv.GPTQ.scheme(_gptq_cfg(sym=False, group_size=G, **f))
               for f in ({}, {"checkpoint_format": "gptq_v2"}))
     for scheme, offset in ((v1, 1), (v2, 0)):
-        got = cv.GPTQ.int4_inputs(_gptq_tensors(src, offset), "m", scheme)
+        got = cv.GPTQ.inputs(_gptq_tensors(src, offset), "m", scheme)
         assert torch.equal(got[0], src[0]) and torch.equal(got[2], src[2]), scheme
     # read with the other format's offset, every zero point is one off
-    wrong = cv.GPTQ.int4_inputs(_gptq_tensors(src, 0), "m", v1)
+    wrong = cv.GPTQ.inputs(_gptq_tensors(src, 0), "m", v1)
     assert torch.equal(wrong[2].to(torch.int16), src[2].to(torch.int16) + 1)
     sym = _canonical(n=40, sym=True)
-    got = cv.GPTQ.int4_inputs({**_gptq_tensors((*sym, torch.full_like(sym[1], 8, dtype=torch.uint8)), 1)},
+    got = cv.GPTQ.inputs({**_gptq_tensors((*sym, torch.full_like(sym[1], 8, dtype=torch.uint8)), 1)},
                               "m", cv.GPTQ.scheme(_gptq_cfg(group_size=G)))
     assert len(got) == 2 and torch.equal(got[0], sym[0]) and torch.equal(got[1], sym[1])
 
 
 @pytest.mark.parametrize("conv, role", [(cv.AWQ, "zero_points"), (cv.AWQ, "group_scales"),
-                                        (cv.CT_PACK_QUANTIZED, "zero_points"), (cv.GPTQ, "codes")])
+                                        (cv.COMPRESSED_TENSORS, "zero_points"), (cv.GPTQ, "codes")])
 def test_a_missing_tensor_is_named(conv, role):
     src = _canonical()
-    t = mi.to_awq(*src) if conv is cv.AWQ else mi.to_pack_quantized(*src) if conv is cv.CT_PACK_QUANTIZED \
+    t = mi.to_awq(*src) if conv is cv.AWQ else mi.to_pack_quantized(*src) if conv is cv.COMPRESSED_TENSORS \
         else {"scales": src[1].t()}
-    name = getattr(conv.names(), role)
+    name = getattr(conv.names(cv.formats.INT4), role)
     t.pop(name, None)
-    with pytest.raises(cv.ConventionError, match=f"^layers.0.mlp: {conv.name} INT4 needs tensor '{name}' \\({role}\\)"):
-        conv.int4_inputs(t, "layers.0.mlp", cv.INT4Scheme(False, G))
+    with pytest.raises(cv.ConventionError, match=f"^layers.0.mlp: {conv.name} INT4 W4A16 needs tensor '{name}' \\({role}\\)"):
+        conv.inputs(t, "layers.0.mlp", cv.int_scheme(4, False, G))
 
 
 def test_act_order_is_refused_naming_the_module():
     src = _canonical(k=256)
     t = mi.to_pack_quantized(*src)
-    scheme = cv.INT4Scheme(False, G, act_order=True)
+    scheme = cv.int_scheme(4, False, G, act_order=True)
     with pytest.raises(cv.ConventionError, match="needs tensor 'weight_g_idx'"):
-        cv.CT_PACK_QUANTIZED.int4_inputs(t, "layers.7.mlp.down_proj", scheme)
+        cv.COMPRESSED_TENSORS.inputs(t, "layers.7.mlp.down_proj", scheme)
     whole = (torch.arange(256) // G).to(torch.int32)
-    assert torch.equal(cv.CT_PACK_QUANTIZED.int4_inputs({**t, "weight_g_idx": whole}, "d", scheme)[0], src[0])
+    assert torch.equal(cv.COMPRESSED_TENSORS.inputs({**t, "weight_g_idx": whole}, "d", scheme)[0], src[0])
     scattered = (torch.arange(256) % (256 // G)).to(torch.int32)
     with pytest.raises(cv.ActOrderRefused, match="^layers.7.mlp.down_proj: activation-ordered") as err:
-        cv.CT_PACK_QUANTIZED.int4_inputs({**t, "weight_g_idx": scattered}, "layers.7.mlp.down_proj", scheme)
+        cv.COMPRESSED_TENSORS.inputs({**t, "weight_g_idx": scattered}, "layers.7.mlp.down_proj", scheme)
     assert isinstance(err.value.__cause__, int4_checkpoint.ActOrderError)
     with pytest.raises(cv.ActOrderRefused, match="^x: activation-ordered"):
         cv.GPTQ.check_g_idx("x", scattered, 256, scheme)
@@ -374,7 +378,7 @@ def test_a_swapped_awq_nibble_order_would_not_be_vllms(vllm_awq, monkeypatch):
     q = int4_codec.unpack_codes(src[0]).t().to(torch.int32)
     assert torch.equal(mi.to_awq(*src)["qweight"], vllm_awq.qu.awq_pack(q, 4, 64, 64))
     monkeypatch.setattr(mi, "AWQ", dataclasses.replace(
-        cv.AWQ, layout=dataclasses.replace(cv.AWQ.layout, nibble_order=tuple(range(8)))))
+        cv.AWQ, layout=dataclasses.replace(cv.AWQ.layout, word_order=tuple(range(8)))))
     assert not torch.equal(mi.to_awq(*src)["qweight"], vllm_awq.qu.awq_pack(q, 4, 64, 64))
 
 
@@ -452,7 +456,7 @@ def test_gptq_checkpoint_is_vllms_gptq_byte_for_byte(gptq_ckpt, vllm_awq, monkey
         theirs = int_wna16._unpack_and_dequant_int4_gptq(qw[None], sc[None], None if sym else v2_words[None],
                                                           transpose_output=True, output_dtype=torch.float16)[0]
         assert torch.equal(theirs, int4_codec.dequantize(*src).half()), hub
-        got = cv.GPTQ.int4_inputs({k_: t[f"{hub}.{k_}"] for k_ in ("qweight", "qzeros", "scales", "g_idx")}, hub, scheme)
+        got = cv.GPTQ.inputs({k_: t[f"{hub}.{k_}"] for k_ in ("qweight", "qzeros", "scales", "g_idx")}, hub, scheme)
         assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
         assert f"{hub}.weight" not in t
         if sym and fmt == "gptq":   # the exllama kernel's own v1 zero points for uint4b8, at this layer's shape
@@ -497,7 +501,7 @@ def test_gptq_writer_over_every_code_and_zero_point(vllm_awq):
                                        transpose_output=True, output_dtype=torch.float32)[0]
         assert torch.equal(theirs, int4_codec.dequantize(src[0], scales, z)), fmt
         scheme = cv.GPTQ.scheme(mi.quantization_config("gptq", g, False, checkpoint_format=fmt))
-        got = cv.GPTQ.int4_inputs(t, "m", scheme)
+        got = cv.GPTQ.inputs(t, "m", scheme)
         assert torch.equal(got[0], src[0]) and torch.equal(got[1], scales) and torch.equal(got[2], z), fmt
 
 
@@ -532,7 +536,7 @@ def test_ct_checkpoint_is_the_librarys_byte_for_byte(ct_ckpt):
             assert v.dtype == ours[key].dtype and torch.equal(v, ours[key]), f"{hub}.{key}"
         theirs = PQC.decompress(ours, scheme)["weight"]
         assert torch.equal(theirs, int4_codec.dequantize(*src).half()), hub
-        got = cv.CT_PACK_QUANTIZED.int4_inputs(ours, hub, cv.ct_int4_scheme_of(qcfg["weights"], "pack-quantized", ""))
+        got = cv.COMPRESSED_TENSORS.inputs(ours, hub, cv.ct_scheme_of(qcfg["weights"], "pack-quantized", ""))
         assert len(got) == len(src) and all(torch.equal(a, b) for a, b in zip(got, src)), hub
 
 
@@ -540,14 +544,14 @@ def test_the_generated_checkpoints_declare_their_modules(awq_ckpt, ct_ckpt, gptq
     _, modules = _modules()
     symmetric = {"awq": False, "compressed-tensors": ct_ckpt[1], "gptq": gptq_ckpt[1]}
     for ckpt in (awq_ckpt, ct_ckpt[0], gptq_ckpt[0]):
-        conv, quant_cfg = cv.detect_int4(ckpt)
-        got_conv, schemes = cv.int4_declared_modules(ckpt)
+        conv, quant_cfg = cv.detect(ckpt)
+        got_conv, schemes = cv.declared_modules(ckpt)
         assert got_conv is conv and sorted(schemes) == sorted(modules), conv.name
         assert {(s.group_size, s.symmetric) for s in schemes.values()} == {(G, symmetric[conv.name])}
-        assert cv.int4_checkpoint_problems(ckpt) == []
-        assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 tensors whole")
-    assert cv.detect_int4(awq_ckpt)[0] is cv.AWQ and cv.detect_int4(ct_ckpt[0])[0] is cv.CT_PACK_QUANTIZED
-    assert cv.detect_int4(gptq_ckpt[0])[0] is cv.GPTQ
+        assert cv.integer_checkpoint_problems(ckpt) == []
+        assert serve_preflight.check_checkpoint_tensors(str(ckpt)).startswith(f"{conv.name} INT4 W4A16")
+    assert cv.detect(awq_ckpt)[0] is cv.AWQ and cv.detect(ct_ckpt[0])[0] is cv.COMPRESSED_TENSORS
+    assert cv.detect(gptq_ckpt[0])[0] is cv.GPTQ
 
 
 def test_generator_refuses_what_it_cannot_write(tmp_path):
@@ -572,11 +576,11 @@ _KINDS = [(c, k) for k, m in sorted(mi.MALFORMED.items()) for c in m.conventions
 
 @pytest.fixture
 def qpn_serves_int4():
-    """What the launcher refuses when QPN claims INT4 checkpoints (qpn_config.int4_ready: the family
-    is served, its module imports and the loader has its method)."""
+    """What the launcher refuses when QPN claims INT4 checkpoints (qpn_config.family_ready: the
+    family is served, its module imports and it has its loader schema)."""
     from qpn.fork_patches.quant import qpn_config
 
-    assert qpn_config.int4_ready() == (True, "")
+    assert qpn_config.family_ready(cv.formats.INT4) == (True, "")
 
 
 @pytest.mark.parametrize("convention, kind", _KINDS, ids=[f"{c}-{k}" for c, k in _KINDS])
@@ -586,15 +590,15 @@ def test_where_qpn_leaves_int4_to_the_engine_only_damage_is_refused(tmp_path, co
     the engine, and the launcher says so."""
     from qpn.fork_patches.quant import qpn_config
 
-    assert qpn_config.int4_ready() == (True, "")   # served: the family, its module and its method
-    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (False, "the INT4 family is not ready"))
+    assert qpn_config.family_ready(cv.formats.INT4) == (True, "")   # served: the family, its module, its schema
+    monkeypatch.setattr(qpn_config, "family_ready", lambda fmt: (False, "the INT4 family is not ready"))
     out = tmp_path / "ckpt"
     mi.make_int4_checkpoint(out, convention, malformed=kind)
     if kind == "truncated":
         with pytest.raises(serve_preflight.Refusal, match="Re-download"):
             serve_preflight.check_tp_split(str(out), None)
     else:
-        assert "left to the engine's INT4 kernels" in serve_preflight.check_checkpoint_tensors(str(out))
+        assert "left to the engine's kernels" in serve_preflight.check_checkpoint_tensors(str(out))
 
 
 @pytest.mark.parametrize("convention, kind", _KINDS, ids=[f"{c}-{k}" for c, k in _KINDS])
@@ -633,7 +637,7 @@ def test_a_config_qpn_does_not_serve_is_refused_before_boot(tmp_path, awq_ckpt, 
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"]["bits"] = 8
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(serve_preflight.Refusal, match="bits = 8; the QPN INT4 family is 4-bit"):
+    with pytest.raises(serve_preflight.Refusal, match="bits = 8; AutoAWQ's GEMM packing is 4-bit"):
         serve_preflight.check_checkpoint_tensors(str(out))
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x.qweight": "model-00002.safetensors"}}))
     cfg["quantization_config"]["bits"] = 4
@@ -643,8 +647,8 @@ def test_a_config_qpn_does_not_serve_is_refused_before_boot(tmp_path, awq_ckpt, 
 
 
 def test_other_checkpoints_pass_the_int4_check_untouched(tmp_path):
-    assert serve_preflight.check_checkpoint_tensors(str(tmp_path)) == "no INT4 checkpoint"  # no config.json
+    assert serve_preflight.check_checkpoint_tensors(str(tmp_path)) == "no integer checkpoint"  # no config.json
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "modelopt"}}))
-    assert serve_preflight.check_checkpoint_tensors(str(tmp_path)) == "no INT4 checkpoint"
+    assert serve_preflight.check_checkpoint_tensors(str(tmp_path)) == "no integer checkpoint"
     (tmp_path / "model.safetensors").write_bytes(b"\x01")  # not looked at: not an INT4 checkpoint
     assert serve_preflight.check_tp_split(str(tmp_path), 1) == "single rank"

@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from qpn.fork_patches.quant import conventions as cv  # noqa: E402
+from qpn.fork_patches.quant import conventions as cv
+from qpn.kernels import formats  # noqa: E402
 from qpn.kernels.families.int4 import codec as int4_codec
 from qpn.kernels.families.int4 import checkpoint as int4_checkpoint
 from qpn.scripts.checkpoints import make_int4_checkpoint as mi  # noqa: E402
@@ -50,14 +51,14 @@ def tp_rank(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ checkpoints
-# (name, INT4Convention, symmetric, stored zero = zero - offset)
+# (name, Convention, symmetric, stored zero = zero - offset)
 KINDS = {
     "awq": (cv.AWQ, False, 0),
     "gptq-sym": (cv.GPTQ, True, 1),
     "gptq-v1": (cv.GPTQ, False, 1),
     "gptq-v2": (cv.GPTQ, False, 0),
-    "ct-sym": (cv.CT_PACK_QUANTIZED, True, 0),
-    "ct-asym": (cv.CT_PACK_QUANTIZED, False, 0),
+    "ct-sym": (cv.COMPRESSED_TENSORS, True, 0),
+    "ct-asym": (cv.COMPRESSED_TENSORS, False, 0),
 }
 
 
@@ -81,7 +82,7 @@ def to_gptq(codes, scales, zeros, g: int, offset: int) -> dict[str, torch.Tensor
     q = int4_codec.unpack_codes(codes)
     n, k = q.shape
     z = zeros if zeros is not None else torch.full(scales.shape, 8, dtype=torch.uint8)
-    names = cv.GPTQ.names()
+    names = cv.GPTQ.names(formats.INT4)
     return {names.codes: mi.pack_nibbles(q.t(), 0),
             names.zero_points: mi.pack_nibbles((z.to(torch.int64) - offset).t(), 1),
             names.group_scales: scales.t().contiguous(), names.g_idx: (torch.arange(k, dtype=torch.int32) // g)}
@@ -156,7 +157,7 @@ def _config(kind: str, g: int, **kw):
     from qpn.fork_patches.quant.linear_method import qpn_linear_method
 
     conv, sym, offset = KINDS[kind]
-    scheme = cv.INT4Scheme(sym, g, zero_offset=0 if sym else offset, **kw)
+    scheme = cv.int_scheme(4, sym, g, zero_offset=0 if sym else offset, **kw)
     return _Config(lambda layer, prefix: qpn_linear_method(prefix, scheme, TARGET, conv))
 
 
@@ -320,7 +321,7 @@ def test_row_parallel_split_inside_a_group_is_refused(engine_context, tp_rank, k
     with pytest.raises(QPNCheckpointError) as e:
         RowParallelLinear(128, 64, bias=False, quant_config=_config(kind, 128), prefix="layers.1.mlp.down_proj")
     msg = str(e.value)
-    assert "layers.1.mlp.down_proj" in msg and "breaks an INT4 group of 128" in msg and "fix:" in msg
+    assert "layers.1.mlp.down_proj" in msg and "breaks the INT4 W4A16 groups of 128" in msg and "fix:" in msg
     assert "TP in [1]" in msg
 
 
@@ -411,13 +412,13 @@ def test_one_method_for_every_member_and_its_constructor(engine_context):
     from qpn.fork_patches.quant.linear_method import QPNCheckpointError, QPNLinearMethod, qpn_linear_method
     from qpn.kernels import formats
 
-    m = qpn_linear_method("x.down_proj", cv.INT4Scheme(False, 64, zero_offset=1), TARGET, cv.GPTQ)
+    m = qpn_linear_method("x.down_proj", cv.int_scheme(4, False, 64, zero_offset=1), TARGET, cv.GPTQ)
     assert type(m) is QPNLinearMethod
     assert m.format is formats.INT4 and m.scheme.zero_offset == 1 and m.convention is cv.GPTQ
-    assert qpn_linear_method("x", cv.INT4Scheme(True, 32), TARGET, cv.CT_PACK_QUANTIZED).format is formats.INT4_SYM
+    assert qpn_linear_method("x", cv.int_scheme(4, True, 32), TARGET, cv.COMPRESSED_TENSORS).format is formats.INT4_SYM
     assert [s.name for s in m.stored.values()] == ["qweight", "scales", "qzeros", "g_idx"]
     assert m.required() == ("qweight", "scales", "qzeros")  # g_idx only where act order is declared
     with pytest.raises(QPNCheckpointError, match="x.o_proj.*group size 16"):
-        qpn_linear_method("x.o_proj", cv.INT4Scheme(False, 16), TARGET, cv.AWQ)
+        qpn_linear_method("x.o_proj", cv.ModuleScheme("int4", symmetric=False, groups=16), TARGET, cv.AWQ)
     # the same class serves the other families, by their scheme
     assert type(qpn_linear_method("x", "NVFP4", TARGET)) is QPNLinearMethod

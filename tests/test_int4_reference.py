@@ -52,11 +52,11 @@ def test_reference_decode_is_the_familys_bit_for_bit(ckpts, name):
 
     ckpt = ckpts / name
     sd = ref.dequantized_state_dict(ckpt)
-    conv, schemes = cv.int4_declared_modules(ckpt)
+    conv, schemes = cv.declared_modules(ckpt)
     assert len(schemes) == 50
     t = load_file(str(ckpt / "model.safetensors"))
     for module, scheme in schemes.items():
-        src = conv.int4_inputs(t, module, scheme)
+        src = conv.inputs(t, module, scheme)
         got = sd[_engine_key(module)]
         assert got.dtype == torch.float32 and torch.equal(got, int4_codec.dequantize(*src)), module
     # everything else is the checkpoint's BF16 tensor in float32, under transformers' names; no MTP

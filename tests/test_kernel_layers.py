@@ -28,7 +28,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("prepack",),                           # the packed-layout base, block reshapes, proofs' helpers
     ("reference", "routes"),                # shared CPU reference helpers, route table
     ("family.codec",),                      # each family's source codec
-    ("family.checkpoint", "family.layout"),  # checkpoint unpackers; fragment maps, packed layout
+    ("family.checkpoint", "family.layout",  # checkpoint unpackers; fragment maps, packed layout;
+     "families.integer"),                   # the loader schema the integer families share
     ("family.numerics", "family.loader"),   # each family's CPU reference and numerics class; its loader schema
     ("families",),                          # the registry: format -> numerics
     ("nvrtc", "sm80_tables"),               # NVRTC; the sm_80+ route -> kernel tables (data)
@@ -123,8 +124,9 @@ def test_no_import_reaches_up_or_across(module):
 @pytest.mark.parametrize("module", sorted(m for m in kernels_modules() if m.count(".") == 2))
 def test_a_family_imports_no_other_family(module):
     family = module.split(".")[1]
+    # the modules of kernels/families/ itself (contract, integer) are shared; the folders are families
     other = [t for _, t in _imports(kernels_modules()[module])
-             if t.startswith("families.") and t.split(".")[1] not in (family, "contract")]
+             if t.startswith("families.") and t.split(".")[1] != family and (FAMILIES / t.split(".")[1]).is_dir()]
     assert not other, f"{module} imports {other}: what families share lives below them (codecs, prepack, ...)"
 
 

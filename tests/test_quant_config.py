@@ -134,9 +134,11 @@ INT4_CLAIMED = {"awq": (_awq, "awq", "AutoAWQConfig"), "gptq": (_gptq, "gptq", "
 
 @pytest.fixture
 def int4_ready(monkeypatch):
-    """As once formats.INT4 is served (another branch flips it): QPN claims INT4 checkpoints."""
-    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (True, ""))
-    monkeypatch.delenv(qpn_config.INT4_SWITCH, raising=False)
+    """Every family ready and its switch unset: QPN claims integer checkpoints (INT4 is served; a
+    staged family such as INT8 before it served would otherwise be left to the engine)."""
+    monkeypatch.setattr(qpn_config, "family_ready", lambda fmt: (True, ""))
+    monkeypatch.delenv("QPN_INT4", raising=False)
+    monkeypatch.delenv("QPN_INT8", raising=False)
 
 
 def _engine_class_claiming(quant_cfg) -> str:
@@ -174,36 +176,44 @@ def test_int4_checkpoints_are_claimed_only_where_the_family_serves_and_qpn_int4_
     assert type(cfg._inner).__name__ == engine_cls
     monkeypatch.setenv("QPN_INT4", "0")
     assert _engine_class_claiming(make()) == engine_cls
-    assert qpn_config.claim_verdict(make())[1] == "QPN_INT4=0 leaves INT4 checkpoints to the engine's own kernels"
+    assert qpn_config.claim_verdict(make())[1] == ("QPN_INT4=0 leaves INT4 W4A16 checkpoints to the engine's own "
+                                                   "kernels")
     monkeypatch.setenv("QPN_INT4", "1")
-    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (False, "INT4 W4A16 not served yet"))
+    monkeypatch.setattr(qpn_config, "family_ready", lambda fmt: (False, "INT4 W4A16 not served yet"))
     assert _engine_class_claiming(make()) == engine_cls
 
 
 def test_int4_family_readiness_is_the_formats_registry():
     from qpn.kernels import formats
 
-    ok, why = qpn_config.int4_ready()
-    assert ok == formats.INT4.served
-    assert ok or "served=False" in why
+    for fmt in (formats.INT4, formats.INT8):
+        ok, why = qpn_config.family_ready(fmt)
+        assert ok == fmt.served
+        assert ok or "served=False" in why
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("off", False), ("yes", True)])
 def test_qpn_int4_switch(value, on):
-    assert qpn_config.int4_switch({"QPN_INT4": value}) is on
-    assert qpn_config.int4_switch({}) is True
+    from qpn.kernels import formats
+
+    assert qpn_config.family_switch(formats.INT4_SYM, {"QPN_INT4": value}) is on
+    assert qpn_config.family_switch(formats.INT8, {"QPN_INT4": value}) is True  # each family its own switch
+    assert qpn_config.family_switch(formats.INT4, {}) is True
 
 
 def test_a_bad_qpn_int4_value_names_the_variable_and_the_fix(monkeypatch):
+    from qpn.kernels import formats
+
     with pytest.raises(qpn_config.NotServed, match=r"QPN_INT4='maybe'.*QPN_INT4=1.*QPN_INT4=0"):
-        qpn_config.int4_switch({"QPN_INT4": "maybe"})
-    monkeypatch.setattr(qpn_config, "int4_ready", lambda: (True, ""))
+        qpn_config.family_switch(formats.INT4, {"QPN_INT4": "maybe"})
+    monkeypatch.setattr(qpn_config, "family_ready", lambda fmt: (True, ""))
     with pytest.raises(qpn_config.NotServed, match="QPN_INT4"):
         qpn_config.claim(_awq(), {"QPN_INT4": "maybe"})
 
 
 @pytest.mark.parametrize("cfg, why", [
-    (_awq(bits=8), "QPN INT4 family is 4-bit"),
+    (_awq(bits=8), "AutoAWQ's GEMM packing is 4-bit"),
+    (_gptq(bits=3), "3-bit integer weights; QPN's integer families are 4-bit and 8-bit"),
     (_awq(group_size=16), "group_size 16"),
     (_gptq(dynamic={r"+:.*down_proj": {"bits": 8}}), "dynamic rule"),
 ])
@@ -218,7 +228,7 @@ def test_a_ct_config_mixing_int4_with_nvfp4_is_not_claimed(int4_ready):
     q = _ct()
     q["config_groups"]["experts"] = {"targets": [r"re:.*experts.*"], **copy.deepcopy(_ct_int4()["config_groups"]["group_0"])}
     convention, why = qpn_config.claim_verdict(q)
-    assert convention is None and "mixing INT4 with other formats" in why
+    assert convention is None and "mixing integer weights with other formats" in why
 
 
 def test_user_choice_and_unserved_checkpoints_are_not_claimed():
@@ -499,7 +509,7 @@ def test_the_name_record_renames_as_the_engine_does_for_every_convention(where):
     asked = {n.func.attr for n in ast.walk(loader) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and ast.unparse(n.func.value) == "quant_config"}
     assert asked == ({"get_cache_scale_mapper", "get_checkpoint_weight_mapper"} if where == "installed" else set())
-    for method in qpn_config.INT4_METHODS:
+    for method in qpn_config.INTEGER_METHODS:
         relfile, cls = _registered_config(resolver, qpn_config.ENGINE_NAMES[method])
         assert (relfile, cls.name) in engine_source.INT4_ENGINE_SITES[method]["config"], (src.key, relfile, cls.name)
         _, owner, fn = resolver.method(relfile, cls, "apply_vllm_mapper")

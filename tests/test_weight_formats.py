@@ -244,8 +244,8 @@ def test_every_modelopt_algo_maps_to_one_format():
 
 def test_every_compressed_tensors_scheme_maps_to_one_format():
     """Each served format is what one compressed-tensors weights scheme declares: NVFP4 and FP8
-    through ct_scheme_of, INT4 (integer weights, pack-quantized) through ct_int4_scheme_of."""
-    from qpn.fork_patches.quant.conventions import ct_int4_scheme_of, ct_scheme_of
+    through ct_scheme_of, the integer families (pack-quantized) too."""
+    from qpn.fork_patches.quant.conventions import ct_scheme_of
 
     cases = {
         NVFP4: {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True},
@@ -255,7 +255,7 @@ def test_every_compressed_tensors_scheme_maps_to_one_format():
         INT4_SYM: {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
     }
     for want, w in cases.items():
-        read = ct_int4_scheme_of(w, "pack-quantized", "test") if w["type"] == "int" else ct_scheme_of(w, None, "test")
+        read = ct_scheme_of(w, "pack-quantized" if w["type"] == "int" else None, "test")
         assert read.format is want
     assert {f for f in cases} == set(WEIGHT_FORMATS)
 

@@ -847,10 +847,14 @@ _ROLE_DTYPE = {"codes": "int32", "zero_points": "int32", "g_idx": "int32", "shap
 
 def _check_int4_weights(conv, found: dict[str, list[dict]], where: str) -> tuple[list[str], list[str]]:
     """(problems, notes) of the parameters one engine method creates against the convention."""
+    from qpn.kernels import formats
+
+    four_bit = formats.members_of(formats.integer_family(4))[0]
     problems, notes = [], []
     required = ("codes", "group_scales", "zero_points")
     for role in ("codes", "group_scales", "zero_points", "g_idx", "shape"):
-        name, dims = getattr(conv.names(), role), getattr(conv.layout, role)
+        # the engines' 4-bit methods pack eight values per int32 word
+        name, dims = getattr(conv.names(four_bit), role), conv.layout.symbols(role, 8)
         if name is None or dims is None:
             continue
         entries = found.get(name)
@@ -875,16 +879,17 @@ def _check_int4_weights(conv, found: dict[str, list[dict]], where: str) -> tuple
 
 
 def verify_int4_conventions(src: EngineSource, conventions=None) -> list[Row]:
-    """Rows proving each INT4 convention (qpn.fork_patches.quant.conventions.INT4_CONVENTIONS) against
+    """Rows proving each integer convention (qpn.fork_patches.quant.conventions.INTEGER_CONVENTIONS), as it
+    stores 4-bit codes, against
     the engine's own source: the tensor names its linear method registers with their dims, dtype
     and packed dim (INT4_ENGINE_SITES "weights"), the config keys its from_config reads (AWQ /
     GPTQ) or the QuantizationArgs fields and group keys its config module reads (compressed-
     tensors), and AutoAWQ's nibble order in the engine's awq_pack. A g_idx the engine does not
     register is noted, not missed (vLLM 0.32 refuses act order instead of loading one)."""
-    from qpn.fork_patches.quant.conventions import INT4_CONVENTIONS
+    from qpn.fork_patches.quant.conventions import INTEGER_CONVENTIONS
 
     rows = []
-    for conv in (conventions or INT4_CONVENTIONS.values()):
+    for conv in (conventions or INTEGER_CONVENTIONS.values()):
         sites = INT4_ENGINE_SITES[conv.name]
         # tensors
         present = [(rel, cls) for rel, cls in sites["weights"] if src.text(rel) is not None]
@@ -935,11 +940,11 @@ def verify_int4_conventions(src: EngineSource, conventions=None) -> list[Row]:
                         "MISS" if problems else "ok", "; ".join(problems) if problems else " | ".join(notes)))
         if conv.name == "awq":
             order = awq_pack_order(src)
-            ok = order == tuple(conv.layout.nibble_order)
+            ok = order == conv.layout.order(8)
             rows.append(Row("int4-awq-nibble-order", "convention", src.key, ":".join(AWQ_ORDER_SITE),
                             "ok" if ok else "MISS",
                             f"vllm/{AWQ_ORDER_SITE[0]} {AWQ_ORDER_SITE[1]} interleaves {order}; the convention "
-                            f"reads {tuple(conv.layout.nibble_order)}"))
+                            f"reads {conv.layout.order(8)}"))
     return rows
 
 

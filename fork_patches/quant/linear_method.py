@@ -43,17 +43,13 @@ from vllm.model_executor.parameter import (
     ChannelQuantScaleParameter,
     GroupQuantScaleParameter,
     ModelWeightParameter,
+    PackedColumnParameter,
     PackedvLLMParameter,
     PerTensorScaleParameter,
     RowvLLMParameter,
 )
 
-from qpn.fork_patches.quant.conventions import (
-    MODELOPT,
-    Convention,
-    INT4Convention,
-    ModuleScheme,
-)
+from qpn.fork_patches.quant.conventions import MODELOPT, Convention, ModuleScheme
 from qpn.fork_patches.route_census.census import CENSUS
 from qpn.kernels import families, formats, prepack
 from qpn.kernels.families.contract import LoadError, StoredTensor
@@ -80,12 +76,16 @@ def _param_class(spec: StoredTensor):
             return RowvLLMParameter, {"input_dim": 0}
         return BasevLLMParameter, {}  # a fixed-size record (compressed-tensors' weight_shape)
     out_dim = next(i for i, s in enumerate(syms) if s.startswith("N"))
-    if syms[1 - out_dim] == "1":  # one value per output row
-        return ChannelQuantScaleParameter, {"output_dim": out_dim}
-    dims = {"input_dim": next(i for i, s in enumerate(syms) if s.startswith("K")), "output_dim": out_dim}
+    k_dims = [i for i, s in enumerate(syms) if s.startswith("K")]
     if spec.packed_factor:
-        packed = next(i for i, s in enumerate(syms) if s.endswith(f"/{spec.packed_factor}"))
-        return PackedvLLMParameter, {**dims, "packed_dim": packed, "packed_factor": spec.packed_factor}
+        packed = {"packed_dim": next(i for i, s in enumerate(syms) if s.endswith(f"/{spec.packed_factor}")),
+                  "packed_factor": spec.packed_factor}
+        if not k_dims:  # packed along the outputs, one entry per row (per-channel zero points)
+            return PackedColumnParameter, {"output_dim": out_dim, **packed}
+        return PackedvLLMParameter, {"input_dim": k_dims[0], "output_dim": out_dim, **packed}
+    if not k_dims:  # one value per output row
+        return ChannelQuantScaleParameter, {"output_dim": out_dim}
+    dims = {"input_dim": k_dims[0], "output_dim": out_dim}
     if "K/g" in syms:
         return GroupQuantScaleParameter, dims
     return ModelWeightParameter, dims
@@ -97,10 +97,10 @@ class QPNLinearMethod(LinearMethodBase):
     and numerics; what differs between checkpoint conventions is the convention object (tensor
     names, stored layout, scale rules).
 
-    ``scheme``: what the config declares for the module (conventions.ModuleScheme, or an INT4Scheme
-    for the integer conventions); its ``format`` is the member the module is served as."""
+    ``scheme``: what the config declares for the module (conventions.ModuleScheme); its ``format``
+    is the member the module is served as."""
 
-    def __init__(self, prefix: str, scheme, backend: str, convention: Convention | INT4Convention | None = None,
+    def __init__(self, prefix: str, scheme, backend: str, convention: Convention | None = None,
                  arch: str = "sm70", atom: str = "m8n8k4", shard_names: list[str] | None = None,
                  declared: list[str] | None = None) -> None:
         self.prefix = prefix
@@ -132,7 +132,8 @@ class QPNLinearMethod(LinearMethodBase):
 
     def where(self) -> str:
         """The module, its convention, format and route family, as every error names them."""
-        group = f", group {self.scheme.group_size}" if self.format.group_sizes else ""
+        g = self.scheme.group_size
+        group = (", per channel" if g == -1 else f", group {g}") if self.format.group_sizes else ""
         return (f"{self.prefix} ({self.convention.name} {self.format.title}{group}, "
                 f"{self.format.method_family} route family)")
 
@@ -376,11 +377,11 @@ def _(x: torch.Tensor, op_id: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], _METHODS[op_id].n))
 
 
-def qpn_linear_method(prefix: str, scheme, target: dict, convention: Convention | INT4Convention | None = None,
+def qpn_linear_method(prefix: str, scheme, target: dict, convention: Convention | None = None,
                       shard_names: list[str] | None = None, declared: list[str] | None = None) -> QPNLinearMethod:
     """The QPN method of one module, for the config side (quant_config, ct_config, qpn_config).
 
-    ``scheme``: a conventions.ModuleScheme (or INT4Scheme) or a format / ModelOpt algo name;
+    ``scheme``: a conventions.ModuleScheme, or a format / ModelOpt algo name;
     ``target``: platform_gate.serving_target() ({"backend", "arch", "atom"}); ``shard_names``: the
     packed_modules_mapping entry of the layer's leaf (fused shards). QPNCheckpointError names the
     module for a scheme its family does not serve."""
@@ -388,7 +389,7 @@ def qpn_linear_method(prefix: str, scheme, target: dict, convention: Convention 
         scheme = ModuleScheme(formats.weight_format(scheme).family)
     fmt = scheme.format
     g = scheme.group_size
-    if fmt.group_sizes and g not in fmt.group_sizes:
+    if fmt.group_sizes and g not in fmt.group_sizes and not (g == -1 and fmt.channel_groups):
         raise QPNCheckpointError(f"{prefix} ({convention.name if convention else 'modelopt'}): group size {g} is "
                                  f"not one the {fmt.title} family packs ({', '.join(map(str, fmt.group_sizes))})")
     return QPNLinearMethod(prefix, scheme, backend=target["backend"], convention=convention,

@@ -48,7 +48,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
 from qpn.fork_patches.route_census.census import CENSUS
-from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, MODELOPT, Convention, is_int4_weights
+from qpn.fork_patches.quant.conventions import COMPRESSED_TENSORS, MODELOPT, Convention, is_integer_weights
 from qpn.fork_patches.quant.linear_method import QPNCheckpointError, _capturing_cuda_graph
 from qpn.kernels import formats
 
@@ -404,7 +404,7 @@ def ct_declared_expert_scheme(quant_config, layer, layer_name: str):
     projs = [getattr(layer, f"ckpt_{p}_proj_name", f"{p}_proj") for p in ("gate", "up", "down")]
     names = [f"{layer_name}.0.{p}" for p in projs]
     dicts = [quant_config.get_scheme_dict(layer, n) for n in names]
-    if all(d is None for d in dicts) or is_int4_weights((dicts[0] or {}).get("weights")):
+    if all(d is None for d in dicts) or is_integer_weights((dicts[0] or {}).get("weights")):
         return None  # unquantized, or INT4 experts: the engine's own MoE method serves them
     if any(d != dicts[0] for d in dicts):
         raise QPNCheckpointError(f"{layer_name}: the experts' gate, up and down declare different schemes "

@@ -10,13 +10,14 @@ modelopt_mixed, awq, gptq, ...), in vLLM 0.32 and 1Cat-vLLM 1.2.2 / 1.3.0 alike
 tests/test_quant_config.py and tests/test_engine_source.py on each engine's real modules).
 
 What it claims (``claim_verdict``): ModelOpt MIXED_PRECISION / NVFP4 / FP8, compressed-tensors
-NVFP4 / FP8, and AWQ, GPTQ and compressed-tensors pack-quantized INT4 W4A16 when the INT4 family
-serves (``int4_served``: ``formats.INT4`` served, and the environment switch ``QPN_INT4`` is not
-0; with ``QPN_INT4=0`` the engine's own INT4 kernels serve those checkpoints). It claims only where
+NVFP4 / FP8, and AWQ, GPTQ and compressed-tensors pack-quantized integer weights (W4A16, W8A16)
+when their integer family serves (``family_served``: the family's members served, and the family's
+environment switch, ``QPN_INT4`` / ``QPN_INT8``, is not 0; at 0 the engine's own kernels serve
+those checkpoints). It claims only where
 the QPN path serves (``platform_gate.serving_target``: the CPU reference on the cpu engine; SM70
 with built kernels; sm_80+ only with QPN_SM80_OPT_IN=1) and never when the user named another
 method; a checkpoint of these conventions in a form QPN does not serve (another ModelOpt algo,
-block FP8, INT4 with group 16, ...) is left to the engine, with a warning that says why.
+block FP8, integers with group 16, ...) is left to the engine, with a warning that says why.
 
 What the class does once it claimed a checkpoint:
 
@@ -81,7 +82,7 @@ logger = logging.getLogger("vllm.qpn.qpn_config")
 
 QPN_NAME = "qpn"
 MIN_CAPABILITY = 70
-INT4_SWITCH = "QPN_INT4"  # 0: the engine's own kernels serve INT4 checkpoints (default 1)
+SWITCH_PREFIX = "QPN_"  # QPN_<FAMILY>=0: the engine's own kernels serve that family's checkpoints (default 1)
 
 # The engine's config class for each convention QPN claims: its registered vLLM name.
 ENGINE_NAMES = {
@@ -92,7 +93,7 @@ ENGINE_NAMES = {
     "awq": "awq",
     "gptq": "gptq",
 }
-INT4_METHODS = ("awq", "gptq")  # conventions whose every quantized module is INT4
+INTEGER_METHODS = ("awq", "gptq")  # conventions whose every quantized module is of an integer family
 
 # The files weight_utils.get_quant_config may read for a "qpn" checkpoint without an embedded
 # quantization_config (see QPNConfig.get_config_filenames).
@@ -109,18 +110,19 @@ class NotServed(ValueError):
     """A checkpoint or setting QPN cannot serve as asked (names the problem and the fix)."""
 
 
-# ------------------------------------------------------------------------------ INT4 readiness
-def int4_switch(environ=None) -> bool:
-    """``QPN_INT4``: 1 (or unset) lets QPN serve INT4 checkpoints, 0 leaves them to the engine."""
-    raw = (os.environ if environ is None else environ).get(INT4_SWITCH, "1")
+# ------------------------------------------------------------------------------ family readiness
+def family_switch(fmt, environ=None) -> bool:
+    """``QPN_<FAMILY>`` (``QPN_INT4``, ``QPN_INT8``): 1 (or unset) lets QPN serve the family's
+    checkpoints, 0 leaves them to the engine's own kernels."""
+    var = SWITCH_PREFIX + fmt.family.upper()
+    raw = (os.environ if environ is None else environ).get(var, "1")
     value = str(raw).strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise NotServed(f"{INT4_SWITCH}={raw!r} is not a switch value; set {INT4_SWITCH}=1 (QPN serves AWQ, "
-                    f"GPTQ and compressed-tensors INT4 checkpoints, the default) or {INT4_SWITCH}=0 (the "
-                    "engine's own INT4 kernels serve them)")
+    raise NotServed(f"{var}={raw!r} is not a switch value; set {var}=1 (QPN serves {fmt.title} checkpoints, "
+                    f"the default) or {var}=0 (the engine's own kernels serve them)")
 
 
 def family_ready(fmt) -> tuple[bool, str]:
@@ -142,18 +144,12 @@ def family_ready(fmt) -> tuple[bool, str]:
     return True, ""
 
 
-def int4_ready() -> tuple[bool, str]:
-    """family_ready for the family the AWQ, GPTQ and pack-quantized conventions hand out."""
-    from qpn.kernels import formats
-
-    return family_ready(formats.INT4)
-
-
-def int4_served(environ=None) -> tuple[bool, str]:
-    """(True, '') when QPN claims INT4 checkpoints: the family is ready and ``QPN_INT4`` is not 0."""
-    if not int4_switch(environ):
-        return False, f"{INT4_SWITCH}=0 leaves INT4 checkpoints to the engine's own kernels"
-    return int4_ready()
+def family_served(fmt, environ=None) -> tuple[bool, str]:
+    """(True, '') when QPN claims checkpoints of ``fmt``'s family: it is ready and its switch is on."""
+    if not family_switch(fmt, environ):
+        return False, (f"{SWITCH_PREFIX}{fmt.family.upper()}=0 leaves {fmt.title} checkpoints to the engine's "
+                       "own kernels")
+    return family_ready(fmt)
 
 
 # ------------------------------------------------------------------------------ the claim
@@ -171,7 +167,7 @@ def claim_verdict(hf_quant_cfg: Any, environ=None) -> tuple[str | None, str]:
     """(convention key of ENGINE_NAMES, '') for a checkpoint QPN serves; (None, why) for one of a
     convention QPN claims in a form it does not serve; (None, '') for any other checkpoint.
     Platform-independent (``override_quantization_method`` adds the platform); ``environ`` is
-    where ``QPN_INT4`` is read (default os.environ)."""
+    where the families' switches (``QPN_INT4``, ...) are read (default os.environ)."""
     if not isinstance(hf_quant_cfg, dict):
         return None, ""
     method = str(hf_quant_cfg.get("quant_method", "")).lower()
@@ -188,18 +184,17 @@ def claim_verdict(hf_quant_cfg: Any, environ=None) -> tuple[str | None, str]:
                       f"{', '.join(MODELOPT_SINGLE)}")
     from qpn.fork_patches.quant import conventions
 
-    int4 = conventions.int4_convention_of(hf_quant_cfg)
-    if int4 is not None:
-        ok, why = int4_served(environ)
-        if not ok:
-            return None, why
+    integer = conventions.integer_convention_of(hf_quant_cfg)
+    if integer is not None:
         try:
-            if int4.declared_by == "config_groups":
-                conventions.ct_int4_group_schemes(hf_quant_cfg)
-            else:
-                int4.scheme(hf_quant_cfg)
+            schemes = (list(conventions.integer_group_schemes(hf_quant_cfg).values())
+                       if integer.declared_by == "config_groups" else [integer.scheme(hf_quant_cfg)])
         except conventions.ConventionError as e:
             return None, str(e)
+        for fmt in dict.fromkeys(s.format for s in schemes):
+            ok, why = family_served(fmt, environ)
+            if not ok:
+                return None, why
         return method, ""
     if method == "compressed-tensors":
         try:
@@ -401,10 +396,10 @@ def qpn_method(config, layer, prefix: str, target: dict):
         if convention == "compressed-tensors":
             return moe_method.qpn_ct_moe_method_for(inner, layer, prefix, target["backend"])
         if convention == "gptq" and config.raw.get("sym") is False:
-            raise NotServed(f"{prefix}: asymmetric GPTQ experts (sym false): QPN has no INT4 MoE kernels and "
+            raise NotServed(f"{prefix}: asymmetric GPTQ experts (sym false): QPN has no integer MoE kernels and "
                             "the engine's GPTQ MoE methods have none for zero points; fix: serve a symmetric "
                             "GPTQ or an AWQ / compressed-tensors export of the model")
-        return None  # AWQ / GPTQ experts: QPN has no INT4 MoE kernels, the engine's method serves them
+        return None  # AWQ / GPTQ experts: QPN has no integer MoE kernels, the engine's method serves them
     if not isinstance(layer, (LinearBase, ParallelLMHead)):
         return None
     if convention == "modelopt_mixed":
@@ -426,26 +421,26 @@ def qpn_method(config, layer, prefix: str, target: dict):
         from qpn.fork_patches.quant import ct_config
 
         return ct_config.qpn_method_for(inner, layer, prefix, target)
-    if convention in INT4_METHODS:
-        return int4_linear_method(config, layer, prefix, target)
+    if convention in INTEGER_METHODS:
+        return integer_linear_method(config, layer, prefix, target)
     raise NotServed(f"{prefix}: qpn claimed a checkpoint of convention {convention!r}, which it has no "
                     "method for (qpn.fork_patches.quant.qpn_config.qpn_method)")
 
 
-def int4_linear_method(config, layer, prefix: str, target: dict):
-    """The QPN4 method of an AWQ / GPTQ linear layer; UnquantizedLinearMethod where the config
+def integer_linear_method(config, layer, prefix: str, target: dict):
+    """The QPN method of an AWQ / GPTQ linear layer; UnquantizedLinearMethod where the config
     leaves it unquantized, None for an lm_head the config does not quantize (the engine's). Which
     modules are unquantized: the engine config's own lists (renamed to the engine's names, and
     read from the safetensors metadata by its maybe_update_config where the config has none),
-    by the engines' rules (conventions.INT4Convention.excluded); every shard of a fused module
+    by the engines' rules (conventions.Convention.excluded); every shard of a fused module
     must agree."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from qpn.fork_patches.quant.conventions import INT4_CONVENTIONS
+    from qpn.fork_patches.quant.conventions import CONVENTIONS
     from qpn.fork_patches.quant.linear_method import QPNCheckpointError, qpn_linear_method
 
-    inner, conv = config._inner, INT4_CONVENTIONS[config.convention]
+    inner, conv = config._inner, CONVENTIONS[config.convention]
     if isinstance(layer, ParallelLMHead) and not getattr(inner, "lm_head_quantized", False):
         return None
     proj = prefix.rsplit(".", 1)[-1]
@@ -525,10 +520,9 @@ def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
     """Put in the census every module the served folder's checkpoint declares quantized, with the
     engine's name for it, so that the qpn_routes gate can require each one on a QPN route (the
     census's per-module ``declared`` lists carry engine names). The modules are those the
-    launcher reads (boot_gates.declared_modules): an INT4 checkpoint's
-    (``conventions.int4_declared_modules``: AWQ's and GPTQ's modules holding codes less the
-    config's skips, pack-quantized's config_groups targets less ignore), else
-    ``conventions.declared_modules`` (compressed-tensors NVFP4 / FP8). The engine's config does
+    launcher reads (boot_gates.declared_modules, ``conventions.declared_modules``: AWQ's and GPTQ's
+    modules holding codes less the config's skips, compressed-tensors' config_groups targets less
+    ignore). The engine's config does
     not keep the mapper it renamed its names with; the model class it builds does, whatever the
     quantization, and the engine loads each checkpoint tensor under the name that mapper gives it
     (a quant config's own mappers touch scale and g_idx suffixes only; tests/test_quant_config.py
@@ -544,8 +538,7 @@ def record_checkpoint_modules(vllm_config) -> dict[str, str | None] | None:
         return None
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    int4 = conventions.detect_int4(path) is not None
-    _, declared = (conventions.int4_declared_modules if int4 else conventions.declared_modules)(path)
+    _, declared = conventions.declared_modules(path)
     model_class, _ = get_model_architecture(model_config)
     names = engine_module_names(model_class, list(declared))
     CENSUS.set_checkpoint_modules(names)

@@ -121,24 +121,23 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 def checkpoint_modules(ckpt: str, quantized_layers: dict, convention=None) -> list[Module]:
     """The quantized modules of a checkpoint as vLLM fuses them, from its declared modules and
-    the safetensors headers (NVFP4 codes hold K/2 bytes per row, FP8 K; an INT4 convention's
+    the safetensors headers (NVFP4 codes hold K/2 bytes per row, FP8 K; an integer convention's
     layout says which axis of its int32 codes is N or K). ``quantized_layers``: {module:
-    ModuleScheme or INT4Scheme} with the ``convention`` that named its codes tensor
+    ModuleScheme} with the ``convention`` that named its codes tensor
     (qpn.fork_patches.quant.conventions; the launcher's boot_gates.declared_modules), or ModelOpt's
     own {module: {quant_algo, ...}} map (codes in ``weight``)."""
-    from qpn.fork_patches.quant.conventions import INT4Convention
+    from qpn.fork_patches.quant.conventions import values_per_word
 
     shapes = _headers(ckpt)
     fused: dict[str, dict] = {}
-    int4 = isinstance(convention, INT4Convention)
     for name, entry in sorted(quantized_layers.items()):
-        group, per_word = None, 1
-        if int4:  # a conventions.INT4Scheme: the group size is the checkpoint's
-            fmt, codes = entry.format, convention.names(entry.format).codes
-            group, per_word = entry.group_size, 8 if convention.packs_outputs(entry) else 1
-        elif hasattr(entry, "format"):  # a conventions.ModuleScheme
+        group, per_word, layout = None, 1, None
+        if hasattr(entry, "format"):  # a conventions.ModuleScheme
             fmt = entry.format
             codes = convention.names(fmt).codes if convention is not None else "weight"
+            if fmt.code_type == "int":  # the group size is the checkpoint's; the layout packs words
+                layout, p = convention.layout, values_per_word(fmt)
+                group, per_word = entry.group_size, p if convention.packs_outputs(entry) else 1
         else:
             algo = str(entry.get("quant_algo", "") if isinstance(entry, dict) else entry).upper()
             fmt, codes = formats.find_format(algo), "weight"
@@ -146,7 +145,7 @@ def checkpoint_modules(ckpt: str, quantized_layers: dict, convention=None) -> li
         if fmt is None or shape is None or len(shape) != 2:
             continue  # experts stacked elsewhere, or not a linear weight: vLLM reports those
         region = fmt.family
-        n, k = convention.layout.n_k(shape) if int4 else (int(shape[0]), int(shape[1]) * fmt.codes_per_byte)
+        n, k = layout.n_k(shape, p) if layout else (int(shape[0]), int(shape[1]) * fmt.codes_per_byte)
         base, _, leaf = name.rpartition(".")
         target, index = _FUSED.get(leaf, (leaf, 0))
         key = f"{base}.{target}" if base else target

@@ -25,6 +25,16 @@ class ContractError(TypeError):
     """A family package whose numerics class does not implement kernels/families/contract.py."""
 
 
+# an integer family's g_idx that reorders inputs within groups (kernels/weight_format.py)
+ActOrder = formats.ActOrderError
+
+
+def members_module(family: str):
+    """kernels/families/<family>/members.py (torch-free data: the members and what the family's
+    checkpoints store, STORED_DTYPES where it has integer conventions)."""
+    return importlib.import_module(f"{__name__}.{family}.members")
+
+
 @lru_cache(maxsize=None)
 def numerics_class(family: str) -> type:
     """The class implementing the contract for ``family``: ``NUMERICS`` of its numerics module,

@@ -131,6 +131,9 @@ class StoredTensor:
             else:
                 axis, _, div = sym.partition("/")
                 size = {"N": n, "K": k}[axis]
+                if div == "g" and g <= 0:  # one group spanning every input (per channel)
+                    out.append(1)
+                    continue
                 d = g if div == "g" else int(div or 1)
                 out.append(-(-size // d))
         return tuple(out)

@@ -13,7 +13,7 @@ scale rounded first); ``lm_head``, the embeddings, norms, the GDN convolution an
 ``in_proj_b/in_proj_a`` and the MTP head stay BF16 (AutoAWQ never quantizes lm_head;
 llm-compressor's W4A16 recipes ignore it). The canonical source (codes, float16 scales, uint4
 zero points) is written in the convention's layout (qpn.fork_patches.quant.conventions.AWQ / GPTQ /
-CT_PACK_QUANTIZED name the tensors and their shapes):
+COMPRESSED_TENSORS name the tensors and their shapes):
 
 * ``--convention awq`` (AutoAWQ GEMM, asymmetric): ``qweight`` int32 [K, N/8] and ``qzeros``
   int32 [K/g, N/8], eight output columns per word in AutoAWQ's order (nibble j holds column
@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from qpn.fork_patches.quant.conventions import AWQ, CT_PACK_QUANTIZED, GPTQ, INT4_CONVENTIONS
+from qpn.fork_patches.quant.conventions import AWQ, COMPRESSED_TENSORS, GPTQ, INTEGER_CONVENTIONS
 from qpn.kernels import formats
 from qpn.kernels.families.int4 import codec as int4_codec
 from qpn.scripts.checkpoints import make_checkpoint, tiny_hybrid, tiny_tokenizer
@@ -122,8 +122,8 @@ def to_awq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> di
     """Canonical INT4 (codes uint8 [N, K/2], float16 scales [N, K/g], zero points uint8 [N, K/g])
     -> AutoAWQ GEMM {qweight, qzeros, scales}."""
     q = int4_codec.unpack_codes(codes)
-    order = AWQ.layout.nibble_order
-    n = AWQ.names()
+    order = AWQ.layout.order(8)
+    n = AWQ.names(formats.INT4)
     return {n.codes: pack_nibbles(q.t(), 1, order), n.zero_points: pack_nibbles(zeros.t(), 1, order),
             n.group_scales: scales.t().contiguous()}
 
@@ -141,7 +141,7 @@ def to_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
     if int(stored.min()) < 0:
         raise ValueError(f"{module or 'module'}: zero point 0 cannot be stored in GPTQ's v1 format (zero - 1 "
                          "= -1); write --checkpoint-format gptq_v2")
-    n = GPTQ.names()
+    n = GPTQ.names(formats.INT4)
     k = q.shape[1]
     return {n.codes: pack_nibbles(q.t(), 0), n.zero_points: pack_nibbles(stored.t(), 1),
             n.group_scales: scales.t().contiguous(),
@@ -152,7 +152,7 @@ def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     """Canonical INT4 -> compressed-tensors pack-quantized {weight_packed, weight_scale,
     weight_shape[, weight_zero_point]} (the unsigned code is the library's signed value + 8)."""
     q = int4_codec.unpack_codes(codes)
-    n = CT_PACK_QUANTIZED.names()
+    n = COMPRESSED_TENSORS.names(formats.INT4)
     out = {n.codes: pack_nibbles(q, 1), n.group_scales: scales.contiguous(),
            n.shape: torch.tensor(list(q.shape), dtype=torch.int64)}
     if zeros is not None:
@@ -222,7 +222,7 @@ def _break(kind: str, convention: str, tensors: dict[str, torch.Tensor], group_s
     """Apply a malformed variant to the tensors (all but 'truncated', which cuts the file after it
     is written); returns the tensor broken."""
     bad = MALFORMED[kind]
-    names = INT4_CONVENTIONS[convention].names()
+    names = INTEGER_CONVENTIONS[convention].names(formats.INT4)
     if kind == "truncated":
         return None
     name = f"{bad.module}.{getattr(names, bad.tensor)}"
@@ -230,7 +230,7 @@ def _break(kind: str, convention: str, tensors: dict[str, torch.Tensor], group_s
         del tensors[name]
     elif kind == "wrong-shape":  # one scale per 2g inputs: half the groups
         s = tensors[name]
-        axis = INT4_CONVENTIONS[convention].layout.group_scales.index("K/g")
+        axis = INTEGER_CONVENTIONS[convention].layout.group_scales.index("K/g")
         tensors[name] = s.narrow(axis, 0, s.shape[axis] // 2).contiguous()
     elif kind == "wrong-dtype":
         tensors[name] = tensors[name].to(torch.int64)
@@ -256,8 +256,8 @@ def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", se
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    if convention not in INT4_CONVENTIONS:
-        raise ValueError(f"unknown convention {convention!r}; choose {', '.join(INT4_CONVENTIONS)}")
+    if convention not in INTEGER_CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}; choose {', '.join(INTEGER_CONVENTIONS)}")
     if checkpoint_format is not None and convention != GPTQ.name:
         raise ValueError(f"--checkpoint-format is GPTQ's (gptq | gptq_v2); {convention} has none")
     checkpoint_format = checkpoint_format or GPTQ_FORMATS[0]
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qpn.scripts.checkpoints.make_int4_checkpoint",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="folder to create (must not exist)")
-    p.add_argument("--convention", choices=list(INT4_CONVENTIONS), default=AWQ.name,
+    p.add_argument("--convention", choices=list(INTEGER_CONVENTIONS), default=AWQ.name,
                    help="checkpoint layout: AutoAWQ GEMM (default), GPTQ or compressed-tensors pack-quantized")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=formats.INT4.group_sizes,

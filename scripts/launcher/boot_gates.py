@@ -152,16 +152,13 @@ def declared_modules(ckpt: str) -> tuple[object | None, dict]:
     ``quantized_layers``; compressed-tensors ``config_groups`` targets less ``ignore``, matched on
     the module names of the safetensors headers, a class target such as ``Linear`` expanded over
     the modules that hold its scheme's codes). Names the config lists itself come first, in its
-    order (the order the engine keeps its renamed copy of ModelOpt's map in). An INT4 W4A16
-    checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized: conventions.detect_int4) gives its
-    INT4Convention and {module: INT4Scheme} (conventions.int4_declared_modules). (None, {}) when
-    the folder carries no quantization config of a known convention; a scheme QPN does not serve
-    raises ConventionError naming the config group (the preflight refuses on it)."""
+    order (the order the engine keeps its renamed copy of ModelOpt's map in); AWQ / GPTQ: the
+    modules holding codes less the config's skips. (None, {}) when the folder carries no
+    quantization config of a known convention; a scheme QPN does not serve raises ConventionError
+    naming the config group (the preflight refuses on it)."""
     from qpn.fork_patches.quant import conventions
 
     try:
-        if conventions.detect_int4(ckpt) is not None:
-            return conventions.int4_declared_modules(ckpt)
         conventions.detect(ckpt)
     except (conventions.ConventionError, OSError, ValueError):
         return None, {}
@@ -169,17 +166,17 @@ def declared_modules(ckpt: str) -> tuple[object | None, dict]:
 
 
 def declared_regions(quant_config: dict | None) -> set[str]:
-    """Regions (format families: 'nvfp4', 'fp8', 'int4') the checkpoint's quantization config
-    declares (ModelOpt ``quantized_layers``, compressed-tensors ``config_groups``, AWQ / GPTQ:
-    qpn.fork_patches.quant.conventions). An INT4 config QPN does not serve declares none (the preflight
-    refuses it, or the engine's own INT4 kernels serve it)."""
+    """Regions (format families: 'nvfp4', 'fp8', the integer families) the checkpoint's
+    quantization config declares (ModelOpt ``quantized_layers``, compressed-tensors
+    ``config_groups``, AWQ / GPTQ: qpn.fork_patches.quant.conventions). An integer config QPN does
+    not serve declares none (the preflight refuses it, or the engine's own kernels serve it)."""
     from qpn.fork_patches.quant import conventions
 
-    int4 = conventions.int4_convention_of(quant_config)
-    if int4 is not None:
+    integer = conventions.integer_convention_of(quant_config)
+    if integer is not None:
         try:
-            schemes = (conventions.ct_int4_group_schemes(quant_config).values()
-                       if int4.declared_by == "config_groups" else [int4.scheme(quant_config)])
+            schemes = (conventions.integer_group_schemes(quant_config).values()
+                       if integer.declared_by == "config_groups" else [integer.scheme(quant_config)])
         except conventions.ConventionError:
             return set()
         return {s.format.family for s in schemes}

@@ -14,6 +14,7 @@ import shutil
 import socket
 import struct
 import subprocess
+from pathlib import Path
 
 # The checkpoint the seed's figures describe (seed 000, Quick start): any other revision is a
 # different set of weights.
@@ -230,55 +231,66 @@ def check_gpus_free(nvidia_smi: str = "nvidia-smi", visible: str | None = None) 
 
 
 def check_checkpoint_tensors(ckpt: str, environ=None) -> str:
-    """Refuse an INT4 checkpoint (AutoAWQ, GPTQ, compressed-tensors pack-quantized:
-    qpn.fork_patches.quant.conventions.detect_int4) that is not whole, before any engine starts: a
-    truncated or corrupt safetensors file, a config QPN's INT4 family does not serve (bits,
-    group size), a declared module whose codes, scales or zero points are missing or of the wrong
-    dtype or shape, an activation-ordered g_idx (conventions.int4_checkpoint_problems). Every line
-    names the module. Other checkpoints pass untouched (their modules are checked by the loader).
-    ``environ``: where ``QPN_INT4`` is read (default os.environ); a value that is not a switch is
-    refused."""
+    """Refuse an integer checkpoint (AutoAWQ, GPTQ, compressed-tensors pack-quantized:
+    qpn.fork_patches.quant.conventions.integer_convention_of) that is not whole, before any engine
+    starts: a truncated or corrupt safetensors file, a config QPN's integer families do not serve
+    (bits, group size), a declared module whose codes, scales or zero points are missing or of the
+    wrong dtype or shape, an activation-ordered g_idx (conventions.integer_checkpoint_problems).
+    Every line names the module. Other checkpoints pass untouched (their modules are checked by the
+    loader). ``environ``: where the families' switches (``QPN_INT4``, ``QPN_INT8``) are read
+    (default os.environ); a value that is not a switch is refused."""
     from qpn.fork_patches.quant import conventions
 
     try:
-        found = conventions.detect_int4(ckpt)
-    except (OSError, ValueError):
-        return "no INT4 checkpoint"
-    if found is None:
-        return "no INT4 checkpoint"
-    # Where QPN does not claim INT4 (QPN_INT4=0, or the family not ready: qpn_config.int4_ready) the engine's own INT4
-    # kernels serve these checkpoints: only damage (a truncated or corrupt file) is refused then, not
-    # what QPN's INT4 family would not serve.
+        q = json.loads((Path(ckpt) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return "no integer checkpoint"
+    convention = conventions.integer_convention_of(q)
+    if convention is None:
+        return "no integer checkpoint"
     try:
-        from qpn.fork_patches.quant.qpn_config import NotServed, int4_served
+        schemes = (list(conventions.integer_group_schemes(q).values()) if convention.declared_by == "config_groups"
+                   else [convention.scheme(q)])
+    except conventions.ConventionError:
+        schemes = []  # a config QPN does not serve: integer_checkpoint_problems names it
+    title = " / ".join(dict.fromkeys(s.format.title for s in schemes)) or "integer"
+    # Where QPN does not claim the family (its QPN_<FAMILY>=0, or the family not ready:
+    # qpn_config.family_ready) the engine's own kernels serve these checkpoints: only damage (a
+    # truncated or corrupt file) is refused then, not what QPN's family would not serve.
+    ours, why = True, ""
+    try:
+        from qpn.fork_patches.quant.qpn_config import NotServed, family_served
     except ImportError as exc:
         ours, why = False, f"qpn_config does not import here ({exc})"
     else:
-        try:
-            ours, why = int4_served(environ)
-        except NotServed as exc:
-            raise Refusal(str(exc)) from None
+        for fmt in dict.fromkeys(s.format for s in schemes):
+            try:
+                ok, reason = family_served(fmt, environ)
+            except NotServed as exc:
+                raise Refusal(str(exc)) from None
+            if not ok:
+                ours, why = False, reason
     try:
-        problems = (conventions.int4_checkpoint_problems(ckpt) if ours
+        problems = (conventions.integer_checkpoint_problems(ckpt) if ours
                     else conventions.safetensors_problems(ckpt))
     except (OSError, ValueError) as exc:
         problems = [f"cannot read the checkpoint's tensors: {exc}"]
     if problems:
         more = f"\n  (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise Refusal(f"{ckpt} ({found[0].name} INT4) cannot be served as stored:\n  "
+        raise Refusal(f"{ckpt} ({convention.name} {title}) cannot be served as stored:\n  "
                       + "\n  ".join(problems[:8]) + more
-                      + "\nRe-download the checkpoint (a truncated or corrupt file), or re-export it without "
-                        "what the INT4 family does not serve")
-    return f"{found[0].name} INT4 tensors whole" + ("" if ours else f"; left to the engine's INT4 kernels ({why})")
+                      + f"\nRe-download the checkpoint (a truncated or corrupt file), or re-export it without "
+                        f"what the {title} family does not serve")
+    return f"{convention.name} {title} tensors whole" + ("" if ours else f"; left to the engine's kernels ({why})")
 
 
 def check_tp_split(ckpt: str, tp: int | None, environ=None) -> str:
     """Refuse a checkpoint whose quantized modules cannot be split over ``tp`` ranks with whole
     NVFP4 groups and whole k-blocks per rank (qpn.fork_patches.quant.tp_sharding), naming the module.
     The modules are those the checkpoint's convention declares (boot_gates.declared_modules:
-    ModelOpt or compressed-tensors alike). First, at any TP, an INT4 checkpoint's tensors must
-    be whole (``check_checkpoint_tensors``, ``environ`` its QPN_INT4): the split is planned from the
-    same headers."""
+    every convention alike). First, at any TP, an integer checkpoint's tensors must be whole
+    (``check_checkpoint_tensors``, ``environ`` its families' switches): the split is planned from
+    the same headers."""
     check_checkpoint_tensors(ckpt, environ)
     if not tp or tp <= 1:
         return "single rank"

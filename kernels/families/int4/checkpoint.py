@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ...weight_format import FormatError, WeightFormat, require
+from ...weight_format import ActOrderError, FormatError, WeightFormat, require
 from .codec import pack_codes
 from .members import INT4, INT4_SYM
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)         # AutoAWQ: nibble j of an int32 holds column 8c + AWQ_ORDER[j]
-
-
-class ActOrderError(FormatError):
-    """A GPTQ / compressed-tensors g_idx that reorders inputs within groups (desc_act): the
-    kernels read inputs in checkpoint order, so such a weight cannot be served as stored."""
 
 
 def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:

@@ -17,13 +17,13 @@ INT4 = WeightFormat(
     key="int4", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16", group_sizes=GROUP_SIZES,
-    scale_dtype="float16", kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(), decoder="DecINT4")
+    scale_dtype="float16", kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(), decoder="DecINT4", code_type="int")
 INT4_SYM = WeightFormat(
     key="int4_sym", family="int4", route_prefix="qpn4", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=2,
     group_size=128, output_scale="none", title="INT4 W4A16 symmetric", group_sizes=GROUP_SIZES,
     scale_dtype="float16", kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(), kernel_tag="sym",
-    decoder="DecINT4Sym")
+    decoder="DecINT4Sym", code_type="int")
 
 MEMBERS = (INT4, INT4_SYM)
 RANK = 2

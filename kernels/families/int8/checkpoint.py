@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ...weight_format import FormatError, WeightFormat, require
+from ...weight_format import ActOrderError, FormatError, WeightFormat, require
 from .members import CHANNEL, INT8, INT8_SYM
-
-
-class ActOrderError(FormatError):
-    """A GPTQ / compressed-tensors g_idx that reorders inputs within groups (desc_act): the
-    kernels read inputs in checkpoint order, so such a weight cannot be served as stored."""
 
 
 def _bytes(words: torch.Tensor, dim: int) -> torch.Tensor:

@@ -42,13 +42,18 @@ INT8 = WeightFormat(
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=1,
     group_size=128, output_scale="none", title="INT8 W8A16", group_sizes=GROUP_SIZES,
     scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(),
-    decoder="DecINT8")
+    decoder="DecINT8", code_type="int", channel_groups=True)
 INT8_SYM = WeightFormat(
     key="int8_sym", family="int8", route_prefix="qpn8i", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=1,
     group_size=128, output_scale="none", title="INT8 W8A16 symmetric", group_sizes=GROUP_SIZES,
     scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(),
-    kernel_tag="sym", decoder="DecINT8Sym")
+    kernel_tag="sym", decoder="DecINT8Sym", code_type="int", channel_groups=True)
 
 MEMBERS = (INT8, INT8_SYM)
 RANK = 3
+
+# The safetensors dtypes a checkpoint stores each role in (the conventions' header checks before
+# boot; the loader registers and checks the loaded tensors by the same table).
+STORED_DTYPES = {"codes": ("I32",), "zero_points": ("I32",), "g_idx": ("I32",), "shape": ("I64",),
+                 "group_scales": ("F16", "BF16", "F32")}

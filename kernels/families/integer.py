@@ -1,0 +1,189 @@
+"""The loader schema every integer family shares (each family's loader.py builds one with its code
+width, unpackers and codec): unsigned codes of ``bits`` bits that AWQ, GPTQ and compressed-tensors
+pack-quantized store p = 32 / bits to an int32 word, float16 group scales (one per output row for a
+per-channel scheme) and, asymmetric, zero points packed like the codes.
+
+What a module stores is the convention's tensors as stored, placed by its layout (which axis is N or
+K, which one is packed p per int32, which one holds one entry per group: ``convention.layout``,
+symbols of contract.StoredTensor). A symmetric GPTQ checkpoint still carries qzeros (unread), and
+GPTQ a trivial g_idx: every tensor the convention may store is registered, so that the engine's
+loader finds a parameter for each; ``convention.roles(scheme)`` says which are required. Scales are
+registered in float32 (any fp16 / bf16 / fp32 checkpoint value fits exactly) and refused as they
+load if float16, which the kernels read, cannot hold them.
+
+Sources: the convention's unpacker (the family's checkpoint.py) makes the canonical source; written
+back in the convention's layout it must equal the loaded words, so a misread word order or zero
+point refuses the module. Each fused shard's g_idx (this rank's slice) then moves its group scales
+(the family's apply_g_idx; an act-ordered map is refused). One piece.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..weight_format import FormatError
+from .contract import LoadError, StoredTensor
+
+_TORCH_DTYPE = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F32": torch.float32}
+_REGISTERED = {"codes": torch.int32, "zero_points": torch.int32, "g_idx": torch.int32, "shape": torch.int64,
+               "group_scales": torch.float32}
+
+
+def pack_words(values: torch.Tensor, dim: int, order, bits: int) -> torch.Tensor:
+    """Integer values -> int32 words of p = 32 / bits along ``dim``, value j of a word = element
+    p*c + order[j] in bits bits*j ..: a convention's own packing, so the loaded words can be
+    compared with what is served."""
+    p = 32 // bits
+    v = values.to(torch.int64)
+    if dim == 0:
+        return pack_words(v.t(), 1, order, bits).t().contiguous()
+    rows, cols = v.shape
+    if cols % p:
+        v = torch.cat([v, v.new_zeros(rows, -cols % p)], 1)
+    v = v.view(rows, -1, p)
+    word = torch.zeros(v.shape[:2], dtype=torch.int64, device=v.device)
+    for j, src in enumerate(order):
+        word |= v[:, :, src] << (bits * j)
+    return (word - ((word >> 31) << 32)).to(torch.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class IntegerLoader:
+    bits: int                                         # code width
+    checkpoint: object                                # the family's checkpoint.py (unpackers, apply_g_idx)
+    to_values: Callable[[torch.Tensor], torch.Tensor]  # canonical codes -> one integer per input [N, K]
+    stored_dtypes: dict                               # {role: safetensors dtypes}, the family's members.py
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
+
+    def _symbols(self, convention, role: str, scheme) -> tuple[str, ...]:
+        syms = convention.layout.symbols(role, self.per_word)
+        # per channel: one scale (and zero point) per output row, not split with the inputs
+        return tuple("1" if s == "K/g" else s for s in syms) if scheme.group_size == -1 else syms
+
+    def stored(self, names, convention, scheme) -> tuple[StoredTensor, ...]:
+        required = convention.roles(scheme)
+        out = []
+        for role, name in names.roles().items():
+            syms = self._symbols(convention, role, scheme)
+            packed = _REGISTERED[role] is torch.int32 and any(s.endswith(f"/{self.per_word}") for s in syms)
+            out.append(StoredTensor(role, name, syms, _REGISTERED[role],
+                                    tuple(_TORCH_DTYPE[d] for d in self.stored_dtypes[role]),
+                                    required=required.get(role, False), scale=role == "group_scales",
+                                    packed_factor=self.per_word if packed else 0))
+        return tuple(out)
+
+    def geometry_problem(self, parts, k, k_full, convention, scheme):
+        g, p = scheme.group_size, self.per_word
+        title = scheme.format.title
+        if g > 0 and k % g:
+            if k != k_full:
+                tp = k_full // k if k else 0
+                fits = [t for t in range(1, 9) if k_full % t == 0 and (k_full // t) % g == 0]
+                return (f"row-parallel K={k_full} split over TP={tp} gives {k} inputs per rank, which breaks the "
+                        f"{title} groups of {g} inputs (one scale{'' if scheme.symmetric else ' and zero point'} "
+                        f"per group); fix: serve at a TP size that keeps whole groups (TP in {fits}) or use a "
+                        f"checkpoint quantized with a group size that divides {k}")
+            return f"K={k} input features is not a multiple of the group size {g}"
+        if k % p and any(s.startswith("K/") and s != "K/g" for s in convention.layout.codes):
+            return f"K={k} input features is not a multiple of {p}, the {title} codes per int32 word"
+        if convention.packs_outputs(scheme):
+            for idx, rows in enumerate(parts):
+                if rows % p:
+                    return (f"output shard {idx} has {rows} rows on this rank; {convention.name} packs {p} "
+                            f"output rows per int32 word, so every shard on every rank needs a multiple of "
+                            f"{p} rows (fix: a TP size that keeps it)")
+        return None
+
+    def value_problem(self, spec, t, rows, k_full, convention, scheme, module):
+        if spec.role == "shape" and [int(v) for v in t.reshape(-1)] != [rows, k_full]:
+            return (f"says the module is {[int(v) for v in t.reshape(-1)]}, the layer expects [{rows}, {k_full}] "
+                    "for this shard")
+        if spec.role == "g_idx":
+            try:
+                convention.check_g_idx(module, t, k_full, scheme)
+            except ValueError as e:
+                return str(e)
+        if spec.role == "group_scales" and not bool((t.to(torch.float16).to(t.dtype) == t).all()):
+            return (f"({t.dtype}) holds values float16 cannot represent exactly; the {scheme.format.title} "
+                    "kernels read float16 scales and would change the weights")
+        return None
+
+    # ------------------------------------------------------------------------- unpacking
+    def unpack(self, unpacker: str, t: dict, scheme, module: str) -> tuple:
+        """The canonical source from a module's tensors by role, by the convention's unpacker of
+        the family's checkpoint.py; FormatError (ActOrderError for an act-ordered g_idx) names
+        the problem."""
+        fn = getattr(self.checkpoint, unpacker, None)
+        if fn is None:
+            raise FormatError(f"{scheme.format.title} has no {unpacker} unpacker: this convention does not "
+                              "store the family")
+        g = scheme.group_size
+        if unpacker == "from_awq":
+            return fn(t["codes"], t["zero_points"], t["group_scales"], g)
+        if unpacker == "from_gptq":
+            return fn(t["codes"], t.get("zero_points"), t["group_scales"], t.get("g_idx"), g, scheme.symmetric,
+                      v2=scheme.zero_offset == 0, module=module)
+        return fn(t["codes"], t["group_scales"], None if scheme.symmetric else t["zero_points"], g,
+                  g_idx=t.get("g_idx"), module=module)
+
+    def check_g_idx(self, g_idx, k: int, group_size: int, module: str) -> None:
+        """ActOrderError unless ``g_idx`` only moves whole groups (the family's apply_g_idx)."""
+        cols = k // group_size if group_size > 0 else 1
+        self.checkpoint.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx, group_size, module)
+
+    def _layout_tensors(self, codes, scales, zeros, names, convention, scheme) -> dict[str, torch.Tensor]:
+        """The canonical source written back in the convention's layout."""
+        p = self.per_word
+        order = convention.layout.order(p)
+
+        def orient(t, syms):  # canonical tensors are [N, *]; a layout may store [K, N]
+            return t.t() if syms[0].startswith("K") else t
+
+        def words(values, role):
+            syms = convention.layout.symbols(role, p)
+            v = orient(values, syms)
+            return pack_words(v, next(i for i, s in enumerate(syms) if s.endswith(f"/{p}")), order, self.bits)
+
+        out = {names.codes: words(self.to_values(codes), "codes"),
+               names.group_scales: orient(scales, convention.layout.group_scales).float()}
+        if zeros is not None:
+            out[names.zero_points] = words(zeros.to(torch.int64) - scheme.zero_offset, "zero_points")
+        return out
+
+    def sources(self, tensors, parts, names, convention, scheme, module, extra):
+        keep = ["codes", "group_scales"] + ([] if scheme.symmetric else ["zero_points"])
+        t = {r: tensors[r] for r in keep}
+        try:  # g_idx is applied per shard below (fused shards each carry their own)
+            src = self.unpack(convention.unpacker, t, dataclasses.replace(scheme, act_order=False), module)
+        except FormatError as e:
+            raise LoadError(f"cannot unpack: {e}") from e
+        codes, scales = src[0], src[1]
+        zeros = None if scheme.symmetric else src[2]
+        for name, want in self._layout_tensors(codes, scales, zeros, names, convention, scheme).items():
+            got = t[next(r for r in keep if getattr(names, r) == name)]
+            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+                raise LoadError(f"the unpacked {name} does not give the loaded tensor back; the checkpoint does "
+                                f"not follow the {convention.name} layout")
+        g_idx = extra.get("g_idx") or {}
+        if g_idx:
+            scales, zeros = scales.clone(), None if zeros is None else zeros.clone()
+            first = extra.get("first_group", 0)  # a rank of a row-parallel layer starts at its own group
+            for idx, gi in sorted(g_idx.items()):
+                r0 = sum(parts[:idx])
+                r1 = r0 + parts[idx]
+                try:
+                    s, z = self.checkpoint.apply_g_idx(scales[r0:r1], None if zeros is None else zeros[r0:r1],
+                                                       gi.to(torch.int64) - first, scheme.group_size, module)
+                except FormatError as e:
+                    raise LoadError(f"output shard {idx}: {e}") from e
+                scales[r0:r1] = s
+                if zeros is not None:
+                    zeros[r0:r1] = z
+        src = (codes, scales) if zeros is None else (codes, scales, zeros)
+        return [(0, sum(parts), src)]
