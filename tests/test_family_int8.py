@@ -401,22 +401,20 @@ def test_registry_data():
     assert INT8.roles == ("codes", "group_scales", "zero_points") and INT8_SYM.roles == ("codes", "group_scales")
     assert INT8.group_sizes == INT8_SYM.group_sizes == (32, 64, 128) and INT8.scale_dtype == "float16"
     assert INT8.codes_per_byte == 1 and INT8.code_dtype == "uint8" and INT8.output_scale == "none"
-    # staged: kernels and numerics, no served lookup, route, census or gate name it
-    assert not INT8.served and not INT8_SYM.served
-    assert {INT8, INT8_SYM} <= set(formats.KERNEL_FORMATS) and not {INT8, INT8_SYM} & set(formats.WEIGHT_FORMATS)
-    assert formats.KERNEL_FAMILIES["int8"] is INT8 and "int8" not in formats.FAMILIES
-    assert formats.find_format("int8") is None and formats.find_format("int8", served_only=False) is INT8
-    assert formats.weight_format("int8_sym", served_only=False) is INT8_SYM
-    with pytest.raises(formats.UnknownFormat, match="INT8 W8A16 has QPN kernels but no served route yet"):
-        formats.weight_format("int8")
+    # served: the lookups, routes, census and gates name it; integer codes, per-channel groups too
+    assert INT8.served and INT8_SYM.served and INT8.code_type == INT8_SYM.code_type == "int"
+    assert INT8.channel_groups and formats.integer_family(8) == "int8"
+    assert {INT8, INT8_SYM} <= set(formats.KERNEL_FORMATS) and {INT8, INT8_SYM} <= set(formats.WEIGHT_FORMATS)
+    assert formats.KERNEL_FAMILIES["int8"] is INT8 and formats.FAMILIES["int8"] is INT8
+    assert formats.find_format("int8") is INT8 and formats.weight_format("int8_sym") is INT8_SYM
     assert INT8.kernel_atoms == INT8_SYM.kernel_atoms == ("m8n8k4", "m16n8k16") and not INT8.has_s7_form
     assert INT8.moe_atoms == INT8_SYM.moe_atoms == () and INT8.moe_entry_points("m8n8k4") == ()
     # route prefixes: unique, none is another's prefix followed by "_" (how routes and kernels are owned)
     prefixes = [f.route_prefix for f in formats.ALL_FAMILIES.values()]
     assert len(set(prefixes)) == len(prefixes)
     assert not any(a != b and b.startswith(a + "_") for a in prefixes for b in prefixes)
-    assert formats.format_for_route("qpn8i_mt2", served_only=False) is INT8
-    assert formats.format_for_route("qpn8_mt2", served_only=False) is formats.FP8_TENSOR
+    assert formats.format_for_route("qpn8i_mt2") is INT8
+    assert formats.format_for_route("qpn8_mt2") is formats.FP8_TENSOR
     assert routes.as_route("qpn8i_chunked").format == "int8" and routes.as_route("qpn8_chunked").format == "fp8"
     # one byte per code, a float16 scale and (asymmetric) a byte-wide zero point per group of 128
     assert INT8.bytes_per_weight == pytest.approx(1 + 3 / 128) and INT8_SYM.bytes_per_weight == pytest.approx(1 + 2 / 128)

@@ -1,8 +1,8 @@
 """GPU numerics of the INT8 W8A16 kernels (qpn8i_* asymmetric, qpn8i_sym_* symmetric) on both atoms:
 m8n8k4 (which an sm_80+ GPU runs emulated) and, on sm_80+, m16n8k16 (Frag16INT8Form, Frag16INT8FoldForm
 in kernels/families/int8/m16n8k16.cuh), against an independent float64 reference of the checkpoint
-integers, groups of 32 / 64 / 128 and per channel. The family is staged (no loader yet), so its
-routes are routes.UNSERVED_ROUTES and its kernels jit.UNSERVED_ENTRY_POINTS; ops runs them all the
+integers, groups of 32 / 64 / 128 and per channel. Its routes are in routes.QPN_ROUTES and its
+kernels in jit.ENTRY_POINTS; ops runs them all the
 same. Without a GPU every test skips (CI has none); with a GPU but no NVRTC the build fixture fails
 under CI=true (tests/_ci.py) and skips elsewhere.
 
@@ -57,7 +57,7 @@ M_LIST = [1, 2, 8, 9, 16, 17, 96, 97]
 SHAPES = [("odd_72x288", 72, 288, 32), ("odd_1000x320", 1000, 320, 64), ("odd_257x2080", 257, 2080, 32),
           ("odd_130x384", 130, 384, 128), ("tp4_down_5120x4352", 5120, 4352, 128), ("attn_1024x1536", 1024, 1536, 64),
           ("channel_300x2080", 300, 2080, CHANNEL), ("channel_512x1536", 512, 1536, CHANNEL)]
-ROUTE_NAMES = tuple(sorted(routes.UNSERVED_ROUTES))   # qpn8i, qpn8i_chunked, qpn8i_mt2, qpn8i_reconstruct
+ROUTE_NAMES = tuple(sorted(n for n, r in routes.ALL_ROUTES.items() if r.format == "int8"))  # qpn8i, _chunked, _mt2, _reconstruct
 
 
 _built_atoms: set = set()
@@ -78,7 +78,7 @@ def atom(request):
         except nvrtc.NvrtcUnavailable as e:
             unavailable("NVRTC", str(e), "pip install nvidia-cuda-nvrtc-cu12 (the test extra)")
         mod = jit.module_for(torch.device("cuda", torch.cuda.current_device()), a)
-        int8 = [e for e in jit.UNSERVED_ENTRY_POINTS[a] if e.startswith(formats.INT8.route_prefix + "_")]
+        int8 = [e for e in jit.ENTRY_POINTS[a] if e.startswith(formats.INT8.route_prefix + "_")]
         # mt1, mt2 and reconstruct per member
         assert len(int8) == 6, int8
         for name in int8:
@@ -199,7 +199,7 @@ def test_int8_routes_vs_reference(name, n, k, g, kind, member, atom):
     bias = (torch.randn(n, generator=gen) * 0.1).half()
     for m in M_LIST:
         x = fc.activations(m, k, gen, outliers=True)
-        route = routes.route_for(FAMILY, m, n, k, served_only=False)
+        route = routes.route_for(FAMILY, m, n, k)
         y = ops.qpn_linear(x.to(dev), packed)
         torch.cuda.synchronize()
         _check(y, x, _multiplied(src, packed, route, m, atom), f"{name} {kind} {member} g={g} M={m} ({route}, {atom})")
@@ -273,7 +273,7 @@ def test_int8_subnormal_operands(member, atom):
 @pytest.mark.parametrize("member", list(MEMBERS))
 def test_int8_m16n8k16_runs_its_own_kernels(member, atom):
     """On m16n8k16 each band runs the member's own configured kernel (sm80_tables'
-    SM80_UNSERVED_ROUTE_KERNELS, never another family's or member's) with the weight's group shift
+    SM80_ROUTE_KERNELS, never another family's or member's) with the weight's group shift
     (per channel: one record over the whole padded K), and a chunked M (40: three 16-row chunks of
     the MT = 2 kernel) agrees with the reference too."""
     if atom != "m16n8k16":
@@ -290,9 +290,9 @@ def test_int8_m16n8k16_runs_its_own_kernels(member, atom):
         span = int8_layout.record_span(packed.k_pad) if g == CHANNEL else g
         assert ops.kernel_member(w) == (fmt, (span // 16).bit_length() - 1)
         for m, mt in ((1, 1), (8, 1), (9, 2), (16, 2), (40, 2)):
-            route = routes.route_for(FAMILY, m, n, k, served_only=False)
+            route = routes.route_for(FAMILY, m, n, k)
             name, chunks = sm80_plan.sm80_kernel_for(route, m, n, fmt)
-            assert name == sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[(fmt, mt)]
+            assert name == sm80_tables.SM80_ROUTE_KERNELS[(fmt, mt)]
             assert name.startswith(fmt.kernel_prefix + "_")
             assert chunks == (-(-m // 16) if route.chunk_rows else 1)
             x = fc.activations(m, k, gen, outliers=True)

@@ -78,15 +78,19 @@ def test_route_table():
     assert routes.QPN_ROUTES == frozenset({
         "qpn2", "qpn2_mt2", "qpn2_chunked", "qpn2_reconstruct",
         "qpn8", "qpn8_mt2", "qpn8_chunked", "qpn8_reconstruct",
-        "qpn4", "qpn4_mt2", "qpn4_chunked", "qpn4_reconstruct"})
+        "qpn4", "qpn4_mt2", "qpn4_chunked", "qpn4_reconstruct",
+        "qpn8i", "qpn8i_mt2", "qpn8i_chunked", "qpn8i_reconstruct"})
     expect = {1: "", 8: "", 9: "_mt2", 16: "_mt2", 17: "_chunked", 96: "_chunked", 97: "_reconstruct", 4096: "_reconstruct"}
     for m, suffix in expect.items():
         assert str(routes.route_for("nvfp4", m, 5120, 5120)) == "qpn2" + suffix
         assert str(routes.route_for("fp8", m, 5120, 5120)) == "qpn8" + suffix
         assert str(routes.route_for("int4", m, 5120, 5120)) == "qpn4" + suffix
+        assert str(routes.route_for("int8", m, 5120, 5120)) == "qpn8i" + suffix
     for m in range(1, 300):
         assert str(routes.route_for("fp8", m, 64, 64)) in routes.QPN_ROUTES
     with pytest.raises(ValueError, match="unknown weight format"):
+        routes.route_for("int2", 1, 1, 16)
+    with pytest.raises(ValueError, match="INT8 W8A16 needs K to be a multiple of 32"):
         routes.route_for("int8", 1, 1, 16)
     with pytest.raises(ValueError, match="INT4 W4A16 needs K to be a multiple of 32"):
         routes.route_for("int4", 1, 1, 16)

@@ -408,7 +408,8 @@ INT4_FAMILY_DRIFTS = {   # (old, new) in qpn_family.cuh; each must change what a
     "symmetric zero": ("SYM ? 0x64086408u :", "SYM ? 0x64076407u :"),
     "scale bytes": ("return prmt(rec, 0u, 0x1010u); }", "return prmt(rec, 0u, 0x3232u); }"),
     "subtract order": ("return hmul2(hsub2(h, zb), s); }", "return hmul2(hsub2(zb, h), s); }"),
-    "record size": ("static constexpr int REC_BYTES = SYM ? 2 : 4;", "static constexpr int REC_BYTES = SYM ? 2 : 2;"),
+    "record size": ("static constexpr int REC_BYTES = SYM ? 2 : 4;\n  static constexpr int WORDS = 4;",
+                    "static constexpr int REC_BYTES = SYM ? 2 : 2;\n  static constexpr int WORDS = 4;"),
 }
 INT4_BODY_DRIFTS = {     # (old, new) in qpn_linear_body / qpn_reconstruct_body
     "group of a k-block": ("((ks + d * a.ksplit) >> a.group_shift)", "((ks + d * a.ksplit) >> 1)"),

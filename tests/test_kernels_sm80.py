@@ -548,7 +548,8 @@ def test_sm80_kernel_table_and_route_kernels():
     # own (INT4); the kernel decodes that member's fragments (INT4: the folded decoder, which runs its
     # plain form on groups of 32)
     decoder = {formats.NVFP4: "Frag16NVFP4", formats.FP8_TENSOR: "Frag16FP8", formats.INT4: "Frag16INT4FoldAsym",
-               formats.INT4_SYM: "Frag16INT4FoldSym"}
+               formats.INT4_SYM: "Frag16INT4FoldSym", formats.INT8: "Frag16INT8FoldAsym",
+               formats.INT8_SYM: "Frag16INT8FoldSym"}
     assert {fmt for fmt, _ in sm80_tables.SM80_ROUTE_KERNELS} == set(decoder)
     for (fmt, mt), name in sm80_tables.SM80_ROUTE_KERNELS.items():
         cfg = configured[name]
@@ -578,18 +579,16 @@ def test_sm80_kernel_table_and_route_kernels():
         sm80_plan.sm80_kernel_for(route("qpn8"), 9)
     family_of_frag = {"Frag16NVFP4": "nvfp4", "Frag16FP8": "fp8", "Frag16INT4": "int4", "Frag16INT8": "int8"}
     assert all(c.fmt == next(f for p, f in family_of_frag.items() if c.frag.startswith(p)) for c in configured.values())
-    # the staged family (INT8): its route kernels, keyed by member as INT4's, decode with the member's
-    # folded decoder (its plain form on groups of 32) and are named for the member
-    staged = {formats.INT8: "Frag16INT8FoldAsym", formats.INT8_SYM: "Frag16INT8FoldSym"}
-    assert {fmt for fmt, _ in sm80_tables.SM80_UNSERVED_ROUTE_KERNELS} == set(staged)
-    for (fmt, mt), name in sm80_tables.SM80_UNSERVED_ROUTE_KERNELS.items():
-        cfg = configured[name]
-        assert cfg.mt == mt and cfg.variant == 0 and name.startswith(fmt.kernel_prefix + "_mt")
-        assert cfg.frag == staged[fmt] and cfg.weight_format is fmt and cfg.smem_bytes == 0
+    # INT8: its route kernels, keyed by member as INT4's, decode with the member's folded decoder
+    # (its plain form on groups of 32), are named for the member and need no shared memory
+    assert not sm80_tables.SM80_UNSERVED_ROUTE_KERNELS
+    for fmt, mt in ((f, mt) for f in (formats.INT8, formats.INT8_SYM) for mt in (1, 2)):
+        name = sm80_tables.SM80_ROUTE_KERNELS[(fmt, mt)]
+        assert configured[name].smem_bytes == 0 and sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM[(fmt, mt)] == name
         assert sm80_plan.sm80_kernel_for(routes.as_route("qpn8i" if mt == 1 else "qpn8i_mt2"), 8 * mt, 5120, fmt) == \
             (name, 1)
     assert sm80_plan.sm80_kernel_for(routes.as_route("qpn8i_chunked"), 40, 5120, formats.INT8_SYM) == \
-        (sm80_tables.SM80_UNSERVED_ROUTE_KERNELS[(formats.INT8_SYM, 2)], 3)
+        (sm80_tables.SM80_ROUTE_KERNELS[(formats.INT8_SYM, 2)], 3)
     with pytest.raises(jit.QpnBuildError, match="sm_80"):
         jit.compile_cubin(75, source=jit.ATOM_SOURCES[ATOM])
     assert jit.atoms_for_arch("sm70") == ("m8n8k4",) and jit.atoms_for_arch(90) == ("m8n8k4", ATOM)

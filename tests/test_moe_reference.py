@@ -259,7 +259,7 @@ def test_moe_routes_and_group_bound():
     assert not routes.QPN_MOE_ROUTES & routes.QPN_ROUTES
     with pytest.raises(ValueError, match="INT4 W4A16 has no QPN MoE kernels"):
         routes.moe_route_for("int4")
-    with pytest.raises(ValueError, match="unknown weight format"):
+    with pytest.raises(ValueError, match="INT8 W8A16 has no QPN MoE kernels"):
         routes.moe_route_for("int8")
     # the grid bound covers the worst groupings: every pair alone, or all pairs on one expert
     for pairs in range(1, 300):

@@ -37,13 +37,15 @@ def test_the_pdl_route_kernels_get_their_pdl_form_on_sm90(gpu):
     # The measured rule (results/kernel_sm80_pdl_notes_h200_20261201.md), stated from the kernels'
     # own configurations, not from the table under test: every one-tile route kernel (NVFP4, FP8,
     # INT4: results/kernel_matched_int4_pdl_h200_20261204.csv, qpn against qpn_plain) and the FP8 two-tile
-    # kernel were faster with PDL; the NVFP4 two-tile ring was not, and INT4's two-tile kernels were
-    # not timed with it: plain launches, no *_pdl form.
-    measured = {k for k in ROUTE_KERNELS if kernels[k].mt == 1 or kernels[k].frag == "Frag16FP8"}
+    # kernel were faster with PDL; the NVFP4 two-tile ring was not, and INT4's two-tile kernels and
+    # every INT8 kernel were not timed with it: plain launches, no *_pdl form.
+    measured = {k for k in ROUTE_KERNELS if not kernels[k].frag.startswith("Frag16INT8")
+                and (kernels[k].mt == 1 or kernels[k].frag == "Frag16FP8")}
     assert {kernels[k].mt for k in measured} == {1, 2} and len(measured) == 6
     assert sm80_tables.SM80_PDL_KERNELS == measured
-    untimed = sorted(k for k in set(ROUTE_KERNELS) - measured if kernels[k].frag.startswith("Frag16INT4"))
-    assert untimed and all(kernels[k].mt == 2 for k in untimed)
+    untimed = sorted(k for k in set(ROUTE_KERNELS) - measured if kernels[k].frag.startswith(("Frag16INT4", "Frag16INT8")))
+    assert untimed and all(kernels[k].mt == 2 for k in untimed if kernels[k].frag.startswith("Frag16INT4"))
+    assert sum(kernels[k].frag.startswith("Frag16INT8") for k in untimed) == 4
     assert all(k + "_pdl" not in kernels and sm80_plan.pdl_form(k, 0) is None for k in untimed)
     for name in sm80_tables.SM80_PDL_KERNELS:
         form = sm80_plan.pdl_form(name, 0)

@@ -29,14 +29,15 @@ EXPECTED = {
     "qpn4_chunked": ("int4", routes.TILED, 2, 16, 17, 96),
     "qpn4_reconstruct": ("int4", routes.RECONSTRUCT, 0, 0, 97, None),
     # no qpn4_moe: INT4 has no grouped MoE kernels (formats.INT4.moe_atoms is empty)
-    # INT8 W8A16, staged (kernels, no loader yet): routes.UNSERVED_ROUTES, the same dense bands; no MoE
+    # INT8 W8A16: the same dense bands; no qpn8i_moe (no grouped MoE kernels)
     "qpn8i": ("int8", routes.TILED, 1, 0, 1, 8),
     "qpn8i_mt2": ("int8", routes.TILED, 2, 0, 9, 16),
     "qpn8i_chunked": ("int8", routes.TILED, 2, 16, 17, 96),
     "qpn8i_reconstruct": ("int8", routes.RECONSTRUCT, 0, 0, 97, None),
 }
-# The families registered before a loader serves them (formats.py, "Staging").
-STAGED = {"int8"}
+# The families registered before a loader serves them (formats.py, "Staging"): none today (INT8
+# was, until the one linear method and the integer conventions served it).
+STAGED: set[str] = set()
 
 
 def test_every_route_name_parses_to_its_meaning_and_back():
@@ -82,35 +83,28 @@ def test_unknown_names_are_refused_naming_the_known_routes(bad):
         routes.as_route(bad)
 
 
-def test_every_family_with_kernels_is_served_but_the_staged_one():
-    """Every registered family with kernels is served but INT8 (formats.py, "Staging": it waits for
-    a loader method and a checkpoint convention): a served family's dense routes are in the served
-    lists and its kernels in the build's served entry points; the staged family's routes, route
-    kernels and entry points are in the staging tables, and only there. A MoE route exists exactly
-    for the families with MoE kernels. INT4's and INT8's two members each have their own kernels."""
-    assert set(formats.FAMILIES) == set(routes.FORMATS) == {"nvfp4", "fp8", "int4"}
+def test_every_family_with_kernels_is_served():
+    """Every registered family with kernels is served (formats.py, "Staging": none waits): its
+    dense routes are in the served lists and its kernels in the build's served entry points, and the
+    staging tables are empty. A MoE route exists exactly for the families with MoE kernels. INT4's
+    and INT8's two members each have their own kernels."""
+    assert set(formats.FAMILIES) == set(routes.FORMATS) == {"nvfp4", "fp8", "int4", "int8"}
     assert set(formats.KERNEL_FAMILIES) == set(formats.FAMILIES) | STAGED
-    assert {formats.INT4, formats.INT4_SYM} <= set(formats.WEIGHT_FORMATS)
-    staged = {formats.INT8, formats.INT8_SYM}
-    assert staged <= set(formats.KERNEL_FORMATS) and not staged & set(formats.WEIGHT_FORMATS)
-    assert {r.format for r in routes.UNSERVED_ROUTES.values()} == STAGED
-    assert set(sm80_tables.SM80_UNSERVED_ROUTE_KERNELS) == {(f, mt) for f in staged for mt in (1, 2)}
-    assert not {f for f, _ in sm80_tables.SM80_ROUTE_KERNELS} & staged
+    assert {formats.INT4, formats.INT4_SYM, formats.INT8, formats.INT8_SYM} <= set(formats.WEIGHT_FORMATS)
+    assert set(formats.KERNEL_FORMATS) == set(formats.WEIGHT_FORMATS)
+    assert not routes.UNSERVED_ROUTES and not sm80_tables.SM80_UNSERVED_ROUTE_KERNELS
+    assert {(f, mt) for f, mt in sm80_tables.SM80_ROUTE_KERNELS if f.family == "int8"} == {
+        (f, mt) for f in (formats.INT8, formats.INT8_SYM) for mt in (1, 2)}
     for atom in formats.ATOMS:
-        want = {e for f in staged for e in f.dense_entry_points(atom)}
-        if atom == "m16n8k16":
-            want |= set(sm80_tables.SM80_UNSERVED_ROUTE_KERNELS.values())
-        assert set(jit.UNSERVED_ENTRY_POINTS[atom]) == want, atom
-        assert not want & set(jit.ENTRY_POINTS[atom]), atom
-    with pytest.raises(ValueError, match="unknown weight format 'int8'"):
-        routes.route_for("int8", 1, 64, 128)
-    assert str(routes.route_for("int8", 1, 64, 128, served_only=False)) == "qpn8i"
-    with pytest.raises(ValueError, match="unknown weight format 'int8'"):
-        routes.moe_route_for("int8")
+        assert not jit.UNSERVED_ENTRY_POINTS[atom], atom
+        for f in formats.WEIGHT_FORMATS:
+            assert set(f.dense_entry_points(atom)) <= set(jit.ENTRY_POINTS[atom]), (f.key, atom)
+    assert str(routes.route_for("int8", 1, 64, 128)) == "qpn8i"
     assert set(formats.MOE_FAMILIES) == {"nvfp4", "fp8"}
     assert {r.format for r in routes.ALL_ROUTES.values() if r.kernel == routes.MOE} == set(formats.MOE_FAMILIES)
-    with pytest.raises(ValueError, match="INT4 W4A16 has no QPN MoE kernels"):
-        routes.moe_route_for("int4")
+    for fam in ("int4", "int8"):
+        with pytest.raises(ValueError, match=f"{formats.FAMILIES[fam].title} has no QPN MoE kernels"):
+            routes.moe_route_for(fam)
 
 
 def _kernel_member(fmt: formats.WeightFormat) -> formats.WeightFormat:
@@ -131,7 +125,7 @@ def test_every_member_runs_its_own_kernels_on_every_band():
     and the reconstruct route runs the member's reconstruct pass."""
     for fam in formats.FAMILIES:
         members = {_kernel_member(f) for f in formats.WEIGHT_FORMATS if f.family == fam}
-        assert len(members) == (2 if fam == "int4" else 1), members
+        assert len(members) == (2 if fam in ("int4", "int8") else 1), members
         seen = set()
         for m in range(1, 200):
             r = routes.route_for(fam, m, 64, 128)
@@ -150,32 +144,6 @@ def test_every_member_runs_its_own_kernels_on_every_band():
                               and o.kernel_prefix.startswith(member.kernel_prefix)]
                     assert not any(name.startswith(o.kernel_prefix + "_") for o in others), (member.key, m, name)
         assert seen == {n for n, r in routes.ALL_ROUTES.items() if r.format == fam and r.kernel != routes.MOE}
-
-
-def test_the_staged_members_run_their_own_kernels_on_every_band():
-    """The same for the staged family (INT8): per member and M, the route routes.route_for gives
-    with served_only=False (as ops asks it) runs a kernel of the build's staged entry points
-    (jit.UNSERVED_ENTRY_POINTS), named with the member's own prefix (qpn8i_ / qpn8i_sym_) and never
-    with another format's -- FP8's qpn8_ included, whose prefix INT8's extends as a string."""
-    for fam in STAGED:
-        members = {_kernel_member(f) for f in formats.KERNEL_FORMATS if f.family == fam}
-        assert members == {f for f in formats.KERNEL_FORMATS if f.family == fam} and len(members) == 2
-        seen = set()
-        for m in range(1, 200):
-            r = routes.route_for(fam, m, 64, 128, served_only=False)
-            seen.add(str(r))
-            for member in members:
-                if r.kernel == routes.TILED:
-                    names = {ops.route_kernel(r, m, form, member)[0] + "_m8n8k4" for form in ("restore", "s7")}
-                    names.add(sm80_plan.sm80_kernel_for(r, m, 64, member)[0])
-                else:
-                    names = {f"{member.kernel_prefix}_reconstruct_ws_{atom}" for atom in formats.ATOMS}
-                for name in names:
-                    atom = "m8n8k4" if name.endswith("_m8n8k4") else "m16n8k16"
-                    assert name in jit.UNSERVED_ENTRY_POINTS[atom], (member.key, m, name)
-                    owners = [f.kernel_prefix for f in formats.KERNEL_FORMATS if name.startswith(f.kernel_prefix + "_")]
-                    assert max(owners, key=len) == member.kernel_prefix, (member.key, m, name, owners)
-        assert seen == {n for n, r in routes.UNSERVED_ROUTES.items() if r.format == fam}
 
 
 def test_route_for_returns_the_route_whose_band_holds_m():
@@ -380,10 +348,10 @@ def test_every_format_route_and_arch_runs_a_kernel_that_serves_the_call():
                             assert chunks * rows >= m and (chunks - 1) * rows < m, where
                             if route.chunk_rows is None:
                                 assert chunks == 1, where
-    # 5 formats (NVFP4, FP8 per tensor / channel, INT4 with zero points / symmetric) x 4 routes x 6
+    # 7 formats (NVFP4, FP8 per tensor / channel, INT4 and INT8 with zero points / symmetric) x 4 routes x 6
     # archs x 60 cases (10 M x 3 N: down, gate_up and NVFP4's large-N threshold x 2 fits), less the M a route
     # refuses
-    assert checked == 4680
+    assert checked == 6552
     named = {k for t in (sm80_tables.SM80_ROUTE_KERNELS, sm80_tables.SM80_LARGE_N_KERNELS,
                          sm80_tables.SM80_ROUTE_KERNELS_NO_SMEM,
                          {k: v for k, v in enumerate(b for bs in sm80_tables.SM80_BAND_KERNELS.values() for b in bs)})

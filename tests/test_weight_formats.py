@@ -218,7 +218,8 @@ def test_lookup_by_key_family_and_algo():
     assert formats.weight_format(FP8_CHANNEL) is FP8_CHANNEL
     assert formats.weight_format("int4") is INT4 and formats.weight_format("INT4_SYM") is INT4_SYM
     assert formats.find_format("int4") is INT4   # the family name gives its first member
-    for bad in ("int8", "nvfp", "FP8_PB_WO", "", "qpn2", "qpn4", "W4A16"):
+    assert formats.weight_format("int8") is formats.INT8 and formats.weight_format("int8_sym") is formats.INT8_SYM
+    for bad in ("int2", "nvfp", "FP8_PB_WO", "", "qpn2", "qpn4", "qpn8i", "W4A16"):
         with pytest.raises(formats.UnknownFormat, match="QPN serves"):
             formats.weight_format(bad)
         assert formats.find_format(bad) is None
@@ -253,6 +254,8 @@ def test_every_compressed_tensors_scheme_maps_to_one_format():
         FP8_CHANNEL: {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
         INT4: {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False},
         INT4_SYM: {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
+        formats.INT8: {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 64, "symmetric": False},
+        formats.INT8_SYM: {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
     }
     for want, w in cases.items():
         read = ct_scheme_of(w, "pack-quantized" if w["type"] == "int" else None, "test")

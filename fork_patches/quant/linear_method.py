@@ -297,7 +297,8 @@ class QPNLinearMethod(LinearMethodBase):
         tensors = {spec.role: getattr(layer, name).data for name, spec in self.stored.items()
                    if getattr(layer, name, None) is not None}
         # a row-parallel rank's per-input maps (g_idx) start at its own first group
-        first = int(layer.tp_rank) * (self.k // self.scheme.group_size) if self.kept and self.k != self.k_full else 0
+        g = self.scheme.group_size
+        first = int(layer.tp_rank) * (self.k // g) if self.kept and g > 0 and self.k != self.k_full else 0
         try:
             sources = self.schema.sources(tensors, self.partition_sizes, self.names, self.convention, self.scheme,
                                           self.prefix, {**self.kept, "first_group": first})

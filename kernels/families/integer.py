@@ -134,8 +134,8 @@ class IntegerLoader:
 
     def check_g_idx(self, g_idx, k: int, group_size: int, module: str) -> None:
         """ActOrderError unless ``g_idx`` only moves whole groups (the family's apply_g_idx)."""
-        cols = k // group_size if group_size > 0 else 1
-        self.checkpoint.apply_g_idx(torch.zeros((1, cols), dtype=torch.float16), None, g_idx, group_size, module)
+        g = group_size if group_size > 0 else k  # per channel: one group of every input
+        self.checkpoint.apply_g_idx(torch.zeros((1, k // g), dtype=torch.float16), None, g_idx, g, module)
 
     def _layout_tensors(self, codes, scales, zeros, names, convention, scheme) -> dict[str, torch.Tensor]:
         """The canonical source written back in the convention's layout."""
@@ -178,8 +178,9 @@ class IntegerLoader:
                 r0 = sum(parts[:idx])
                 r1 = r0 + parts[idx]
                 try:
+                    g = scheme.group_size if scheme.group_size > 0 else gi.numel()  # per channel: all inputs
                     s, z = self.checkpoint.apply_g_idx(scales[r0:r1], None if zeros is None else zeros[r0:r1],
-                                                       gi.to(torch.int64) - first, scheme.group_size, module)
+                                                       gi.to(torch.int64) - first, g, module)
                 except FormatError as e:
                     raise LoadError(f"output shard {idx}: {e}") from e
                 scales[r0:r1] = s

@@ -1,5 +1,6 @@
-"""Independent float32 reference for an INT4 W4A16 checkpoint (AutoAWQ, GPTQ, compressed-tensors
-pack-quantized): every INT4 module is dequantized by the engine's or the library's own code, loaded
+"""Independent float32 reference for an integer checkpoint, INT4 W4A16 or INT8 W8A16 (AutoAWQ, GPTQ,
+compressed-tensors pack-quantized): every quantized module is dequantized by the engine's or the
+library's own code, loaded
 into transformers' ``Qwen3_5ForCausalLM`` in float32 and run teacher-forced through the runner of
 qpn.scripts.checkpoints.checkpoint_reference (shared with the ModelOpt and compressed-tensors
 references).
@@ -15,7 +16,10 @@ Who decodes what (nothing of the QPN path: no qpn.kernels, no conventions):
   vLLM's exllama kernel documents) are first unpacked, given their 1 back and repacked with vLLM's
   own ``unpack_quantized_values_into_int32`` / ``pack_quantized_values_into_int32``. A symmetric
   checkpoint reads no zero points (uint4b8, as vLLM does). Its ``g_idx`` must be the identity
-  order (k // g), which is what vLLM's function assumes; another is refused.
+  order (k // g), which is what vLLM's function assumes; another is refused. 8-bit GPTQ (``bits: 8``,
+  which that function does not read): vLLM's ``unpack_quantized_values_into_int32`` with
+  ``scalar_types.uint8`` unpacks the codes and zero points (v1: given their 1 back; symmetric:
+  zero 128), and (code - zero) x scale is computed here in float32, group by g_idx.
 * compressed-tensors pack-quantized: the library's ``unpack_from_int32`` (codes, and zero points
   packed along N) and ``dequantize`` (quantization.lifecycle.forward), what its
   PackedQuantizationCompressor.decompress calls, asked for float32 (decompress itself returns the
@@ -51,27 +55,43 @@ def _swap_nibbles(words: torch.Tensor) -> torch.Tensor:
     return (swapped - ((swapped >> 31) << 32)).to(torch.int32)
 
 
-def _uint4():
+def _uint(bits: int = 4):
     from vllm.scalar_type import scalar_types
 
-    return scalar_types.uint4
+    return {4: scalar_types.uint4, 8: scalar_types.uint8}[bits]
 
 
-def _zero_words(values: torch.Tensor) -> torch.Tensor:
-    """Zero points [groups, N] as qzeros words (eight per int32 along N), by vLLM's own packer."""
+def _zero_words(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Zero points [groups, N] as qzeros words (32 / bits per int32 along N), by vLLM's own packer."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import pack_quantized_values_into_int32
 
-    if int(values.min()) < 0 or int(values.max()) > 15:
-        raise ValueError(f"zero points {int(values.min())}..{int(values.max())} do not fit 4 bits (a GPTQ v1 "
-                         "checkpoint storing 15, AutoGPTQ's wrap of zero 0?)")
-    return pack_quantized_values_into_int32(values, _uint4(), packed_dim=1)
+    if int(values.min()) < 0 or int(values.max()) >= 1 << bits:
+        raise ValueError(f"zero points {int(values.min())}..{int(values.max())} do not fit {bits} bits (a GPTQ v1 "
+                         "checkpoint storing the largest value, AutoGPTQ's wrap of zero 0?)")
+    return pack_quantized_values_into_int32(values, _uint(bits), packed_dim=1)
 
 
-def _zero_values(qzeros: torch.Tensor) -> torch.Tensor:
+def _zero_values(qzeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """qzeros words -> the zero points [groups, N] they store, by vLLM's own unpacker."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
 
-    return unpack_quantized_values_into_int32(qzeros, _uint4(), packed_dim=1)
+    return unpack_quantized_values_into_int32(qzeros, _uint(bits), packed_dim=1)
+
+
+def _decode_gptq_8bit(t: dict, quant_cfg: dict, g_idx: torch.Tensor, off: int, perturb: str) -> torch.Tensor:
+    """8-bit GPTQ: vLLM's unpacker for the words, (code - zero) x scale in float32 here."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
+
+    qweight = _swap_nibbles(t["qweight"]) if perturb == "swap-nibbles" else t["qweight"]
+    q = unpack_quantized_values_into_int32(qweight, _uint(8), packed_dim=0).to(torch.float32)  # [K, N]
+    scales = t["scales"].to(torch.float32)                                                    # [groups, N]
+    if quant_cfg.get("sym"):
+        zeros = torch.full(scales.shape, 128.0 + off)
+    else:
+        v1 = str(quant_cfg.get("checkpoint_format", "gptq")).lower() == "gptq"
+        zeros = _zero_values(t["qzeros"], 8).to(torch.float32)[:, : scales.shape[1]] + (1 if v1 else 0) + off
+    gi = g_idx.to(torch.int64)
+    return ((q - zeros[gi]) * scales[gi]).t().contiguous()
 
 
 def decode_awq(t: dict, perturb: str = "none") -> torch.Tensor:
@@ -91,11 +111,14 @@ def decode_gptq(t: dict, quant_cfg: dict, module: str, perturb: str = "none") ->
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import _unpack_and_dequant_int4_gptq
 
     qweight, scales = t["qweight"], t["scales"]
-    k = qweight.shape[0] * 8
+    bits = int(quant_cfg.get("bits", 4))
+    k = qweight.shape[0] * (32 // bits)
     g = k // scales.shape[0]
     g_idx = t.get("g_idx")
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // g):
         raise ValueError(f"{module}: g_idx is not k // {g}; this reference reads GPTQ in checkpoint order only")
+    if bits == 8:
+        return _decode_gptq_8bit(t, quant_cfg, torch.arange(k) // g, 1 if perturb == "zero-off-by-one" else 0, perturb)
     if perturb == "swap-nibbles":
         qweight = _swap_nibbles(qweight)
     v1 = str(quant_cfg.get("checkpoint_format", "gptq")).lower() == "gptq"

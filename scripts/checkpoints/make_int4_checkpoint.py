@@ -1,9 +1,14 @@
-"""Write the tiny Qwen3.5 hybrid as an INT4 W4A16 checkpoint: AutoAWQ (GEMM), GPTQ or
-compressed-tensors pack-quantized.
+"""Write the tiny Qwen3.5 hybrid as an integer checkpoint, INT4 W4A16 or INT8 W8A16: AutoAWQ
+(GEMM, 4-bit only), GPTQ or compressed-tensors pack-quantized.
 
     python -m qpn.scripts.checkpoints.make_int4_checkpoint OUT_DIR --convention awq|gptq|compressed-tensors
-        [--seed S] [--group-size 32|64|128] [--symmetric] [--checkpoint-format gptq|gptq_v2]
-        [--malformed KIND]
+        [--bits 4|8] [--seed S] [--group-size 32|64|128|-1] [--symmetric]
+        [--checkpoint-format gptq|gptq_v2] [--malformed KIND]
+
+``--bits 8`` writes the same layouts with four 8-bit values per int32 word instead of eight
+nibbles (GPTQModel's and compressed-tensors' 8-bit packing: value i of a word in bits 8i..8i+7),
+codes from qpn.kernels.families.int8.codec.quantize, and group size -1 (one scale per output row:
+GPTQ ``group_size: -1``, compressed-tensors ``strategy: channel``) besides 32 / 64 / 128.
 
 Same float model and tokenizer as qpn.scripts.checkpoints.make_checkpoint (imported, not copied);
 W4A16 reads no activation scales, so there is no calibration pass. Every linear the mixed plan
@@ -48,6 +53,7 @@ qpn.scripts.checkpoints.int4_reference (tests/test_e2e_int4.py).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -101,21 +107,37 @@ def int4_modules(weights: dict[str, torch.Tensor]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------- packing
-def pack_nibbles(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    """Integer values 0..15 -> int32 words of eight along ``dim`` (padded with 0 to a multiple of
-    8): nibble j of word c holds element 8c + order[j]."""
+def pack_nibbles(values: torch.Tensor, dim: int, order=None, bits: int = 4) -> torch.Tensor:
+    """Integer values of ``bits`` bits -> int32 words of p = 32 / bits along ``dim`` (padded with 0
+    to a multiple of p): value j of word c holds element p*c + order[j] (default j), in bits
+    bits*j .. bits*j + bits - 1."""
+    p = 32 // bits
+    order = tuple(range(p)) if order is None else order
     v = values.to(torch.int64)
     if dim == 0:
-        return pack_nibbles(v.t(), 1, order).t().contiguous()
+        return pack_nibbles(v.t(), 1, order, bits).t().contiguous()
     rows, cols = v.shape
-    pad = -cols % 8
+    pad = -cols % p
     if pad:
         v = torch.cat([v, torch.zeros(rows, pad, dtype=torch.int64)], 1)
-    v = v.view(rows, -1, 8)
+    v = v.view(rows, -1, p)
     word = torch.zeros(v.shape[:2], dtype=torch.int64)
     for j, src in enumerate(order):
-        word |= v[:, :, src] << (4 * j)
+        word |= v[:, :, src] << (bits * j)
     return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()  # the same 32 bits, signed
+
+
+def family_codec(bits: int):
+    """The codec module of the integer family of ``bits``-bit codes (kernels/families/<family>/)."""
+    family = formats.integer_family(bits)
+    if family is None:
+        raise ValueError(f"--bits {bits}: no integer family has {bits}-bit codes")
+    return importlib.import_module(f"qpn.kernels.families.{family}.codec")
+
+
+def code_values(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The canonical codes as one integer per input [N, K] (4-bit codes are stored two per byte)."""
+    return int4_codec.unpack_codes(codes) if bits == 4 else codes.to(torch.int64)
 
 
 def to_awq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -129,63 +151,66 @@ def to_awq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> di
 
 
 def to_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-            checkpoint_format: str = "gptq", module: str = "") -> dict[str, torch.Tensor]:
-    """Canonical INT4 -> GPTQ {qweight, qzeros, scales, g_idx}; ``zeros`` None: symmetric (zero
-    point 8, still stored in qzeros as GPTQ writers do). The v1 format (``gptq``) stores zero - 1,
-    so a zero point 0 has no v1 word: ValueError naming ``module``."""
+            checkpoint_format: str = "gptq", module: str = "", bits: int = 4) -> dict[str, torch.Tensor]:
+    """Canonical integer codes -> GPTQ {qweight, qzeros, scales, g_idx}; ``zeros`` None: symmetric
+    (zero point 8 / 128, still stored in qzeros as GPTQ writers do). The v1 format (``gptq``)
+    stores zero - 1, so a zero point 0 has no v1 word: ValueError naming ``module``."""
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}; choose {' or '.join(GPTQ_FORMATS)}")
-    q = int4_codec.unpack_codes(codes)                             # [N, K]
-    z = zeros if zeros is not None else torch.full(scales.shape, int4_codec.SYM_ZERO, dtype=torch.uint8)
+    q = code_values(codes, bits)                                   # [N, K]
+    z = zeros if zeros is not None else torch.full(scales.shape, family_codec(bits).SYM_ZERO, dtype=torch.uint8)
     stored = z.to(torch.int64) - (1 if checkpoint_format == "gptq" else 0)
     if int(stored.min()) < 0:
         raise ValueError(f"{module or 'module'}: zero point 0 cannot be stored in GPTQ's v1 format (zero - 1 "
                          "= -1); write --checkpoint-format gptq_v2")
     n = GPTQ.names(formats.INT4)
     k = q.shape[1]
-    return {n.codes: pack_nibbles(q.t(), 0), n.zero_points: pack_nibbles(stored.t(), 1),
+    g = k if group_size == -1 else group_size  # per channel: one group of every input
+    return {n.codes: pack_nibbles(q.t(), 0, bits=bits), n.zero_points: pack_nibbles(stored.t(), 1, bits=bits),
             n.group_scales: scales.t().contiguous(),
-            n.g_idx: (torch.arange(k, dtype=torch.int32) // group_size).contiguous()}
+            n.g_idx: (torch.arange(k, dtype=torch.int32) // g).contiguous()}
 
 
-def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Canonical INT4 -> compressed-tensors pack-quantized {weight_packed, weight_scale,
-    weight_shape[, weight_zero_point]} (the unsigned code is the library's signed value + 8)."""
-    q = int4_codec.unpack_codes(codes)
+def to_pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      bits: int = 4) -> dict[str, torch.Tensor]:
+    """Canonical integer codes -> compressed-tensors pack-quantized {weight_packed, weight_scale,
+    weight_shape[, weight_zero_point]} (the unsigned code is the library's signed value + 8 / 128)."""
+    q = code_values(codes, bits)
     n = COMPRESSED_TENSORS.names(formats.INT4)
-    out = {n.codes: pack_nibbles(q, 1), n.group_scales: scales.contiguous(),
+    out = {n.codes: pack_nibbles(q, 1, bits=bits), n.group_scales: scales.contiguous(),
            n.shape: torch.tensor(list(q.shape), dtype=torch.int64)}
     if zeros is not None:
-        out[n.zero_points] = pack_nibbles(zeros, 0)
+        out[n.zero_points] = pack_nibbles(zeros, 0, bits=bits)
     return out
 
 
 def encode(w: torch.Tensor, convention: str, group_size: int, symmetric: bool,
-           checkpoint_format: str = "gptq", module: str = "") -> dict[str, torch.Tensor]:
+           checkpoint_format: str = "gptq", module: str = "", bits: int = 4) -> dict[str, torch.Tensor]:
     """float [N, K] -> the convention's tensors of one module (local names)."""
-    src = int4_codec.quantize(w, group_size, symmetric=symmetric)
+    src = family_codec(bits).quantize(w, group_size, symmetric=symmetric)
     zeros = None if symmetric else src[2]
     if convention == AWQ.name:
         return to_awq(*src)
     if convention == GPTQ.name:
-        return to_gptq(src[0], src[1], zeros, group_size, checkpoint_format, module)
-    return to_pack_quantized(src[0], src[1], zeros)
+        return to_gptq(src[0], src[1], zeros, group_size, checkpoint_format, module, bits=bits)
+    return to_pack_quantized(src[0], src[1], zeros, bits=bits)
 
 
 # ------------------------------------------------------------------------------ declaration
 def quantization_config(convention: str, group_size: int, symmetric: bool, act_order: bool = False,
-                        checkpoint_format: str = "gptq") -> dict:
+                        checkpoint_format: str = "gptq", bits: int = 4) -> dict:
     """config.json ``quantization_config`` as AutoAWQ / GPTQModel / llm-compressor write it for
     this model."""
     if convention == AWQ.name:
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": list(AWQ_NOT_CONVERTED)}
     if convention == GPTQ.name:
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
+        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
                 "sym": symmetric, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
                 "lm_head": False, "checkpoint_format": checkpoint_format, "dynamic": dict(GPTQ_DYNAMIC)}
-    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
-               "group_size": group_size, "dynamic": False, "block_structure": None,
+    channel = group_size == -1
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "channel" if channel else "group",
+               "group_size": None if channel else group_size, "dynamic": False, "block_structure": None,
                "actorder": "group" if act_order else None, "observer": "minmax", "observer_kwargs": {}}
     return {
         "quant_method": "compressed-tensors",
@@ -203,7 +228,7 @@ def quantization_config(convention: str, group_size: int, symmetric: bool, act_o
 
 
 def export_tensors(weights: dict[str, torch.Tensor], convention: str, group_size: int,
-                   symmetric: bool, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+                   symmetric: bool, checkpoint_format: str = "gptq", bits: int = 4) -> dict[str, torch.Tensor]:
     """Checkpoint tensors under hub names: the INT4 modules in the convention's layout, the rest BF16."""
     quantized = set(int4_modules(weights))
     out: dict[str, torch.Tensor] = {}
@@ -213,7 +238,7 @@ def export_tensors(weights: dict[str, torch.Tensor], convention: str, group_size
             out[make_checkpoint.hub_name(key)] = w.to(torch.bfloat16).contiguous()
             continue
         m = make_checkpoint.hub_name(module)
-        for name, t in encode(w, convention, group_size, symmetric, checkpoint_format, m).items():
+        for name, t in encode(w, convention, group_size, symmetric, checkpoint_format, m, bits=bits).items():
             out[f"{m}.{name}"] = t
     return out
 
@@ -250,9 +275,10 @@ def _break(kind: str, convention: str, tensors: dict[str, torch.Tensor], group_s
 def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", seed: int = 0,
                          group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = False,
                          malformed: str | None = None, spec: tiny_hybrid.TinyHybridSpec | None = None,
-                         checkpoint_format: str | None = None) -> dict:
+                         checkpoint_format: str | None = None, bits: int = 4) -> dict:
     """Write the checkpoint to ``out_dir`` (which must not exist); returns a summary dict.
-    ``checkpoint_format``: GPTQ only, "gptq" (v1, the default) or "gptq_v2"."""
+    ``checkpoint_format``: GPTQ only, "gptq" (v1, the default) or "gptq_v2"; ``bits``: 4 (INT4) or 8
+    (INT8; GPTQ and compressed-tensors)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -263,9 +289,14 @@ def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", se
     checkpoint_format = checkpoint_format or GPTQ_FORMATS[0]
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}; choose {' or '.join(GPTQ_FORMATS)}")
-    if group_size not in formats.INT4.group_sizes:
-        raise ValueError(f"group size {group_size}: the INT4 family packs groups of "
-                         f"{', '.join(map(str, formats.INT4.group_sizes))}")
+    family = formats.integer_family(bits)
+    if family is None or (bits != 4 and convention == AWQ.name):
+        what = "AutoAWQ GEMM stores 4-bit codes only" if convention == AWQ.name else "no integer family has them"
+        raise ValueError(f"--bits {bits}: {what}")
+    fmt = formats.members_of(family)[0]
+    if group_size not in fmt.group_sizes and not (group_size == -1 and fmt.channel_groups):
+        raise ValueError(f"group size {group_size}: the {fmt.title} family packs groups of "
+                         f"{', '.join(map(str, fmt.group_sizes))}" + (" or -1 (per channel)" if fmt.channel_groups else ""))
     if symmetric and convention == AWQ.name:
         raise ValueError("AutoAWQ GEMM checkpoints carry zero points; --symmetric is for GPTQ and compressed-tensors")
     if malformed is not None and (malformed not in MALFORMED or convention not in MALFORMED[malformed].conventions):
@@ -279,12 +310,12 @@ def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", se
     with make_checkpoint.checkpoint_folder(out) as tmp:
         ids = tiny_tokenizer.write_tokenizer(tmp, spec.vocab_size, spec.max_position_embeddings)
         weights = tiny_hybrid.float_weights(spec, seed)
-        tensors = export_tensors(weights, convention, group_size, symmetric, checkpoint_format)
+        tensors = export_tensors(weights, convention, group_size, symmetric, checkpoint_format, bits=bits)
         broken = _break(malformed, convention, tensors, group_size) if malformed else None
         config = spec.config_dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
         config["quantization_config"] = quantization_config(convention, group_size, symmetric,
                                                             act_order=malformed == "act-order",
-                                                            checkpoint_format=checkpoint_format)
+                                                            checkpoint_format=checkpoint_format, bits=bits)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({
             "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -294,7 +325,7 @@ def make_int4_checkpoint(out_dir: str | os.PathLike, convention: str = "awq", se
         if malformed == "truncated":  # a download cut short: the last tensor loses its tail
             os.truncate(path, path.stat().st_size - 64)
         summary = {
-            "out_dir": str(out), "seed": seed, "convention": convention, "group_size": group_size,
+            "out_dir": str(out), "seed": seed, "convention": convention, "bits": bits, "group_size": group_size,
             "symmetric": symmetric, "malformed": malformed, "broken_tensor": broken,
             "checkpoint_format": checkpoint_format if convention == GPTQ.name else None,
             "architecture": config["architectures"][0], "layer_types": spec.layer_types(),
@@ -311,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--convention", choices=list(INTEGER_CONVENTIONS), default=AWQ.name,
                    help="checkpoint layout: AutoAWQ GEMM (default), GPTQ or compressed-tensors pack-quantized")
     p.add_argument("--seed", type=int, default=0, help="seed of the float weights (default 0)")
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=formats.INT4.group_sizes,
-                   help=f"inputs per scale and zero point (default {DEFAULT_GROUP_SIZE})")
+    p.add_argument("--bits", type=int, default=4, choices=(4, 8),
+                   help="code width: 4 (INT4 W4A16, default) or 8 (INT8 W8A16; GPTQ and compressed-tensors)")
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=(32, 64, 128, -1),
+                   help=f"inputs per scale and zero point (default {DEFAULT_GROUP_SIZE}; -1 one per row, 8-bit only)")
     p.add_argument("--symmetric", action="store_true",
                    help="GPTQ and compressed-tensors: symmetric weights (zero point 8; compressed-tensors then "
                         "stores no weight_zero_point)")
@@ -324,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = make_int4_checkpoint(args.out_dir, args.convention, seed=args.seed, group_size=args.group_size,
                                        symmetric=args.symmetric, malformed=args.malformed,
-                                       checkpoint_format=args.checkpoint_format)
+                                       checkpoint_format=args.checkpoint_format, bits=args.bits)
     except (FileExistsError, ValueError) as e:
         print(f"make_int4_checkpoint: {e}", file=sys.stderr)
         return 2

@@ -4,8 +4,6 @@ the source as NVRTC compiles it), which one serves each route, and the family's 
 kernels/sm80_tables.py gathers these from every family; no torch here.
 
 Both members have kernels of their own (WeightFormat.kernel_tag), so the tables are keyed by member.
-The family is staged (members.py): its route kernels are ``UNSERVED_ROUTE_KERNELS``, which the
-launch planning finds (sm80_plan.sm80_kernel_for) and the served tables leave out.
 """
 from __future__ import annotations
 
@@ -29,12 +27,14 @@ from .members import INT8, INT8_SYM
 #   4% of the plain decoder's t1d2 / t1d3 everywhere; two tiles (t2d1, plain) were 7-12% faster on
 #   the TP1 shapes but 20-45% slower on the small ones, and spill 4 bytes on sm_80.
 # The shared-memory ring and block-cooperative kernels take no group records (their static_assert).
-UNSERVED_ROUTE_KERNELS = {
+ROUTE_KERNELS = {
     (INT8, 1): "qpn8i_mt1_m16n8k16_t1d2p0_fold",
     (INT8, 2): "qpn8i_mt2_m16n8k16_t1d1p0_fold",
     (INT8_SYM, 1): "qpn8i_sym_mt1_m16n8k16_t1d2p0_fold",
     (INT8_SYM, 2): "qpn8i_sym_mt2_m16n8k16_t1d1p0_fold",
 }
+# The route kernels are register rings already: their own.
+ROUTE_KERNELS_NO_SMEM = dict(ROUTE_KERNELS)
 # Fewest work items per warp: FP8's, whose bytes per item these kernels share.
 MIN_ITEMS = {INT8: 2, INT8_SYM: 2}
 FRAGMENTS = {"Frag16INT8Asym": INT8, "Frag16INT8Sym": INT8_SYM,

@@ -20,10 +20,9 @@ FP8 per channel) would need a decoder without records for the symmetric case and
 for the asymmetric one's zero points, so two more decoders and kernel sets for no gain in what
 is computed.
 
-Staged (``served=False``, kernels/formats.py "Staging"): the numerics and the kernels of both atoms
-are built and tested, but no loader method and no checkpoint convention reads INT8 checkpoints
-yet (fork_patches/quant/, not part of this package), so the served lists, the census and the boot
-gates leave the family out; its routes wait in routes.UNSERVED_ROUTES.
+Served: the one QPN linear method reads GPTQ 8-bit and compressed-tensors pack-quantized num_bits 8
+checkpoints through this family's loader schema (loader.py) and the integer conventions' entries
+(fork_patches/quant/conventions.py), on the routes qpn8i*.
 """
 from __future__ import annotations
 
@@ -41,13 +40,13 @@ INT8 = WeightFormat(
     key="int8", family="int8", route_prefix="qpn8i", algos=(),
     roles=("codes", "group_scales", "zero_points"), code_dtype="uint8", codes_per_byte=1,
     group_size=128, output_scale="none", title="INT8 W8A16", group_sizes=GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(),
+    scale_dtype="float16", kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(),
     decoder="DecINT8", code_type="int", channel_groups=True)
 INT8_SYM = WeightFormat(
     key="int8_sym", family="int8", route_prefix="qpn8i", algos=(),
     roles=("codes", "group_scales"), code_dtype="uint8", codes_per_byte=1,
     group_size=128, output_scale="none", title="INT8 W8A16 symmetric", group_sizes=GROUP_SIZES,
-    scale_dtype="float16", served=False, kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(),
+    scale_dtype="float16", kernel_atoms=("m8n8k4", "m16n8k16"), moe_atoms=(),
     kernel_tag="sym", decoder="DecINT8Sym", code_type="int", channel_groups=True)
 
 MEMBERS = (INT8, INT8_SYM)
