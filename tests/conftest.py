@@ -44,6 +44,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
 
 
+# Files whose tests share servers run as one unit on one worker (their order in the unit is
+# LONGEST_FILES_FIRST's): tests/_mtp_servers.py boots each depth once for both.
+SHARED_UNITS = {"tests/test_sampled_serving.py": "tests/test_spec_tool_calls.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: known only where xdist is loaded
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, except that the files of one SHARED_UNITS entry are one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_UNITS.get(scope, scope)
+
+    return SharedUnitScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def fixed_global_seeds(request):
     """A test that draws from torch's or Python's global generator gets the same numbers in every

@@ -1,7 +1,9 @@
 """Sampled serving under MTP on the cpu engine (issue 29 items 1-2), against real servers.
 
-One server per depth K (0 = no speculation; 1, 3, 7), each booted once for the module, with the
-launcher's speculative settings (greedy drafter, the qwen3 reasoning parser, auto tool choice).
+One server per depth K (0 = no speculation; 1, 3, 7), with the launcher's speculative settings
+(greedy drafter, the qwen3 reasoning parser, auto tool choice): the servers of
+tests/test_spec_tool_calls.py, each booted once for both files, whose tool-call requests come first
+(tests/_mtp_servers.py).
 What users send:
 
 - the seed's AIME profile (temperature 0.6, top_p 0.95, top_k 20, presence penalty 1.0), top_k
@@ -26,8 +28,8 @@ import urllib.request
 
 import pytest
 
+from tests import _mtp_servers
 from tests._sampling_stats import chi_square, target_probs
-from tests._server import VllmServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -146,67 +148,49 @@ def _target(top: dict[int, float]) -> dict[int, float]:
     return {ids[j]: q for j, q in p.items()}
 
 
-_RUNS: dict[int, dict] = {}
-
-
-def _run(ckpt: str, k: int) -> dict:
-    if k in _RUNS:
-        return _RUNS[k]
-    from qpn.scripts.launcher.serve import tool_parser_for
-
-    args = ["--no-enable-prefix-caching", "--reasoning-parser", "qwen3",
-            "--enable-auto-tool-choice", "--tool-call-parser", tool_parser_for(ckpt) or "hermes"]
-    if k:
-        args += ["--speculative-config", json.dumps(
-            {"method": "mtp", "num_speculative_tokens": k, "draft_sample_method": "greedy"})]
+def _battery(server, k: int) -> dict:
+    """This file's requests to the K=``k`` server, and what the tests below check."""
     res: dict = {"matrix": {}}
-    with VllmServer(ckpt, extra_args=args, served_model_name="ckpt", boot_timeout_s=900) as server:
-        res["greedy"] = _chat(server, {"temperature": 0}, logprobs=True)
-        for (name, sampling), stream, thinking in itertools.product(
-                PROFILES.items(), (False, True), (False, True)):
-            res["matrix"][(name, stream, thinking)] = _chat(server, dict(sampling, seed=7), stream, thinking)
-        res["near_greedy"] = {
-            "top_p 1e-9": _chat(server, {"temperature": 1.0, "top_p": 1e-9, "seed": 1}, logprobs=True),
-            "temperature 1e-4": _chat(server, {"temperature": 1e-4, "seed": 2}, logprobs=True),
-        }
-        res["same_seed"] = [_chat(server, {**SEED_PROFILE, "seed": 4}) for _ in range(2)] + \
-            [_chat(server, {**SEED_PROFILE, "seed": 4}, stream=True)]
-        if k in CHI_DEPTHS:
-            prompt = _prompt_ids(server)
-            res["draws"] = _draws(server, prompt, DRAWS)
-            res["prompt"] = prompt
-        with urllib.request.urlopen(server.url("/health"), timeout=60) as r:
-            res["health"] = r.status
-        res["greedy_after"] = _chat(server, {"temperature": 0}, logprobs=True)
-        res["log"] = server.log_tail(80)
-        if k == 0:  # the targets, from the server without speculation
-            top1 = _next_token_logprobs(server, prompt)
-            first = max(top1, key=top1.get)
-            res["targets"] = (top1, first, _next_token_logprobs(server, prompt + [first]))
-    _RUNS[k] = res
+    res["greedy"] = _chat(server, {"temperature": 0}, logprobs=True)
+    for (name, sampling), stream, thinking in itertools.product(
+            PROFILES.items(), (False, True), (False, True)):
+        res["matrix"][(name, stream, thinking)] = _chat(server, dict(sampling, seed=7), stream, thinking)
+    res["near_greedy"] = {
+        "top_p 1e-9": _chat(server, {"temperature": 1.0, "top_p": 1e-9, "seed": 1}, logprobs=True),
+        "temperature 1e-4": _chat(server, {"temperature": 1e-4, "seed": 2}, logprobs=True),
+    }
+    res["same_seed"] = [_chat(server, {**SEED_PROFILE, "seed": 4}) for _ in range(2)] + \
+        [_chat(server, {**SEED_PROFILE, "seed": 4}, stream=True)]
+    if k in CHI_DEPTHS:
+        prompt = _prompt_ids(server)
+        res["draws"] = _draws(server, prompt, DRAWS)
+        res["prompt"] = prompt
+    with urllib.request.urlopen(server.url("/health"), timeout=60) as r:
+        res["health"] = r.status
+    res["greedy_after"] = _chat(server, {"temperature": 0}, logprobs=True)
+    res["log"] = server.log_tail(80)
+    if k == 0:  # the targets, from the server without speculation
+        top1 = _next_token_logprobs(server, prompt)
+        first = max(top1, key=top1.get)
+        res["targets"] = (top1, first, _next_token_logprobs(server, prompt + [first]))
     return res
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    import subprocess
+_mtp_servers.register("sampled serving", _battery)
 
-    from tests._server import engine_python
 
-    path = tmp_path_factory.mktemp("sampled") / "ckpt"
-    subprocess.run([engine_python(), "-m", "qpn.scripts.checkpoints.make_checkpoint", str(path),
-                    "--seed", "0"], check=True, capture_output=True, timeout=600)
-    return str(path)
+def _run(ckpt, k: int) -> dict:
+    return _mtp_servers.results(ckpt, k, "sampled serving")
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
-    return _run(ckpt, 0)
+def reference(mixed_checkpoint):
+    return _run(mixed_checkpoint, 0)
 
 
 @pytest.fixture(scope="module", params=DEPTHS, ids=lambda k: f"K{k}")
-def served(request, ckpt, reference):
-    return request.param, _run(ckpt, request.param)
+def served(request, mixed_checkpoint, reference):
+    return request.param, _run(mixed_checkpoint, request.param)
 
 
 def test_every_profile_answers_and_the_engine_lives(served):
@@ -248,8 +232,8 @@ def test_a_seed_is_reproducible(served):
 
 
 @pytest.mark.parametrize("k", CHI_DEPTHS, ids=lambda k: f"K{k}")
-def test_sampled_positions_follow_the_target_distribution(ckpt, reference, k):
-    res = _run(ckpt, k)
+def test_sampled_positions_follow_the_target_distribution(mixed_checkpoint, reference, k):
+    res = _run(mixed_checkpoint, k)
     top1, first, top2 = reference["targets"]
     draws = res["draws"]
     p1 = chi_square([d[0] for d in draws], _target(top1))[2]

@@ -1,9 +1,10 @@
 """Tool calls under MTP on the cpu engine (issue 12 item 1): the request that killed the engine,
 and the matrix around it, against real servers.
 
-One server per depth K (0 = no speculation, the reference; 1, 3, 7), each booted once for the
-module and stopped before the next boots. Every request runs greedy (temperature 0) and alone
-on its server (MAX_NUM_SEQS says why). Every answer, streamed or not, must be identical to the
+One server per depth K (0 = no speculation, the reference; 1, 3, 7), each booted once and
+stopped before the next boots; tests/test_sampled_serving.py asks the same servers, so each K
+boots once for both files, this file's requests first on the fresh server (tests/_mtp_servers.py).
+Every request runs greedy (temperature 0) and alone on its server (MAX_NUM_SEQS says why). Every answer, streamed or not, must be identical to the
 answer without speculation: the same text, and for non-streamed answers the same tokens with the
 same log-probabilities, bit for bit. That holds because every step of the cpu engine gives a
 verified token the bits the one-token decode gives it (our hooks in fork_patches/spec/spec_identity.py
@@ -26,12 +27,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests._server import VllmServer, engine_python
+from tests import _mtp_servers
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -155,63 +155,47 @@ def _ask(client, model: str, case: dict) -> dict:
         return {"status": "stream error", "text": str(exc)[:300]}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("spec-tools") / "ckpt"
-    subprocess.run([engine_python(), "-m", "qpn.scripts.checkpoints.make_checkpoint", str(path), "--seed", "0"],
-                   check=True, capture_output=True, timeout=600)
-    return str(path)
-
-
 def _tool_call_token(ckpt: str) -> int:
     with open(os.path.join(ckpt, "tokenizer.json")) as f:
         (token,) = [t["id"] for t in json.load(f)["added_tokens"] if t["content"] == "<tool_call>"]
     return token
 
 
-def _serve_and_ask(ckpt: str, k: int, cases: list[tuple[dict, int]]) -> dict:
-    from qpn.scripts.launcher.serve import tool_parser_for
-
-    _TOOL_CALL_TOKEN[:] = [_tool_call_token(ckpt)]
-    args = ["--no-enable-prefix-caching", "--reasoning-parser", "qwen3",
-            "--enable-auto-tool-choice", "--tool-call-parser", tool_parser_for(ckpt) or "hermes"]
-    if k:
-        args += ["--speculative-config", json.dumps(
-            {"method": "mtp", "num_speculative_tokens": k, "draft_sample_method": "greedy"})]
+def _battery(server, k: int) -> dict:
+    """This file's requests to the fresh K=``k`` server (the failing request first, as reported;
+    FAILING_REPEATS times at K=3), one at a time: case key -> answers, "_log" -> the log tail."""
+    assert server.max_num_seqs == MAX_NUM_SEQS
+    _TOOL_CALL_TOKEN[:] = [_tool_call_token(server.model_dir)]
+    cases = [(FAILING, FAILING_REPEATS if k == 3 else 1)] + [(c, 1) for c in MATRIX + _cut_cases(k)]
     results: dict[str, list[dict]] = {}
-    with VllmServer(ckpt, extra_args=args, served_model_name="ckpt", boot_timeout_s=900,
-                    max_num_seqs=MAX_NUM_SEQS) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=600)
-        # the first request on the fresh server is the failing request, as reported
-        (first_case, repeats), rest = cases[0], cases[1:]
-        first = _ask(client, "ckpt", first_case)
-        jobs = [first_case] * (repeats - 1) + [case for case, n in rest for _ in range(n)]
-        with ThreadPoolExecutor(MAX_NUM_SEQS) as pool:
-            answers = list(pool.map(lambda case: _ask(client, "ckpt", case), jobs))
-        for case, answer in zip([first_case] + jobs, [first] + answers):
-            results.setdefault(_key(case), []).append(answer)
-        results["_log"] = server.log_tail(60)
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=600)
+    # the first request on the fresh server is the failing request, as reported
+    (first_case, repeats), rest = cases[0], cases[1:]
+    first = _ask(client, "ckpt", first_case)
+    jobs = [first_case] * (repeats - 1) + [case for case, n in rest for _ in range(n)]
+    with ThreadPoolExecutor(MAX_NUM_SEQS) as pool:
+        answers = list(pool.map(lambda case: _ask(client, "ckpt", case), jobs))
+    for case, answer in zip([first_case] + jobs, [first] + answers):
+        results.setdefault(_key(case), []).append(answer)
+    results["_log"] = server.log_tail(60)
     return results
 
 
+_mtp_servers.register("tool calls", _battery, first=True)
+
+
+def _run_depth(ckpt, k: int) -> dict:
+    return _mtp_servers.results(ckpt, k, "tool calls")
+
+
 @pytest.fixture(scope="module")
-def reference(ckpt):
-    return _serve_and_ask(ckpt, 0, [(FAILING, 1)] + [(c, 1) for c in MATRIX + _cut_cases(0)])
-
-
-_RUNS: dict[int, dict] = {}  # K -> answers (one boot per K for the module)
-
-
-def _run_depth(ckpt: str, k: int) -> dict:
-    if k not in _RUNS:
-        repeats = FAILING_REPEATS if k == 3 else 1
-        _RUNS[k] = _serve_and_ask(ckpt, k, [(FAILING, repeats)] + [(c, 1) for c in MATRIX + _cut_cases(k)])
-    return _RUNS[k]
+def reference(mixed_checkpoint):
+    return _run_depth(mixed_checkpoint, 0)
 
 
 @pytest.fixture(scope="module", params=DEPTHS, ids=lambda k: f"K{k}")
-def served(request, ckpt, reference):
-    return request.param, _run_depth(ckpt, request.param)
+def served(request, mixed_checkpoint, reference):
+    return request.param, _run_depth(mixed_checkpoint, request.param)
 
 
 def _no_5xx(results: list[dict], log: str) -> None:
@@ -364,7 +348,7 @@ def _cut_answers_agree(k: int, plain: dict, streamed: dict) -> None:
 
 
 @pytest.mark.parametrize("choice, k", CUT_RUNS, ids=lambda v: f"K{v}" if isinstance(v, int) else v)
-def test_a_cut_answer_keeps_its_complete_calls(ckpt, reference, choice, k):
+def test_a_cut_answer_keeps_its_complete_calls(mixed_checkpoint, reference, choice, k):
     """Issue 40 item 5: three strict tools, parallel calls, max_tokens reached in the middle of a
     call after complete ones (min_tokens holds the model from stopping first; tool_choice auto
     biased to <tool_call>, the hermes path). Measured before fork_patches/api/tool_call_cut.py (this
@@ -374,7 +358,7 @@ def test_a_cut_answer_keeps_its_complete_calls(ckpt, reference, choice, k):
     tool's two keys), content only the text before the first call, finish_reason length, and
     agrees with the stream (``_cut_answers_agree``); at K=3 both are the answers without
     speculation."""
-    results = reference if k == 0 else _run_depth(ckpt, k)
+    results = reference if k == 0 else _run_depth(mixed_checkpoint, k)
     answers = [results[_key(_cut_case(choice, stream))][0] for stream in (False, True)]
     _no_5xx(answers, results["_log"])
     plain, streamed = (a["text"] for a in answers)
