@@ -1,11 +1,12 @@
-"""INT4 W4A16 end to end on the real vLLM 0.32 CPU engine (issue 26 item 5): the tiny model as
-AutoAWQ, GPTQ and compressed-tensors pack-quantized checkpoints (qpn.scripts.checkpoints.
-make_int4_checkpoint), each served by the launcher a user runs (scripts/serve-qwen38-native.sh) with
-MTP speculation at K = 2, claimed by the registered QPN config and every INT4 module on a QPN4
-route, and checked against the independent float32 reference (qpn.scripts.checkpoints.
-int4_reference: vLLM's own AWQ / GPTQ dequantization, compressed-tensors' own unpacker).
+"""The integer families end to end on the real vLLM 0.32 CPU engine: INT4 W4A16 (issue 26 item 5)
+and INT8 W8A16 (issue 41 item 4). The tiny model as AutoAWQ, GPTQ and compressed-tensors
+pack-quantized checkpoints (qpn.scripts.checkpoints.make_int4_checkpoint, ``bits`` 4 or 8), each
+served by the launcher a user runs (scripts/serve-qwen38-native.sh) with MTP speculation at K = 2,
+claimed by the registered QPN config and every quantized module on its family's QPN route (qpn4*,
+qpn8i*), and checked against the independent float32 reference (qpn.scripts.checkpoints.
+int4_reference: vLLM's own AWQ / GPTQ dequantization and unpackers, compressed-tensors' own).
 
-Five boots in all, one server at a time (one module-scoped fixture, parametrized):
+Seven boots in all, one server at a time (one module-scoped fixture, parametrized):
 
 | server        | checkpoint                                   | what it adds                          |
 |---------------|----------------------------------------------|---------------------------------------|
@@ -14,6 +15,8 @@ Five boots in all, one server at a time (one module-scoped fixture, parametrized
 | ct-sym        | compressed-tensors W4A16 (symmetric), g 128  | the symmetric member                  |
 | gptq-sym-fp8kv| GPTQ v2, symmetric, group 32; FP8 KV forced  | gptq_v2, the FP8 KV path              |
 | awq-tp2       | AutoAWQ, group 128, tensor parallel 2        | whole groups per rank (K 256 / 2)     |
+| gptq8         | GPTQ 8-bit v1, asymmetric, group 128         | INT8: four bytes a word, v1 zeros     |
+| ct8-channel   | compressed-tensors W8A16 symmetric, channel  | INT8 per channel, the symmetric member|
 
 Every server: the launcher printed READY (so every boot gate passed; gates.json is read back and
 each gate's verdict checked), prompt log-probabilities agree with the reference within the bound
@@ -57,7 +60,19 @@ SERVERS = {
     "gptq-sym-fp8kv": ("gptq", {"group_size": 32, "symmetric": True, "checkpoint_format": "gptq_v2"}, {},
                        ["--kv-cache-dtype", "fp8_e4m3"]),
     "awq-tp2": ("awq", {"group_size": 128}, {"TP": "2"}, []),
+    # group 128: at groups of 32 and 64 this seed's 8-bit checkpoint has one position where the
+    # bfloat16 reference strays 1.7 nats, which leaves 7-8 positions decisive under twice that floor,
+    # short of the 16 the agreement rule needs (measured with int4_reference, 2026-12-06)
+    "gptq8": ("gptq", {"group_size": 128, "checkpoint_format": "gptq", "bits": 8}, {}, []),
+    "ct8-channel": ("compressed-tensors", {"group_size": -1, "symmetric": True, "bits": 8}, {}, []),
 }
+
+
+def _family(served) -> str:
+    """The integer family a server's checkpoint is of (its code width)."""
+    from qpn.kernels import formats
+
+    return formats.integer_family(served["gen"].get("bits", 4))
 ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 
 
@@ -104,7 +119,9 @@ class _Api:
 
 def test_every_boot_gate_passed_through_the_launcher(served):
     """READY means the launcher found no failing gate; here each verdict is read back from the
-    gates.json it wrote, with what an INT4 checkpoint makes of it."""
+    gates.json it wrote, with what an integer checkpoint makes of it."""
+    from qpn.kernels import formats
+
     gates = json.loads(Path(served["server"].gates_json).read_text())
     by = {g["name"]: g for g in gates["gates"]}
     assert gates["passed"] is True and gates["k"] == K, gates
@@ -118,8 +135,11 @@ def test_every_boot_gate_passed_through_the_launcher(served):
     assert by["quant_config"]["observed"] == "; ".join(f"rank {r}: qpn" for r in range(tp))
     assert f'QPN claims this {served["convention"]} checkpoint' in by["quant_config"]["expected"]
     routes = by["qpn_routes"]
-    assert "declared modules (50)" in routes["expected"] and "regions ['int4']" in routes["expected"], routes
-    assert "fallbacks 0" in routes["observed"] and "qpn2" not in routes["observed"] and "qpn8" not in routes["observed"]
+    family = _family(served)
+    assert "declared modules (50)" in routes["expected"] and f"regions ['{family}']" in routes["expected"], routes
+    others = {f.route_prefix for f in formats.FAMILIES.values()} - {formats.FAMILIES[family].route_prefix}
+    assert "fallbacks 0" in routes["observed"] and not any(f"{p}_" in routes["observed"] or f"'{p}'" in routes["observed"]
+                                                           for p in others), routes
     assert "leaves lm_head unquantized" in by["lm_head_from_codes"]["expected"]
 
 
@@ -136,16 +156,21 @@ def test_served_logprobs_agree_with_the_float32_reference(served):
                         "--token-ids", ",".join(map(str, ids)), "--variants", ",".join(["float32", "bfloat16", *CONTROLS]),
                         "--kv-cache", served["kv"], "--out", str(out)])
     refs = json.loads(out.read_text())
-    check_agreement(got, top1, refs, f"{served['name']} (TP={served['tp']}, KV {served['kv']})", gross=CONTROLS)
+    # A zero point one off moves an 8-bit weight by one of 255 steps, not 15: for INT8 that control
+    # is subtle (the bound must still reject it), the swapped nibbles stay gross.
+    subtle = ("zero-off-by-one",) if _family(served) == "int8" else ()
+    check_agreement(got, top1, refs, f"{served['name']} (TP={served['tp']}, KV {served['kv']})",
+                    gross=tuple(c for c in CONTROLS if c not in subtle), subtle=subtle)
 
 
-def test_census_every_int4_module_on_a_qpn_route(served):
+def test_census_every_quantized_module_on_a_qpn_route(served):
     """One prompt per band of the route table (M = 5, 12, 40, 130 tokens), each with a decode step:
-    every INT4 module the checkpoint declares is on a QPN4 route on every rank, each band used,
+    every module the checkpoint declares is on its family's QPN route on every rank, each band used,
     zero fallbacks; modules are served fused as vLLM fuses them (32 in this model), each prepacked
     and proven; the head stays the engine's. At TP = 2 every row-parallel module holds K / 2 = 128
     inputs per rank: one whole group of 128."""
     from qpn.fork_patches.route_census.census import aggregate
+    from qpn.kernels import formats
     from qpn.kernels.routes import QPN_ROUTES
     from qpn.scripts.launcher import boot_gates
 
@@ -160,14 +185,17 @@ def test_census_every_int4_module_on_a_qpn_route(served):
     agg = aggregate(str(served["census_dir"]))
     config = json.loads((served["ckpt"] / "config.json").read_text())
     layers = config["num_hidden_layers"]
-    expected = {"int4": 4 * layers}  # per layer: in_proj_qkvz / qkv_proj, out_proj / o_proj, gate_up_proj, down_proj
+    family = _family(served)
+    prefix = formats.FAMILIES[family].route_prefix
+    expected = {family: 4 * layers}  # per layer: in_proj_qkvz / qkv_proj, out_proj / o_proj, gate_up_proj, down_proj
     tp = served["tp"]
     assert [r["rank"] for r in agg["ranks"]] == list(range(tp))
-    assert agg["modules_by_region"] == {"int4": expected["int4"] * tp}
-    assert agg["modules_on_qpn"] == agg["modules_total"] == expected["int4"] * tp
+    assert agg["modules_by_region"] == {family: expected[family] * tp}
+    assert agg["modules_on_qpn"] == agg["modules_total"] == expected[family] * tp
     assert agg["fallback_calls"] == 0 and agg["fallbacks"] == [] and agg["non_qpn_routes"] == []
-    assert set(agg["route_counts"]) <= {r for r in QPN_ROUTES if r.startswith("qpn4")}, agg["route_counts"]
-    for band in ("qpn4", "qpn4_mt2", "qpn4_chunked", "qpn4_reconstruct"):
+    assert set(agg["route_counts"]) <= {r for r in QPN_ROUTES if r == prefix or r.startswith(prefix + "_")}, \
+        agg["route_counts"]
+    for band in (prefix, f"{prefix}_mt2", f"{prefix}_chunked", f"{prefix}_reconstruct"):
         assert agg["route_counts"].get(band, {}).get("eager", 0) > 0, band
     assert agg["lm_head"] == [] or all(h is None for h in agg["lm_head"]), agg["lm_head"]
     _, declared = boot_gates.declared_modules(str(served["ckpt"]))
@@ -179,11 +207,11 @@ def test_census_every_int4_module_on_a_qpn_route(served):
         # the by-name record the gate pairs through, every convention
         assert rank["checkpoint_modules"] == {c: c.replace("model.language_model.", "model.", 1) for c in declared}
         modules = json.loads((Path(served["census_dir"]) / f"census_rank{rank['rank']}.json").read_text())["modules"]
-        assert len(modules) == expected["int4"]
+        assert len(modules) == expected[family]
         for mname, m in modules.items():
-            assert m["region"] == "int4" and m["eligible"] and m["prepack_verified"], mname
+            assert m["region"] == family and m["eligible"] and m["prepack_verified"], mname
             if mname.rsplit(".", 1)[-1] in ROW_PARALLEL:
-                assert m["k"] == 256 // tp and m["k"] % g == 0, (mname, m["k"], g)
+                assert m["k"] == 256 // tp and (g == -1 or m["k"] % g == 0), (mname, m["k"], g)
 
 
 def test_tp4_that_would_cut_a_group_is_refused_before_any_engine_starts(tmp_path):

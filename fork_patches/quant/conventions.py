@@ -854,7 +854,7 @@ def detect(ckpt_dir: str | Path) -> tuple[Convention, dict]:
 # ======================================================================= integer families
 # AWQ, GPTQ and compressed-tensors pack-quantized store the integer families (INTEGER_CONVENTIONS:
 # their layout and unpacker). The registered QPN config claims their checkpoints and hands their
-# layers the QPN method (qpn_config.integer_served); the launcher refuses before boot a checkpoint
+# layers the QPN method (qpn_config.family_served); the launcher refuses before boot a checkpoint
 # whose integer tensors are not whole (``integer_checkpoint_problems``, called by
 # serve_preflight.check_checkpoint_tensors).
 class ActOrderRefused(ConventionError):

@@ -6,10 +6,10 @@ quantization method) asks ``qpn_method_for`` for every linear and ``ParallelLMHe
 compressed-tensors checkpoint it claims:
 
 * a config group declaring NVFP4 (``nvfp4-pack-quantized``: float, 4 bits, tensor_group, group
-  16, symmetric) gives a QPN2 method, FP8 (``float-quantized``: float, 8 bits, static symmetric,
-  tensor or channel) a QPN8 method, integer weights (``pack-quantized``: int, 4 or 8 bits, group
+  16, symmetric) gives the QPN method on the qpn2 routes, FP8 (``float-quantized``: float, 8 bits, static symmetric,
+  tensor or channel) on the qpn8 routes, integer weights (``pack-quantized``: int, 4 or 8 bits, group
   32 / 64 / 128, or channel where the family stores it; claimed only where the family serves,
-  ``qpn_config.integer_served``) the method of their integer family; each through
+  ``qpn_config.family_served``) the method of their integer family; each through
   ``linear_method.qpn_linear_method``;
 * each shard of a fused module is matched on its own and must declare the same scheme; a scheme
   the QPN path does not serve (MXFP4, block FP8, output-activation quantization, transforms)

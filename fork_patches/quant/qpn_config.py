@@ -61,12 +61,12 @@ Engine behaviour keyed on the config's name, settled here:
   config.json; AWQ and GPTQ are claimed from config.json's quantization_config (the form their
   exporters write today, and the one the launcher's INT4 checks read), not from AutoGPTQ's older
   quantize_config.json, which vLLM only reads when asked for --quantization gptq.
-* Every engine's GPTQ config refuses ``sym: false`` (its kernels have no zero points), which QPN4
+* Every engine's GPTQ config refuses ``sym: false`` (its kernels have no zero points), which the QPN method
   serves; QPNConfig has the engine parse the symmetric twin of such a config (the engine's config
-  only names modules and answers the engine; QPN4 reads the zero points from the checkpoint's own
+  only names modules and answers the engine; the QPN method reads the zero points from the checkpoint's own
   config), and refuses asymmetric GPTQ experts, which no method would then serve correctly.
 * vLLM 0.32 drops every ``.g_idx`` tensor from the weights it loads
-  (``QuantizationConfig.get_checkpoint_weight_mapper``: its kernels refuse act order). QPN4 reads
+  (``QuantizationConfig.get_checkpoint_weight_mapper``: its kernels refuse act order). The QPN method reads
   GPTQ's g_idx (a map that moves whole groups is served; one that mixes groups is refused naming
   the module), so for GPTQ the mapper keeps it.
 """
@@ -295,7 +295,7 @@ def make_config_class():
             if self.convention == "gptq":
                 from vllm.model_executor.models.utils import WeightsMapper
 
-                return WeightsMapper()  # keep g_idx: QPN4 reads it (see the module)
+                return WeightsMapper()  # keep g_idx: the QPN method reads it (see the module)
             return self._inner.get_checkpoint_weight_mapper()
 
         def get_name(self) -> str:
@@ -329,7 +329,7 @@ def make_config_class():
             parsed = config
             if convention == "gptq" and config.get("sym") is False:
                 # every engine's GPTQ config refuses sym false (it has no kernel for zero points);
-                # QPN4 reads the zero points itself (from config.raw), and the engine's config only
+                # the QPN method reads the zero points itself (from config.raw), and the engine's config only
                 # names the modules, so it parses the symmetric twin (see qpn_method for experts)
                 parsed = {**config, "sym": True}
             return cls(engine_cls.from_config(parsed), convention, config, engine_cls)

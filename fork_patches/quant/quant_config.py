@@ -10,7 +10,7 @@ ModelOpt writes it, and say which QPN method each quantized linear module of a m
   plugin is loaded in ``EngineArgs.__post_init__``, before the model config is built, so this runs
   early enough in the API process (no file edit needed); the registered QPN config
   (qpn_config.py) then claims the normalized config.
-* ``qpn_method_for``: the QPN method (NVFP4 -> QPN2, FP8 -> QPN8) of a linear layer or
+* ``qpn_method_for``: the QPN method (NVFP4 on the qpn2 routes, FP8 on qpn8) of a linear layer or
   ``ParallelLMHead`` listed in the mixed config's ``quantized_layers``; a declared algo the QPN
   path does not serve fails the load naming the module. ``qpn_config.QPNConfig.get_quant_method``
   asks it for every such layer of a mixed checkpoint it claimed.
