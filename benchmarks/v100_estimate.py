@@ -149,6 +149,14 @@ def families() -> list[str]:
     return [name for name, f in formats.KERNEL_FAMILIES.items() if "m8n8k4" in f.kernel_atoms]
 
 
+def same_width_peers(fmt: str) -> list[str]:
+    """The families with m8n8k4 kernels whose codes are as wide as ``fmt``'s but of the other kind
+    (integer beside minifloat), in registry order."""
+    own = formats.KERNEL_FAMILIES[fmt]
+    return [f for f in families() if formats.KERNEL_FAMILIES[f].code_bits == own.code_bits
+            and formats.KERNEL_FAMILIES[f].code_type != own.code_type]
+
+
 def estimate_rows(stats=None, trips=None, c=None) -> tuple[list[dict], list[str]]:
     """One row per (table, shape, family, NVFP4 form, M): our estimate beside the seed's level and
     1Cat's TurboMind time; and the (family, reason) notes for what has no kernel to estimate."""
@@ -159,9 +167,11 @@ def estimate_rows(stats=None, trips=None, c=None) -> tuple[list[dict], list[str]
     rows, notes = [], []
     for table, shapes in SHAPES.items():
         for shape, (own_fmt, n, k) in shapes.items():
-            # the checkpoint's own format; at TP2 also each format a TurboMind time is of
-            fmts = [own_fmt] + ([f for fam in LIKE_FOR_LIKE.values() for f in fam[:1] if f in families()]
-                                if table == "tp2" else [])
+            # the checkpoint's own format; beside it the families whose codes are as wide but of the
+            # other kind (FP8's shapes: INT8; NVFP4's: INT4), the form other exports of the same
+            # model take; at TP2 also each format a TurboMind time is of
+            fmts = [own_fmt] + same_width_peers(own_fmt) + (
+                [f for fam in LIKE_FOR_LIKE.values() for f in fam[:1] if f in families()] if table == "tp2" else [])
             for fmt in dict.fromkeys(fmts):
                 for form in ops.NVFP4_FORMS if fmt == "nvfp4" else ("-",):
                     for m in MS:

@@ -40,6 +40,27 @@ def test_every_shape_route_and_m_is_estimated(estimate):
 
 
 @fast
+def test_an_int8_row_stands_beside_every_fp8_shape(estimate):
+    """INT8 W8A16 (one byte a code, as FP8) on every shape whose checkpoint format is FP8, every M:
+    its own m8n8k4 kernel, never faster than its bytes (codes, float16 scales and zero points) at
+    the read ceiling, and no seed level or TurboMind time (neither project measured it)."""
+    _, _, rows, _ = estimate
+    assert ve.same_width_peers("fp8") == ["int8"] and ve.same_width_peers("nvfp4") == ["int4"]
+    for table, shapes in ve.SHAPES.items():
+        for shape, (fmt, n, k) in shapes.items():
+            if fmt != "fp8":
+                continue
+            int8 = [r for r in rows if r["table"] == table and r["shape"] == shape and r["fmt"] == "int8"]
+            assert {r["m"] for r in int8} == set(range(1, 17)), (table, shape)
+            for r in int8:
+                assert r["kernel"].startswith("qpn8i_mt") and r["seed_pct"] is None and r["turbomind_us"] is None
+                floor = n * k * pm.bytes_per_weight("int8") / pm.V100_SXM2.read_ceiling_gbps / 1e3
+                assert r["est_us"] >= floor + vc.FIT_BASE.t0_us - 1e-9
+                fp8 = next(x for x in rows if (x["table"], x["shape"], x["fmt"], x["m"]) == (table, shape, "fp8", r["m"]))
+                assert r["checkpoint_fmt"] == "fp8" and r["est_us"] >= fp8["est_us"] * 0.5
+
+
+@fast
 def test_seed_levels_stand_only_where_the_seed_measured(estimate):
     _, _, rows, _ = estimate
     levels = ve.seed_levels()
