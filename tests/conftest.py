@@ -21,6 +21,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("QPN_ENGINE_PYTHON", sys.executable)
 
 from tests._ci import unavailable  # noqa: E402  (needs REPO on sys.path)
+from tests._engine_servers import check_one_idle_at_most  # noqa: E402
 
 
 # The files that take longest (engine boots, virtualenv builds), longest first. scripts/test.sh runs
@@ -62,6 +63,15 @@ def pytest_xdist_make_scheduler(config, log):
             return SHARED_UNITS.get(scope, scope)
 
     return SharedUnitScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def at_most_one_idle_engine_server(request):
+    """Issue 41 item 8: after every test, with its module's fixtures still up, at most one engine
+    server of this process (worker) is alive that the test's fixtures did not start
+    (tests/_engine_servers.py); more fails the test here."""
+    yield
+    check_one_idle_at_most(request.node.funcargs.values(), request.node.nodeid)
 
 
 @pytest.fixture(autouse=True)

@@ -56,10 +56,11 @@ def served(ct_root):
     yield from _serve(ct_root, "auto")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def served_fp8_kv(ct_root, served):
     """FP8 KV asked for explicitly, where the cpu engine has it (x86 with AVX-512/AMX): the
-    checkpoint's self_attn.k_scale / v_scale must reach the cache."""
+    checkpoint's self_attn.k_scale / v_scale must reach the cache. Up for its one test only (no
+    more than one server idle beside the test's: tests/_engine_servers.py)."""
     from qpn.fork_patches.engine.kv_policy import cpu_lacks_fp8_kv
 
     if cpu_lacks_fp8_kv():

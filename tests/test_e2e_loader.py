@@ -102,17 +102,19 @@ def served(e2e_root, mixed_checkpoint):
     yield from _serve(e2e_root, KV_SETTING, mixed_checkpoint)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def served_bf16_kv(e2e_root, served, mixed_checkpoint):
     """A second server forced onto the bf16 KV path, where the main one keeps an FP8 cache, so
-    both KV paths are proven on a host that has both."""
+    both KV paths are proven on a host that has both. Up for its one test only, as the next one
+    is: the main server stays up for the module, and no more than one is idle beside the test's
+    (tests/_engine_servers.py)."""
     if _kv_resolved(served["census_dir"]) == "bfloat16":
         pytest.skip("the main server already runs the bf16 KV path on this host "
                     f"(QPN_TEST_KV_CACHE={KV_SETTING}); nothing more to prove here")
     yield from _serve(e2e_root, "bfloat16", mixed_checkpoint)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def served_embedded_without_layers(e2e_root, mixed_checkpoint):
     """The same checkpoint bytes in the form whose config.json embeds MIXED_PRECISION without its
     quantized_layers map (ModelOpt keeps it in hf_quant_config.json only): vLLM reads the file for
