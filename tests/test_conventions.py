@@ -83,15 +83,15 @@ def test_vllm_registers_the_same_names_and_inverts_the_global_scale():
 def test_ct_nvfp4_inputs_decode_like_the_library():
     w = whole_format_weight()
     t = ct_nvfp4(w)
-    got = cv.COMPRESSED_TENSORS.nvfp4_inputs(t)
-    assert torch.equal(got.codes, t["weight_packed"]) and torch.equal(_u8(got.group_scales), _u8(t["weight_scale"]))
-    assert got.global_scale.dtype == torch.float32 and got.global_scale.shape == ()
-    ours = nvfp4_codec.dequantize_f64(got.codes, got.group_scales, got.global_scale)
+    codes, scales, global_scale = cv.COMPRESSED_TENSORS.inputs(t, "", "nvfp4")
+    assert torch.equal(codes, t["weight_packed"]) and torch.equal(_u8(scales), _u8(t["weight_scale"]))
+    assert global_scale.dtype == torch.float32 and global_scale.shape == ()
+    ours = nvfp4_codec.dequantize_f64(codes, scales, global_scale)
     lib = ct_decompress_nvfp4(t).double()
     # multiply by float32(1/g) vs divide by g: at most a float32 rounding or two per value
     assert torch.allclose(ours, lib, rtol=3e-7, atol=0)
     # the same bytes read with the other convention's scale rule are wrong by a factor g^2
-    wrong = nvfp4_codec.dequantize_f64(got.codes, got.group_scales, t["weight_global_scale"].reshape(()))
+    wrong = nvfp4_codec.dequantize_f64(codes, scales, t["weight_global_scale"].reshape(()))
     nz = lib.abs() > 0
     ratio = (wrong[nz] / lib[nz]).median()
     assert float(ratio) == pytest.approx(float(t["weight_global_scale"]) ** 2, rel=1e-5)
@@ -108,32 +108,34 @@ def test_modelopt_and_ct_describe_the_same_bytes():
     mo = {"m.weight": q, "m.weight_scale": s, "m.weight_scale_2": s2.reshape(()), "m.input_scale": torch.tensor(0.01)}
     ctt = ModelOptNvfp4Converter(targets=["m"]).process(dict(mo))
     assert set(ctt) == {"m.weight_packed", "m.weight_scale", "m.weight_global_scale", "m.input_global_scale"}
-    a = cv.MODELOPT.nvfp4_inputs(mo, "m")
-    b = cv.COMPRESSED_TENSORS.nvfp4_inputs(ctt, "m")
-    assert torch.equal(a.codes, b.codes) and torch.equal(_u8(a.group_scales), _u8(b.group_scales))
-    assert float(a.global_scale) == pytest.approx(float(b.global_scale), rel=2 ** -23)
+    a = cv.MODELOPT.inputs(mo, "m", "nvfp4")
+    b = cv.COMPRESSED_TENSORS.inputs(ctt, "m", "nvfp4")
+    assert torch.equal(a[0], b[0]) and torch.equal(_u8(a[1]), _u8(b[1]))
+    assert float(a[2]) == pytest.approx(float(b[2]), rel=2 ** -23)
 
 
 @pytest.mark.parametrize("layout", ["tensor", "channel"])
 def test_ct_fp8_inputs_decode_like_the_library(layout):
     w = whole_format_weight(seed=5)
     t = ct_fp8(w, layout)
-    got = cv.COMPRESSED_TENSORS.fp8_inputs(t)
-    assert got.scale.shape == ((1,) if layout == "tensor" else (w.shape[0],))
-    ours = fp8_codec.dequantize_f64(got.codes, got.scale if layout == "channel" else got.scale.reshape(()))
+    codes, scale = cv.COMPRESSED_TENSORS.inputs(t, "", cv.ModuleScheme("fp8", layout))
+    assert scale.shape == ((1,) if layout == "tensor" else (w.shape[0],))
+    ours = fp8_codec.dequantize_f64(codes, scale if layout == "channel" else scale.reshape(()))
     assert torch.allclose(ours, ct_decompress_fp8(t, layout).double(), rtol=1e-6, atol=0)
 
 
 def test_modelopt_rejects_a_per_channel_fp8_scale():
     codes = torch.zeros(4, 16).to(torch.float8_e4m3fn)
-    with pytest.raises(cv.ConventionError, match="neither per tensor nor per channel"):
-        cv.MODELOPT.fp8_inputs({"weight": codes, "weight_scale": torch.ones(4, 1)})
+    with pytest.raises(cv.ConventionError, match="scales per channel are not a modelopt layout"):
+        cv.MODELOPT.inputs({"weight": codes, "weight_scale": torch.ones(4, 1)}, "m", cv.ModuleScheme("fp8", "channel"))
+    with pytest.raises(cv.ConventionError, match="weight_scale must hold one value, has 4"):
+        cv.MODELOPT.inputs({"weight": codes, "weight_scale": torch.ones(4, 1)}, "m", "fp8")
 
 
 @pytest.mark.parametrize("bad, match", [
     ({"weight_global_scale": torch.tensor([0.0])}, "positive finite"),
     ({"weight_global_scale": torch.tensor([float("nan")])}, "positive finite"),
-    ({"weight_scale": torch.zeros(16, 2, dtype=torch.float8_e4m3fn)}, "one scale per 16"),
+    ({"weight_scale": torch.zeros(16, 2, dtype=torch.float8_e4m3fn)}, r"stores \[N, K/16\]"),
     ({"weight_packed": None}, "needs tensor 'weight_packed'"),
 ])
 def test_nvfp4_inputs_name_the_problem(bad, match):
@@ -144,7 +146,7 @@ def test_nvfp4_inputs_name_the_problem(bad, match):
         else:
             t[k] = v
     with pytest.raises(cv.ConventionError, match=match):
-        cv.COMPRESSED_TENSORS.nvfp4_inputs(t, "model.layers.0.mlp.down_proj")
+        cv.COMPRESSED_TENSORS.inputs(t, "model.layers.0.mlp.down_proj", "nvfp4")
 
 
 def _tiny_modules():

@@ -162,11 +162,10 @@ def test_declaration_and_convention_cover_every_tensor(ckpt):
             assert tensors[f"{m}.weight"].dtype == torch.bfloat16, m
             continue
         names = conv.tensor_names(m, s.fmt)
+        source = conv.inputs(tensors, m, s)
         if s.fmt == cv.NVFP4:
-            inp = conv.nvfp4_inputs(tensors, m)
-            assert inp.global_scale.dtype == torch.float32
+            assert source[2].dtype == torch.float32
             assert names["input_scale"] in tensors
         else:
-            inp = conv.fp8_inputs(tensors, m)
-            assert inp.scale.numel() == (1 if s.fp8_scale == "tensor" else inp.codes.shape[0])
+            assert source[1].numel() == (1 if s.fp8_scale == "tensor" else source[0].shape[0])
             assert (names["input_scale"] in tensors) == (s.fp8_scale == "tensor")

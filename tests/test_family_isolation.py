@@ -158,7 +158,7 @@ NAMED_OUTSIDE_THEIR_FAMILY = {
     "fork_patches/engine/hooks.py": 4,
     "fork_patches/engine/kv_policy.py": 15,
     "fork_patches/engine/platform_gate.py": 2,
-    "fork_patches/quant/conventions.py": 42,
+    "fork_patches/quant/conventions.py": 30,
     "fork_patches/quant/ct_config.py": 4,
     "fork_patches/quant/moe_method.py": 24,
     "fork_patches/quant/qpn_config.py": 2,

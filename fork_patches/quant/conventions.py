@@ -135,19 +135,6 @@ class RoleNames:
 
 
 @dataclass(frozen=True)
-class NVFP4Inputs:
-    codes: torch.Tensor         # uint8 [N, K/2]
-    group_scales: torch.Tensor  # float8_e4m3fn [N, K/16]
-    global_scale: torch.Tensor  # float32 0-d: the multiplier
-
-
-@dataclass(frozen=True)
-class FP8Inputs:
-    codes: torch.Tensor  # float8_e4m3fn [N, K]
-    scale: torch.Tensor  # float32 [1] (per tensor) or [N] (per channel)
-
-
-@dataclass(frozen=True)
 class ModuleScheme:
     """What the config declares for one module: its weight family and what picks the member and
     its parameters (FP8's scale layout; an integer family's group size, zero points, ordering)."""
@@ -319,53 +306,6 @@ class Convention:
 
         m = multiplier.detach().to(torch.float32)
         return m if self.global_scale_stored_as == "multiplier" else 1.0 / m
-
-    def nvfp4_inputs(self, tensors: Mapping[str, torch.Tensor], module: str = "") -> NVFP4Inputs:
-        """QPN inputs from one module's tensors (keys: local names, or ``module.``-prefixed)."""
-        import torch
-
-        t = _local(tensors, module)
-        n = self.names(NVFP4)
-        for key in (n.codes, n.group_scales, n.global_scale):
-            if key not in t:
-                raise ConventionError(f"{module or 'module'}: {self.name} NVFP4 needs tensor {key!r}; "
-                                      f"found {sorted(t)}")
-        codes, scales, g = t[n.codes], t[n.group_scales], t[n.global_scale]
-        if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn:
-            raise ConventionError(f"{module}: {n.codes} must be uint8 and {n.group_scales} float8_e4m3fn, "
-                                  f"got {codes.dtype} and {scales.dtype}")
-        if scales.shape != (codes.shape[0], 2 * codes.shape[1] // GROUP_SIZE):
-            raise ConventionError(f"{module}: {n.group_scales} shape {tuple(scales.shape)} does not give one "
-                                  f"scale per {GROUP_SIZE} inputs of {n.codes} {tuple(codes.shape)}")
-        if g.numel() != 1:
-            raise ConventionError(f"{module}: {n.global_scale} must hold one value, has {g.numel()}")
-        gf = g.detach().to(torch.float32).reshape(())
-        if not bool(torch.isfinite(gf)) or float(gf) <= 0:
-            raise ConventionError(f"{module}: {n.global_scale} = {float(gf)} is not a positive finite scale")
-        return NVFP4Inputs(codes, scales, self.global_scale_f32(gf).reshape(()))
-
-    def fp8_inputs(self, tensors: Mapping[str, torch.Tensor], module: str = "") -> FP8Inputs:
-        import torch
-
-        t = _local(tensors, module)
-        n = self.names(FP8)
-        for key in (n.codes, n.scale):
-            if key not in t:
-                raise ConventionError(f"{module or 'module'}: {self.name} FP8 needs tensor {key!r}; found {sorted(t)}")
-        codes, s = t[n.codes], t[n.scale]
-        if codes.dtype != torch.float8_e4m3fn:
-            raise ConventionError(f"{module}: {n.codes} must be float8_e4m3fn, got {codes.dtype}")
-        rows = codes.shape[0]
-        if s.numel() == 1:
-            scale = s.detach().to(torch.float32).reshape(1)
-        elif s.numel() == rows and "channel" in self.fp8_scale_layouts and s.dim() in (1, 2) \
-                and (s.dim() == 1 or s.shape[1] == 1):
-            scale = s.detach().to(torch.float32).reshape(rows)
-        else:
-            raise ConventionError(f"{module}: {n.scale} shape {tuple(s.shape)} is neither per tensor nor "
-                                  f"per channel for {rows} rows ({self.name} allows "
-                                  f"{', '.join(self.fp8_scale_layouts)})")
-        return FP8Inputs(codes, scale)
 
     # ------------------------------------------------------------------ config reading
     def kv_request(self, quant_cfg: Mapping) -> str | None:
@@ -550,26 +490,78 @@ class Convention:
         except formats.FormatError as e:
             raise ConventionError(f"{module}: {self.names(scheme).g_idx}: {e}") from e
 
-    def inputs(self, tensors: Mapping[str, torch.Tensor], module: str, scheme: ModuleScheme) -> tuple:
-        """The canonical source of one integer module (its family's codec: codes, float16 group
-        scales [, uint8 zero points]) from its tensors (keys local or ``module.``-prefixed), by the
-        convention's unpacker in the family's checkpoint.py. ConventionError names the module and
-        the missing tensor; ActOrderRefused an activation-ordered g_idx."""
+    def inputs(self, tensors: Mapping[str, torch.Tensor], module: str, scheme) -> tuple:
+        """The canonical source of one module, in its family's roles order (the family's codec:
+        NVFP4 codes, e4m3 group scales and the float32 multiplier; FP8 codes and a float32 scale
+        [1] or [N]; an integer family's codes, float16 group scales [, uint8 zero points]), from its
+        tensors (keys local or ``module.``-prefixed). ``scheme``: a ModuleScheme, or a format name
+        for the format's own scheme. Every tensor is checked against the family's loader schema
+        (dtype, shape against the codes, finite scales, a per-shard scale positive) and the
+        family's schema makes the source (``convention.unpacker`` for the integer families).
+        ConventionError names the module and the problem; ActOrderRefused an activation-ordered
+        g_idx."""
+        import torch
+
         from qpn.kernels import families
 
+        if not isinstance(scheme, ModuleScheme):
+            scheme = ModuleScheme(formats.weight_format(scheme).family)
+        fmt = scheme.format
         t = _local(tensors, module)
-        n = self.names(scheme)
-        for role, required in self.roles(scheme).items():
-            if required and getattr(n, role) not in t:
-                raise ConventionError(f"{module or 'module'}: {self.name} {scheme.format.title} needs tensor "
-                                      f"{getattr(n, role)!r} ({role}); found {sorted(t)}")
-        by_role = {role: t[getattr(n, role)] for role in self.roles(scheme) if getattr(n, role) in t}
+        what = f"{module or 'module'}: {self.name} {fmt.title}"
+        if fmt.code_type == INTEGER:
+            n = self.names(scheme)
+            for role, required in self.roles(scheme).items():
+                if required and getattr(n, role) not in t:
+                    raise ConventionError(f"{what} needs tensor {getattr(n, role)!r} ({role}); found {sorted(t)}")
+            by_role = {role: t[getattr(n, role)] for role in self.roles(scheme) if getattr(n, role) in t}
+            try:
+                return families.loader(fmt).unpack(self.unpacker, by_role, scheme, module)
+            except families.ActOrder as e:
+                raise ActOrderRefused(f"{module}: {e}") from e
+            except formats.FormatError as e:
+                raise ConventionError(f"{what}: {e}") from e
+        if fmt.output_scale in ("tensor", "channel") and fmt.output_scale not in self.fp8_scale_layouts:
+            raise ConventionError(f"{what}: scales per {fmt.output_scale} are not a {self.name} layout "
+                                  f"({', '.join(self.fp8_scale_layouts)})")
+        loader, names = families.loader(fmt), self.names(fmt)
+        specs = loader.stored(names, self, scheme)
+        for spec in specs:
+            if spec.required and spec.name not in t:
+                raise ConventionError(f"{what} needs tensor {spec.name!r} ({spec.role}); found {sorted(t)}")
+        present = [spec for spec in specs if spec.name in t]
+        for spec in present:
+            if t[spec.name].dtype not in spec.accepted:
+                raise ConventionError(f"{what}: {spec.name} must be {' or '.join(map(str, spec.accepted))}, got "
+                                      f"{t[spec.name].dtype}")
+        codes_spec = specs[0]
+        codes = t[codes_spec.name]
+        dims = dict(zip((sym.partition("/")[0] for sym in codes_spec.symbols), codes.shape))
+        rows = int(dims["N"])
+        k = int(dims["K"]) * int(next(sym for sym in codes_spec.symbols if sym.startswith("K")).partition("/")[2] or 1)
+        by_role = {}
+        for spec in present:
+            v = t[spec.name]
+            if spec.symbols == ("P",):  # one value for the one shard
+                if v.numel() != 1:
+                    raise ConventionError(f"{what}: {spec.name} must hold one value, has {v.numel()}")
+                vf = v.detach().to(torch.float32).reshape(())
+                if spec.scale and (not bool(torch.isfinite(vf)) or float(vf) <= 0):
+                    raise ConventionError(f"{what}: {spec.name} = {float(vf)} is not a positive finite scale")
+                by_role[spec.role] = v.reshape(1)
+                continue
+            want = spec.shape(rows, k, scheme.group_size)
+            if tuple(v.shape) != want and not (want[1:] == (1,) and tuple(v.shape) == want[:1]):
+                raise ConventionError(f"{what}: {spec.name} shape {tuple(v.shape)} does not fit {codes_spec.name} "
+                                      f"{tuple(codes.shape)}: {self.name} stores [{', '.join(spec.symbols)}] = {list(want)}")
+            if spec.scale and not bool(torch.isfinite(v.float()).all()):
+                raise ConventionError(f"{what}: {spec.name} holds NaN or inf")
+            by_role[spec.role] = v.reshape(want)
         try:
-            return families.loader(scheme.format).unpack(self.unpacker, by_role, scheme, module)
-        except families.ActOrder as e:
-            raise ActOrderRefused(f"{module}: {e}") from e
+            ((_, _, source),) = loader.sources(by_role, [rows], names, self, scheme, module, {})
         except formats.FormatError as e:
-            raise ConventionError(f"{module}: {self.name} {scheme.format.title}: {e}") from e
+            raise ConventionError(f"{what}: {e}") from e
+        return source
 
 
 def _local(tensors: Mapping[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
