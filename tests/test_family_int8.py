@@ -778,7 +778,8 @@ def _mutant(tmp_path, monkeypatch, old, new):
 
 
 MUTATIONS = [
-    ("big-endian words (both unpackers)", "torch.arange(0, 32, 8, dtype=torch.int32", "torch.arange(24, -8, -8, dtype=torch.int32",
+    ("big-endian words (both unpackers)", "integer.word_values(words, dim, 8, _TITLE)",
+     "integer.word_values(words, dim, 8, _TITLE).flip(dim + 1)",
      "gptq"),
     ("off-by-one GPTQ v1 zero point", "+ (0 if v2 else 1)", "+ (0 if v2 else 0)", "gptq"),
     ("GPTQ scales reshaped, not transposed", 's = _f16_scales(scales, "GPTQ scales").t().contiguous()',

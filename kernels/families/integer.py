@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..weight_format import FormatError
+from ..weight_format import ActOrderError, FormatError, require
 from .contract import LoadError, StoredTensor
 
 _TORCH_DTYPE = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -32,6 +32,70 @@ _REGISTERED = {"codes": torch.int32, "zero_points": torch.int32, "g_idx": torch.
                "group_scales": torch.float32}
 
 
+# --------------------------------------------- what every integer family's unpackers share
+def word_values(words: torch.Tensor, dim: int, bits: int, title: str) -> torch.Tensor:
+    """int32 words -> their 32 / bits values, value i = bits bits*i .. (little-endian), as a new
+    axis right after ``dim`` (int64). Arithmetic shifts of negative words are masked, so sign is
+    moot."""
+    require(words.dtype == torch.int32, f"packed {title} tensors must be int32, got {words.dtype}")
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    w = words.unsqueeze(dim + 1)
+    view = [1] * w.dim()
+    view[dim + 1] = per_word
+    return ((w >> shifts.view(view)) & ((1 << bits) - 1)).to(torch.int64)
+
+
+def f16_scales(s: torch.Tensor, what: str, title: str) -> torch.Tensor:
+    """Scales as float16, refusing any value float16 does not hold exactly (bf16 / fp32 scales
+    of real checkpoints fit; a silent rounding would change every weight of the group)."""
+    s = torch.as_tensor(s)
+    require(s.is_floating_point(), f"{what} must be floating point, got {s.dtype}")
+    if s.dtype == torch.float16:
+        return s.contiguous()
+    s16 = s.to(torch.float16)
+    require(bool((s16.to(s.dtype) == s).all()),
+             f"{what} ({s.dtype}) holds values float16 cannot represent exactly; QPN's {title} kernels "
+             "read float16 scales and would change the weights")
+    return s16.contiguous()
+
+
+def apply_g_idx(group_scales, zero_points, g_idx, group_size: int, module: str | None = None,
+                title: str = "integer"):
+    """Scales [N, G] and zeros (or None) indexed by a checkpoint's g_idx (input -> group) ->
+    the same in input order, group b covering inputs b*g .. b*g+g-1.
+
+    A g_idx that is constant on every aligned block of g inputs (the trivial i // g, or whole
+    groups stored out of order) only moves scale columns: exact, no runtime cost. One that
+    scatters inputs of a group across blocks (GPTQ desc_act / act-order "group") would need the
+    activations permuted in every forward, which the kernels do not do: ActOrderError."""
+    if g_idx is None:
+        return group_scales, zero_points
+    gi = torch.as_tensor(g_idx).to(torch.int64).reshape(-1).cpu()
+    cols = group_scales.shape[1]
+    k = cols * group_size
+    where = f" in {module}" if module else ""
+    require(gi.numel() == k, f"g_idx{where} has {gi.numel()} entries, expected K={k}")
+    require(gi.numel() == 0 or (int(gi.min()) >= 0 and int(gi.max()) < cols),
+             f"g_idx{where} names groups outside 0..{cols - 1}")
+    blocks = gi.view(cols, group_size)
+    first = blocks[:, :1]
+    if not bool((blocks == first).all()):
+        b = int(torch.nonzero((blocks != first).any(1))[0])
+        raise ActOrderError(
+            f"activation-ordered {title} weight{where}: g_idx mixes groups inside inputs {b * group_size}.."
+            f"{b * group_size + group_size - 1} (desc_act / actorder=group). QPN's kernels read inputs in "
+            "checkpoint order and cannot permute activations; re-export without act-order (static / "
+            "desc_act=False) or serve this module unquantized")
+    order = first.reshape(-1).to(group_scales.device)
+    if torch.equal(order.cpu(), torch.arange(cols)):
+        return group_scales, zero_points
+    s = group_scales.index_select(1, order).contiguous()
+    z = None if zero_points is None else zero_points.index_select(1, order).contiguous()
+    return s, z
+
+
+# ---------------------------------------------------------------------- the loader schema
 def pack_words(values: torch.Tensor, dim: int, order, bits: int) -> torch.Tensor:
     """Integer values -> int32 words of p = 32 / bits along ``dim``, value j of a word = element
     p*c + order[j] in bits bits*j ..: a convention's own packing, so the loaded words can be

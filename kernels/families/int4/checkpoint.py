@@ -5,36 +5,24 @@ from __future__ import annotations
 
 import torch
 
-from ...weight_format import ActOrderError, FormatError, WeightFormat, require
+from ...weight_format import ActOrderError, FormatError, WeightFormat, require  # noqa: F401  (re-exported)
+from .. import integer
 from .codec import pack_codes
 from .members import INT4, INT4_SYM
+
+_TITLE = INT4.title.split()[0]  # "INT4": what the shared helpers' messages call the family
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)         # AutoAWQ: nibble j of an int32 holds column 8c + AWQ_ORDER[j]
 
 
 def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 words -> their 8 nibbles, standard order (nibble i = bits 4i..4i+3), as a new axis
-    right after ``dim`` (int64). Arithmetic shifts of negative words are masked, so sign is moot."""
-    require(words.dtype == torch.int32, f"packed INT4 tensors must be int32, got {words.dtype}")
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    w = words.unsqueeze(dim + 1)
-    view = [1] * w.dim()
-    view[dim + 1] = 8
-    return ((w >> shifts.view(view)) & 0xF).to(torch.int64)
+    right after ``dim`` (int64)."""
+    return integer.word_values(words, dim, 4, _TITLE)
 
 
 def _f16_scales(s: torch.Tensor, what: str) -> torch.Tensor:
-    """Scales as float16, refusing any value float16 does not hold exactly (bf16 / fp32 scales
-    of real checkpoints fit; a silent rounding would change every weight of the group)."""
-    s = torch.as_tensor(s)
-    require(s.is_floating_point(), f"{what} must be floating point, got {s.dtype}")
-    if s.dtype == torch.float16:
-        return s.contiguous()
-    s16 = s.to(torch.float16)
-    require(bool((s16.to(s.dtype) == s).all()),
-             f"{what} ({s.dtype}) holds values float16 cannot represent exactly; QPN's INT4 kernels "
-             "read float16 scales and would change the weights")
-    return s16.contiguous()
+    return integer.f16_scales(s, what, _TITLE)
 
 
 def _group_size(group_size: int, k: int, fmt: WeightFormat, what: str) -> int:
@@ -46,37 +34,8 @@ def _group_size(group_size: int, k: int, fmt: WeightFormat, what: str) -> int:
 
 
 def apply_g_idx(group_scales, zero_points, g_idx, group_size: int, module: str | None = None):
-    """Scales [N, G] and zeros (or None) indexed by a checkpoint's g_idx (input -> group) ->
-    the same in input order, group b covering inputs b*g .. b*g+g-1.
-
-    A g_idx that is constant on every aligned block of g inputs (the trivial i // g, or whole
-    groups stored out of order) only moves scale columns: exact, no runtime cost. One that
-    scatters inputs of a group across blocks (GPTQ desc_act / act-order "group") would need the
-    activations permuted in every forward, which the kernels do not do: ActOrderError."""
-    if g_idx is None:
-        return group_scales, zero_points
-    gi = torch.as_tensor(g_idx).to(torch.int64).reshape(-1).cpu()
-    n, cols = group_scales.shape
-    k = cols * group_size
-    where = f" in {module}" if module else ""
-    require(gi.numel() == k, f"g_idx{where} has {gi.numel()} entries, expected K={k}")
-    require(gi.numel() == 0 or (int(gi.min()) >= 0 and int(gi.max()) < cols),
-             f"g_idx{where} names groups outside 0..{cols - 1}")
-    blocks = gi.view(cols, group_size)
-    first = blocks[:, :1]
-    if not bool((blocks == first).all()):
-        b = int(torch.nonzero((blocks != first).any(1))[0])
-        raise ActOrderError(
-            f"activation-ordered INT4 weight{where}: g_idx mixes groups inside inputs {b * group_size}.."
-            f"{b * group_size + group_size - 1} (desc_act / actorder=group). QPN's kernels read inputs in "
-            "checkpoint order and cannot permute activations; re-export without act-order (static / "
-            "desc_act=False) or serve this module unquantized")
-    order = first.reshape(-1).to(group_scales.device)
-    if torch.equal(order.cpu(), torch.arange(cols)):
-        return group_scales, zero_points
-    s = group_scales.index_select(1, order).contiguous()
-    z = None if zero_points is None else zero_points.index_select(1, order).contiguous()
-    return s, z
+    """kernels/families/integer.py apply_g_idx, named for this family."""
+    return integer.apply_g_idx(group_scales, zero_points, g_idx, group_size, module, _TITLE)
 
 
 def from_awq(qweight, qzeros, scales, group_size):
