@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests._ci import REPO
+
 pytestmark = pytest.mark.fast
-REPO = Path(__file__).resolve().parents[1]
 FORK = REPO / "fork_patches"
 CONCERNS = {"quant", "spec", "api", "route_census", "engine"}
 _STRING_REF = re.compile(r"qpn\.fork_patches\.([\w.]+?)(?::[\w.]+)?")
