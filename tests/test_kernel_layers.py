@@ -26,9 +26,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("codecs", "families.contract"),        # bit-level minifloat codecs; the family contract
     ("atoms",),                             # geometry per MMA atom
     ("prepack",),                           # the packed-layout base, block reshapes, proofs' helpers
-    ("reference", "routes",                 # shared CPU reference helpers, route table;
-     "families.integer"),                   # what the integer families share: word values, g_idx, loader schema
-    ("family.codec",),                      # each family's source codec
+    ("reference", "routes"),                # shared CPU reference helpers, route table
+    ("family.codec",                        # each family's source codec;
+     "families.integer"),                   # what the integer families share: word values, g_idx, numerics, loader schema
     ("family.checkpoint", "family.layout"),  # checkpoint unpackers; fragment maps, packed layout
     ("family.numerics", "family.loader"),   # each family's CPU reference and numerics class; its loader schema
     ("families",),                          # the registry: format -> numerics

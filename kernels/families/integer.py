@@ -23,7 +23,9 @@ from typing import Callable
 
 import torch
 
-from ..weight_format import ActOrderError, FormatError, require
+from .. import reference
+from ..prepack import split_gate_up
+from ..weight_format import ActOrderError, FormatError, MoeShapeError, require
 from .contract import LoadError, StoredTensor
 
 _TORCH_DTYPE = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -93,6 +95,101 @@ def apply_g_idx(group_scales, zero_points, g_idx, group_size: int, module: str |
     s = group_scales.index_select(1, order).contiguous()
     z = None if zero_points is None else zero_points.index_select(1, order).contiguous()
     return s, z
+
+
+# ------------------------------------------------------------------------ the numerics
+class IntegerNumerics:
+    """kernels/families/contract.py for an integer family, all but ``packed_from_tensors`` (each
+    family finds its record span its own way). A family's numerics class sets ``codec`` and
+    ``layout`` (its modules: dequantize / dequantize_f64 / quantize, prepack / unprepack /
+    verify_roundtrip) and ``packed_type``; a source is (codes, float16 group scales[, uint8 zero
+    points]), value = (code - zero) * scale."""
+
+    codec = None
+    layout = None
+    packed_type: type = object
+    # symmetric? -> one record as one integer (int32 asymmetric, int16 symmetric)
+    RECORD_DTYPE = {False: torch.int32, True: torch.int16}
+
+    def __init__(self, fmt) -> None:
+        self.fmt = fmt
+
+    def _src(self, codes, scales, zero_points):
+        if self.fmt.has_zero_points and zero_points is None:
+            raise FormatError(f"{self.fmt.title} needs zero_points (roles {self.fmt.roles})")
+        return (codes, scales, zero_points if self.fmt.has_zero_points else None)
+
+    def decode_f64(self, codes, scales, zero_points=None) -> torch.Tensor:
+        return self.codec.dequantize_f64(*self._src(codes, scales, zero_points))
+
+    def decode_f32(self, codes, scales, zero_points=None) -> torch.Tensor:
+        """Exact in float32 (the codec's docstring); the kernels' FP16 operand is its one rounding."""
+        return self.codec.dequantize(*self._src(codes, scales, zero_points))
+
+    def quantize(self, w: torch.Tensor, group_size: int | None = None) -> tuple:
+        return self.codec.quantize(w, group_size or self.fmt.group_size, symmetric=not self.fmt.has_zero_points)
+
+    def prepack(self, codes, scales, zero_points=None, atom: str = "m8n8k4", rows_per_chunk: int | None = None):
+        return self.layout.prepack(*self._src(codes, scales, zero_points), atom=atom, rows_per_chunk=rows_per_chunk)
+
+    def unprepack(self, packed) -> tuple:
+        return self.layout.unprepack(packed)
+
+    def verify_roundtrip(self, packed, codes, scales, zero_points=None, rows_per_chunk: int | None = None) -> None:
+        self.layout.verify_roundtrip(packed, *self._src(codes, scales, zero_points), rows_per_chunk=rows_per_chunk)
+
+    def weights(self, packed) -> torch.Tensor:
+        """float32 [N, K] = (code - zero) * scale, read from the packed buffers."""
+        return self.codec.dequantize(*self.layout.unprepack(packed))
+
+    def reference_linear(self, x, packed, bias=None) -> torch.Tensor:
+        """The kernels' semantics in float32: each weight is the FP16 operand the decoder makes,
+        fp16((code - zero) * scale) (one rounding), products summed in FP32; FP16 output."""
+        reference.check_x(x, packed.k)
+        w = self.weights(packed).to(torch.float16).to(torch.float32)
+        return reference.finish(x.to(torch.float32) @ w.t(), bias)
+
+    def reference_linear_f64(self, x, packed, bias=None) -> torch.Tensor:
+        """Exact float64 y (not rounded) from the exact weights (code - zero) * scale."""
+        reference.check_x(x, packed.k)
+        return reference.finish_f64(x.double() @ self.weights(packed).double().t(), bias)
+
+    def decode_packed(self, packed) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.weights(packed)
+        return w, torch.ones(packed.n, dtype=torch.float32, device=w.device)
+
+    def packed_tensors(self, packed):
+        """(codes, records, out_scale); the records as one integer per record, the same bytes: the
+        kernel tensors then say which member they are, which the ops record of a weight (family,
+        not member) otherwise loses."""
+        return packed.codes, packed.scales.view(self.RECORD_DTYPE[packed.symmetric]), packed.out_scale
+
+    def member_records(self, scales) -> tuple[bool, torch.Tensor]:
+        """(symmetric, the records as bytes) of kernel records (packed_tensors; uint8 records: this
+        numerics' member)."""
+        for member_sym, dtype in self.RECORD_DTYPE.items():
+            if scales.dtype == dtype:
+                return member_sym, scales.view(torch.uint8)
+        return not self.fmt.has_zero_points, scales
+
+    # ---- stacked expert tensors [E, ...] in the canonical layout (no MoE method serves an integer
+    # family; these keep the numerics interface whole for the tests and a future method)
+    def expert_source(self, e, weight, weight_scale, weight_zero_point=None) -> tuple:
+        if self.fmt.has_zero_points:
+            if weight_zero_point is None:
+                raise MoeShapeError(f"{self.fmt.title} experts need zero points")
+            return weight[e], weight_scale[e], weight_zero_point[e]
+        return weight[e], weight_scale[e]
+
+    def moe_gate_up_sources(self, wg, wu, w13_scale, w13_zero_point, inter):
+        sg, su = split_gate_up(w13_scale, inter)
+        if not self.fmt.has_zero_points:
+            return (wg, sg), (wu, su)
+        zg, zu = split_gate_up(w13_zero_point, inter)
+        return (wg, sg, zg), (wu, su, zu)
+
+    def moe_down_source(self, w2, w2_scale, w2_zero_point=None) -> tuple:
+        return (w2, w2_scale, w2_zero_point) if self.fmt.has_zero_points else (w2, w2_scale)
 
 
 # ---------------------------------------------------------------------- the loader schema
