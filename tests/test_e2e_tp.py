@@ -26,7 +26,7 @@ from tests._agreement import check_agreement
 from qpn.scripts.launcher import boot_gates
 from qpn.scripts.launcher.engine_profiles import CPU, tp_env
 from tests.test_e2e_loader import (
-    PROMPT_TEXT, SERVED_NAME, Server, _make_checkpoint, _references, _served_prompt_logprobs,
+    PROMPT_TEXT, SERVED_NAME, Server, _references, _served_prompt_logprobs,
     _tagged_pids,
 )
 
@@ -37,10 +37,10 @@ K = 2  # MTP draft tokens
 
 
 @pytest.fixture(scope="module")
-def served_tp2(tmp_path_factory):
+def served_tp2(tmp_path_factory, mixed_checkpoint):
     env = tp_env(CPU, TP)  # raises on a host with fewer cores than ranks
     root = tmp_path_factory.mktemp("e2e-tp2")
-    ckpt = _make_checkpoint(root / "ckpt")
+    ckpt = mixed_checkpoint  # the session's (tests/conftest.py): read, never written
     census_dir = root / "census"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the Server copies os.environ when it starts the engine

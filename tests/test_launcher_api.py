@@ -27,13 +27,10 @@ MAX_N = 3
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched(tmp_path_factory, mixed_checkpoint):
     if not ENGINE_PYTHON:
         pytest.skip("QPN_ENGINE_PYTHON (the cpu engine's python) is not set")
     tmp = tmp_path_factory.mktemp("launcher-api")
-    ckpt = tmp / "ckpt"
-    subprocess.run([ENGINE_PYTHON, "-m", "qpn.scripts.checkpoints.make_checkpoint", str(ckpt)], check=True,
-                   capture_output=True, timeout=600)
     env = {k: v for k, v in os.environ.items()
            if k not in ("HOST", "PORT", "K", "MNS", "MML", "CAPTURE", "VLLM_API_KEY", "ENGINE",
                         "MAX_N")}
@@ -41,7 +38,7 @@ def launched(tmp_path_factory):
                RUN_DIR=str(tmp / "run"), VLLM_CACHE_ROOT=str(tmp / "vllm"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                PORT=str(free_port()))  # not the default 8000: another file's server may be up
-    server = LaunchedServer(str(ckpt), env=env)
+    server = LaunchedServer(str(mixed_checkpoint), env=env)
     server.start()
     yield server
     if server.proc.poll() is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import urllib.error
 import urllib.request
 
@@ -154,7 +153,7 @@ def _bodies(model: str, word: str) -> dict[str, bytes | None]:
 
 
 @pytest.fixture(scope="module", params=[0, 3], ids=["K0", "K3"])
-def keyed_server(request, tmp_path_factory):
+def keyed_server(request, tmp_path_factory, mixed_checkpoint):
     if not ENGINE_PYTHON:
         pytest.skip("QPN_ENGINE_PYTHON (the cpu engine's python) is not set")
     from qpn.scripts.launcher.launched import LaunchedServer
@@ -162,15 +161,12 @@ def keyed_server(request, tmp_path_factory):
 
     k = request.param
     tmp = tmp_path_factory.mktemp(f"route-sweep-k{k}")
-    ckpt = tmp / "ckpt"
-    subprocess.run([ENGINE_PYTHON, "-m", "qpn.scripts.checkpoints.make_checkpoint", str(ckpt)],
-                   check=True, capture_output=True, timeout=600)
     env = {key: v for key, v in os.environ.items()
            if key not in ("HOST", "PORT", "K", "MNS", "MML", "CAPTURE", "ENGINE", "MAX_N")}
     env.update(QPN_ENGINE_PYTHON=ENGINE_PYTHON, K=str(k), MML="2048", VLLM_API_KEY=KEY,
                RUN_DIR=str(tmp / "run"), VLLM_CACHE_ROOT=str(tmp / "vllm"), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PORT=str(free_port()))
-    server = LaunchedServer(str(ckpt), env=env)
+    server = LaunchedServer(str(mixed_checkpoint), env=env)
     server.start()
     yield k, server
     if server.proc.poll() is None:
