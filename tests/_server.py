@@ -78,6 +78,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_cpu_bind(tp: int = 1) -> dict[str, str]:
+    """For a server the launcher starts from this pytest-xdist worker: the one core its engine's
+    worker process binds its OpenMP threads to (``VLLM_CPU_OMP_THREADS_BIND``), worker N's the Nth
+    core this process may use. The engine's own choice ("auto") is core 0 for every server on a
+    2-core host, so two workers' launcher servers shared one core while the other waited: two
+    tests/test_launcher_api.py runs side by side took 63 s each so, 46-52 s on cores 0 and 1. The
+    launcher's layout is unchanged (it keeps a binding it is given, as it keeps a user's). Nothing
+    outside a worker, at TP > 1 (the launcher gives each rank a core group) or where the variable
+    is set already."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if tp > 1 or not worker.startswith("gw") or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(worker[2:]) % len(cpus)])}
+
+
 def tagged_pids(tag: str) -> list[int]:
     """Processes (of any parentage) whose environment carries ``QPN_E2E_TAG=tag``."""
     needle = f"{TAG_ENV}={tag}".encode()

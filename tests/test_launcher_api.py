@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from qpn.scripts.launcher.launched import LaunchedServer
-from tests._server import free_port
+from tests._server import free_port, worker_cpu_bind
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -37,7 +37,8 @@ def launched(tmp_path_factory, mixed_checkpoint):
     env.update(QPN_ENGINE_PYTHON=ENGINE_PYTHON, K="1", MML=str(MML), MAX_N=str(MAX_N),
                RUN_DIR=str(tmp / "run"), VLLM_CACHE_ROOT=str(tmp / "vllm"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               PORT=str(free_port()))  # not the default 8000: another file's server may be up
+               PORT=str(free_port()),  # not the default 8000: another file's server may be up
+               **worker_cpu_bind())
     server = LaunchedServer(str(mixed_checkpoint), env=env)
     server.start()
     yield server

@@ -19,7 +19,7 @@ import pytest
 
 from qpn.scripts.launcher.engine_profiles import EngineNotFound, detect_engine
 from qpn.scripts.launcher.launched import REPO_ROOT, LaunchedServer, group_alive
-from tests._server import free_port
+from tests._server import free_port, worker_cpu_bind
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def _env(tmp: str, **over) -> dict[str, str]:
                TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                # a free port, not the launcher's default 8000: another test file's server may be up
                # at the same time (scripts/test.sh runs two files side by side)
-               PORT=str(free_port()))
+               PORT=str(free_port()), **worker_cpu_bind(int(over.get("TP", 1))))
     env.update(over)
     return env
 

@@ -157,7 +157,7 @@ def keyed_server(request, tmp_path_factory, mixed_checkpoint):
     if not ENGINE_PYTHON:
         pytest.skip("QPN_ENGINE_PYTHON (the cpu engine's python) is not set")
     from qpn.scripts.launcher.launched import LaunchedServer
-    from tests._server import free_port
+    from tests._server import free_port, worker_cpu_bind
 
     k = request.param
     tmp = tmp_path_factory.mktemp(f"route-sweep-k{k}")
@@ -165,7 +165,8 @@ def keyed_server(request, tmp_path_factory, mixed_checkpoint):
            if key not in ("HOST", "PORT", "K", "MNS", "MML", "CAPTURE", "ENGINE", "MAX_N")}
     env.update(QPN_ENGINE_PYTHON=ENGINE_PYTHON, K=str(k), MML="2048", VLLM_API_KEY=KEY,
                RUN_DIR=str(tmp / "run"), VLLM_CACHE_ROOT=str(tmp / "vllm"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PORT=str(free_port()))
+               TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PORT=str(free_port()),
+               **worker_cpu_bind())
     server = LaunchedServer(str(mixed_checkpoint), env=env)
     server.start()
     yield k, server

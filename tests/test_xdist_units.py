@@ -1,7 +1,8 @@
 """scripts/test.sh runs the suite on two pytest-xdist workers, one file per worker at a time
 (--dist loadfile); tests/conftest.py's scheduler makes the files of one SHARED_UNITS entry one
-unit, so that the servers they share (tests/_mtp_servers.py) meet on one worker. Checked on
-stand-in files named as the shared ones, under the real conftest and the real scheduler."""
+unit, so that the servers they share (tests/_mtp_servers.py) meet on one worker (checked on
+stand-in files named as the shared ones, under the real conftest and the real scheduler). Each
+worker's launcher servers bind a core of their own (tests/_server.py worker_cpu_bind)."""
 from __future__ import annotations
 
 import os
@@ -45,3 +46,28 @@ def test_shared_files_run_on_one_worker_and_others_spread(tmp_path):
         assert ran[member] == ran[unit], (member, unit, ran)
     assert len(set().union(*ran.values())) == 2, ran  # the other files still spread over both
     assert Path(REPO / unit).is_file() and Path(REPO / member).is_file()
+
+
+def test_each_workers_launcher_servers_bind_a_core_of_their_own(monkeypatch):
+    """tests/_server.py worker_cpu_bind: worker N's launcher servers bind the Nth core this process
+    may use; nothing outside a worker, at TP > 1 or where the variable is set; and the launcher
+    keeps the binding it is given (at TP = 2 it sets its own per-rank groups)."""
+    from qpn.scripts.launcher.engine_profiles import CPU
+    from qpn.scripts.launcher.serve import server_env
+    from tests._server import worker_cpu_bind
+    from tests.test_launcher_units import _launch
+
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert worker_cpu_bind() == {}
+    for n in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{n}")
+        assert worker_cpu_bind() == {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[n % len(cpus)])}
+        assert worker_cpu_bind(tp=2) == {}
+    bound = worker_cpu_bind()
+    assert server_env(_launch(CPU, tp=1, environ=bound))["VLLM_CPU_OMP_THREADS_BIND"] == bound["VLLM_CPU_OMP_THREADS_BIND"]
+    if len(cpus) >= 2:
+        assert server_env(_launch(CPU, tp=2, environ={}))["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's choice stays theirs
+    assert worker_cpu_bind() == {}
