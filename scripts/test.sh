@@ -31,7 +31,8 @@ cd "$REPO"
 export QPN_ENGINE_PYTHON="$ENV_PREFIX/bin/python"
 # Two workers (pytest-xdist, from the [test] extra): an engine boot is mostly single-threaded
 # interpreter start-up, so two files side by side keep both cores busy. One whole file per worker at
-# a time (--dist loadfile): a file's module-scoped servers are booted once and shared by its tests;
-# conftest.py starts the longest files first. QPN_TEST_WORKERS=0 runs everything in this process.
+# a time (--dist loadfile): a file's module-scoped servers are booted once and shared by its tests,
+# files that share servers are one unit (conftest.py SHARED_UNITS); conftest.py starts the longest
+# files first. QPN_TEST_WORKERS=0 runs everything in this process.
 exec "$ENV_PREFIX/bin/python" -m pytest -ra --durations=30 -n "${QPN_TEST_WORKERS:-2}" --dist loadfile \
   --no-loadscope-reorder "$@"
