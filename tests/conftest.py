@@ -29,8 +29,9 @@ from tests._engine_servers import check_one_idle_at_most  # noqa: E402
 # module-scoped servers stay shared); starting the long files first keeps the two workers busy
 # until the end instead of leaving one long file alone at the tail. Order only: every file runs.
 LONGEST_FILES_FIRST = [
-    "test_spec_tool_calls.py", "test_sampled_serving.py", "test_constraint_matrix.py", "test_e2e_loader.py", "test_launcher_server.py", "test_bootstrap.py",
-    "test_e2e_moe.py", "test_e2e_int4.py", "test_route_policy.py", "test_e2e_ct.py", "test_bench_server.py", "test_e2e_tp.py", "test_launcher_api.py",
+    "test_spec_tool_calls.py", "test_sampled_serving.py", "test_e2e_int4.py", "test_e2e_loader.py", "test_constraint_matrix.py",
+    "test_launcher_server.py", "test_bootstrap.py", "test_depth_sweep.py", "test_auto_depth.py", "test_route_policy.py",
+    "test_e2e_moe.py", "test_e2e_ct.py", "test_bench_server.py", "test_e2e_tp.py", "test_launcher_api.py",
     "test_bootstrap_sm70_standin.py", "test_bench_install.py", "test_mutations.py", "test_kernels_sm80.py",
     "test_engine_source.py", "test_e2e_ct_moe.py",
 ]
