@@ -9,20 +9,25 @@ tool-call battery first, since its failing request must be the first request a f
 The server is stopped before ``results`` returns, so no server is left idle.
 
 A battery's error (and a failed boot) is kept and raised to the tests of the file that registered
-the battery, not to the other file's. tests/conftest.py (SHARED_UNITS) keeps both files on one
-pytest-xdist worker, so the batteries meet on one server.
+the battery, not to the other file's. A battery whose file has no selected test (``-k``, ``-m``:
+tests/conftest.py tells ``select``) is not run. tests/conftest.py (SHARED_UNITS) keeps both files
+on one pytest-xdist worker, so the batteries meet on one server. tests/test_engine_servers.py
+checks these rules on a stand-in server.
 """
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Callable
 
 from tests._server import VllmServer
 
 SERVED_NAME = "ckpt"
 
-# (rank, name, battery): batteries run in rank order, then registration order
-_BATTERIES: list[tuple[int, str, Callable[[VllmServer, int], Any]]] = []
+# (rank, name, battery, test file): batteries run in rank order, then registration order
+_BATTERIES: list[tuple[int, str, Callable[[VllmServer, int], Any], str]] = []
+# the test files with selected tests (None: every registered battery runs)
+_SELECTED: set[str] | None = None
 # (checkpoint, K) -> battery name -> (ok, results or the exception)
 _DONE: dict[tuple[str, int], dict[str, tuple[bool, Any]]] = {}
 
@@ -38,11 +43,18 @@ def server_args(ckpt: str, k: int) -> list[str]:
     return args
 
 
-def register(name: str, battery: Callable[[VllmServer, int], Any], first: bool = False) -> None:
-    """Run ``battery(server, k)`` on every MTP server booted from now on (a test module registers
-    its battery when it is imported, at collection); ``first``: before every other battery."""
-    if all(n != name for _, n, _ in _BATTERIES):
-        _BATTERIES.append((0 if first else 1, name, battery))
+def register(name: str, battery: Callable[[VllmServer, int], Any], path: str, first: bool = False) -> None:
+    """Run ``battery(server, k)`` on every MTP server booted from now on, for the tests of the file
+    ``path`` (a test module registers its battery when it is imported, at collection); ``first``:
+    before every other battery."""
+    if all(n != name for _, n, _, _ in _BATTERIES):
+        _BATTERIES.append((0 if first else 1, name, battery, os.path.abspath(path)))
+
+
+def select(paths) -> None:
+    """The test files with selected tests (tests/conftest.py, once collection is done)."""
+    global _SELECTED
+    _SELECTED = {os.path.abspath(str(p)) for p in paths}
 
 
 def results(ckpt, k: int, name: str) -> Any:
@@ -50,7 +62,8 @@ def results(ckpt, k: int, name: str) -> Any:
     every registered battery run on it) on the first call for that K."""
     done = _DONE.setdefault((str(ckpt), k), {})
     if name not in done:
-        pending = [(n, b) for _, n, b in sorted(_BATTERIES, key=lambda e: e[0]) if n not in done]
+        pending = [(n, b) for _, n, b, path in sorted(_BATTERIES, key=lambda e: e[0])
+                   if n not in done and (n == name or _SELECTED is None or path in _SELECTED)]
         assert any(n == name for n, _ in pending), f"no battery {name!r} registered"
         try:
             with VllmServer(str(ckpt), extra_args=server_args(str(ckpt), k), served_model_name=SERVED_NAME,

@@ -51,6 +51,13 @@ def pytest_collection_modifyitems(config, items):
 SHARED_UNITS = {"tests/test_sampled_serving.py": "tests/test_spec_tool_calls.py"}
 
 
+def pytest_collection_finish(session):
+    """The MTP servers' request batteries run for files with selected tests only (tests/_mtp_servers.py)."""
+    from tests import _mtp_servers
+
+    _mtp_servers.select({item.path for item in session.items})
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: known only where xdist is loaded
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, except that the files of one SHARED_UNITS entry are one unit of work."""

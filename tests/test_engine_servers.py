@@ -1,7 +1,8 @@
 """The rule of issue 41 item 8, at most one idle engine server per test process, and its check
 (tests/_engine_servers.py, run by tests/conftest.py after every test): stand-in servers (a
 sleeping Python whose command line names vLLM's API server module, as the real one's does) are
-counted idle or in use the way real ones are, and a test module that leaves two idle fails."""
+counted idle or in use the way real ones are, and a test module that leaves two idle fails. Also
+the sharing of the MTP servers (tests/_mtp_servers.py) on a stand-in server."""
 from __future__ import annotations
 
 import os
@@ -151,3 +152,57 @@ def test_conftest_fails_a_test_that_leaves_two_servers_idle(tmp_path):
     assert "ERROR at teardown of test_uses_none" in two, two
     assert "2 idle engine servers alive in this test process after test_seeded.py::test_uses_none" in two, two
     assert "3 passed" in one and "error" not in one.lower(), one
+
+
+def test_mtp_batteries_share_one_boot_per_depth_in_order_and_keep_their_errors(monkeypatch, tmp_path):
+    """tests/_mtp_servers.py on a stand-in server: one boot per (checkpoint, K) runs every pending
+    battery, the ``first`` one first; each battery's error reaches its own tests only; a file
+    without selected tests gets no battery run; a failed boot is every pending battery's error."""
+    from tests import _mtp_servers as mtp
+
+    boots = []
+
+    class StandInServer:
+        def __init__(self, model_dir, extra_args, **kw):
+            self.args, self.kw, self.seen, self.stopped = extra_args, kw, [], False
+            boots.append(self)
+            if "broken" in model_dir:
+                raise RuntimeError("vLLM server exited during boot")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.stopped = True
+
+    for name, value in (("VllmServer", StandInServer), ("_BATTERIES", []), ("_DONE", {}), ("_SELECTED", None)):
+        monkeypatch.setattr(mtp, name, value)
+
+    def battery(tag, fail=False):
+        def run(server, k):
+            server.seen.append(tag)
+            if fail:
+                raise ValueError(f"{tag} broke")
+            return tag, k
+        return run
+
+    a, b, c = (str(tmp_path / f"test_{x}.py") for x in "abc")
+    mtp.register("second", battery("second"), b)
+    mtp.register("first", battery("first"), a, first=True)
+    mtp.register("broken", battery("broken", fail=True), c)
+    mtp.register("first", battery("again"), a)  # a module imported twice registers once
+    assert mtp.results("/ckpt", 3, "second") == ("second", 3)
+    assert [s.seen for s in boots] == [["first", "second", "broken"]] and boots[0].stopped
+    assert boots[0].kw["max_num_seqs"] == 1 and '"num_speculative_tokens": 3' in " ".join(boots[0].args)
+    assert mtp.results("/ckpt", 3, "first") == ("first", 3) and len(boots) == 1  # no second boot
+    with pytest.raises(ValueError, match="broken broke"):
+        mtp.results("/ckpt", 3, "broken")
+    mtp.select([b])  # only the second battery's file has selected tests
+    assert mtp.results("/ckpt", 0, "second") == ("second", 0)
+    assert boots[1].seen == ["second"] and "--speculative-config" not in boots[1].args
+    mtp.select([a, b, c])
+    with pytest.raises(RuntimeError, match="exited during boot"):
+        mtp.results("/broken-ckpt", 1, "first")
+    with pytest.raises(RuntimeError, match="exited during boot"):
+        mtp.results("/broken-ckpt", 1, "second")
+    assert len(boots) == 3  # the failed boot is not retried per battery

@@ -176,7 +176,7 @@ def _battery(server, k: int) -> dict:
     return res
 
 
-_mtp_servers.register("sampled serving", _battery)
+_mtp_servers.register("sampled serving", _battery, __file__)
 
 
 def _run(ckpt, k: int) -> dict:

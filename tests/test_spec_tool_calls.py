@@ -181,7 +181,7 @@ def _battery(server, k: int) -> dict:
     return results
 
 
-_mtp_servers.register("tool calls", _battery, first=True)
+_mtp_servers.register("tool calls", _battery, __file__, first=True)
 
 
 def _run_depth(ckpt, k: int) -> dict:
