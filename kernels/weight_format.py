@@ -21,6 +21,40 @@ def require(cond: bool, msg: str) -> None:
         raise FormatError(msg)
 
 
+def symbol_shape(symbols, n: int, k: int, g: int = 0, p: int = 1, parts: int = 1) -> tuple[int, ...]:
+    """The shape a stored tensor's symbols give: "N" / "K" the module's outputs / inputs, "N/8" or
+    "K/p" one value per that many (rounded up; "p": ``p``, values per int32 word), "K/g" one per
+    group of ``g`` (one in all where g <= 0: per channel), "P" one per fused shard, a number itself.
+    (The loader schemas' StoredTensor and the integer conventions' StoredLayout read theirs so.)"""
+    out = []
+    for sym in symbols:
+        if sym == "P":
+            out.append(parts)
+        elif sym.isdigit():
+            out.append(int(sym))
+        else:
+            axis, _, div = sym.partition("/")
+            size = {"N": n, "K": k}[axis]
+            if div == "g" and g <= 0:
+                out.append(1)
+                continue
+            d = g if div == "g" else p if div == "p" else int(div or 1)
+            out.append(-(-size // d))
+    return tuple(out)
+
+
+def symbol_n_k(symbols, shape, p: int = 1) -> tuple[int, int] | None:
+    """(N, K) of a module from its codes tensor's ``shape`` and symbols (the inverse of
+    symbol_shape for "N", "K", "N/<d>", "K/<d>"); None if the ranks differ."""
+    if len(shape) != len(symbols):
+        return None
+    got: dict[str, int] = {}
+    for sym, size in zip(symbols, shape):
+        axis, _, div = sym.partition("/")
+        got[axis] = int(size) * (p if div == "p" else int(div or 1))
+    return got["N"], got["K"]
+
+
 class ActOrderError(FormatError):
     """A GPTQ / compressed-tensors g_idx that reorders inputs within groups (desc_act): the kernels
     read inputs in checkpoint order, so such a weight cannot be served as stored. Every integer

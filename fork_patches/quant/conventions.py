@@ -101,6 +101,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from qpn.kernels import formats
 from qpn.kernels.formats import E2M1_MAX, E4M3_MAX  # noqa: F401 (re-exported)
+from qpn.kernels.weight_format import symbol_n_k, symbol_shape
 
 GROUP_SIZE = formats.NVFP4.group_size   # NVFP4's inputs per e4m3 scale (re-exported)
 
@@ -211,20 +212,13 @@ class StoredLayout:
 
     def dims(self, n: int, k: int, g: int, p: int) -> dict[str, tuple[int, ...]]:
         """{role: the shape a module of N outputs, K inputs, group size g stores, p values per word}."""
-        groups = k // g if g > 0 else 1
-        sym = {"N": n, "K": k, "N/p": -(-n // p), "K/p": k // p, "K/g": groups, "2": 2}
-        return {role: tuple(sym[d] for d in getattr(self, role))
+        return {role: symbol_shape(getattr(self, role), n, k, g, p)
                 for role in ("codes", "group_scales", "zero_points", "g_idx", "shape")
                 if getattr(self, role) is not None}
 
     def n_k(self, codes_shape, p: int) -> tuple[int, int] | None:
         """(N, K) of a module from its codes tensor's shape; None if it is not 2-D."""
-        if len(codes_shape) != len(self.codes):
-            return None
-        got: dict[str, int] = {}
-        for sym, size in zip(self.codes, codes_shape):
-            got[sym[0]] = int(size) * (p if sym.endswith("/p") else 1)
-        return got["N"], got["K"]
+        return symbol_n_k(self.codes, codes_shape, p)
 
     def order(self, p: int) -> tuple[int, ...]:
         return self.word_order or tuple(range(p))
@@ -536,9 +530,7 @@ class Convention:
                                       f"{t[spec.name].dtype}")
         codes_spec = specs[0]
         codes = t[codes_spec.name]
-        dims = dict(zip((sym.partition("/")[0] for sym in codes_spec.symbols), codes.shape))
-        rows = int(dims["N"])
-        k = int(dims["K"]) * int(next(sym for sym in codes_spec.symbols if sym.startswith("K")).partition("/")[2] or 1)
+        rows, k = symbol_n_k(codes_spec.symbols, codes.shape)
         by_role = {}
         for spec in present:
             v = t[spec.name]

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..weight_format import FormatError, WeightFormat
+from ..weight_format import FormatError, WeightFormat, symbol_shape
 
 
 @runtime_checkable
@@ -122,21 +122,7 @@ class StoredTensor:
 
     def shape(self, n: int, k: int, g: int = 0, parts: int = 1) -> tuple[int, ...]:
         """The shape the symbols give for N = ``n``, K = ``k``, group ``g`` and ``parts`` shards."""
-        out = []
-        for sym in self.symbols:
-            if sym == "P":
-                out.append(parts)
-            elif sym.isdigit():
-                out.append(int(sym))
-            else:
-                axis, _, div = sym.partition("/")
-                size = {"N": n, "K": k}[axis]
-                if div == "g" and g <= 0:  # one group spanning every input (per channel)
-                    out.append(1)
-                    continue
-                d = g if div == "g" else int(div or 1)
-                out.append(-(-size // d))
-        return tuple(out)
+        return symbol_shape(self.symbols, n, k, g, parts=parts)
 
 
 @runtime_checkable
